@@ -1,0 +1,34 @@
+# The two commands a fresh machine needs: `make demo` and `make test`. Each installs what it needs.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+PY := .venv/bin/python
+# Tests run in parallel; the slow ones share one control plane per worker process.
+PYTEST_WORKERS ?= 2
+
+.PHONY: test demo build venv k8s-tools crds lint clean-cache dev-up dev-down bench
+
+venv:
+	@scripts/venv >/dev/null
+
+build: venv
+
+k8s-tools:
+	@scripts/k8s-tools/build >/dev/null
+
+crds: venv
+	$(PY) -m oobleck.cli crds --write crds/
+
+test: venv k8s-tools
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+demo: venv k8s-tools
+	$(PY) -m oobleck.cli demo
+
+dev-up: venv k8s-tools
+	$(PY) -m oobleck.cli dev up
+
+dev-down: venv
+	$(PY) -m oobleck.cli dev down
+
+bench: venv
+	$(PY) bench/planner.py

@@ -1,0 +1,46 @@
+"""Builds the compiled planner core; everything else is declared in pyproject.toml.
+
+The compiled module embeds a hash of its Cython sources so that `oobleck.planner` can refuse to
+import a stale build (see planner_cy/__init__.py).
+"""
+
+from pathlib import Path
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+HERE = Path(__file__).parent
+PLANNER = HERE / "planner_cy"
+
+
+def planner_source_hash() -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(PLANNER.glob("*.p[yx][xd]")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+(PLANNER / "_source_hash.pxi").write_text(f'SOURCE_HASH = "{planner_source_hash()}"\n')
+
+# One extension per planner_cy/_*.pyx, importable as oobleck.planner._<name>.
+extensions = [
+    Extension(f"oobleck.planner.{source.stem}", [f"planner_cy/{source.name}"], extra_compile_args=["-O3"])
+    for source in sorted(PLANNER.glob("_*.pyx"))
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives={
+            "language_level": "3",
+            "boundscheck": False,
+            "wraparound": False,
+            "cdivision": True,
+            "initializedcheck": False,
+            "nonecheck": False,
+            "embedsignature": True,
+        },
+    )
+)
