@@ -1,0 +1,119 @@
+"""OobleckJob status conditions: their types and reasons, in one place, and pure helpers.
+
+Conditions are `metav1.Condition`s in `status.conditions` (a list-map keyed by type). A merge patch
+replaces lists, so writers always send the whole list that `set_condition` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from enum import StrEnum
+from typing import Literal
+
+from oobleck.api.job import Condition, Phase
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+class ConditionType(StrEnum):
+    CREATED = "Created"
+    """The operator accepted the spec and created the job's objects (coordinator, service, plan)."""
+    RUNNING = "Running"
+    """Workers are training under the current plan."""
+    RECONFIGURING = "Reconfiguring"
+    """A new plan generation is being rolled out (node lost or added, scaled)."""
+    DEGRADED = "Degraded"
+    """Fewer than f + 1 pipelines remain: another failure may need the checkpoint fallback."""
+    SUCCEEDED = "Succeeded"
+    """All training steps completed."""
+    FAILED = "Failed"
+    """The job stopped and will not resume by itself."""
+
+
+class Reason:
+    """CamelCase reasons, grouped by the condition they explain."""
+
+    # Created
+    OBJECTS_CREATED = "ObjectsCreated"
+    # Running
+    WAITING_FOR_NODES = "WaitingForNodes"
+    PROFILING = "Profiling"
+    TRAINING = "Training"
+    # Reconfiguring
+    NODE_LOST = "NodeLost"
+    NODES_ADDED = "NodesAdded"
+    SCALED = "Scaled"
+    RECONFIGURED = "Reconfigured"
+    RESTORING_CHECKPOINT = "RestoringCheckpoint"
+    # Degraded
+    FEWER_PIPELINES = "FewerThanFPlusOnePipelines"
+    FULLY_REDUNDANT = "FullyRedundant"
+    # Succeeded
+    STEPS_COMPLETED = "StepsCompleted"
+    # Failed
+    INVALID_SPEC = "InvalidSpec"
+    TOO_FEW_NODES = "TooFewNodes"
+    LAYERS_LOST = "LayersLost"
+    PENDING_TIMEOUT = "PendingTimeout"
+    WORKER_ERROR = "WorkerError"
+    # Any condition turning False because another took over (e.g. Running after Succeeded).
+    NOT_APPLICABLE = "NotApplicable"
+
+
+def utc_now() -> datetime:
+    """Now, at the second precision metav1.Time keeps."""
+    return datetime.now(timezone.utc).replace(microsecond=0)
+
+
+def find_condition(conditions: Sequence[Condition], type_: str) -> Condition | None:
+    """The condition of this type, or None."""
+    return next((c for c in conditions if c.type == type_), None)
+
+
+def is_true(conditions: Sequence[Condition], type_: str) -> bool:
+    """Whether the condition of this type is present with status True."""
+    condition = find_condition(conditions, type_)
+    return condition is not None and condition.status == "True"
+
+
+def set_condition(
+    conditions: Sequence[Condition],
+    type_: str,
+    status: ConditionStatus,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: datetime,
+) -> list[Condition]:
+    """A new list with the condition of `type_` set; the input is not modified.
+
+    lastTransitionTime moves only when the status changes, so that it says how long a condition
+    has held, not when the operator last looked. Order is kept; a new type is appended.
+    """
+    old = find_condition(conditions, type_)
+    since = old.last_transition_time if old is not None and old.status == status else now.replace(microsecond=0)
+    new = Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        observed_generation=generation,
+        last_transition_time=since,
+    )
+    if old is None:
+        return [*conditions, new]
+    return [new if c.type == type_ else c for c in conditions]
+
+
+def phase_of(conditions: Sequence[Condition]) -> Phase:
+    """The phase the conditions add up to: terminal conditions first, then reconfiguring, running."""
+    for type_, phase in (
+        (ConditionType.FAILED, Phase.FAILED),
+        (ConditionType.SUCCEEDED, Phase.SUCCEEDED),
+        (ConditionType.RECONFIGURING, Phase.RECONFIGURING),
+        (ConditionType.RUNNING, Phase.RUNNING),
+    ):
+        if is_true(conditions, type_):
+            return phase
+    return Phase.PENDING

@@ -1,0 +1,648 @@
+"""The OobleckJob custom resource: spec and status, defined once as pydantic models.
+
+These models are the single source of the CRD schema: `oobleck.api.crd` renders them into the
+OpenAPI schema in `crds/`, so every `description` here is what `kubectl explain oj.spec...` shows.
+Cross-field rules are declared once per model (`_RULES`) and enforced twice: by the API server as
+CEL (`x-kubernetes-validations`) and by pydantic when the operator or a test parses a spec, with the
+same wording, so an invalid job is rejected with the same message either way.
+
+Field names are snake_case in Python and camelCase in Kubernetes (aliases); both are accepted, and
+dumps use the Kubernetes names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "oobleck.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "OobleckJob"
+PLURAL = "oobleckjobs"
+SINGULAR = "oobleckjob"
+SHORT_NAMES = ("oj",)
+
+# Child objects are named `<job>-<suffix>` (pods `<job>-worker-<n>`, a Service, a ConfigMap) and
+# Services need DNS-1035 labels of at most 63 characters: 40 leaves room for the suffixes.
+MAX_NAME_LENGTH = 40
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# Labels and environment variables the operator and runtime set themselves; overrides may not.
+RESERVED_LABEL_PREFIX = f"{GROUP}/"
+RESERVED_ENV_PREFIX = "OOBLECK_"
+# The label on every worker pod naming its job; status.selector (the scale subresource's label
+# selector) is `worker_selector(job_name)`.
+JOB_LABEL = f"{GROUP}/job"
+
+MAX_NODES = 4096
+# Kubernetes resource quantity, unsigned (e.g. "500m", "2", "8Gi", "1e3"): the apimachinery grammar.
+QUANTITY_PATTERN = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+# A Kubernetes label or annotation key, or a resource name: [prefix/]name.
+QUALIFIED_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+ENTRY_POINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+Quantity = Annotated[int, Field(ge=0)] | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN, max_length=64)]
+DnsName = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)]
+LabelValue = Annotated[str, StringConstraints(max_length=63)]
+AnnotationValue = Annotated[str, StringConstraints(max_length=4096)]
+
+
+def _no_args(model: Any) -> tuple[Any, ...]:
+    return ()
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field rule of one model, enforced by the API server (CEL) and by pydantic (`check`).
+
+    `message` is one printf-style template (%d, %s) for both sides, filled from `cel_args` (CEL
+    expressions: the API server runs `'<message>'.format([...])`, whose cost it can bound, unlike
+    `string(int)` concatenation) and from `args(model)` in Python. `field_path` is relative to the
+    model (".min"); the API server reports the error at that field.
+    """
+
+    cel: str | None  # None: the API server enforces it another way (a list-map key, a field's own rule)
+    message: str
+    check: Callable[[Any], bool]
+    cel_args: tuple[str, ...] = ()
+    args: Callable[[Any], tuple[Any, ...]] = _no_args
+    field_path: str | None = None
+    reason: Literal["FieldValueInvalid", "FieldValueForbidden", "FieldValueRequired"] = "FieldValueInvalid"
+
+    def python_message(self, model: Any) -> str:
+        return self.message % self.args(model) if self.cel_args else self.message
+
+    def to_cel(self) -> dict[str, str]:
+        """The x-kubernetes-validations entry."""
+        assert self.cel is not None and "'" not in self.message
+        rule = {"rule": self.cel}
+        if self.cel_args:
+            rule["messageExpression"] = f"'{self.message}'.format([{', '.join(self.cel_args)}])"
+        else:
+            rule["message"] = self.message
+        if self.field_path:
+            rule["fieldPath"] = self.field_path
+        rule["reason"] = self.reason
+        return rule
+
+
+def immutable(what: str) -> dict[str, Any]:
+    """Schema extra that makes a field unchangeable after creation (a CEL transition rule)."""
+    message = f"{what} is immutable: create a new OobleckJob to change it"
+    return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": message, "reason": "FieldValueForbidden"}]}
+
+
+def _add_rules(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    # pydantic hook: put the model's CEL rules into its JSON schema, which crd.py keeps.
+    rules = [rule.to_cel() for rule in getattr(cls, "_RULES", ()) if rule.cel is not None]
+    if rules:
+        schema["x-kubernetes-validations"] = rules
+    schema.pop("title", None)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        json_schema_extra=_add_rules,
+    )
+    _RULES: ClassVar[tuple[Rule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> Any:
+        for rule in self._RULES:
+            if not rule.check(self):
+                raise ValueError(rule.python_message(self))
+        return self
+
+    def to_kubernetes(self) -> dict[str, Any]:
+        """The object as the API server stores it: camelCase names, unset optional fields left out."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+def defaulted(model: type[_Model]) -> dict[str, Any]:
+    """Schema extra for a field whose model has a default for every field: the API server fills the
+    whole object in when it is absent, so `kubectl get -o yaml` shows what the job will use. (The
+    full object, not `{}`: the API server checks a default against the CEL rules as it is.)"""
+    return {"default": model().to_kubernetes()}
+
+
+# --- spec ------------------------------------------------------------------------------------------
+
+
+class GPTModel(_Model):
+    """A built-in GPT-style decoder: token and position embeddings, `layers` transformer blocks
+    (pre-norm attention + MLP), a final norm and a language-model head."""
+
+    layers: int = Field(ge=1, le=1024, description="Number of transformer blocks.")
+    hidden_size: int = Field(ge=8, le=65536, description="Width of the residual stream; a multiple of heads.")
+    heads: int = Field(ge=1, le=512, description="Attention heads per block.")
+    sequence_length: int = Field(ge=2, le=131072, description="Tokens per sample (the context length).")
+    vocab_size: int = Field(ge=2, le=1048576, description="Vocabulary size (token ids are 0..vocabSize-1).")
+    ffn_hidden_size: int | None = Field(
+        default=None, ge=8, le=262144, description="Width of the MLP's hidden layer; absent means 4 * hiddenSize."
+    )
+
+    _RULES = (
+        Rule(
+            cel="self.heads == 0 || self.hiddenSize % self.heads == 0",
+            message="hiddenSize (%d) must be divisible by heads (%d): remainder %d",
+            cel_args=("self.hiddenSize", "self.heads", "self.hiddenSize % self.heads"),
+            args=lambda m: (m.hidden_size, m.heads, m.hidden_size % m.heads),
+            check=lambda m: m.hidden_size % m.heads == 0,
+            field_path=".heads",
+        ),
+    )
+
+
+class ModelSpec(_Model):
+    """What to train: the built-in GPT with its sizes, or your own layers from an entry point.
+    Set exactly one of `gpt` and `entryPoint`."""
+
+    gpt: GPTModel | None = Field(default=None, description="The built-in GPT-style model with these sizes.")
+    entry_point: str | None = Field(
+        default=None,
+        max_length=256,
+        pattern=ENTRY_POINT_PATTERN,
+        description="`module:function` importable in the worker image; the function takes no arguments and "
+        "returns the model as a list of torch.nn.Module layers (the planner's unit of placement).",
+    )
+
+    _RULES = (
+        Rule(
+            cel="has(self.gpt) != has(self.entryPoint)",
+            message="set exactly one of model.gpt and model.entryPoint",
+            check=lambda m: (m.gpt is None) != (m.entry_point is None),
+        ),
+    )
+
+
+class NodeRange(_Model):
+    """How many nodes the job runs on: one worker pod per node, `gpusPerNode` GPUs each."""
+
+    min: int = Field(ge=1, le=MAX_NODES, description="Fewest nodes the job keeps training on; with fewer it fails.")
+    max: int = Field(ge=1, le=MAX_NODES, description="Most nodes the job uses.")
+    target: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_NODES,
+        description="Nodes the job asks for, between min and max; `kubectl scale oj/NAME --replicas=N` sets it. "
+        "Absent means max.",
+    )
+
+    @property
+    def wanted(self) -> int:
+        """The node count the job asks for: `target`, or `max` when unset."""
+        return self.max if self.target is None else self.target
+
+    _RULES = (
+        Rule(
+            cel="self.min <= self.max",
+            message="nodes.min (%d) must be <= nodes.max (%d)",
+            cel_args=("self.min", "self.max"),
+            args=lambda m: (m.min, m.max),
+            check=lambda m: m.min <= m.max,
+            field_path=".min",
+        ),
+        Rule(
+            cel="!has(self.target) || (self.min <= self.target && self.target <= self.max)",
+            message="nodes.target (%d) must be between nodes.min (%d) and nodes.max (%d)",
+            cel_args=("self.target", "self.min", "self.max"),
+            args=lambda m: (m.target, m.min, m.max),
+            check=lambda m: m.target is None or m.min <= m.target <= m.max,
+            field_path=".target",
+        ),
+    )
+
+
+class PodResources(_Model):
+    """CPU and memory each worker pod requests. Memory is also its limit; CPU is not limited (a CPU
+    limit throttles the data loader and collectives). GPUs are requested separately (`gpusPerNode`)."""
+
+    cpu: Quantity = Field(default="1", description="CPU per worker pod, a Kubernetes quantity (e.g. 2, 500m).")
+    memory: Quantity = Field(default="2Gi", description="Memory per worker pod, a Kubernetes quantity (e.g. 8Gi).")
+
+
+class TrainingSpec(_Model):
+    """The optimisation: steps, batch sizes and AdamW hyper-parameters. A step consumes one global batch,
+    split into microbatches that the pipelines share."""
+
+    steps: int = Field(ge=1, le=1_000_000_000, description="Optimizer steps to run; the job succeeds after the last.")
+    global_batch_size: int = Field(
+        ge=1, le=16_777_216, description="Samples per optimizer step, summed over all pipelines; a multiple of microbatchSize.",
+        json_schema_extra=immutable("training.globalBatchSize"),
+    )
+    microbatch_size: int = Field(
+        ge=1, le=65536, description="Samples per microbatch, the unit a pipeline stage processes at a time.",
+        json_schema_extra=immutable("training.microbatchSize"),
+    )
+    learning_rate: float = Field(default=3e-4, gt=0, le=10, description="Peak learning rate of AdamW.")
+    warmup_steps: int = Field(default=0, ge=0, le=1_000_000_000, description="Steps of linear warmup from 0 to learningRate.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        default="cosine", description="Learning-rate decay after warmup, down to 10% of learningRate at the last step."
+    )
+    weight_decay: float = Field(default=0.0, ge=0, le=1, description="AdamW decoupled weight decay.")
+    seed: int = Field(
+        default=0, ge=0, le=2**31 - 1, description="Seed for weight initialisation and synthetic data.",
+        json_schema_extra=immutable("training.seed"),
+    )
+
+    @property
+    def global_microbatches(self) -> int:
+        return self.global_batch_size // self.microbatch_size
+
+    _RULES = (
+        Rule(
+            cel="self.microbatchSize == 0 || self.globalBatchSize % self.microbatchSize == 0",
+            message="globalBatchSize (%d) must be a multiple of microbatchSize (%d): remainder %d",
+            cel_args=("self.globalBatchSize", "self.microbatchSize", "self.globalBatchSize % self.microbatchSize"),
+            args=lambda m: (m.global_batch_size, m.microbatch_size, m.global_batch_size % m.microbatch_size),
+            check=lambda m: m.global_batch_size % m.microbatch_size == 0,
+            field_path=".globalBatchSize",
+        ),
+        Rule(
+            cel="self.warmupSteps <= self.steps",
+            message="warmupSteps (%d) must be <= steps (%d)",
+            cel_args=("self.warmupSteps", "self.steps"),
+            args=lambda m: (m.warmup_steps, m.steps),
+            check=lambda m: m.warmup_steps <= m.steps,
+            field_path=".warmupSteps",
+        ),
+    )
+
+
+class DataSpec(_Model):
+    """Where training samples come from."""
+
+    source: Literal["synthetic", "tokenFile"] = Field(
+        default="synthetic",
+        description="synthetic: random token ids from training.seed (for tests and benchmarks); tokenFile: "
+        "consecutive windows of sequenceLength + 1 tokens read from `path`.",
+    )
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        pattern=r"^/",
+        description="Absolute path of the token file in the worker container: little-endian uint16 token ids, "
+        "back to back (the nanoGPT train.bin layout). Required for tokenFile.",
+    )
+    claim_name: DnsName | None = Field(
+        default=None,
+        description="PersistentVolumeClaim mounted read-only at the token file's directory; absent means the "
+        "file is in the image.",
+    )
+
+    _RULES = (
+        Rule(
+            cel="self.source != 'tokenFile' || has(self.path)",
+            message="data.path is required when data.source is tokenFile",
+            check=lambda m: m.source != "tokenFile" or m.path is not None,
+            field_path=".path",
+            reason="FieldValueRequired",
+        ),
+        Rule(
+            cel="self.source == 'tokenFile' || (!has(self.path) && !has(self.claimName))",
+            message="data.path and data.claimName are only for data.source tokenFile",
+            check=lambda m: m.source == "tokenFile" or (m.path is None and m.claim_name is None),
+            field_path=".source",
+            reason="FieldValueForbidden",
+        ),
+    )
+
+
+class ConfigMapKey(_Model):
+    """A key of a ConfigMap in the job's namespace."""
+
+    name: DnsName = Field(description="ConfigMap name.")
+    key: str = Field(
+        default="profile.json", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key within the ConfigMap."
+    )
+
+
+class ProfileSpec(_Model):
+    """The model profile (per-layer time and memory) the planner plans with."""
+
+    source: Literal["measure", "configMap"] = Field(
+        default="measure",
+        description="measure: the workers profile the model on their own hardware before the first plan; "
+        "configMap: use a profile measured earlier (`oobleck profile` writes one).",
+    )
+    config_map: ConfigMapKey | None = Field(
+        default=None, description="Where the profile JSON (oobleck.api.profile.ModelProfile) is; for source configMap."
+    )
+
+    _RULES = (
+        Rule(
+            cel="self.source != 'configMap' || has(self.configMap)",
+            message="profile.configMap is required when profile.source is configMap",
+            check=lambda m: m.source != "configMap" or m.config_map is not None,
+            field_path=".configMap",
+            reason="FieldValueRequired",
+        ),
+        Rule(
+            cel="self.source == 'configMap' || !has(self.configMap)",
+            message="profile.configMap is only for profile.source configMap",
+            check=lambda m: m.source == "configMap" or m.config_map is None,
+            field_path=".configMap",
+            reason="FieldValueForbidden",
+        ),
+    )
+
+
+class CheckpointSpec(_Model):
+    """Periodic checkpoints: the fallback when a failure leaves some layer with no surviving replica."""
+
+    path: str = Field(
+        min_length=2, max_length=1024, pattern=r"^/", description="Absolute directory in the worker container to write checkpoints to."
+    )
+    claim_name: DnsName | None = Field(
+        default=None,
+        description="PersistentVolumeClaim mounted at `path` on every worker (ReadWriteMany across nodes); "
+        "absent means `path` must already be shared storage.",
+    )
+    interval_steps: int = Field(ge=1, le=1_000_000_000, description="Write a checkpoint every this many steps.")
+    keep: int = Field(default=2, ge=1, le=100, description="Newest checkpoints to keep; older ones are deleted.")
+
+
+class Toleration(_Model):
+    """A pod toleration (the Kubernetes fields, typed)."""
+
+    key: str | None = Field(
+        default=None, max_length=317, pattern=QUALIFIED_NAME_PATTERN, description="Taint key; absent with operator Exists tolerates every taint."
+    )
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists matches any value; Equal matches `value`.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value, for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate; absent means all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, le=2**31 - 1, description="For NoExecute: how long the pod stays bound after the taint appears."
+    )
+
+    _RULES = (
+        Rule(
+            cel="self.operator != 'Exists' || !has(self.value)",
+            message="value must be empty when operator is Exists",
+            check=lambda m: m.operator != "Exists" or m.value is None,
+            field_path=".value",
+            reason="FieldValueForbidden",
+        ),
+        Rule(
+            cel="has(self.key) || self.operator == 'Exists'",
+            message="a toleration without key must use operator Exists",
+            check=lambda m: m.key is not None or m.operator == "Exists",
+            field_path=".operator",
+        ),
+    )
+
+
+class EnvVar(_Model):
+    """An environment variable for the worker container."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=ENV_NAME_PATTERN, description="Variable name.")
+    value: str = Field(default="", max_length=32768, description="Variable value.")
+
+    _RULES = (
+        Rule(
+            cel=f"!self.name.startsWith('{RESERVED_ENV_PREFIX}')",
+            message=f"name %s: names starting with {RESERVED_ENV_PREFIX} are set by the runtime",
+            cel_args=("self.name",),
+            args=lambda m: (m.name,),
+            check=lambda m: not m.name.startswith(RESERVED_ENV_PREFIX),
+            field_path=".name",
+            reason="FieldValueForbidden",
+        ),
+    )
+
+
+class PodOverrides(_Model):
+    """The few pod settings a job may change. Everything else about worker pods is the operator's."""
+
+    node_selector: dict[str, LabelValue] = Field(
+        default_factory=dict, max_length=32, description="Node labels a worker's node must have."
+    )
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Taints worker pods tolerate.")
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra environment variables for the worker container (not OOBLECK_*).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    priority_class_name: DnsName | None = Field(default=None, description="PriorityClass of the worker pods.")
+    labels: dict[str, LabelValue] = Field(
+        default_factory=dict,
+        max_length=32,
+        description=f"Extra labels on worker pods (not {RESERVED_LABEL_PREFIX}*, which the operator selects on).",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.all(k, !k.startsWith('{RESERVED_LABEL_PREFIX}'))",
+                    "message": f"label keys starting with {RESERVED_LABEL_PREFIX} are set by the operator",
+                    "reason": "FieldValueForbidden",
+                }
+            ]
+        },
+    )
+    annotations: dict[str, AnnotationValue] = Field(
+        default_factory=dict, max_length=32, description="Extra annotations on worker pods."
+    )
+
+    _RULES = (
+        Rule(
+            cel=None,  # the API server rejects it through the env list's map type (Duplicate value)
+            message="env: a name appears twice",
+            check=lambda m: len({e.name for e in m.env}) == len(m.env),
+        ),
+        Rule(
+            cel=None,  # the API server applies the rule on the labels field itself
+            message=f"labels: label keys starting with {RESERVED_LABEL_PREFIX} are set by the operator",
+            check=lambda m: not any(k.startswith(RESERVED_LABEL_PREFIX) for k in m.labels),
+        ),
+    )
+
+
+class OobleckJobSpec(_Model):
+    """A resilient pipeline- and data-parallel training job (Oobleck): the model is split into pipeline
+    stages over nodes, and f + 1 or more pipelines train data-parallel, so that up to f simultaneous
+    node failures are survived by reconfiguring instead of restarting."""
+
+    model: ModelSpec = Field(description="The model to train.", json_schema_extra=immutable("model"))
+    image: str | None = Field(
+        default=None, min_length=1, max_length=512, description="Worker image; absent means the operator's default runtime image."
+    )
+    command: list[Annotated[str, StringConstraints(max_length=4096)]] | None = Field(
+        default=None, min_length=1, max_length=64, description="Worker command (entrypoint and arguments); absent means the image's runtime command."
+    )
+    nodes: NodeRange = Field(description="Node counts: min, max and the scaled target.")
+    gpus_per_node: Literal[1, 2, 4, 8, 16] = Field(
+        default=1, description="GPUs each worker pod uses (one training process per GPU).", json_schema_extra=immutable("gpusPerNode")
+    )
+    gpu_resource_name: str = Field(
+        default="nvidia.com/gpu",
+        min_length=1,
+        max_length=317,
+        pattern=QUALIFIED_NAME_PATTERN,
+        description="Extended resource the worker pods request gpusPerNode of (device cuda only).",
+        json_schema_extra=immutable("gpuResourceName"),
+    )
+    device: Literal["cuda", "cpu"] = Field(
+        default="cuda",
+        description="cuda: one process per GPU with NCCL; cpu: gpusPerNode CPU processes per pod with gloo and no "
+        "GPU requested (tests and laptops).",
+        json_schema_extra=immutable("device"),
+    )
+    resources: PodResources = Field(default_factory=PodResources, description="CPU and memory per worker pod.", json_schema_extra=defaulted(PodResources))
+    f: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description="Fault tolerance: the job keeps f + 1 model replicas (pipelines) so that f simultaneous node "
+        "failures are survived without restarting from a checkpoint.",
+    )
+    training: TrainingSpec = Field(description="Steps, batch sizes and optimizer settings.")
+    data: DataSpec = Field(
+        default_factory=DataSpec, description="The training data.", json_schema_extra=immutable("data") | defaulted(DataSpec)
+    )
+    profile: ProfileSpec = Field(
+        default_factory=ProfileSpec, description="The model profile the planner uses.", json_schema_extra=defaulted(ProfileSpec)
+    )
+    checkpoint: CheckpointSpec | None = Field(default=None, description="Periodic checkpoints; absent means none.")
+    pod: PodOverrides = Field(default_factory=PodOverrides, description="Overrides for the worker pods.")
+    clean_pod_policy: Literal["None", "Running", "All"] = Field(
+        default="Running",
+        description="Worker pods deleted when the job finishes: None keeps all (for logs), Running deletes those "
+        "still running, All deletes every one.",
+    )
+    pending_timeout_seconds: int = Field(
+        default=300,
+        ge=10,
+        le=86400,
+        description="How long a worker pod may stay unschedulable before the job plans without its node.",
+    )
+
+    _RULES = (
+        Rule(
+            cel="self.f + 1 <= self.nodes.max",
+            message="f (%d) needs f + 1 = %d pipelines of at least one node each, but nodes.max is %d",
+            cel_args=("self.f", "self.f + 1", "self.nodes.max"),
+            args=lambda m: (m.f, m.f + 1, m.nodes.max),
+            check=lambda m: m.f + 1 <= m.nodes.max,
+            field_path=".f",
+        ),
+        Rule(
+            cel="self.training.microbatchSize == 0 || "
+            "self.training.globalBatchSize / self.training.microbatchSize >= self.f + 1",
+            message="globalBatchSize / microbatchSize = %d / %d = %d microbatches, fewer than the f + 1 = %d "
+            "pipelines that each need one",
+            cel_args=(
+                "self.training.globalBatchSize",
+                "self.training.microbatchSize",
+                "self.training.globalBatchSize / self.training.microbatchSize",
+                "self.f + 1",
+            ),
+            args=lambda m: (m.training.global_batch_size, m.training.microbatch_size, m.training.global_microbatches, m.f + 1),
+            check=lambda m: m.training.global_microbatches >= m.f + 1,
+            field_path=".training.globalBatchSize",
+        ),
+    )
+
+
+# --- status ----------------------------------------------------------------------------------------
+
+
+class Phase(StrEnum):
+    """The job's phase: a one-word summary of its conditions (see oobleck.api.conditions.phase_of)."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    RECONFIGURING = "Reconfiguring"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class Condition(_Model):
+    """A status condition, shaped like metav1.Condition."""
+
+    type: str = Field(max_length=316, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$", description="Condition type, e.g. Running.")
+    status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds.")
+    observed_generation: int | None = Field(default=None, ge=0, description="metadata.generation the condition was set for.")
+    last_transition_time: datetime = Field(description="When status last changed.")
+    reason: str = Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="CamelCase reason, one of oobleck.api.conditions.Reason.")
+    message: str = Field(default="", max_length=32768, description="Human-readable details.")
+
+
+class TemplateUse(_Model):
+    """A pipeline template of the current plan and how many pipelines instantiate it."""
+
+    nodes: int = Field(ge=1, le=MAX_NODES, description="Nodes per pipeline of this template.")
+    pipelines: int = Field(ge=0, le=MAX_NODES, description="Pipelines built from this template.")
+
+
+class PlanSummary(_Model):
+    """The current plan in brief; the full plan is in the ConfigMap `configMap`."""
+
+    generation: int = Field(ge=0, description="Plan generation; it increases with every reconfiguration.")
+    config_map: str | None = Field(default=None, max_length=253, description="ConfigMap holding the full plan.")
+    templates: list[TemplateUse] = Field(default_factory=list, max_length=64, description="Templates and their pipeline counts.")
+    pipelines: int = Field(ge=0, le=MAX_NODES, description="Pipelines (model replicas) training.")
+    nodes: int = Field(ge=0, le=MAX_NODES, description="Nodes the plan uses.")
+    degraded: bool = Field(default=False, description="True when fewer than f + 1 pipelines remain.")
+    iteration_ms: float | None = Field(default=None, ge=0, description="The planner's estimate of one step, in milliseconds.")
+
+
+class Progress(_Model):
+    """Training progress, as the workers last reported it."""
+
+    step: int = Field(default=0, ge=0, description="Optimizer steps completed.")
+    samples_per_second: float | None = Field(default=None, ge=0, description="Recent training throughput.")
+    loss: float | None = Field(default=None, description="Recent training loss.")
+    last_checkpoint_step: int | None = Field(default=None, ge=0, description="Step of the newest complete checkpoint.")
+
+
+class OobleckJobStatus(_Model):
+    """What the operator observed: written through the status subresource only."""
+
+    phase: Phase = Field(default=Phase.PENDING, description="One-word summary of the conditions.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Created, Running, Reconfiguring, Degraded, Succeeded, Failed (reasons in oobleck.api.conditions).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    observed_generation: int | None = Field(default=None, ge=0, description="metadata.generation the status reflects.")
+    nodes: int = Field(default=0, ge=0, le=MAX_NODES, description="Nodes in use (the scale subresource's status replicas).")
+    selector: str | None = Field(default=None, max_length=1024, description="Label selector of the worker pods (for the scale subresource).")
+    plan: PlanSummary | None = Field(default=None, description="The current plan in brief.")
+    progress: Progress | None = Field(default=None, description="Training progress.")
+    failures_survived: int = Field(default=0, ge=0, description="Node failures recovered from without a restart.")
+    reconfigurations: int = Field(default=0, ge=0, description="Plans after the first (failures, scaling, nodes returning).")
+    start_time: datetime | None = Field(default=None, description="When the first plan started training.")
+    completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")
+
+
+def worker_selector(job_name: str) -> str:
+    """The label selector of a job's worker pods, as status.selector holds it."""
+    return f"{JOB_LABEL}={job_name}"
+
+
+def parse_spec(spec: dict[str, Any]) -> OobleckJobSpec:
+    """Validate a job's `spec` (as read from the API server or a manifest); raises pydantic.ValidationError."""
+    return OobleckJobSpec.model_validate(spec)
+
+
+def parse_status(status: dict[str, Any] | None) -> OobleckJobStatus:
+    """Validate a job's `status`; an absent status is the initial one."""
+    return OobleckJobStatus.model_validate(status or {})
