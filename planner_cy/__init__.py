@@ -44,3 +44,7 @@ def _load_compiled() -> None:
 
 
 _load_compiled()
+
+# Instantiation, batch distribution and reconfiguration (after the compiled-module check on purpose).
+from .instantiate import instantiate, plan_job  # noqa: E402
+from .reconfigure import LostLayersError, reconfigure  # noqa: E402

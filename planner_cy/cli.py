@@ -1,0 +1,214 @@
+"""`oobleck plan`: profile + cluster + job -> templates, instantiation and batch split; reconfiguration preview.
+
+    oobleck plan profile.json --nodes 13 --gpus-per-node 4 --gpu-memory 40GiB --microbatches 64 --f 1
+    oobleck plan profile.json ... --lost 3,7          # the plan after nodes "3" and "7" fail
+    oobleck plan profile.json ... --json              # the plan document instead of the table
+
+Nodes are named "0".."N-1". Invalid input exits 2 with a message naming the flag or field; a
+reconfiguration that lost every replica of a layer exits 1 (the job would restore a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+_UNITS = {
+    "": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+class InputError(Exception):
+    """Bad command-line input; the message starts with the flag or field it concerns."""
+
+
+def quantity(text: str, flag: str) -> float:
+    """A number with an optional unit (80GiB, 25GB, 1e9): bytes or bytes/s."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)(?:/s)?\s*", text.lower())
+    if match is None or match.group(2) not in _UNITS:
+        raise InputError(f"{flag}: expected a number with an optional unit (e.g. 80GiB, 25GB), got {text!r}")
+    try:
+        value = float(match.group(1)) * _UNITS[match.group(2)]
+    except ValueError:
+        raise InputError(f"{flag}: expected a number, got {text!r}") from None
+    if not value > 0:
+        raise InputError(f"{flag}: must be > 0, got {text!r}")
+    return value
+
+
+def node_list(text: str, flag: str) -> list[str]:
+    """Comma-separated node ids ("3,7")."""
+    ids = [part.strip() for part in text.split(",")]
+    if not text.strip() or any(not part for part in ids):
+        raise InputError(f"{flag}: expected comma-separated node ids such as 3,7, got {text!r}")
+    return ids
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `plan` subcommand."""
+    parser = subparsers.add_parser(
+        "plan", help="plan a job: templates, pipelines, batch split (and preview a reconfiguration)",
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("profile", type=Path, help="model profile JSON (oobleck.api.profile.ModelProfile)")
+    parser.add_argument("--nodes", type=int, required=True, help="N: nodes of the job")
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="G: GPUs per node (a power of two)")
+    parser.add_argument("--gpu-memory", required=True, help="memory per GPU, bytes or with a unit (80GiB)")
+    parser.add_argument("--microbatches", type=int, required=True, help="B: microbatches per iteration")
+    parser.add_argument("--f", type=int, default=1, help="pipeline failures to tolerate (default 1)")
+    parser.add_argument("--intra-bandwidth", default="100GB", help="bytes/s between GPUs of a node (default 100GB)")
+    parser.add_argument("--inter-bandwidth", default="12.5GB", help="bytes/s between nodes (default 12.5GB)")
+    parser.add_argument("--m-ref", type=int, default=None, help="microbatches the templates are optimised for")
+    parser.add_argument("--job", default="job", help="job name recorded in the plan")
+    parser.add_argument("--lost", default=None, help="preview a reconfiguration: lost node ids, e.g. 3,7")
+    parser.add_argument("--added", default=None, help="preview a reconfiguration: added node ids, e.g. 13,14")
+    parser.add_argument("--horizon", type=int, default=None, help="iterations weighed against copy time")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    parser.set_defaults(func=run)
+
+
+def _pydantic_message(error, prefix: str, flags: dict[str, str]) -> str:
+    """The first problem of a ValidationError, named by its flag (or prefix.field)."""
+    first = error.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    field = flags.get(loc, f"{prefix}.{loc}" if loc else prefix)
+    return f"{field}: {first['msg']}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `oobleck plan`."""
+    try:
+        text = _plan_text(args)
+    except InputError as error:
+        print(f"oobleck plan: error: {error}", file=sys.stderr)
+        return 2
+    except _Lost as error:
+        print(f"oobleck plan: {error}", file=sys.stderr)
+        return 1
+    print(text)
+    return 0
+
+
+class _Lost(Exception):
+    pass
+
+
+def _plan_text(args: argparse.Namespace) -> str:
+    from pydantic import ValidationError
+
+    from oobleck.api.profile import ClusterShape
+
+    from .errors import PlanningError
+    from .instantiate import instantiate
+    from .profile_io import ProfileError, parse_profile
+    from .reconfigure import DEFAULT_HORIZON, LostLayersError, next_layout, to_plan
+    from .templates import DEFAULT_M_REF, generate_templates
+
+    try:
+        raw = args.profile.read_text()
+    except OSError as error:
+        raise InputError(f"profile: cannot read {args.profile}: {error.strerror}") from None
+    try:
+        profile = parse_profile(raw, "profile")
+    except ProfileError as error:
+        raise InputError(str(error)) from None
+    if args.microbatches < 1:
+        raise InputError(f"--microbatches: must be >= 1, got {args.microbatches}")
+    if args.f < 0:
+        raise InputError(f"--f: must be >= 0, got {args.f}")
+    m_ref = DEFAULT_M_REF if args.m_ref is None else args.m_ref
+    if m_ref < 1:
+        raise InputError(f"--m-ref: must be >= 1, got {m_ref}")
+    horizon = DEFAULT_HORIZON if args.horizon is None else args.horizon
+    if horizon < 0:
+        raise InputError(f"--horizon: must be >= 0, got {horizon}")
+    flags = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "gpu_memory_bytes": "--gpu-memory",
+             "intra_node_bandwidth": "--intra-bandwidth", "inter_node_bandwidth": "--inter-bandwidth"}
+    try:
+        cluster = ClusterShape(
+            nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+            gpu_memory_bytes=int(quantity(args.gpu_memory, "--gpu-memory")),
+            intra_node_bandwidth=quantity(args.intra_bandwidth, "--intra-bandwidth"),
+            inter_node_bandwidth=quantity(args.inter_bandwidth, "--inter-bandwidth"),
+        )
+    except ValidationError as error:
+        raise InputError(_pydantic_message(error, "cluster", flags)) from None
+    lost = node_list(args.lost, "--lost") if args.lost is not None else []
+    added = node_list(args.added, "--added") if args.added is not None else []
+    try:
+        templates = generate_templates(profile, cluster, f=args.f, m_ref=m_ref)
+        nodes = [str(i) for i in range(cluster.nodes)]
+        plan = instantiate(templates, nodes, args.f, args.microbatches, args.job, gpus_per_node=cluster.gpus_per_node)
+        after = chosen = None
+        if lost or added:
+            chosen = next_layout(plan, templates, profile, lost=lost, added=added,
+                                 bandwidth=cluster.inter_node_bandwidth, horizon=horizon)
+            after = to_plan(plan, templates, chosen)
+    except LostLayersError as error:
+        raise _Lost(str(error)) from None
+    except PlanningError as error:
+        raise InputError(_flag_names(str(error))) from None
+    if args.json:
+        return (after or plan).to_json()
+    parts = [describe(plan, profile)]
+    if after is not None:
+        parts.append(describe(after, profile))
+        rows = [f"candidates (cost = copy bytes / {cluster.inter_node_bandwidth:.3g} B/s + {horizon} x iteration):",
+                f"  {'reason':<22} {'pipelines':>9} {'copy GiB':>10} {'iteration ms':>12} {'cost ms':>12}"]
+        for index, c in enumerate(chosen.considered):
+            mark = "  <- chosen" if index == chosen.chosen else ""
+            rows.append(f"  {c.reason + (' (degraded)' if c.degraded else ''):<22} {c.pipelines:>9} "
+                        f"{c.copy_bytes / 2**30:>10.2f} {c.iteration_ms:>12.2f} {c.cost_ms:>12.1f}{mark}")
+        parts.append("\n".join(rows))
+    return "\n\n".join(parts)
+
+
+def _flag_names(message: str) -> str:
+    """Planner messages start with a field name; show the matching flag too."""
+    for field, flag in (("global_microbatches", "--microbatches"), ("nodes", "--nodes"), ("f", "--f"),
+                        ("lost", "--lost"), ("added", "--added")):
+        if message.startswith(field + ":") or message.startswith(field + " "):
+            return f"{flag} ({message})"
+    if message.startswith("N = "):
+        return f"--nodes ({message})"
+    if "gpu_memory_bytes" in message:
+        return f"--gpu-memory ({message})"
+    return message
+
+
+def describe(plan, profile) -> str:
+    """The plan as readable tables: templates, pipelines with their batch split, copies."""
+    from .instantiate import template_cost
+
+    lines = [
+        f"job {plan.job}  generation {plan.generation}  reason {plan.reason}"
+        + ("  DEGRADED (fewer than f+1 pipelines)" if plan.degraded else ""),
+        f"model {profile.model}: {plan.num_layers} layers; {len(plan.nodes)} nodes x {plan.gpus_per_node} GPUs; "
+        f"f = {plan.f}; {plan.global_microbatches} microbatches; iteration {plan.iteration_ms:.2f} ms",
+    ]
+    if plan.lost_nodes or plan.added_nodes:
+        lines.append(f"lost {','.join(plan.lost_nodes) or '-'}  added {','.join(plan.added_nodes) or '-'}")
+    lines += ["", "templates:", f"  {'nodes':>5} {'stages':>6} {'T(1) ms':>10} {'slowest ms':>10} {'m_ref':>5}  layers per stage (GPUs)"]
+    for template in plan.templates:
+        cost = template_cost(template)
+        layout = " ".join(f"{s.end - s.start}({s.gpus})" for s in template.stages)
+        lines.append(f"  {template.nodes:>5} {len(template.stages):>6} {cost.base_ms:>10.2f} {cost.slope_ms:>10.2f} "
+                     f"{template.m_ref:>5}  {layout}")
+    lines += ["", f"pipelines ({len(plan.pipelines)}):",
+              f"  {'#':>3} {'nodes':>5} {'microbatches':>12} {'offset':>6} {'iteration ms':>12}  node ids"]
+    for p in plan.pipelines:
+        ids = ",".join(p.nodes)
+        lines.append(f"  {p.index:>3} {p.template_nodes:>5} {p.microbatches:>12} {p.microbatch_offset:>6} "
+                     f"{p.iteration_ms:>12.2f}  {ids if len(ids) <= 60 else ids[:57] + '...'}")
+    if plan.generation > 0:
+        total = sum(c.bytes for c in plan.copies)
+        sources = {}
+        for c in plan.copies:
+            sources[c.src_rank] = sources.get(c.src_rank, 0) + c.bytes
+        busiest = max(sources.values(), default=0)
+        lines += ["", f"copies: {len(plan.copies)} layer copies, {total / 2**30:.2f} GiB from {len(sources)} source GPUs "
+                      f"(busiest sends {busiest / 2**30:.2f} GiB)"]
+    return "\n".join(lines)

@@ -1,0 +1,339 @@
+"""Instantiation and batch distribution: templates + nodes + batch -> a plan of generation 0.
+
+Cost model (shared with templates.py): a template's pipeline running m microbatches with 1F1B takes
+T(m) = base + (m - 1) * slope, where slope is its slowest stage (forward + backward) and base = T(1)
+adds every stage and the activation transfers between them. A template records T(m_ref), so both
+numbers are recovered from it alone (`template_cost`).
+
+The problem (exact): choose x_t pipelines of each template t with sum x_t * n_t = N (every node used)
+and f + 1 <= sum x_t <= B, and microbatches nb_i >= 1 per pipeline with sum nb_i = B, minimising
+Z = max_i T_i(nb_i). For a candidate Z a pipeline of t can take cap_t(Z) = #{m : T_t(m) <= Z}
+microbatches, so Z is feasible iff some x has sum x_t * cap_t(Z) >= B: a knapsack over node counts
+(pipeline counts capped at f + 1; tracked exactly up to B only when B could bind). The least feasible Z
+is found by binary search over the candidate values T_t(m); the split then water-fills the batch.
+The compiled core (_instantiate.pyx) does the numeric work; ref_instantiate.py is its reference.
+
+Layout conventions: pipelines are ordered by template size (largest first), nodes are taken in the
+order given, ranks are dense (pipeline by pipeline, stage by stage, GPU by GPU), and each pipeline
+runs a contiguous block of global microbatch indices in pipeline order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal
+
+import numpy as np
+
+from oobleck.api.plan import LayerCopy, Plan, Template
+from oobleck.api.profile import ClusterShape, ModelProfile
+
+from . import ref_instantiate
+from .errors import PlanningError
+
+Engine = Literal["compiled", "reference"]
+
+
+def core(engine: Engine) -> ModuleType:
+    """The module doing the numeric work: the compiled core or its plain-Python reference."""
+    if engine == "compiled":
+        from . import _instantiate
+
+        return _instantiate
+    if engine == "reference":
+        return ref_instantiate
+    raise PlanningError(f"engine: must be 'compiled' or 'reference', got {engine!r}")
+
+
+@dataclass(frozen=True)
+class TemplateCost:
+    """T(m) = base_ms + (m - 1) * slope_ms for a template of `nodes` nodes, m <= max_microbatches."""
+
+    nodes: int
+    base_ms: float
+    slope_ms: float
+    max_microbatches: int | None  # None: any count fits in memory
+
+    def limit(self, microbatches: int) -> int:
+        """The most of `microbatches` one pipeline of this template may run."""
+        return microbatches if self.max_microbatches is None else min(self.max_microbatches, microbatches)
+
+    def at(self, microbatches: int) -> float:
+        """Iteration time with `microbatches` microbatches (same arithmetic as the compiled core)."""
+        return ref_instantiate.t_of(self.base_ms, self.slope_ms, microbatches)
+
+
+def template_cost(template: Template) -> TemplateCost:
+    """Recover T(1) and the slowest stage time from a template's T(m_ref)."""
+    slope = max(stage.forward_ms + stage.backward_ms for stage in template.stages)
+    base = template.iteration_ms - (template.m_ref - 1) * slope
+    # T(1) sums every stage, so it is at least the slowest one; allow rounding noise only.
+    if base < slope * (1 - 1e-9) - 1e-9:
+        raise PlanningError(
+            f"templates[nodes={template.nodes}]: iteration_ms {template.iteration_ms} is below "
+            f"m_ref * slowest stage = {template.m_ref} * {slope}"
+        )
+    # Memory was checked with min(S - s + 1, m_ref) microbatches in flight (templates.py): counts above
+    # m_ref are safe only once m_ref reaches the stage count S.
+    limit = None if template.m_ref >= len(template.stages) else template.m_ref
+    return TemplateCost(template.nodes, max(base, slope), slope, limit)
+
+
+def check_templates(templates: Sequence[Template], gpus_per_node: int | None = None) -> tuple[int, int]:
+    """Validate templates against each other; returns (num_layers, gpus_per_node).
+
+    gpus_per_node defaults to the most GPUs any template places on one node.
+    """
+    if not templates:
+        raise PlanningError("templates: empty; need at least one pipeline template")
+    sizes = [t.nodes for t in templates]
+    if len(set(sizes)) != len(sizes):
+        raise PlanningError(f"templates: node counts must be distinct, got {sorted(sizes)}")
+    widest = max(stage.gpu_offset + stage.gpus for t in templates for stage in t.stages)
+    if gpus_per_node is None:
+        gpus_per_node = widest
+    if gpus_per_node < 1 or gpus_per_node & (gpus_per_node - 1):
+        raise PlanningError(f"gpus_per_node: must be a power of two, got {gpus_per_node}")
+    num_layers = templates[0].stages[-1].end
+    for t in templates:
+        where = f"templates[nodes={t.nodes}]"
+        if t.stages[0].start != 0 or t.stages[-1].end != num_layers or any(
+            a.end != b.start for a, b in zip(t.stages, t.stages[1:])
+        ):
+            raise PlanningError(f"{where}: stages must cover layers 0..{num_layers} contiguously")
+        used: dict[int, int] = {}  # node -> bitmask of the GPUs its stages use
+        for s in t.stages:
+            if s.start >= s.end:
+                raise PlanningError(f"{where}: stage [{s.start}, {s.end}) holds no layer")
+            if s.node >= t.nodes:
+                raise PlanningError(f"{where}: a stage sits on node {s.node}, the template has {t.nodes} nodes")
+            if s.gpu_offset + s.gpus > gpus_per_node:
+                raise PlanningError(
+                    f"{where}: a stage uses GPUs {s.gpu_offset}..{s.gpu_offset + s.gpus - 1}, "
+                    f"gpus_per_node is {gpus_per_node}"
+                )
+            gpus = ((1 << s.gpus) - 1) << s.gpu_offset
+            if used.get(s.node, 0) & gpus:
+                raise PlanningError(f"{where}: two stages share a GPU on node {s.node}")
+            used[s.node] = used.get(s.node, 0) | gpus
+        if len(used) != t.nodes:
+            raise PlanningError(f"{where}: nodes {sorted(set(range(t.nodes)) - set(used))} host no stage")
+    return num_layers, gpus_per_node
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Pipelines per template (templates in the order given to `choose`) and the iteration time they reach."""
+
+    counts: tuple[int, ...]
+    iteration_ms: float
+    degraded: bool
+
+
+def choose(
+    costs: Sequence[TemplateCost], n_nodes: int, f: int, microbatches: int, *, allow_degraded: bool, engine: Engine
+) -> Choice:
+    """Pick x_t (see the module docstring); PlanningError names the binding number when none exists."""
+    impl = core(engine)
+    sizes = np.array([c.nodes for c in costs], dtype=np.int64)
+    base = np.array([c.base_ms for c in costs], dtype=np.float64)
+    slope = np.array([c.slope_ms for c in costs], dtype=np.float64)
+    limits = np.array([c.limit(microbatches) for c in costs], dtype=np.int64)
+    shown = sorted(int(n) for n in sizes)
+    most = impl.max_pipelines(sizes, n_nodes)
+    if most < 0:
+        raise PlanningError(f"nodes: {n_nodes} nodes cannot be split exactly into pipelines of {shown} nodes")
+    if most <= microbatches:
+        top = most  # the count limit cannot bind
+    else:
+        # Pipeline counts that use every node and can each get a microbatch.
+        possible = np.flatnonzero(impl.pipeline_counts(sizes, n_nodes, microbatches))
+        if possible.size == 0:
+            fewest = int(np.flatnonzero(impl.pipeline_counts(sizes, n_nodes, most))[0])
+            raise PlanningError(
+                f"global_microbatches: {microbatches} is fewer than the {fewest} pipelines that {n_nodes} nodes "
+                f"form at least (templates of {shown} nodes); every pipeline needs a microbatch"
+            )
+        top = int(possible[-1])
+    wanted = f + 1
+    degraded = top < wanted
+    if degraded:
+        if not allow_degraded:
+            if wanted > microbatches:
+                raise PlanningError(
+                    f"global_microbatches: {microbatches} cannot feed f+1 = {wanted} pipelines (one microbatch each)"
+                )
+            raise PlanningError(
+                f"nodes: {n_nodes} nodes form at most {top} pipelines of {shown} nodes "
+                f"with {microbatches} microbatches; f = {f} needs f+1 = {wanted}"
+            )
+        wanted = top
+    found = impl.solve(sizes, base, slope, limits, n_nodes, wanted, microbatches)
+    if found is None:  # the counts allow a choice, so memory limits bind
+        capped = {c.nodes: c.max_microbatches for c in costs if c.max_microbatches is not None}
+        raise PlanningError(
+            f"global_microbatches: {microbatches} microbatches do not fit in memory on {n_nodes} nodes: "
+            f"pipelines of these templates hold at most m_ref microbatches each {capped}; "
+            "regenerate the templates with a larger m_ref"
+        )
+    z, counts = found
+    return Choice(tuple(int(c) for c in counts), float(z), degraded)
+
+
+def split_batch(costs: Sequence[TemplateCost], microbatches: int, *, engine: Engine) -> list[int]:
+    """Microbatches per pipeline (pipelines given by their template costs, in plan order)."""
+    if not 1 <= len(costs) <= microbatches:
+        raise PlanningError(f"global_microbatches: {microbatches} cannot feed {len(costs)} pipelines")
+    base = np.array([c.base_ms for c in costs], dtype=np.float64)
+    slope = np.array([c.slope_ms for c in costs], dtype=np.float64)
+    limits = np.array([c.limit(microbatches) for c in costs], dtype=np.int64)
+    nb = core(engine).split(base, slope, limits, microbatches)
+    if nb is None:
+        raise PlanningError(
+            f"global_microbatches: {microbatches} microbatches exceed what {len(costs)} pipelines hold in memory "
+            f"({int(limits.sum())} at most)"
+        )
+    return [int(n) for n in nb]
+
+
+def _check_job(job: str, nodes: Sequence[str], f: int, microbatches: int) -> None:
+    if not isinstance(job, str) or not job:
+        raise PlanningError("job: must be a non-empty name")
+    if not nodes:
+        raise PlanningError("nodes: empty")
+    if any(not isinstance(n, str) or not n for n in nodes):
+        raise PlanningError("nodes: every node id must be a non-empty string")
+    if len(set(nodes)) != len(nodes):
+        twice = sorted({n for n in nodes if list(nodes).count(n) > 1})
+        raise PlanningError(f"nodes: listed twice: {twice}")
+    if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+        raise PlanningError(f"f: must be an integer >= 0, got {f!r}")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanningError(f"global_microbatches: must be an integer >= 1, got {microbatches!r}")
+
+
+def build_plan(
+    *,
+    job: str,
+    generation: int,
+    templates: Sequence[Template],
+    gpus_per_node: int,
+    f: int,
+    pipelines: Sequence[tuple[Template, Sequence[str]]],
+    microbatches: Sequence[int],
+    copies: Sequence[LayerCopy | dict] = (),
+    lost: Sequence[str] = (),
+    added: Sequence[str] = (),
+    reason: str,
+) -> Plan:
+    """Lay pipelines (template + its nodes, in plan order) out as a validated Plan."""
+    num_layers = templates[0].stages[-1].end
+    out_pipelines = []
+    ranks = []
+    offset = 0
+    slowest = 0.0
+    for index, ((template, nodes), nb) in enumerate(zip(pipelines, microbatches, strict=True)):
+        stages = []
+        for stage in template.stages:
+            stage_ranks = []
+            for gpu in range(stage.gpu_offset, stage.gpu_offset + stage.gpus):
+                rank = len(ranks)
+                stage_ranks.append(rank)
+                ranks.append(
+                    {"rank": rank, "node": nodes[stage.node], "gpu": gpu, "pipeline": index,
+                     "stage": len(stages), "start": stage.start, "end": stage.end}
+                )
+            stages.append({"start": stage.start, "end": stage.end, "ranks": stage_ranks})
+        ms = template_cost(template).at(nb)
+        slowest = max(slowest, ms)
+        out_pipelines.append(
+            {"index": index, "template_nodes": template.nodes, "nodes": list(nodes), "microbatches": nb,
+             "microbatch_offset": offset, "stages": stages, "iteration_ms": ms}
+        )
+        offset += nb
+    return Plan.model_validate(
+        {
+            "job": job,
+            "generation": generation,
+            "num_layers": num_layers,
+            "gpus_per_node": gpus_per_node,
+            "f": f,
+            "global_microbatches": offset,
+            "templates": sorted(templates, key=lambda t: t.nodes),
+            "pipelines": out_pipelines,
+            "ranks": ranks,
+            "copies": list(copies),
+            "degraded": len(out_pipelines) < f + 1,
+            "iteration_ms": slowest,
+            "lost_nodes": list(lost),
+            "added_nodes": list(added),
+            "reason": reason,
+        }
+    )
+
+
+def instantiate(
+    templates: Sequence[Template],
+    nodes: Sequence[str],
+    f: int,
+    global_microbatches: int,
+    job: str,
+    *,
+    gpus_per_node: int | None = None,
+    allow_degraded: bool = False,
+    engine: Engine = "compiled",
+) -> Plan:
+    """The first plan (generation 0) of a job on `nodes`, tolerating `f` pipeline losses.
+
+    Uses every node, forms at least f + 1 pipelines (fewer only with allow_degraded, flagged
+    degraded) and splits `global_microbatches` to minimise the slowest pipeline's iteration time.
+    """
+    _check_job(job, nodes, f, global_microbatches)
+    _, gpus_per_node = check_templates(templates, gpus_per_node)
+    ordered = sorted(templates, key=lambda t: -t.nodes)
+    costs = [template_cost(t) for t in ordered]
+    choice = choose(costs, len(nodes), f, global_microbatches, allow_degraded=allow_degraded, engine=engine)
+    pipelines: list[tuple[Template, Sequence[str]]] = []
+    taken = 0
+    for template, count in zip(ordered, choice.counts):
+        for _ in range(count):
+            pipelines.append((template, nodes[taken : taken + template.nodes]))
+            taken += template.nodes
+    nb = split_batch([template_cost(t) for t, _ in pipelines], global_microbatches, engine=engine)
+    return build_plan(
+        job=job, generation=0, templates=templates, gpus_per_node=gpus_per_node, f=f,
+        pipelines=pipelines, microbatches=nb, reason="initial",
+    )
+
+
+def plan_job(
+    profile: ModelProfile,
+    cluster: ClusterShape,
+    f: int,
+    global_microbatches: int,
+    job: str,
+    *,
+    nodes: Sequence[str] | None = None,
+    m_ref: int | None = None,
+    allow_degraded: bool = False,
+    engine: Engine = "compiled",
+) -> Plan:
+    """Templates + instantiation in one call (what the operator runs for a new job).
+
+    Nodes are named "0".."N-1" unless `nodes` (cluster.nodes of them) is given. `m_ref` is the
+    microbatch count templates are optimised (and memory-checked) for; templates.py's default if None.
+    """
+    from .templates import DEFAULT_M_REF, generate_templates
+
+    if nodes is None:
+        nodes = [str(i) for i in range(cluster.nodes)]
+    elif len(nodes) != cluster.nodes:
+        raise PlanningError(f"nodes: {len(nodes)} node ids given, cluster.nodes is {cluster.nodes}")
+    templates = generate_templates(profile, cluster, f=f, m_ref=DEFAULT_M_REF if m_ref is None else m_ref)
+    return instantiate(
+        templates, list(nodes), f, global_microbatches, job,
+        gpus_per_node=cluster.gpus_per_node, allow_degraded=allow_degraded, engine=engine,
+    )
+

@@ -1,0 +1,455 @@
+"""Reconfiguration: the next plan after nodes are lost and/or added, with its layer-copy plan.
+
+Every surviving (and added) node is used. Candidates:
+- Oobleck's minimal-movement repairs: a pipeline that lost nodes shrinks to the template of its
+  remaining size; a pipeline left without a template size is topped up from added nodes, merged
+  with another short pipeline, or borrows nodes from the largest pipeline (which shrinks in turn);
+  added nodes left over form new pipelines. Two orders are tried: merge before borrow, and borrow
+  before merge.
+- A fresh re-instantiation (the optimal pipeline mix for the new node count, instantiate.py), laid
+  over the old pipelines so that intact ones stay where they are.
+Each candidate gets the water-filled batch split and is scored as
+    copy_ms + horizon * Z,   copy_ms = bytes to copy / bandwidth,
+the layer state every GPU must receive being priced at its state_bytes. Candidates with f + 1
+pipelines beat degraded ones; equal scores go to the earlier candidate (the list above, in order).
+
+The copy plan lists, for every GPU of the new plan that must hold a layer it did not hold before,
+one source GPU among the survivors that held it, sources chosen least-loaded first (ties: lower new
+rank). A layer without any surviving holder makes LostLayersError (the operator restores a checkpoint).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from oobleck.api.plan import Plan, Template
+from oobleck.api.profile import ModelProfile
+
+from .errors import PlanningError
+from .instantiate import Engine, build_plan, check_templates, choose, core, template_cost
+
+DEFAULT_HORIZON = 100
+"""Iterations a new layout is expected to run: weighs its iteration time against its copy time."""
+
+_MOVES = ("shrink", "drop", "merge", "borrow", "extend")
+
+
+class LostLayersError(PlanningError):
+    """Some layers have no surviving replica: the job must restart from a checkpoint."""
+
+    def __init__(self, layers: list[int], lost: list[str]) -> None:
+        self.layers = layers
+        super().__init__(
+            f"lost: layers {layers} have no surviving replica after losing nodes {lost}; restore from a checkpoint"
+        )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A next layout: pipelines as (template node count, nodes), with the moves that made it."""
+
+    reason: str
+    groups: tuple[tuple[int, tuple[str, ...]], ...]
+
+
+def _check_ids(name: str, ids: Sequence[str]) -> list[str]:
+    ids = list(ids)
+    if any(not isinstance(n, str) or not n for n in ids):
+        raise PlanningError(f"{name}: node ids must be non-empty strings, got {ids}")
+    twice = sorted({n for n in ids if ids.count(n) > 1})
+    if twice:
+        raise PlanningError(f"{name}: listed twice: {twice}")
+    return ids
+
+
+def _partition(total: int, sizes: Sequence[int]) -> list[int] | None:
+    """Split `total` into the most parts of the given sizes (largest parts first); None if impossible."""
+    most = [-1] * (total + 1)
+    most[0] = 0
+    for j in range(1, total + 1):
+        for n in sizes:
+            if n <= j and most[j - n] >= 0 and most[j - n] + 1 > most[j]:
+                most[j] = most[j - n] + 1
+    if most[total] < 0:
+        return None
+    parts, j = [], total
+    while j:
+        n = next(n for n in sorted(sizes, reverse=True) if n <= j and most[j - n] == most[j] - 1)
+        parts.append(n)
+        j -= n
+    return sorted(parts, reverse=True)
+
+
+def _repair(
+    groups: list[list[str]], shrunk: list[bool], added: list[str], sizes: Sequence[int], merge_first: bool
+) -> tuple[list[list[str]], set[str]] | None:
+    """Oobleck's minimal-movement repair of the surviving groups (see the module docstring)."""
+    fits = set(sizes)
+    moves: set[str] = set()
+    if any(not g for g in groups):
+        moves.add("drop")
+    work = [list(g) for g in groups if g]
+    if any(s and len(g) in fits for g, s in zip(groups, shrunk) if g):
+        moves.add("shrink")
+    pool = list(added)
+
+    def short() -> list[int]:
+        return [i for i, g in enumerate(work) if len(g) not in fits]
+
+    for i in short():  # top up from added nodes
+        d = next((d for d in range(1, len(pool) + 1) if len(work[i]) + d in fits), None)
+        if d is not None:
+            work[i] += pool[:d]
+            del pool[:d]
+            moves.add("extend")
+
+    def merge() -> None:
+        while True:
+            todo = short()
+            pair = next(((i, j) for i in todo for j in todo if i < j and len(work[i]) + len(work[j]) in fits), None)
+            if pair is None:
+                return
+            i, j = pair
+            work[i] += work.pop(j)
+            moves.add("merge")
+
+    def borrow() -> bool:
+        for i in short():
+            donors = [j for j in range(len(work)) if j != i and len(work[j]) in fits]
+            if donors:
+                donor = max(donors, key=lambda j: (len(work[j]), -j))
+                room = len(work[donor])
+                d = next((d for d in range(1, room) if len(work[i]) + d in fits and room - d in fits), None)
+                if d is not None:
+                    work[i] += work[donor][room - d :]
+                    del work[donor][room - d :]
+                    moves.add("borrow")
+                    continue
+            # Nothing to borrow: join the smallest group that makes a template size.
+            partner = min(
+                (j for j in range(len(work)) if j != i and len(work[i]) + len(work[j]) in fits),
+                key=lambda j: (len(work[j]), j),
+                default=None,
+            )
+            if partner is None:
+                return False
+            low, high = sorted((i, partner))
+            work[low] += work.pop(high)
+            moves.add("merge")
+            return True  # indices moved: rescan
+        return True
+
+    if merge_first:
+        merge()
+    for _ in range(len(work) + 1):
+        if not short():
+            break
+        if not borrow():
+            return None
+    if short():
+        return None
+    if pool:
+        parts = _partition(len(pool), sizes)
+        if parts is None:
+            # Too few added nodes for a pipeline of their own: grow existing pipelines one node at a time.
+            for node in pool:
+                target = min(
+                    (j for j in range(len(work)) if len(work[j]) + 1 in fits), key=lambda j: (len(work[j]), j), default=None
+                )
+                if target is None:
+                    return None
+                work[target].append(node)
+        else:
+            taken = 0
+            for n in parts:
+                work.append(pool[taken : taken + n])
+                taken += n
+        moves.add("extend")
+    return work, moves
+
+
+def _fresh(
+    groups: list[list[str]], intact: list[bool], added: list[str], needed: list[int]
+) -> list[list[str]]:
+    """Lay an instantiation's pipeline sizes over the survivors, keeping whole groups where sizes allow."""
+    needed = sorted(needed, reverse=True)
+    kept: list[list[str]] = []
+    rest: list[list[str]] = []
+    # Intact pipelines first (no copy at all), then shrunk groups that happen to fit a needed size.
+    for want_intact in (True, False):
+        for g, whole in zip(groups, intact):
+            if whole == want_intact and g:
+                if len(g) in needed:
+                    needed.remove(len(g))
+                    kept.append(g)
+                else:
+                    rest.append(g)
+    pool = [n for g in sorted(rest, key=len, reverse=True) for n in g] + list(added)
+    taken = 0
+    for n in needed:
+        kept.append(pool[taken : taken + n])
+        taken += n
+    return kept
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A candidate as priced: copy bytes, iteration time Z and cost = bytes / bandwidth + horizon * Z (ms)."""
+
+    reason: str
+    pipelines: int
+    copy_bytes: int
+    iteration_ms: float
+    cost_ms: float
+    degraded: bool
+
+
+@dataclass(frozen=True)
+class NextLayout:
+    """The chosen next layout before it becomes a Plan (what `reconfigure` validates and lays out)."""
+
+    reason: str
+    pipelines: list[tuple[Template, tuple[str, ...]]]
+    microbatches: list[int]
+    copies: list[dict]
+    lost: list[str]
+    added: list[str]
+    gpus_per_node: int
+    considered: list[Scored]  # every valid candidate, in candidate order
+    chosen: int  # index into considered: the best (non-degraded first, then cost, then order)
+
+
+def reconfigure(
+    plan: Plan,
+    templates: Sequence[Template],
+    profile: ModelProfile,
+    lost: Iterable[str] = (),
+    added: Iterable[str] = (),
+    *,
+    bandwidth: float,
+    horizon: int = DEFAULT_HORIZON,
+    engine: Engine = "compiled",
+) -> Plan:
+    """The next plan (generation + 1) after losing `lost` nodes and gaining `added` ones.
+
+    `bandwidth` (bytes/s) prices the layer copies; `horizon` iterations price the iteration time.
+    Raises LostLayersError when a layer has no surviving replica, PlanningError for bad input or
+    when the remaining nodes cannot form any pipeline.
+    """
+    chosen = next_layout(plan, templates, profile, lost, added, bandwidth=bandwidth, horizon=horizon, engine=engine)
+    return to_plan(plan, templates, chosen)
+
+
+def to_plan(plan: Plan, templates: Sequence[Template], chosen: NextLayout) -> Plan:
+    """The Plan of a chosen next layout: generation + 1 of `plan`."""
+    return build_plan(
+        job=plan.job, generation=plan.generation + 1, templates=templates, gpus_per_node=chosen.gpus_per_node,
+        f=plan.f, pipelines=chosen.pipelines, microbatches=chosen.microbatches, copies=chosen.copies,
+        lost=chosen.lost, added=chosen.added, reason=chosen.reason,
+    )
+
+
+def next_layout(
+    plan: Plan,
+    templates: Sequence[Template],
+    profile: ModelProfile,
+    lost: Iterable[str] = (),
+    added: Iterable[str] = (),
+    *,
+    bandwidth: float,
+    horizon: int = DEFAULT_HORIZON,
+    engine: Engine = "compiled",
+) -> NextLayout:
+    """Choose the next layout (see `reconfigure`; the module docstring says how)."""
+    lost = _check_ids("lost", list(lost))
+    added = _check_ids("added", list(added))
+    if not lost and not added:
+        raise PlanningError("lost, added: both empty; nothing to reconfigure")
+    current = plan.nodes
+    unknown = [n for n in lost if n not in set(current)]
+    if unknown:
+        raise PlanningError(f"lost: nodes {unknown} are not in plan generation {plan.generation}")
+    again = [n for n in added if n in set(current)]
+    if again:
+        raise PlanningError(f"added: nodes {again} are already in plan generation {plan.generation}")
+    if not bandwidth > 0:
+        raise PlanningError(f"bandwidth: must be > 0 bytes/s, got {bandwidth}")
+    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 0:
+        raise PlanningError(f"horizon: must be an integer >= 0, got {horizon!r}")
+    num_layers, gpus_per_node = check_templates(templates, plan.gpus_per_node)
+    if num_layers != plan.num_layers or len(profile.layers) != plan.num_layers:
+        raise PlanningError(
+            f"templates, profile: {num_layers} and {len(profile.layers)} layers, the plan has {plan.num_layers}"
+        )
+    gone = set(lost)
+    lost = [n for n in current if n in gone]  # plan order, for a canonical record
+    if len(gone) == len(current) and not added:
+        raise PlanningError(f"lost: all {len(current)} nodes of the plan are lost and none added")
+    state = np.array([layer.state_bytes for layer in profile.layers], dtype=np.int64)
+    prefix = np.concatenate(([0], np.cumsum(state)))
+    held = _Held(plan, gone, current + added, gpus_per_node)
+    orphans = held.orphans(num_layers)
+    if orphans:
+        raise LostLayersError(orphans, lost)
+
+    by_size = {t.nodes: t for t in templates}
+    sizes = sorted(by_size)
+    costs = {n: template_cost(t) for n, t in by_size.items()}
+    groups = [[n for n in p.nodes if n not in gone] for p in plan.pipelines]
+    shrunk = [len(g) < len(p.nodes) for g, p in zip(groups, plan.pipelines)]
+    intact = [not s and p.template_nodes in by_size for s, p in zip(shrunk, plan.pipelines)]
+    survivors = sum(len(g) for g in groups) + len(added)
+
+    candidates: list[Candidate] = []
+    for merge_first in (True, False):
+        repaired = _repair(groups, shrunk, added, sizes, merge_first)
+        if repaired is not None:
+            work, moves = repaired
+            reason = "+".join(m for m in _MOVES if m in moves) or "shrink"
+            candidates.append(Candidate(reason, tuple((len(g), tuple(g)) for g in work)))
+    ordered = sorted(sizes, reverse=True)
+    try:
+        choice = choose([costs[n] for n in ordered], survivors, plan.f, plan.global_microbatches,
+                        allow_degraded=True, engine=engine)
+    except PlanningError:
+        choice = None  # the repairs may still find a layout; if not, the error below names the numbers
+    if choice is not None:
+        needed = [n for n, c in zip(ordered, choice.counts) for _ in range(c)]
+        fresh = _fresh(groups, intact, added, needed)
+        candidates.append(Candidate("reinstantiate", tuple((len(g), tuple(g)) for g in fresh)))
+
+    rank_in_order = {n: i for i, n in enumerate(current + added)}
+    per_gpu = {n: _gpu_table(t) for n, t in by_size.items()}
+    best = None
+    considered: list[Scored] = []
+    for index, candidate in enumerate(dict.fromkeys(candidates)):
+        # Plan order: largest template first, then by where the first node stood before.
+        groups_sorted = sorted(candidate.groups, key=lambda g: (-g[0], rank_in_order[g[1][0]]))
+        pipelines = [(by_size[n], nodes) for n, nodes in groups_sorted]
+        base = np.array([costs[n].base_ms for n, _ in groups_sorted], dtype=np.float64)
+        slope = np.array([costs[n].slope_ms for n, _ in groups_sorted], dtype=np.float64)
+        limits = np.array([costs[n].limit(plan.global_microbatches) for n, _ in groups_sorted], dtype=np.int64)
+        nb = core(engine).split(base, slope, limits, plan.global_microbatches)
+        if nb is None:
+            continue  # more pipelines than microbatches, or not enough memory for the batch
+        nb = [int(v) for v in nb]
+        z = max(costs[n].at(m) for (n, _), m in zip(groups_sorted, nb))
+        places = _places(groups_sorted, per_gpu, held.index)
+        moved = held.missing_bytes(places, prefix)
+        cost = moved / bandwidth * 1e3 + horizon * z
+        degraded = len(pipelines) < plan.f + 1
+        considered.append(Scored(candidate.reason, len(pipelines), moved, z, cost, degraded))
+        score = (degraded, cost, index)
+        if best is None or score < best[0]:
+            best = (score, candidate.reason, pipelines, nb, len(considered) - 1, places)
+    if best is None:
+        raise PlanningError(
+            f"nodes: the {survivors} remaining nodes cannot form pipelines of {sizes} nodes "
+            f"for {plan.global_microbatches} microbatches"
+        )
+    _, reason, pipelines, nb, chosen, places = best
+    copies = held.copies(places, state.tolist())
+    return NextLayout(reason, pipelines, nb, copies, lost, added, gpus_per_node, considered, chosen)
+
+
+def _gpu_table(template: Template) -> np.ndarray:
+    """Per GPU of a template, in rank order: (node within the pipeline, local GPU, start, end)."""
+    return np.array(
+        [(st.node, gpu, st.start, st.end) for st in template.stages
+         for gpu in range(st.gpu_offset, st.gpu_offset + st.gpus)],
+        dtype=np.int64,
+    )
+
+
+def _places(groups: Sequence[tuple[int, tuple[str, ...]]], per_gpu: dict[int, np.ndarray], index: dict[str, int]) -> np.ndarray:
+    """Every GPU of a layout in new rank order: rows (node index, local GPU, start, end)."""
+    parts = []
+    for n, nodes in groups:
+        table = per_gpu[n].copy()
+        table[:, 0] = np.array([index[node] for node in nodes], dtype=np.int64)[table[:, 0]]
+        parts.append(table)
+    return np.concatenate(parts)
+
+
+class _Held:
+    """What every surviving GPU holds before the change, as arrays indexed by node index * G + GPU."""
+
+    def __init__(self, plan: Plan, gone: set[str], names: list[str], gpus_per_node: int) -> None:
+        self.names = names
+        self.index = {name: i for i, name in enumerate(names)}
+        self.gpus = gpus_per_node
+        alive = [a for a in plan.ranks if a.node not in gone]
+        keys = np.array([self.index[a.node] * gpus_per_node + a.gpu for a in alive], dtype=np.int64)
+        self.start = np.full(len(names) * gpus_per_node, -1, dtype=np.int64)
+        self.end = np.full(len(names) * gpus_per_node, -1, dtype=np.int64)
+        self.start[keys] = [a.start for a in alive]
+        self.end[keys] = [a.end for a in alive]
+
+    def orphans(self, num_layers: int) -> list[int]:
+        """Layers that no surviving GPU holds."""
+        alive = self.start >= 0
+        cover = np.zeros(num_layers + 1, dtype=np.int64)
+        np.add.at(cover, self.start[alive], 1)
+        np.add.at(cover, self.end[alive], -1)
+        return np.flatnonzero(np.cumsum(cover)[:num_layers] == 0).tolist()
+
+    def _old(self, places: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        keys = places[:, 0] * self.gpus + places[:, 1]
+        return self.start[keys], self.end[keys]
+
+    def missing_bytes(self, places: np.ndarray, prefix: np.ndarray) -> int:
+        """State bytes the GPUs of a layout lack (prefix: cumulative state_bytes by layer)."""
+        start, end = places[:, 2], places[:, 3]
+        old_start, old_end = self._old(places)
+        low = np.maximum(start, old_start)
+        high = np.minimum(end, old_end)
+        kept = np.where((old_start >= 0) & (low < high), prefix[np.maximum(high, 0)] - prefix[np.maximum(low, 0)], 0)
+        return int((prefix[end] - prefix[start] - kept).sum())
+
+    def copies(self, places: np.ndarray, state: list[int]) -> list[dict]:
+        """Sources for every layer a GPU of the layout lacks (LayerCopy fields), least-loaded survivor first.
+
+        Load is the bytes a source has sent so far, over all layers; ties go to the lower new rank.
+        """
+        old_start, old_end = self._old(places)
+        changed = np.flatnonzero((places[:, 2] != old_start) | (places[:, 3] != old_end)).tolist()
+        wanted = []  # (rank, layer) to fill, in rank then layer order
+        for rank in changed:
+            low, high = int(old_start[rank]), int(old_end[rank])
+            wanted.extend((rank, layer) for layer in range(places[rank, 2], places[rank, 3]) if not low <= layer < high)
+        if not wanted:
+            return []
+        survivor = np.flatnonzero(old_start >= 0)  # new ranks of the GPUs that hold state, ascending
+        s_start, s_end = old_start[survivor], old_end[survivor]
+        # Per layer: its holders by rank, a cursor past those that already sent something, and a heap of
+        # (load when pushed, rank) of those. An unused holder's load is 0, so the cursor's is the least of them.
+        holders = {layer: survivor[(s_start <= layer) & (layer < s_end)].tolist() for layer in {w[1] for w in wanted}}
+        cursor = dict.fromkeys(holders, 0)
+        heaps: dict[int, list[tuple[int, int]]] = {layer: [] for layer in holders}
+        sent: dict[int, int] = {}
+        copies = []
+        for rank, layer in wanted:
+            ranks, heap, at = holders[layer], heaps[layer], cursor[layer]
+            while at < len(ranks) and ranks[at] in sent:
+                heapq.heappush(heap, (sent[ranks[at]], ranks[at]))
+                at += 1
+            cursor[layer] = at
+            while heap and heap[0][0] != sent[heap[0][1]]:  # stale: that source sent another layer since
+                heapq.heapreplace(heap, (sent[heap[0][1]], heap[0][1]))
+            if at < len(ranks) and (not heap or (0, ranks[at]) < heap[0]):
+                source, load = ranks[at], 0
+                cursor[layer] = at + 1
+            else:
+                load, source = heapq.heappop(heap)
+            sent[source] = load + state[layer]
+            heapq.heappush(heap, (sent[source], source))
+            copies.append(
+                {"layer": layer, "src_node": self.names[places[source, 0]], "src_gpu": int(places[source, 1]),
+                 "src_rank": source, "dst_node": self.names[places[rank, 0]], "dst_gpu": int(places[rank, 1]),
+                 "dst_rank": rank, "bytes": state[layer]}
+            )
+        return copies

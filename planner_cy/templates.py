@@ -1,0 +1,285 @@
+"""Pipeline templates: the best pipeline layout for each node count (the planner's first step).
+
+Cost model (the contract; the README's "Cost model" section says the same)
+---------------------------------------------------------------------------
+- A stage is a contiguous layer range [i, j) on g GPUs of one node, g a power of two <= G. The g GPUs
+  split every microbatch along the batch dimension: F = sum forward_ms / g, Bw = sum backward_ms / g,
+  and each of them holds the stage's whole state.
+- Between consecutive stages, per microbatch and direction: C = output_bytes(last layer of the stage) /
+  bandwidth (inter-node if the next stage is on another node, else intra-node).
+- A pipeline of S stages running m microbatches with 1F1B takes
+  T(m) = sum_s (F_s + Bw_s) + sum_{s<S} 2 * C_s + (m - 1) * max_s (F_s + Bw_s).
+- Memory on each GPU of stage s (1-based): sum state_bytes + min(S - s + 1, m) * sum activation_bytes / g
+  must not exceed gpu_memory_bytes.
+- A template for n nodes: each node holds one or more whole stages and all of its G GPUs are used (a
+  node's GPUs form an ordered composition of G into powers of two; stage k starts at GPU `gpu_offset`).
+
+A template is optimised for m = m_ref microbatches (a parameter; DEFAULT_M_REF unless given): T(m_ref) is
+the objective and m_ref the in-flight cap of the memory rule. A template therefore fits for any m <= m_ref,
+and for any m at all once m_ref >= its stage count (the cap then never binds). Callers that run more
+microbatches per pipeline should pass that count as m_ref.
+
+Units (why integers): times are quantised to whole nanoseconds per layer (round(ms * 1e6)) and the search
+works in units of 1/G ns, where a stage on g GPUs takes ticks * (G / g) exactly; a boundary costs
+round(2 * output_bytes * 1e9 * G / bandwidth) units. Memory stays in bytes. With exact integers, equal costs
+are really equal, so the tie-break below decides them, identically in the compiled core, the reference and
+the tests' brute force.
+
+Exactness and tie-break: the search (planner_cy/_templates.pyx, reference planner_cy/ref_templates.py)
+returns, for every node count, the layout minimising T(m_ref) over all stage counts, layer splits and GPU
+splits. Ties go to (1) the smaller bottleneck max_s (F_s + Bw_s), then (2) the lexicographically first
+stage sequence read from the first stage, comparing each stage by its end layer (earlier first), then by
+its GPU count (more first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from oobleck.api.plan import Template, TemplateStage
+from oobleck.api.profile import ClusterShape, ModelProfile
+from oobleck.planner import _templates
+from oobleck.planner.errors import PlanningError
+
+DEFAULT_M_REF = 16
+"""Microbatches per pipeline the templates are optimised for when the caller does not say."""
+
+TICKS_PER_MS = 1_000_000
+"""Layer times are quantised to whole nanoseconds."""
+
+_LIMIT = 1 << 62  # every intermediate of the integer search stays below this (int64 headroom)
+
+
+@dataclass(frozen=True)
+class CostTables:
+    """The cost model in exact integers, as prefix sums over layer boundaries 0..L (see module doc)."""
+
+    gpus: int
+    m_ref: int
+    memory: int
+    forward_pf: np.ndarray  # ticks (ns), one microbatch on one GPU
+    backward_pf: np.ndarray
+    time_pf: np.ndarray  # forward + backward ticks
+    state_pf: np.ndarray  # bytes
+    act_pf: np.ndarray  # bytes
+    comm_intra: np.ndarray  # [l]: 2 * C after layer l inside a node, units of 1/G ns (last entry unused)
+    comm_inter: np.ndarray  # [l]: the same between nodes
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.time_pf) - 1
+
+    def units_to_ms(self, units: int) -> float:
+        return units / (self.gpus * TICKS_PER_MS)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The search's plain result for one node count: stage ends and GPU counts, first stage first."""
+
+    nodes: int
+    objective: int  # T(m_ref), units of 1/G ns
+    peak: int  # max stage time, same units
+    ends: tuple[int, ...]
+    gpus: tuple[int, ...]
+
+
+def _prefix(values: Iterable[int]) -> np.ndarray:
+    out = [0]
+    for value in values:
+        out.append(out[-1] + value)
+    return np.array(out, dtype=np.int64)
+
+
+def cost_tables(profile: ModelProfile, cluster: ClusterShape, m_ref: int = DEFAULT_M_REF) -> CostTables:
+    """Quantise a profile and cluster shape into the integer tables the search runs on.
+
+    Raises PlanningError when m_ref < 1 or a figure is too large for exact 62-bit arithmetic.
+    """
+    if m_ref < 1:
+        raise PlanningError(f"m_ref: must be >= 1, got {m_ref}")
+    layers = profile.layers
+    G = cluster.gpus_per_node
+    forward = [round(layer.forward_ms * TICKS_PER_MS) for layer in layers]
+    backward = [round(layer.backward_ms * TICKS_PER_MS) for layer in layers]
+
+    def comm(bandwidth: float) -> list[int]:
+        return [round(2 * layer.output_bytes * 1e9 * G / bandwidth) for layer in layers]
+
+    intra, inter = comm(cluster.intra_node_bandwidth), comm(cluster.inter_node_bandwidth)
+    state = [layer.state_bytes for layer in layers]
+    act = [layer.activation_bytes for layer in layers]
+    bounds = {  # checked before anything becomes an int64
+        "T(m_ref) in units of 1/G ns": (sum(forward) + sum(backward)) * G * m_ref + max(intra + inter) * len(layers),
+        "G * total state_bytes": G * sum(state),
+        "min(m_ref, L) * total activation_bytes": min(m_ref, len(layers)) * sum(act),
+        "G * gpu_memory_bytes": G * cluster.gpu_memory_bytes,
+    }
+    for what, value in bounds.items():
+        if value >= _LIMIT:
+            raise PlanningError(f"profile too large for exact planning: {what} = {value} >= 2**62")
+    tables = CostTables(
+        gpus=G,
+        m_ref=m_ref,
+        memory=cluster.gpu_memory_bytes,
+        forward_pf=_prefix(forward),
+        backward_pf=_prefix(backward),
+        time_pf=_prefix(f + b for f, b in zip(forward, backward)),
+        state_pf=_prefix(state),
+        act_pf=_prefix(act),
+        comm_intra=np.array(intra, dtype=np.int64),
+        comm_inter=np.array(inter, dtype=np.int64),
+    )
+    return tables
+
+
+def search_layouts(tables: CostTables, max_nodes: int) -> dict[int, Layout]:
+    """Best layout of every node count 1..max_nodes that fits in memory (compiled core, one pass)."""
+    if max_nodes < 1:
+        raise PlanningError(f"max_nodes: must be >= 1, got {max_nodes}")
+    L = tables.num_layers
+    objective = np.zeros(max_nodes + 1, dtype=np.int64)
+    peak = np.zeros(max_nodes + 1, dtype=np.int64)
+    stages = np.zeros(max_nodes + 1, dtype=np.int32)
+    ends = np.zeros((max_nodes + 1, L), dtype=np.int32)
+    gpus = np.zeros((max_nodes + 1, L), dtype=np.int32)
+    _templates.search(
+        tables.time_pf, tables.state_pf, tables.act_pf, tables.comm_intra, tables.comm_inter,
+        tables.gpus, max_nodes, tables.m_ref, tables.memory, objective, peak, stages, ends, gpus,
+    )  # fmt: skip
+    return {
+        n: Layout(
+            n, int(objective[n]), int(peak[n]), tuple(ends[n, : stages[n]].tolist()), tuple(gpus[n, : stages[n]].tolist())
+        )
+        for n in range(1, max_nodes + 1)
+        if stages[n] > 0
+    }
+
+
+def to_template(tables: CostTables, layout: Layout) -> Template:
+    """The plan contract's Template for a layout (stage times already divided by their GPU count)."""
+    stages = []
+    start, node, offset = 0, 0, 0
+    for end, g in zip(layout.ends, layout.gpus):
+        forward = int(tables.forward_pf[end] - tables.forward_pf[start])
+        backward = int(tables.backward_pf[end] - tables.backward_pf[start])
+        stages.append(
+            TemplateStage(
+                start=start, end=end, node=node, gpus=g, gpu_offset=offset,
+                forward_ms=forward / g / TICKS_PER_MS, backward_ms=backward / g / TICKS_PER_MS,
+            )  # fmt: skip
+        )
+        start, offset = end, offset + g
+        if offset == tables.gpus:
+            node, offset = node + 1, 0
+    return Template(nodes=layout.nodes, stages=stages, iteration_ms=tables.units_to_ms(layout.objective), m_ref=tables.m_ref)
+
+
+def _no_fit(profile: ModelProfile, cluster: ClusterShape, m_ref: int) -> PlanningError:
+    """Explain why no template of any size fits: name the heaviest single layer if it alone is too big."""
+    G, memory = cluster.gpus_per_node, cluster.gpu_memory_bytes
+    needs = [layer.state_bytes + layer.activation_bytes / G for layer in profile.layers]
+    index = max(range(len(needs)), key=needs.__getitem__)  # the first of the heaviest
+    need = needs[index]
+    if need > memory:
+        return PlanningError(
+            f"no template fits: layer {index} alone needs state + activations / G = {need:.0f} bytes per GPU "
+            f"(G = {G}), gpu_memory_bytes is {memory}"
+        )
+    return PlanningError(
+        f"no template of 1..{len(profile.layers)} nodes fits: the {len(profile.layers)} layers need more than "
+        f"gpu_memory_bytes = {memory} on some GPU in every split (m_ref = {m_ref} in-flight microbatches)"
+    )
+
+
+def all_templates(profile: ModelProfile, cluster: ClusterShape, m_ref: int = DEFAULT_M_REF) -> list[Template]:
+    """The best template of every node count 1..cluster.nodes that fits in memory, by node count."""
+    tables = cost_tables(profile, cluster, m_ref)
+    return [to_template(tables, layout) for layout in search_layouts(tables, cluster.nodes).values()]
+
+
+def min_nodes(profile: ModelProfile, cluster: ClusterShape, m_ref: int = DEFAULT_M_REF) -> int:
+    """n0: the fewest nodes of any memory-feasible template (independent of cluster.nodes).
+
+    Raises PlanningError when no template of any size fits.
+    """
+    tables = cost_tables(profile, cluster, m_ref)
+    feasible = search_layouts(tables, tables.num_layers)  # a node holds >= 1 layer: never more nodes than layers
+    if not feasible:
+        raise _no_fit(profile, cluster, m_ref)
+    return min(feasible)
+
+
+def best_template(profile: ModelProfile, cluster: ClusterShape, nodes: int, m_ref: int = DEFAULT_M_REF) -> Template:
+    """The best template of exactly `nodes` nodes; PlanningError if none fits in memory."""
+    if nodes < 1:
+        raise PlanningError(f"nodes: must be >= 1, got {nodes}")
+    tables = cost_tables(profile, cluster, m_ref)
+    layout = search_layouts(tables, nodes).get(nodes)
+    if layout is None:
+        raise PlanningError(
+            f"no template of {nodes} nodes fits: {len(profile.layers)} layers on {nodes} x {cluster.gpus_per_node} GPUs "
+            f"with gpu_memory_bytes = {cluster.gpu_memory_bytes} and m_ref = {m_ref}"
+        )
+    return to_template(tables, layout)
+
+
+def _most_parts(sizes: list[int], limit: int) -> list[int]:
+    """most[x] = the most parts (each in `sizes`) summing exactly to x, -1 if x is no such sum."""
+    most = [-1] * (limit + 1)
+    most[0] = 0
+    for x in range(1, limit + 1):
+        most[x] = max((most[x - s] + 1 for s in sizes if s <= x and most[x - s] >= 0), default=-1)
+    return most
+
+
+def covering_sizes(feasible: Iterable[int], f: int, max_nodes: int) -> list[int]:
+    """The template sizes to generate: the feasible ones among n0 .. min(2*n0 - 1, max_nodes).
+
+    Why they suffice: write N' = q*n0 + r with 0 <= r < n0; N' >= (f+1)*n0 gives q >= f+1, and q - 1
+    pipelines of n0 nodes plus one of n0 + r <= 2*n0 - 1 nodes use all N' nodes exactly. This needs every size
+    in n0 .. 2*n0-1 to fit in memory. Memory can rule one out (a longer pipeline keeps more microbatches in
+    flight on its first stages); the argument then fails for some counts, which `uncovered_counts` names
+    (with f >= 1, f*n0 + x for a missing size x needs exactly f+1 parts all below 2*n0: no larger template
+    helps). Such a count leaves nodes idle; all_templates offers every feasible size if a caller wants more.
+    """
+    feasible = sorted(set(feasible))
+    if not feasible:
+        raise PlanningError(f"no template of 1..{max_nodes} nodes fits in memory")
+    n0 = feasible[0]
+    return [n for n in feasible if n <= min(2 * n0 - 1, max_nodes)]
+
+
+def uncovered_counts(sizes: Iterable[int], f: int, max_nodes: int) -> list[int]:
+    """Node counts in [(f+1)*min(sizes), max_nodes] that are no sum of >= f+1 template sizes (usually none)."""
+    sizes = sorted(set(sizes))
+    most = _most_parts(sizes, max_nodes)
+    return [n for n in range((f + 1) * sizes[0], max_nodes + 1) if most[n] < f + 1]
+
+
+def generate_templates(profile: ModelProfile, cluster: ClusterShape, f: int, m_ref: int = DEFAULT_M_REF) -> list[Template]:
+    """Templates for the covering sizes (see covering_sizes), sorted by node count.
+
+    cluster.nodes is N, the most nodes the job will have. Raises PlanningError, with the numbers, when
+    N < (f+1)*n0 or when no template fits at all.
+    """
+    if f < 0:
+        raise PlanningError(f"f: must be >= 0, got {f}")
+    tables = cost_tables(profile, cluster, m_ref)
+    N = cluster.nodes
+    layouts = search_layouts(tables, min(N, tables.num_layers))
+    if not layouts:
+        n0 = min_nodes(profile, cluster, m_ref)  # raises when nothing fits at any size
+        raise PlanningError(
+            f"N = {N} nodes cannot hold f+1 = {f + 1} pipelines: the smallest template needs n0 = {n0} nodes, "
+            f"(f+1)*n0 = {(f + 1) * n0} > {N}"
+        )
+    n0 = min(layouts)
+    if (f + 1) * n0 > N:
+        raise PlanningError(
+            f"N = {N} nodes cannot hold f+1 = {f + 1} pipelines of at least n0 = {n0} nodes: (f+1)*n0 = {(f + 1) * n0} > {N}"
+        )
+    return [to_template(tables, layouts[n]) for n in covering_sizes(layouts, f, N)]

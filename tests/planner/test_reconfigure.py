@@ -1,0 +1,290 @@
+"""Reconfiguration: next plans after losing and adding nodes, their moves, and their layer-copy plans."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from oobleck.api.plan import Plan, Template, TemplateStage
+from oobleck.api.profile import ClusterShape, LayerProfile, ModelProfile
+from oobleck.planner import LostLayersError, instantiate, reconfigure
+from oobleck.planner.errors import PlanningError
+from oobleck.planner.reconfigure import _partition, _repair, next_layout
+from oobleck.planner.templates import generate_templates
+
+GPUS = 2
+BANDWIDTH = 1e10
+
+
+def make_template(nodes: int, layer_ms: list[float], comm_ms: float = 0.25, m_ref: int = 64) -> Template:
+    """Two single-GPU stages per node, layers split as evenly as their count allows."""
+    parts = nodes * GPUS
+    bounds = [round(i * len(layer_ms) / parts) for i in range(parts + 1)]
+    stages = []
+    for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        forward = sum(layer_ms[start:end])
+        stages.append(TemplateStage(start=start, end=end, node=index // GPUS, gpus=1, gpu_offset=index % GPUS,
+                                    forward_ms=forward, backward_ms=2 * forward))
+    times = [s.forward_ms + s.backward_ms for s in stages]
+    total = sum(times) + 2 * comm_ms * (parts - 1) + (m_ref - 1) * max(times)
+    return Template(nodes=nodes, stages=stages, iteration_ms=total, m_ref=m_ref)
+
+
+LAYERS = 18  # a 3-node pipeline then beats a 2-node one per node: 4 x 3 nodes on 12
+PROFILE = ModelProfile(
+    model="test",
+    microbatch_size=1,
+    layers=[LayerProfile(forward_ms=1.0, backward_ms=2.0, state_bytes=(i + 1) << 20, activation_bytes=1 << 20,
+                         output_bytes=1 << 16) for i in range(LAYERS)],
+)
+TEMPLATES = [make_template(n, [1.0] * LAYERS) for n in (2, 3)]
+
+
+def names(n: int) -> list[str]:
+    return [str(i) for i in range(n)]
+
+
+def first_plan(n_nodes: int, f: int = 1, microbatches: int = 48) -> Plan:
+    return instantiate(TEMPLATES, names(n_nodes), f, microbatches, "job")
+
+
+def check_next(before: Plan, after: Plan, lost: list[str], added: list[str]) -> None:
+    """The invariants of every reconfigured plan and its copy plan."""
+    survivors = [n for n in before.nodes if n not in lost] + added
+    assert sorted(after.nodes) == sorted(survivors), "every surviving and added node is used, once"
+    assert after.generation == before.generation + 1
+    assert after.lost_nodes == [n for n in before.nodes if n in lost] and after.added_nodes == added
+    assert after.reason and after.reason != "initial"
+    assert after.global_microbatches == before.global_microbatches
+    assert after.degraded == (len(after.pipelines) < after.f + 1)
+    held = {(a.node, a.gpu): (a.start, a.end) for a in before.ranks if a.node not in lost}
+    expected = set()
+    for a in after.ranks:
+        old = held.get((a.node, a.gpu), (0, 0))
+        expected |= {(a.rank, layer) for layer in range(a.start, a.end) if not old[0] <= layer < old[1]}
+    got = [(c.dst_rank, c.layer) for c in after.copies]
+    assert sorted(got) == sorted(expected) and len(got) == len(set(got)), "exactly the missing layers are copied"
+    for c in after.copies:
+        assert after.rank_of(c.dst_node, c.dst_gpu) == c.dst_rank
+        assert after.rank_of(c.src_node, c.src_gpu) == c.src_rank
+        start, end = held[(c.src_node, c.src_gpu)]
+        assert start <= c.layer < end, "the source held the layer before the failure"
+        assert c.bytes == PROFILE.layers[c.layer].state_bytes
+    # Least-loaded sources: replaying the copies, each source had the least bytes sent among the holders.
+    sent: dict[int, int] = {}
+    for c in after.copies:
+        holders = [after.rank_of(node, gpu) for (node, gpu), (s, e) in held.items() if s <= c.layer < e]
+        assert min((sent.get(r, 0), r) for r in holders) == (sent.get(c.src_rank, 0), c.src_rank)
+        sent[c.src_rank] = sent.get(c.src_rank, 0) + c.bytes
+
+
+def unchanged_places(before: Plan, after: Plan) -> set[tuple[str, int]]:
+    old = {(a.node, a.gpu): (a.start, a.end) for a in before.ranks}
+    return {(a.node, a.gpu) for a in after.ranks if old.get((a.node, a.gpu)) == (a.start, a.end)}
+
+
+def test_losing_one_node_shrinks_only_its_pipeline() -> None:
+    before = first_plan(12)  # four pipelines of 3 nodes
+    assert [p.template_nodes for p in before.pipelines] == [3, 3, 3, 3]
+    after = reconfigure(before, TEMPLATES, PROFILE, lost=["4"], bandwidth=BANDWIDTH)
+    check_next(before, after, ["4"], [])
+    assert after.reason == "shrink"
+    assert [p.template_nodes for p in after.pipelines] == [3, 3, 3, 2]
+    # The other pipelines keep every GPU's layers: only the shrunk pipeline's GPUs receive copies.
+    untouched = {n for p in before.pipelines if "4" not in p.nodes for n in p.nodes}
+    assert {(n, g) for n in untouched for g in range(GPUS)} <= unchanged_places(before, after)
+    assert {c.dst_node for c in after.copies} <= {"3", "5"}
+
+
+def test_short_pipeline_borrows_from_the_largest() -> None:
+    groups = [["a", "b", "c"], ["d", "e", "f"], ["g"]]
+    work, moves = _repair(groups, [False, False, True], [], [2, 3], merge_first=True)
+    assert moves == {"borrow"}
+    assert work == [["a", "b"], ["d", "e", "f"], ["g", "c"]]
+
+
+def test_two_short_pipelines_merge() -> None:
+    work, moves = _repair([["a", "b", "c"], ["d"], ["e"]], [False, True, True], [], [2, 3], merge_first=True)
+    assert moves == {"merge"} and work == [["a", "b", "c"], ["d", "e"]]
+    # Borrowing first: each short pipeline takes a node from the largest instead, while it can.
+    work, moves = _repair([["a", "b", "c"], ["d"], ["e"]], [False, True, True], [], [2, 3], merge_first=False)
+    assert "borrow" in moves and sorted(len(g) for g in work) in ([2, 2], [3, 2], [2, 3])
+
+
+def test_added_nodes_top_up_then_form_pipelines() -> None:
+    work, moves = _repair([["a", "b", "c"], ["d"]], [False, True], ["x", "y", "z"], [2, 3], merge_first=True)
+    assert moves == {"extend"}
+    assert work == [["a", "b", "c"], ["d", "x"], ["y", "z"]]
+    assert _partition(7, [2, 3]) == [3, 2, 2] or _partition(7, [2, 3]) == [2, 2, 3]
+    assert _partition(1, [2, 3]) is None
+
+
+def test_a_whole_pipeline_lost_is_dropped_and_the_rest_keep_their_layers() -> None:
+    before = first_plan(12)
+    lost = before.pipelines[1].nodes
+    after = reconfigure(before, TEMPLATES, PROFILE, lost=lost, bandwidth=BANDWIDTH)
+    check_next(before, after, lost, [])
+    assert len(after.pipelines) == 3 and not after.copies and after.reason == "drop"
+
+
+def test_added_nodes_get_every_layer_they_run() -> None:
+    before = first_plan(12)
+    after = reconfigure(before, TEMPLATES, PROFILE, added=["x", "y", "z"], bandwidth=BANDWIDTH)
+    check_next(before, after, [], ["x", "y", "z"])
+    assert len(after.pipelines) == 5
+    assert {c.dst_node for c in after.copies} == {"x", "y", "z"}
+    assert after.iteration_ms < before.iteration_ms
+
+
+def test_lost_layers_name_the_layers() -> None:
+    before = first_plan(4, f=1)  # two pipelines of two nodes; nodes 0 and 2 both hold the first half
+    assert [p.nodes for p in before.pipelines] == [["0", "1"], ["2", "3"]]
+    first_half = sorted({layer for a in before.ranks if a.node == "0" for layer in range(a.start, a.end)})
+    assert first_half == list(range(first_half[-1] + 1)) and len(first_half) < LAYERS
+    with pytest.raises(LostLayersError, match=re.escape(f"layers {first_half} have no surviving replica")) as info:
+        reconfigure(before, TEMPLATES, PROFILE, lost=["0", "2"], bandwidth=BANDWIDTH)
+    assert info.value.layers == first_half
+
+
+def test_fewer_than_f_plus_one_pipelines_continue_degraded() -> None:
+    before = first_plan(4, f=1)
+    after = reconfigure(before, TEMPLATES, PROFILE, lost=["2", "3"], bandwidth=BANDWIDTH)
+    check_next(before, after, ["2", "3"], [])
+    assert after.degraded and len(after.pipelines) == 1
+    assert after.pipelines[0].microbatches == before.global_microbatches
+
+
+def test_the_cheapest_candidate_wins() -> None:
+    before = first_plan(13, f=1, microbatches=60)
+    for horizon in (0, 1, 100, 10**6):
+        layout = next_layout(before, TEMPLATES, PROFILE, lost=["4", "9"], bandwidth=BANDWIDTH, horizon=horizon)
+        assert len(layout.considered) >= 2
+        healthy = [c for c in layout.considered if not c.degraded]
+        chosen = layout.considered[layout.chosen]
+        assert chosen.cost_ms == min(c.cost_ms for c in healthy)
+        if horizon == 0:
+            assert chosen.copy_bytes == min(c.copy_bytes for c in healthy)
+        if horizon == 10**6:
+            assert chosen.iteration_ms == min(c.iteration_ms for c in healthy)
+        after = reconfigure(before, TEMPLATES, PROFILE, lost=["4", "9"], bandwidth=BANDWIDTH, horizon=horizon)
+        assert sum(c.bytes for c in after.copies) == chosen.copy_bytes
+        assert after.iteration_ms == chosen.iteration_ms
+
+
+def test_reconfiguration_is_deterministic_and_chains() -> None:
+    before = first_plan(17)
+    a = reconfigure(before, TEMPLATES, PROFILE, lost=["3", "11"], bandwidth=BANDWIDTH)
+    b = reconfigure(before, TEMPLATES, PROFILE, lost=["11", "3"], bandwidth=BANDWIDTH, engine="reference")
+    assert a.to_json() == b.to_json()
+    c = reconfigure(a, TEMPLATES, PROFILE, lost=["0"], added=["new"], bandwidth=BANDWIDTH)
+    check_next(a, c, ["0"], ["new"])
+    assert c.generation == 2
+
+
+@pytest.mark.parametrize(
+    ("lost", "added", "message"),
+    [
+        (["99"], [], "lost: nodes ['99'] are not in plan generation 0"),
+        (["1", ""], [], "lost: node ids must be non-empty strings"),
+        (["1", "1"], [], "lost: listed twice: ['1']"),
+        ([], ["2"], "added: nodes ['2'] are already in plan generation 0"),
+        ([], [], "lost, added: both empty"),
+        (names(6), [], "lost: all 6 nodes of the plan are lost"),
+    ],
+)
+def test_bad_requests_name_the_field(lost: list[str], added: list[str], message: str) -> None:
+    before = first_plan(6)
+    with pytest.raises(PlanningError) as info:
+        reconfigure(before, TEMPLATES, PROFILE, lost=lost, added=added, bandwidth=BANDWIDTH)
+    assert str(info.value).startswith(message)
+
+
+def test_bad_bandwidth_and_profile_are_named() -> None:
+    before = first_plan(6)
+    with pytest.raises(PlanningError, match="bandwidth: must be > 0"):
+        reconfigure(before, TEMPLATES, PROFILE, lost=["1"], bandwidth=0)
+    short = ModelProfile(model="x", microbatch_size=1, layers=PROFILE.layers[:4])
+    with pytest.raises(PlanningError, match="templates, profile: 18 and 4 layers"):
+        reconfigure(before, TEMPLATES, short, lost=["1"], bandwidth=BANDWIDTH)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(4, 26), st.integers(0, 2), st.integers(12, 80), st.data())
+def test_any_loss_gives_a_valid_plan_or_names_the_lost_layers(n_nodes, f, microbatches, data) -> None:
+    try:
+        before = first_plan(n_nodes, f=f, microbatches=microbatches)
+    except PlanningError:
+        event("no first plan")
+        return
+    nodes = before.nodes
+    lost = data.draw(st.lists(st.sampled_from(nodes), unique=True, max_size=min(6, len(nodes) - 1)))
+    added = data.draw(st.lists(st.sampled_from([f"x{i}" for i in range(5)]), unique=True, max_size=4))
+    if not lost and not added:
+        return
+    survivors = {(a.node, a.gpu): (a.start, a.end) for a in before.ranks if a.node not in lost}
+    orphaned = [l for l in range(LAYERS) if not any(s <= l < e for s, e in survivors.values())]
+    try:
+        after = reconfigure(before, TEMPLATES, PROFILE, lost=lost, added=added, bandwidth=BANDWIDTH)
+    except LostLayersError as error:
+        assert error.layers == orphaned and orphaned
+        event("lost layers")
+        return
+    except PlanningError as error:
+        # Only when the remaining nodes admit no pipeline layout at all (e.g. a single node left).
+        assert str(error).startswith("nodes:"), error
+        assert len(nodes) - len(lost) + len(added) < 2
+        return
+    assert not orphaned
+    check_next(before, after, lost, added)
+    event(f"reconfigured: {after.reason}")
+
+
+# ---------------------------------------------------------------- with generated templates
+
+
+def test_generated_templates_scenario() -> None:
+    rng = random.Random(5)
+    layers = [LayerProfile(forward_ms=rng.uniform(0.5, 3.0), backward_ms=rng.uniform(1.0, 6.0), state_bytes=8 << 30,
+                           activation_bytes=1 << 27, output_bytes=1 << 24) for _ in range(32)]
+    profile = ModelProfile(model="random32", microbatch_size=1, layers=layers)
+    cluster = ClusterShape(nodes=21, gpus_per_node=4, gpu_memory_bytes=40 << 30,
+                           intra_node_bandwidth=2e11, inter_node_bandwidth=2.5e10)
+    templates = generate_templates(profile, cluster, f=3)
+    before = instantiate(templates, names(21), 3, 64, "job")
+    for lost in (["3"], ["3", "7"], ["0", "5", "10", "15"]):
+        after = reconfigure(before, templates, profile, lost=lost, bandwidth=cluster.inter_node_bandwidth)
+        assert sorted(after.nodes) == sorted(n for n in names(21) if n not in lost)
+        assert len(after.pipelines) >= 4 and not after.degraded
+        assert sum(p.microbatches for p in after.pipelines) == 64
+
+
+@pytest.mark.slow
+def test_a_thousand_nodes_compiled_and_reference_agree() -> None:
+    from oobleck.planner.synthetic import GPT3, gpt_profile
+
+    profile = gpt_profile(GPT3["gpt3-175b"], seq_len=2048, microbatch_size=1, gpu_flops=400e12, hbm_bandwidth=3.35e12)
+    cluster = ClusterShape(nodes=1024, gpus_per_node=8, gpu_memory_bytes=80 << 30,
+                           intra_node_bandwidth=450e9, inter_node_bandwidth=50e9)
+    templates = generate_templates(profile, cluster, f=3, m_ref=32)
+    plans = [instantiate(templates, names(1024), 3, 1536, "big", engine=e) for e in ("compiled", "reference")]
+    assert plans[0].to_json() == plans[1].to_json()
+    before = plans[0]
+    assert sorted(before.nodes, key=int) == names(1024) and before.world_size == 8192
+    lost = [p.nodes[-1] for p in before.pipelines[::6]]
+    after = [reconfigure(before, templates, profile, lost=lost, bandwidth=50e9, engine=e) for e in ("compiled", "reference")]
+    assert after[0].to_json() == after[1].to_json()
+    next_plan = after[0]
+    assert sorted(next_plan.nodes) == sorted(n for n in names(1024) if n not in lost)
+    assert len(next_plan.pipelines) >= 4 and sum(p.microbatches for p in next_plan.pipelines) == 1536
+    held = {(a.node, a.gpu): (a.start, a.end) for a in before.ranks if a.node not in lost}
+    missing = sum(
+        1 for a in next_plan.ranks for layer in range(a.start, a.end)
+        if not held.get((a.node, a.gpu), (0, 0))[0] <= layer < held.get((a.node, a.gpu), (0, 0))[1]
+    )
+    assert len(next_plan.copies) == missing
+    for c in next_plan.copies:
+        assert held[(c.src_node, c.src_gpu)][0] <= c.layer < held[(c.src_node, c.src_gpu)][1]

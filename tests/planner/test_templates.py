@@ -1,0 +1,338 @@
+"""Pipeline templates: exactness (brute force), compiled == reference, sizes, errors, determinism."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from oobleck.api.profile import ClusterShape, LayerProfile, ModelProfile
+from oobleck.planner import templates as T
+from oobleck.planner.errors import PlanningError
+from oobleck.planner.ref_templates import search_layouts_ref
+
+# ---------------------------------------------------------------------------------------------
+# An independent oracle: every node composition, every layer split, costs straight from the formula.
+
+
+def compositions(total: int) -> list[tuple[int, ...]]:
+    """Ordered splits of a node's GPUs into powers of two."""
+    if total == 0:
+        return [()]
+    out = []
+    g = 1
+    while g <= total:
+        out += [(g,) + rest for rest in compositions(total - g)]
+        g *= 2
+    return out
+
+
+def brute_force(profile: ModelProfile, cluster: ClusterShape, nodes: int, m: int):
+    """(objective, peak, ends, gpus) of the best template by the documented order, or None."""
+    G, L = cluster.gpus_per_node, len(profile.layers)
+    ticks = [round(x.forward_ms * 1e6) + round(x.backward_ms * 1e6) for x in profile.layers]
+
+    def comm(layer: int, bandwidth: float) -> int:
+        return round(2 * profile.layers[layer].output_bytes * 1e9 * G / bandwidth)
+
+    best = None
+    for per_node in itertools.product(compositions(G), repeat=nodes):
+        gpus = [g for node in per_node for g in node]
+        node_of = [k for k, node in enumerate(per_node) for _ in node]
+        S = len(gpus)
+        for cuts in itertools.combinations(range(1, L), S - 1):
+            bounds = (0, *cuts, L)
+            times, fits = [], True
+            for s in range(S):
+                i, j, g = bounds[s], bounds[s + 1], gpus[s]
+                state = sum(x.state_bytes for x in profile.layers[i:j])
+                act = sum(x.activation_bytes for x in profile.layers[i:j])
+                fits &= g * state + min(S - s, m) * act <= g * cluster.gpu_memory_bytes
+                times.append(sum(ticks[i:j]) * (G // g))
+            if not fits:
+                continue
+            total = sum(times) + sum(
+                comm(bounds[s + 1] - 1, cluster.inter_node_bandwidth if node_of[s] != node_of[s + 1] else cluster.intra_node_bandwidth)
+                for s in range(S - 1)
+            )
+            key = (total + (m - 1) * max(times), max(times), [(bounds[s + 1], -gpus[s]) for s in range(S)])
+            if best is None or key < best[0]:
+                best = (key, (key[0], key[1], bounds[1:], tuple(gpus)))
+    return None if best is None else best[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Random inputs. Small integers make equal costs (ties) common, which is where a planner goes wrong.
+
+
+@st.composite
+def instances(draw, max_layers=6, gpus=(1, 2, 4), max_nodes=3):
+    L = draw(st.integers(1, max_layers))
+    layers = [
+        LayerProfile(
+            forward_ms=draw(st.integers(0, 4)) * 0.5,
+            backward_ms=draw(st.integers(0, 4)) * 0.25,
+            state_bytes=draw(st.integers(0, 12)),
+            activation_bytes=draw(st.integers(0, 6)),
+            output_bytes=draw(st.integers(0, 3)) * 1000,
+        )
+        for _ in range(L)
+    ]
+    if sum(x.forward_ms + x.backward_ms for x in layers) == 0:
+        layers[0] = layers[0].model_copy(update={"forward_ms": 1.0})
+    profile = ModelProfile(model="random", microbatch_size=1, layers=layers)
+    cluster = ClusterShape(
+        nodes=draw(st.integers(1, max_nodes)),
+        gpus_per_node=draw(st.sampled_from(gpus)),
+        gpu_memory_bytes=draw(st.integers(4, 40)),
+        intra_node_bandwidth=1e6,
+        inter_node_bandwidth=draw(st.sampled_from([2.5e5, 1e6])),
+    )
+    return profile, cluster, draw(st.integers(1, 5))
+
+
+FAST = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FAST
+@given(instances())
+def test_search_equals_brute_force(case):
+    profile, cluster, m = case
+    tables = T.cost_tables(profile, cluster, m)
+    compiled = T.search_layouts(tables, cluster.nodes)
+    reference = search_layouts_ref(tables, cluster.nodes)
+    for n in range(1, cluster.nodes + 1):
+        expected = brute_force(profile, cluster, n, m)
+        for name, found in (("compiled", compiled.get(n)), ("reference", reference.get(n))):
+            got = None if found is None else (found.objective, found.peak, found.ends, found.gpus)
+            assert got == expected, f"{name}, {n} nodes"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_layers=12, gpus=(1, 2, 4, 8), max_nodes=7))
+def test_compiled_equals_reference(case):
+    profile, cluster, m = case
+    tables = T.cost_tables(profile, cluster, m)
+    assert T.search_layouts(tables, cluster.nodes) == search_layouts_ref(tables, cluster.nodes)
+
+
+def test_tie_break_earliest_end_then_more_gpus():
+    """Only the last layer costs anything: every split of the free layers ties; the documented order decides."""
+    layers = [LayerProfile(forward_ms=float(k == 3), backward_ms=0, state_bytes=1, activation_bytes=0, output_bytes=0) for k in range(4)]
+    profile = ModelProfile(model="ties", microbatch_size=1, layers=layers)
+    cluster = ClusterShape(nodes=2, gpus_per_node=2, gpu_memory_bytes=10, intra_node_bandwidth=1e9, inter_node_bandwidth=1e9)
+    template = T.best_template(profile, cluster, 2, m_ref=4)
+    assert [(s.start, s.end, s.gpus) for s in template.stages] == [(0, 1, 2), (1, 4, 2)]
+    assert brute_force(profile, cluster, 2, 4)[2:] == ((1, 4), (2, 2))
+    assert search_layouts_ref(T.cost_tables(profile, cluster, 4), 2)[2].gpus == (2, 2)
+    tight = cluster.model_copy(update={"gpu_memory_bytes": 2})  # <= 2 layers per stage: node 0 holds [0, 2), earliest end first
+    assert [(s.start, s.end, s.gpus) for s in T.best_template(profile, tight, 2, m_ref=4).stages] == [(0, 1, 1), (1, 2, 1), (2, 4, 2)]
+
+
+def test_exact_where_one_best_suffix_per_state_is_not():
+    """Layer times 1,1,4 / 1 GPU per node / 2 nodes, m = 3: a split minimising the sum is not the best."""
+    layers = [LayerProfile(forward_ms=t, backward_ms=0, state_bytes=0, activation_bytes=0, output_bytes=o) for t, o in ((1, 0), (1, 10**6), (4, 0))]
+    profile = ModelProfile(model="skew", microbatch_size=1, layers=layers)
+    # Boundary after layer 0 is free, after layer 1 costs 2 * 10^6 / 10^6 s = 2000 ms: [0,1)[1,3) totals 6 with peak 5,
+    # [0,2)[2,3) totals 2006 with peak 4: T(3) = 16 vs 2014; with m = 1000, 5001 + ... loses to 2006 + 999*4.
+    cluster = ClusterShape(nodes=2, gpus_per_node=1, gpu_memory_bytes=1, intra_node_bandwidth=1e6, inter_node_bandwidth=1e6)
+    assert [(s.start, s.end) for s in T.best_template(profile, cluster, 2, m_ref=3).stages] == [(0, 1), (1, 3)]
+    assert [(s.start, s.end) for s in T.best_template(profile, cluster, 2, m_ref=3000).stages] == [(0, 2), (2, 3)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The Template contract: structure, stage figures and iteration time agree with the cost model.
+
+
+def recompute_ms(profile: ModelProfile, cluster: ClusterShape, template, m: int) -> float:
+    stages = template.stages
+    times = [s.forward_ms + s.backward_ms for s in stages]
+    comm = 0.0
+    for a, b in zip(stages, stages[1:]):
+        bandwidth = cluster.inter_node_bandwidth if a.node != b.node else cluster.intra_node_bandwidth
+        comm += 2 * profile.layers[a.end - 1].output_bytes / bandwidth * 1e3
+    return sum(times) + comm + (m - 1) * max(times)
+
+
+def check_template(profile: ModelProfile, cluster: ClusterShape, template, m: int) -> None:
+    G, stages = cluster.gpus_per_node, template.stages
+    assert stages[0].start == 0 and stages[-1].end == len(profile.layers)
+    assert all(a.end == b.start and a.start < a.end for a, b in zip(stages, stages[1:]))
+    assert [s.node for s in stages] == sorted(s.node for s in stages) and stages[-1].node == template.nodes - 1
+    for node in range(template.nodes):
+        on_node = [s for s in stages if s.node == node]
+        assert [s.gpu_offset for s in on_node] == list(itertools.accumulate([0] + [s.gpus for s in on_node[:-1]]))
+        assert sum(s.gpus for s in on_node) == G and all(s.gpus & (s.gpus - 1) == 0 for s in on_node)
+    for k, s in enumerate(stages):
+        layers = profile.layers[s.start : s.end]
+        quantum = 0.5e-6 * len(layers)  # each layer's time is rounded to the nanosecond
+        assert s.forward_ms == pytest.approx(sum(x.forward_ms for x in layers) / s.gpus, abs=quantum)
+        assert s.backward_ms == pytest.approx(sum(x.backward_ms for x in layers) / s.gpus, abs=quantum)
+        inflight = min(len(stages) - k, m)
+        memory = sum(x.state_bytes for x in layers) + inflight * sum(x.activation_bytes for x in layers) / s.gpus
+        assert memory <= cluster.gpu_memory_bytes
+    assert template.m_ref == m
+    quantum = 1e-6 * len(profile.layers) * m  # ns-rounded layers, counted up to m times
+    assert template.iteration_ms == pytest.approx(recompute_ms(profile, cluster, template, m), rel=1e-9, abs=quantum)
+
+
+@FAST
+@given(instances(max_layers=10, gpus=(1, 2, 4, 8), max_nodes=6))
+def test_templates_follow_the_cost_model(case):
+    profile, cluster, m = case
+    for template in T.all_templates(profile, cluster, m_ref=m):
+        check_template(profile, cluster, template, m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Template sizes (item 1).
+
+
+def splits(sizes: list[int], total: int, parts: int) -> bool:
+    """Whether `total` is a sum of at least `parts` numbers from `sizes` (plain recursion, memoised)."""
+    from functools import cache
+
+    @cache
+    def most(x: int) -> float:
+        if x == 0:
+            return 0
+        return max((most(x - s) + 1 for s in sizes if s <= x), default=-math.inf)
+
+    return most(total) >= parts
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12), st.integers(0, 4), st.integers(1, 80), st.sets(st.integers(1, 80)))
+def test_covering_sizes_cover_every_count(n0, f, N, extra):
+    feasible = set(range(n0, 2 * n0)) | {n for n in extra if n > n0}
+    sizes = T.covering_sizes(feasible, f, N)
+    assert sizes == [n for n in range(n0, 2 * n0) if n <= N]
+    if n0 <= N:
+        assert T.uncovered_counts(sizes, f, N) == []
+    for total in range((f + 1) * n0, N + 1):
+        assert splits(sizes, total, f + 1), total
+
+
+def test_a_size_that_does_not_fit_leaves_named_gaps():
+    # Sizes 3 and 5 fit, 4 does not: 7 = 3 + 4 nodes cannot form 2 pipelines, and with f = 0 neither can 4.
+    assert T.covering_sizes({3, 5, 7, 9}, 1, 12) == [3, 5]
+    assert T.uncovered_counts([3, 5], 1, 12) == [7]
+    assert T.uncovered_counts([3, 5], 0, 12) == [4, 7]
+
+
+def gpt_like(L: int, rng: random.Random | None = None, state: int = 2 * 10**9) -> ModelProfile:
+    layers = [
+        LayerProfile(
+            forward_ms=(1.0 if rng is None else rng.uniform(0.5, 2.0)),
+            backward_ms=(2.0 if rng is None else rng.uniform(1.0, 4.0)),
+            state_bytes=state,
+            activation_bytes=2 * 10**8,
+            output_bytes=8 * 10**6,
+        )
+        for _ in range(L)
+    ]
+    return ModelProfile(model=f"gpt-like-{L}", microbatch_size=1, layers=layers)
+
+
+def cluster_of(N: int, G: int = 1, memory: int = 16 * 10**9) -> ClusterShape:
+    return ClusterShape(nodes=N, gpus_per_node=G, gpu_memory_bytes=memory, intra_node_bandwidth=2e11, inter_node_bandwidth=2.5e10)
+
+
+# Oobleck's evaluation shapes: a 24-layer model with equal layers and a 32-layer model with random times.
+@pytest.mark.parametrize("N", [13, 21])
+@pytest.mark.parametrize("f", [1, 3])
+@pytest.mark.parametrize("model", ["equal-24", "random-32"])
+def test_oobleck_scenarios(model, N, f):
+    profile = gpt_like(24) if model == "equal-24" else gpt_like(32, random.Random(7))
+    cluster = cluster_of(N)
+    n0 = T.min_nodes(profile, cluster)
+    # 2 GB state per layer in 16 GB with 0.2 GB per in-flight microbatch: memory decides n0.
+    assert n0 == (4 if model == "equal-24" else 6)
+    if (f + 1) * n0 > N:
+        with pytest.raises(PlanningError, match=rf"N = {N} .* f\+1 = {f + 1} .* n0 = {n0} .* = {(f + 1) * n0} > {N}"):
+            T.generate_templates(profile, cluster, f)
+        return
+    templates = T.generate_templates(profile, cluster, f)
+    assert [t.nodes for t in templates] == list(range(n0, min(2 * n0 - 1, N) + 1))
+    for template in templates:
+        check_template(profile, cluster, template, T.DEFAULT_M_REF)
+    for total in range((f + 1) * n0, N + 1):
+        assert splits([t.nodes for t in templates], total, f + 1)
+    tables = T.cost_tables(profile, cluster)
+    assert T.search_layouts(tables, N) == search_layouts_ref(tables, N)
+    if model == "equal-24":
+        # n0 = 4: memory forces the stages nearest the start, which hold the most microbatches, to be shorter
+        assert [s.end - s.start for s in templates[0].stages] == [5, 6, 6, 7]
+        for template in templates[1:]:  # equal layers, memory not binding: the bottleneck holds ceil(24 / n) layers
+            assert max(s.end - s.start for s in template.stages) == math.ceil(24 / template.nodes)
+
+
+def test_eight_gpu_nodes_split_only_for_memory():
+    profile = gpt_like(32, random.Random(3))
+    roomy = T.all_templates(profile, cluster_of(8, G=8, memory=10**12))
+    assert all(len(t.stages) == t.nodes and all(s.gpus == 8 for s in t.stages) for t in roomy)  # splitting a node never speeds up
+    tight = T.all_templates(profile, cluster_of(8, G=8, memory=16 * 10**9))
+    assert tight[0].nodes == 1 and len(tight[0].stages) > 1  # 64 GB of state fits one node only split into stages
+    for template in tight:
+        check_template(profile, cluster_of(8, G=8, memory=16 * 10**9), template, T.DEFAULT_M_REF)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors name the numbers; determinism.
+
+
+def test_errors_name_the_numbers():
+    profile = gpt_like(24)
+    with pytest.raises(PlanningError, match=r"N = 7 nodes .* f\+1 = 2 .* n0 = 4 .* \(f\+1\)\*n0 = 8 > 7"):
+        T.generate_templates(profile, cluster_of(7), 1)
+    with pytest.raises(PlanningError, match=r"N = 3 nodes .* n0 = 4"):
+        T.generate_templates(profile, cluster_of(3), 0)
+    with pytest.raises(PlanningError, match=r"layer 0 alone needs .* 2200000000 bytes per GPU .* gpu_memory_bytes is 2000000000"):
+        T.min_nodes(profile, cluster_of(3, memory=2 * 10**9))
+    with pytest.raises(PlanningError, match="no template of 2 nodes fits"):
+        T.best_template(profile, cluster_of(3), 2)
+    with pytest.raises(PlanningError, match="m_ref: must be >= 1, got 0"):
+        T.cost_tables(profile, cluster_of(3), 0)
+    with pytest.raises(PlanningError, match="f: must be >= 0, got -1"):
+        T.generate_templates(profile, cluster_of(3), -1)
+    with pytest.raises(PlanningError, match=r"too large for exact planning: T\(m_ref\)"):
+        T.cost_tables(ModelProfile(model="huge", microbatch_size=1, layers=[LayerProfile(forward_ms=1e15, backward_ms=0, state_bytes=0, activation_bytes=0, output_bytes=0)]), cluster_of(1))
+
+
+def test_same_inputs_same_bytes():
+    profile, cluster = gpt_like(32, random.Random(11)), cluster_of(21, G=4, memory=12 * 10**9)
+    first = [t.model_dump_json() for t in T.generate_templates(profile, cluster, 1)]
+    second = [t.model_dump_json() for t in T.generate_templates(profile.model_copy(deep=True), cluster, 1)]
+    assert first == second and len(first) > 1
+
+
+def test_compiled_boundary_rejects_bad_shapes():
+    import numpy as np
+
+    from oobleck.planner import _templates
+
+    tables = T.cost_tables(gpt_like(4), cluster_of(2))
+    out = lambda *shape, t=np.int64: np.zeros(shape, dtype=t)  # noqa: E731
+    with pytest.raises(ValueError, match=r"ends: length 2, expected 3"):
+        _templates.search(tables.time_pf, tables.state_pf, tables.act_pf, tables.comm_intra, tables.comm_inter, 1, 2, 4, 10**10,
+                          out(3), out(3), out(3, t=np.int32), out(2, 4, t=np.int32), out(3, 4, t=np.int32))  # fmt: skip
+
+
+# The compiled core prunes with upper bounds and caps positions at a derived K; the reference does neither.
+# Realistic profiles where memory is tight (3 GiB: 1-3 layers per stage, uneven GPU splits) to loose (80 GiB: one
+# stage per node) on 8-GPU nodes exercise all three.
+@pytest.mark.parametrize("memory_gib", [3, 5, 8, 80])
+@pytest.mark.parametrize("m", [1, 4, 9])
+def test_compiled_equals_reference_on_gpt_profiles(memory_gib, m):
+    from oobleck.planner.synthetic import GPTShape, gpt_profile
+
+    profile = gpt_profile(GPTShape(blocks=10, hidden=2048, heads=16), seq_len=2048, microbatch_size=2, gpu_flops=4e14, hbm_bandwidth=3.35e12)
+    cluster = ClusterShape(nodes=4, gpus_per_node=8, gpu_memory_bytes=memory_gib * 2**30, intra_node_bandwidth=4.5e11, inter_node_bandwidth=5e10)
+    tables = T.cost_tables(profile, cluster, m)
+    compiled = T.search_layouts(tables, 4)
+    assert compiled == search_layouts_ref(tables, 4)
+    assert compiled, "some size must fit"
