@@ -24,6 +24,20 @@ def planner_source_hash() -> str:
 
 (PLANNER / "_source_hash.pxi").write_text(f'SOURCE_HASH = "{planner_source_hash()}"\n')
 
+
+def pxd_include_dir() -> str:
+    """Cython looks up a module's .pxd by its full name (oobleck/planner/_x.pxd); the sources live in
+    planner_cy/, so mirror the .pxd files under the package path in the build folder."""
+    mirror = HERE / "build" / "cython-include"
+    package = mirror / "oobleck" / "planner"
+    package.mkdir(parents=True, exist_ok=True)
+    for stale in package.glob("_*.pxd"):
+        stale.unlink()
+    for pxd in PLANNER.glob("_*.pxd"):
+        (package / pxd.name).symlink_to(pxd.resolve())
+    return str(mirror)
+
+
 # One extension per planner_cy/_*.pyx, importable as oobleck.planner._<name>.
 extensions = [
     Extension(f"oobleck.planner.{source.stem}", [f"planner_cy/{source.name}"], extra_compile_args=["-O3"])
@@ -33,6 +47,7 @@ extensions = [
 setup(
     ext_modules=cythonize(
         extensions,
+        include_path=[pxd_include_dir()],
         compiler_directives={
             "language_level": "3",
             "boundscheck": False,

@@ -26,44 +26,6 @@ include "_source_hash.pxi"
 # tie-break decides them rather than rounding noise, identically here and in ref_templates.py.
 
 
-cdef struct Entry:
-    # One Pareto-optimal suffix: `total` = sum of stage times + communication, `peak` = max stage time.
-    int64_t total
-    int64_t peak
-
-
-cdef struct Tables:
-    # Read-only inputs, prefix sums indexed by layer boundary 0..L.
-    int num_layers
-    int gpus                    # G
-    int max_nodes               # C: suffix states hold up to C - 1 whole nodes after the current one
-    int m_ref
-    int positions               # K: positions from the pipeline's end are capped at K (see memory_cap)
-    int64_t memory
-    const int64_t* time_pf      # forward + backward ticks (ns) of one microbatch on one GPU
-    const int64_t* state_pf
-    const int64_t* act_pf
-    const int64_t* comm_intra   # [l]: 2*C of the boundary after layer l inside a node, units
-    const int64_t* comm_inter   # [l]: the same between nodes
-
-
-cdef struct Fronts:
-    # Pareto fronts of every suffix state, concatenated; state s owns pool[offset[s] : offset[s] + count[s]],
-    # sorted by peak ascending (so total strictly descending).
-    Entry* pool
-    int64_t size
-    int64_t capacity
-    int64_t* offset
-    int32_t* count
-
-
-cdef struct Buffer:
-    # The front under construction for one state (sorted by peak ascending, total strictly descending).
-    Entry* data
-    int64_t size
-    int64_t capacity
-
-
 cdef inline int64_t state_index(const Tables* t, int i, int c, int u, int p) noexcept nogil:
     return ((<int64_t>i * t.max_nodes + c) * t.gpus + (u - 1)) * t.positions + (p - 1)
 
