@@ -1,0 +1,78 @@
+"""Fixtures shared by every test folder: the `cluster` a test talks to.
+
+By default each pytest process (each pytest-xdist worker) starts one local control plane
+(etcd + kube-apiserver + controller-manager + scheduler, RBAC on, CRDs from crds/ installed) for
+the whole session and stops it at the end — also after failures and Ctrl-C. With
+`OOBLECK_USE_EXISTING_CLUSTER=1` and `KUBECONFIG` set, the same tests run against that cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from oobleck.dev.controlplane import Cluster
+
+USE_EXISTING = "OOBLECK_USE_EXISTING_CLUSTER"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A test that uses the cluster is a cluster test, marked or not (`-m "not cluster"` skips it).
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """A running Kubernetes cluster for this test process (session scope, one per xdist worker).
+
+    Interface (stable; other folders' tests rely on it):
+    - `.kubeconfig` (str): an admin kubeconfig path. `.server` (str): the API server URL.
+    - `.bin`: `oobleck.dev.tools.K8sTools` (`.bin.kubectl`, `.bin.helm`, ...), never PATH's kubectl.
+    - `.kubectl(*args, input=None, check=True, timeout=None) -> subprocess.CompletedProcess`:
+      text mode, stdout/stderr captured, raises `KubectlError` (stderr in the message) if `check`.
+      `.kubectl_json(*args)` adds `-o json` and parses.
+    - `.namespace(name_prefix="test") -> str`: a fresh namespace whose `default` ServiceAccount
+      exists. Isolate each test in its own namespace; names never repeat across workers.
+    - `.start_kwok()`: run the kwok controller (once per session; idempotent).
+    - `.add_kwok_nodes(n, gpus=8, **options) -> list[str]`: register fake nodes with
+      `nvidia.com/gpu: gpus` (starts kwok; pods bound to them become Running). Nodes are
+      cluster-wide and shared by the tests of this worker: select yours with the node label
+      `oobleck.dev/fake-node-group` (`kwok.FAKE_GROUP_LABEL`, one value per call; read it from a
+      returned node), and remove them with `.delete_kwok_nodes(names)` when a test is done.
+    - `.control_plane`: the local `ControlPlane`, or None on an existing cluster.
+    - `.owner`: a DNS-safe tag unique to this worker, part of every name it creates.
+    On an existing cluster the namespaces and nodes created are deleted at the end of the session.
+    """
+    # Imported here so that test folders which never use the cluster do not import it.
+    from oobleck.dev.controlplane import Cluster, ControlPlane
+    from oobleck.dev.tools import ToolsNotFound, find_tools
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    owner = f"{worker}-{secrets.token_hex(2)}".lower()
+    try:
+        tools = find_tools()
+    except ToolsNotFound as error:
+        pytest.fail(f"cannot run cluster tests: {error}", pytrace=False)
+    if os.environ.get(USE_EXISTING) == "1":
+        kubeconfig = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
+        if not kubeconfig:
+            pytest.fail(f"{USE_EXISTING}=1 needs KUBECONFIG to name the cluster's kubeconfig", pytrace=False)
+        handle = Cluster.existing(kubeconfig, tools, owner=owner)
+        try:
+            yield handle
+        finally:
+            handle.close()
+        return
+    with ControlPlane(tools) as control_plane:
+        handle = Cluster.local(control_plane, owner=owner)
+        try:
+            yield handle
+        finally:
+            handle.close()
