@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("oobleck.runtime.cli", "measure every layer and write the planner's profile JSON"),
     "launch": ("oobleck.runtime.launcher", "run an elastic job locally: coordinator, plan controller, workers"),
     "operator": ("oobleck.operator.cli", "run the OobleckJob operator (kopf)"),
+    "demo": ("oobleck.demo", "run the example job on a local control plane"),
 }
 
 
