@@ -31,4 +31,5 @@ dev-down: venv
 	$(PY) -m oobleck.cli dev down
 
 bench: venv
-	$(PY) bench/planner.py
+	$(PY) bench/planner_templates.py
+	$(PY) bench/planner_plans.py
