@@ -1,0 +1,145 @@
+"""Runtime subcommands: `oobleck worker` (one training process for a static plan), `oobleck profile`
+and `oobleck launch` (the local elastic launcher).
+
+`register()` adds every parser listed in `PARSERS`; a new subcommand is one function appended
+there. Heavy imports (torch) stay inside the handlers so `oobleck --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+
+
+def _store_address(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"--store: expected HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def add_worker_parser(subparsers) -> None:
+    parser = subparsers.add_parser("worker", help="run one training worker for a static plan")
+    parser.add_argument(
+        "--config", default=os.environ.get("OOBLECK_CONFIG"),
+        help="worker config, JSON or YAML (env OOBLECK_CONFIG; default: the built-in defaults)",
+    )
+    parser.add_argument("--plan", default=os.environ.get("OOBLECK_PLAN"), help="plan JSON file (env OOBLECK_PLAN)")
+    parser.add_argument(
+        "--store", type=_store_address, default=os.environ.get("OOBLECK_STORE"),
+        help="rendezvous TCPStore HOST:PORT (env OOBLECK_STORE)",
+    )
+    parser.add_argument("--node", default=os.environ.get("OOBLECK_NODE", socket.gethostname()), help="this node's name (env OOBLECK_NODE)")
+    parser.add_argument("--gpu", type=int, default=int(os.environ.get("OOBLECK_GPU", "0")), help="local GPU index (env OOBLECK_GPU)")
+    parser.add_argument("--steps", type=int, default=None, help="override config.steps")
+    parser.add_argument("--losses", default=None, help="append per-step global losses here (JSON lines)")
+    parser.add_argument("--dump", default=None, help="write the final parameters of held layers here (torch.save)")
+    parser.add_argument("--metrics-port", type=int, default=-1, help="serve Prometheus metrics on this port (-1: off)")
+    parser.set_defaults(func=run_worker)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    import torch
+    from torch.distributed import TCPStore
+
+    from oobleck.api.plan import Plan
+    from oobleck.runtime.config import WorkerConfig, load_config
+    from oobleck.runtime.worker import Worker
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.store is None:
+        print("oobleck worker: --store HOST:PORT (or OOBLECK_STORE) is required", file=sys.stderr)
+        return 2
+    if args.plan is None:
+        print("oobleck worker: --plan FILE (or OOBLECK_PLAN) is required: this worker runs one static plan "
+              "(the elastic loop is `python -m oobleck.runtime.reconfig`)", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config) if args.config else WorkerConfig()
+        with open(args.plan) as handle:
+            plan = Plan.model_validate_json(handle.read())
+    except (OSError, ValueError) as error:
+        print(f"oobleck worker: {error}", file=sys.stderr)
+        return 2
+    host, port = args.store
+    store = TCPStore(host, port, is_master=False, wait_for_workers=False)
+    worker = Worker(config, store, args.node, args.gpu, losses_path=args.losses)
+    if args.metrics_port >= 0:
+        worker.metrics.serve(args.metrics_port)
+    worker.run_static(plan, args.steps)
+    if args.dump:
+        torch.save(worker.layer_state(), args.dump)
+    return 0
+
+
+def add_profile_parser(subparsers) -> None:
+    parser = subparsers.add_parser("profile", help="measure every layer and write the planner's profile JSON")
+    parser.add_argument("--config", default=None, help="worker config naming the model (default: tiny-gpt)")
+    parser.add_argument("--model", default=None, help="override config.model.name")
+    parser.add_argument("--microbatch-size", type=int, default=None, help="override config.microbatch_size")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="override config.device")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--out", default="-", help="output file ('-': stdout)")
+    parser.set_defaults(func=run_profile)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from oobleck.runtime.config import ModelConfig, WorkerConfig, build_model, load_config
+    from oobleck.runtime.profiler import profile_model
+    from oobleck.runtime.worker import choose_device
+
+    try:
+        config = load_config(args.config) if args.config else WorkerConfig()
+        updates = {}
+        if args.model:
+            updates["model"] = ModelConfig(name=args.model, sizes=config.model.sizes)
+        if args.microbatch_size is not None:
+            updates["microbatch_size"] = args.microbatch_size
+        if args.device:
+            updates["device"] = args.device
+        config = WorkerConfig.model_validate(config.model_dump() | {k: v for k, v in updates.items() if not isinstance(v, ModelConfig)}
+                                             | ({"model": updates["model"].model_dump()} if "model" in updates else {}))
+        model = build_model(config)
+    except (OSError, ValueError) as error:
+        print(f"oobleck profile: {error}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(config.threads)
+    profile = profile_model(model, config.microbatch_size, choose_device(config, 0), args.warmup, args.iterations)
+    text = profile.model_dump_json(indent=2)
+    if args.out == "-":
+        print(text)
+    else:
+        with open(args.out, "w") as handle:
+            handle.write(text + "\n")
+    return 0
+
+
+def add_launch_parser(subparsers) -> None:
+    """`oobleck launch`: the local elastic launcher (defined beside it, runtime/launcher.py)."""
+    from oobleck.runtime.launcher import add_parser
+
+    add_parser(subparsers)
+
+
+# Each entry adds one subcommand.
+PARSERS: list[Callable] = [add_worker_parser, add_profile_parser, add_launch_parser]
+
+
+def register(subparsers) -> None:
+    """Add the runtime's subcommands to the `oobleck` parser."""
+    for add in PARSERS:
+        add(subparsers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oobleck.runtime")
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,116 @@
+"""The worker's typed configuration: what to train and how. The plan says *where*; this says *what*.
+
+Every worker of a job reads the same config (a JSON or YAML file); `build_model` and `build_dataset`
+turn it into the objects the engine and the reference trainer share.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    name: str = Field(default="tiny-gpt", description="'gpt', a preset ('tiny-gpt', ...) or 'module:function'")
+    sizes: dict[str, int | float] = Field(
+        default_factory=dict, description="size overrides (blocks, hidden, heads, seq_len, vocab, dropout)"
+    )
+
+
+class DataConfig(_Strict):
+    kind: Literal["synthetic", "file"] = "synthetic"
+    path: str | None = Field(default=None, description="token file for kind=file (.npy, .bin, or any file as bytes)")
+    noise: float = Field(default=0.1, ge=0, le=1, description="synthetic: probability of a random token")
+
+    @model_validator(mode="after")
+    def _path_for_file(self) -> "DataConfig":
+        if self.kind == "file" and not self.path:
+            raise ValueError("path: required when kind is 'file'")
+        return self
+
+
+class OptimConfig(_Strict):
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr` at `decay_steps`."""
+
+    lr: float = Field(default=1e-3, gt=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0, description="applied to matrices (ndim >= 2) only")
+    warmup_steps: int = Field(default=5, ge=0)
+    decay_steps: int = Field(default=1000, ge=1)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+
+
+class Timeouts(_Strict):
+    """Every wait the runtime does, named and overridable (seconds)."""
+
+    connect: float = Field(default=60.0, gt=0, description="building a generation's process groups")
+    poll: float = Field(default=0.05, gt=0, description="granularity of interruptible waits")
+    step: float = Field(default=600.0, gt=0, description="one wait inside a step before giving up")
+
+
+class WorkerConfig(_Strict):
+    job: str = Field(default="local", min_length=1)
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    microbatch_size: int = Field(default=4, ge=1, description="samples per microbatch")
+    steps: int = Field(default=20, ge=0, description="global steps to train")
+    seed: int = Field(default=0, ge=0, description="seeds weights (per layer) and data (per microbatch)")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available")
+    threads: int = Field(default=1, ge=1, description="torch intra-op threads (fixed for determinism)")
+    timeouts: Timeouts = Timeouts()
+    gradient_sum_dtype: Literal["float64", "float32"] = Field(
+        default="float64",
+        description="accumulator of the per-layer gradient sums: float64 makes every layout agree with the "
+        "single-process reference to ~1 ulp (costs 8 bytes per parameter); float32 halves that, and layouts "
+        "then differ by float32 rounding",
+    )
+    interruptible_waits: bool = Field(
+        default=True, description="watch the failure event during every wait; False only to measure its overhead"
+    )
+
+
+def load_config(path: str | Path) -> WorkerConfig:
+    """Read a worker config from JSON or YAML; errors name the file and the field."""
+    import yaml
+
+    path = Path(path)
+    text = path.read_text()
+    try:
+        raw = (yaml.safe_load(text) or {}) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {error}") from error
+    try:
+        return WorkerConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ValueError(f"{path}: invalid worker config: {error}") from error
+
+
+def build_model(config: WorkerConfig):
+    """The config's LayeredModel (see oobleck.runtime.models.load_model)."""
+    from oobleck.runtime.models import load_model
+
+    return load_model(config.model.name, seed=config.seed, sizes=config.model.sizes)
+
+
+def build_dataset(config: WorkerConfig, model):
+    """The config's dataset, shaped for `model` (sequence length and vocabulary from the model)."""
+    from oobleck.runtime.data import SyntheticTokens, TokenFile
+
+    example = model.example_input(1)
+    seq_len = int(example.shape[1])
+    vocab = getattr(getattr(model, "sizes", None), "vocab", None)
+    if config.data.kind == "synthetic":
+        if vocab is None:
+            raise ValueError("data.kind: synthetic data needs a model with sizes.vocab (use kind=file for custom models)")
+        return SyntheticTokens(vocab, seq_len, config.microbatch_size, seed=config.seed, noise=config.data.noise)
+    return TokenFile(config.data.path, seq_len, config.microbatch_size, seed=config.seed, vocab=vocab)

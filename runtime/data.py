@@ -1,0 +1,105 @@
+"""Deterministic data: which samples form microbatch `index` of global step `step` is a pure function
+of (seed, step, index), so any layout, any reconfiguration and any replay sees the same batches.
+
+Two sources:
+- `SyntheticTokens`: a learnable synthetic language (each next token is an affine function of the
+  previous one, with occasional random tokens), generated on the fly.
+- `TokenFile`: a local file of token ids (`.npy`, or raw `.bin` of uint16/int32 ids), or any other
+  file tokenised bytewise (vocabulary 256). Samples are windows at pseudo-random offsets.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+_MASK = (1 << 63) - 1
+
+
+def mix(*values: int) -> int:
+    """A stable 63-bit hash of integers (splitmix64 steps); Python's hash() is salted per process."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state ^ (value & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
+        state = (state + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        state = z ^ (z >> 31)
+    return state & _MASK
+
+
+class Dataset(Protocol):
+    microbatch_size: int
+    seq_len: int
+
+    def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each `[microbatch_size, seq_len]` int64."""
+        ...
+
+
+class SyntheticTokens:
+    """x[t+1] = (a * x[t] + c) mod vocab, replaced by a uniform token with probability `noise`."""
+
+    def __init__(self, vocab: int, seq_len: int, microbatch_size: int, seed: int = 0, noise: float = 0.1) -> None:
+        if vocab < 2:
+            raise ValueError(f"data.vocab: must be >= 2, got {vocab}")
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"data.noise: must be within [0, 1], got {noise}")
+        self.vocab, self.seq_len, self.microbatch_size = vocab, seq_len, microbatch_size
+        self.seed, self.noise = seed, noise
+        rng = np.random.default_rng(mix(seed, 0xA11CE))
+        self._a = int(rng.integers(1, vocab)) | 1
+        self._c = int(rng.integers(0, vocab))
+
+    def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng(mix(self.seed, step, index))
+        tokens = np.empty((self.microbatch_size, self.seq_len + 1), dtype=np.int64)
+        tokens[:, 0] = rng.integers(0, self.vocab, self.microbatch_size)
+        noise = rng.random((self.microbatch_size, self.seq_len)) < self.noise
+        random_tokens = rng.integers(0, self.vocab, (self.microbatch_size, self.seq_len))
+        for t in range(self.seq_len):
+            following = (self._a * tokens[:, t] + self._c) % self.vocab
+            tokens[:, t + 1] = np.where(noise[:, t], random_tokens[:, t], following)
+        window = torch.from_numpy(tokens)
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+class TokenFile:
+    """Windows of `seq_len + 1` tokens at offsets drawn from (seed, step, index, sample)."""
+
+    def __init__(self, path: str | Path, seq_len: int, microbatch_size: int, seed: int = 0, vocab: int | None = None) -> None:
+        self.path = Path(path)
+        self.seq_len, self.microbatch_size, self.seed = seq_len, microbatch_size, seed
+        self.tokens = load_tokens(self.path)
+        if len(self.tokens) < seq_len + 1:
+            raise ValueError(f"data.path: {self.path} holds {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        top = int(self.tokens.max())
+        if vocab is not None and top >= vocab:
+            raise ValueError(f"data.path: {self.path} has token id {top}, outside the model's vocabulary of {vocab}")
+
+    def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng(mix(self.seed, step, index))
+        starts = rng.integers(0, len(self.tokens) - self.seq_len, self.microbatch_size)
+        windows = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        window = torch.from_numpy(windows)
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def load_tokens(path: Path) -> np.ndarray:
+    """Token ids from `.npy` (1-D integers), `.bin` (uint16 ids, or int32 with a `.i32.bin` suffix),
+    or any other file read as bytes."""
+    if not path.is_file():
+        raise ValueError(f"data.path: {path} is not a file")
+    if path.suffix == ".npy":
+        array = np.load(path, mmap_mode="r")
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"data.path: {path} must hold a 1-D integer array, got {array.dtype} {array.shape}")
+        return array
+    if path.suffix == ".bin":
+        dtype = np.int32 if path.name.endswith(".i32.bin") else np.uint16
+        return np.memmap(path, dtype=dtype, mode="r")
+    return np.frombuffer(path.read_bytes(), dtype=np.uint8)

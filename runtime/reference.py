@@ -1,0 +1,67 @@
+"""Single-process reference trainer: the oracle the distributed engine must match.
+
+The whole model in one process, the same global batch (microbatches 0..B-1 of each step), the mean
+loss over all samples, and the stock `torch.optim.AdamW` with the same schedule. Gradients of each
+microbatch are accumulated in float64 exactly as the engine does (runtime/engine.py), so the two
+differ only in the order of float64 additions (~1e-16 relative) — far inside the test tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from oobleck.runtime.config import WorkerConfig, build_dataset, build_model
+from oobleck.runtime.models import layer_seed
+from oobleck.runtime.optim import learning_rate, torch_adamw
+
+
+@dataclass
+class ReferenceResult:
+    losses: list[float]
+    """Mean loss over the global batch of every step (before that step's update)."""
+    layers: list[dict[str, torch.Tensor]]
+    """Final parameters of every layer, by parameter name."""
+
+
+def train_reference(
+    config: WorkerConfig, global_microbatches: int, steps: int | None = None, device: torch.device | str = "cpu"
+) -> ReferenceResult:
+    """Train `steps` (default config.steps) global steps of `global_microbatches` microbatches each.
+
+    Final parameters come back on the CPU whatever `device` ran the training."""
+    torch.set_num_threads(config.threads)
+    model = build_model(config)
+    data = build_dataset(config, model)
+    layers = nn.ModuleList(model.build_layer(i) for i in range(model.num_layers)).to(device)
+    parameters = list(layers.parameters())
+    optimizer = torch_adamw(parameters, config.optim)
+    samples = global_microbatches * config.microbatch_size
+    losses: list[float] = []
+    for step in range(config.steps if steps is None else steps):
+        sums = [torch.zeros_like(p, dtype=torch.float64) for p in parameters]
+        loss_sum = 0.0
+        for index in range(global_microbatches):
+            inputs, targets = data.microbatch(step, index)
+            x, targets = inputs.to(device), targets.to(device)
+            for number, layer in enumerate(layers):
+                if model.stochastic:
+                    torch.manual_seed(layer_seed(config.seed, step, index, number))
+                x = layer(x)
+            loss = model.loss(x, targets).sum()
+            loss.backward()
+            loss_sum += float(loss.detach().double())
+            for total, parameter in zip(sums, parameters):
+                total += parameter.grad.double()
+                parameter.grad = None
+        for total, parameter in zip(sums, parameters):
+            parameter.grad = (total / samples).to(parameter.dtype)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config.optim, step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss_sum / samples)
+    final = [{name: p.detach().cpu().clone() for name, p in layer.named_parameters()} for layer in layers]
+    return ReferenceResult(losses=losses, layers=final)

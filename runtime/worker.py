@@ -1,0 +1,260 @@
+"""The per-process worker: holds layers and optimizer state across plan generations and trains.
+
+The control side (coordinator, failure detection, plan source) drives it through three calls:
+- `adopt(plan)`: build the generation's groups, execute its layer copies, free layers no longer held;
+- `train_step()`: one global step; raises `Interrupted`/`CommError` with state untouched, so the
+  caller can `abandon()` the generation, adopt the next plan, and call `train_step()` again: the
+  step counter did not advance, so the same step is redone;
+- `abandon()`: drop the generation's groups without waiting.
+`run_generation(plan, until_step)` wraps the three for one generation and reports how it ended;
+`run_static` is the loop for a fixed plan (no reconfiguration).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from oobleck.api.plan import Plan
+from oobleck.runtime.config import WorkerConfig, build_dataset, build_model
+from oobleck.runtime.engine import Engine, StepOutcome
+from oobleck.runtime.groups import CommError, GenerationGroups, Interrupted, layout
+from oobleck.runtime.metrics import WorkerMetrics
+from oobleck.runtime.optim import LayerAdamW
+from oobleck.runtime.state import transfer
+
+log = logging.getLogger("oobleck.runtime.worker")
+
+
+@dataclass
+class GenerationResult:
+    status: Literal["done", "interrupted", "failed"]
+    """done: reached the target step; interrupted: the failure event was set; failed: a peer broke"""
+    step: int
+    """the next step to run (the one to redo if the generation broke)"""
+    generation: int
+    error: Exception | None
+
+
+class NotInPlan(RuntimeError):
+    """This worker's (node, gpu) has no rank in the plan."""
+
+
+def choose_device(config: WorkerConfig, gpu: int) -> torch.device:
+    """cuda:<gpu> when asked for (or auto and available), else cpu."""
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' requested but CUDA is not available")
+        # Recover in-process: NCCL's watchdog must not tear the process down on a peer's death,
+        # and groups are aborted explicitly when a generation is abandoned.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        os.environ.setdefault("TORCH_NCCL_RETHROW_CUDA_ERRORS", "0")
+        torch.cuda.set_device(gpu)
+        return torch.device("cuda", gpu)
+    return torch.device("cpu")
+
+
+class Worker:
+    """One process (one GPU) of a job."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        store,
+        node: str,
+        gpu: int,
+        failed: threading.Event | None = None,
+        losses_path: str | Path | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        torch.set_num_threads(config.threads)
+        self.config, self.store, self.node, self.gpu = config, store, node, gpu
+        self.failed = failed if failed is not None else threading.Event()
+        self.device = choose_device(config, gpu)
+        self.model = build_model(config)
+        self.data = build_dataset(config, self.model)
+        self.optimizer = LayerAdamW(config.optim)
+        self.layers: dict[int, nn.Module] = {}
+        self.step = 0
+        """the next global step to run (= steps completed)"""
+        self.started = False
+        """True once this worker holds trained (or received) state"""
+        self.plan: Plan | None = None
+        self.rank: int | None = None
+        self.groups: GenerationGroups | None = None
+        self.engine: Engine | None = None
+        self.failure_time: float | None = None
+        """time.monotonic() of the failure being recovered from; set by run_generation when a
+        generation breaks (the control side may set an earlier one, e.g. the kill it detected)"""
+        self.losses_path = Path(losses_path) if losses_path else None
+        self.metrics = metrics or WorkerMetrics(config.job, node, gpu)
+
+    # -- generations -------------------------------------------------------------------------------
+
+    def adopt(self, plan: Plan) -> int:
+        """Join `plan`'s generation: groups, layer copies, frees. Returns this worker's rank."""
+        rank = plan.rank_of(self.node, self.gpu)
+        if rank is None:
+            raise NotInPlan(f"plan generation {plan.generation} has no rank for node {self.node!r} gpu {self.gpu}")
+        if plan.num_layers != self.model.num_layers:
+            raise ValueError(f"num_layers: plan has {plan.num_layers}, model {self.model.name!r} has {self.model.num_layers}")
+        reconfiguring = self.plan is not None
+        mine = layout(plan, rank)
+        timeout = max(self.config.timeouts.connect, self.config.timeouts.step)
+        self.groups = GenerationGroups(
+            self.store, plan, rank, self.config.microbatch_size, self.device, timeout, self.failed, self.config.timeouts.poll
+        )
+        incoming = {c.layer for c in plan.copies if c.dst_rank == rank and c.src_rank != rank}
+        for layer in mine.layers:
+            if layer in self.layers or layer in incoming:
+                continue
+            if self.started:
+                raise ValueError(
+                    f"copies: rank {rank} (node {self.node!r} gpu {self.gpu}) needs layer {layer} but the plan "
+                    f"copies it from nowhere"
+                )
+            # A fresh job: every layer's initial weights are a pure function of (seed, layer).
+            module = self.model.build_layer(layer).to(self.device)
+            self.optimizer.ensure_layer(layer, module)
+            self.layers[layer] = module
+        moved = transfer(
+            plan.copies, rank, self.groups, self.model, self.layers, self.optimizer, self.device, self.failed,
+            self.config.timeouts.poll, self.config.timeouts.step,
+        )
+        self.metrics.bytes_copied.inc(moved)
+        for layer in [layer for layer in self.layers if layer not in mine.layers]:
+            del self.layers[layer]
+            self.optimizer.drop_layer(layer)
+        if incoming and not self.started:
+            self.step = self._step_from_state()
+        self._check_steps(rank)
+        self.started = True
+        self.plan, self.rank = plan, rank
+        self.engine = Engine(
+            self.config, self.model, self.data, self.optimizer, self.layers, plan, rank, self.groups, self.device, self.failed
+        )
+        self.metrics.generation.set(plan.generation)
+        self.metrics.pipelines.set(len(plan.pipelines))
+        self.metrics.rank.set(rank)
+        if reconfiguring:
+            self.metrics.reconfigurations.inc()
+        self._log("adopted", layers=list(mine.layers), copied_bytes=moved, reason=plan.reason)
+        return rank
+
+    def _step_from_state(self) -> int:
+        """A joining worker learns the job's step from the optimizer state it received."""
+        steps = {int(state.step.item()) for (layer, _), state in self.optimizer.state.items() if layer in self.layers}
+        if len(steps) != 1:
+            raise ValueError(f"copies: received layers disagree on the step counter: {sorted(steps)}")
+        return steps.pop()
+
+    def _check_steps(self, rank: int) -> None:
+        """Every held layer must have taken exactly `self.step` optimizer steps (a copy from a replica
+        that is a step ahead or behind would silently fork the model)."""
+        behind = {
+            layer for (layer, _), state in self.optimizer.state.items()
+            if layer in self.layers and int(state.step.item()) != self.step
+        }
+        if behind:
+            raise ValueError(
+                f"copies: rank {rank} is at step {self.step} but holds layers {sorted(behind)} at other steps"
+            )
+
+    def abandon(self) -> None:
+        """Drop the current generation without waiting for anything in flight."""
+        if self.groups is not None:
+            self.groups.abandon()
+        self.groups = self.engine = None
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def train_step(self) -> StepOutcome:
+        """Run global step `self.step` under the adopted plan; advances the counter only on success."""
+        if self.engine is None:
+            raise RuntimeError("train_step: no plan adopted (call adopt(plan) first)")
+        outcome = self.engine.train_step(self.step)
+        self.step += 1
+        if self.failure_time is not None:
+            self.metrics.recovery_seconds.observe(time.monotonic() - self.failure_time)
+            self.failure_time = None
+        self.metrics.observe_step(outcome.seconds, outcome.samples, outcome.tokens, self.step, outcome.loss)
+        if self.logs_loss:
+            self._append_loss(outcome)
+        self._log("step", step=outcome.step, loss=outcome.loss, seconds=round(outcome.seconds, 6))
+        return outcome
+
+    @property
+    def logs_loss(self) -> bool:
+        """The first rank of the last stage of the first pipeline writes the global loss."""
+        if self.plan is None:
+            return False
+        return self.rank == self.plan.pipelines[0].stages[-1].ranks[0]
+
+    def run_generation(
+        self, plan: Plan, until_step: int, on_step: Callable[[StepOutcome], None] | None = None
+    ) -> GenerationResult:
+        """Adopt `plan` and train until global step `until_step` or until the generation breaks.
+
+        Never raises for an interruption or a communication failure: the result says which, and the
+        step counter names the step to redo under the next plan. Anything else (a bug, bad input)
+        propagates."""
+        self.abandon()
+        try:
+            self.adopt(plan)
+            while self.step < until_step:
+                outcome = self.train_step()
+                if on_step is not None:
+                    on_step(outcome)
+        except Interrupted as error:
+            self.failure_time = self.failure_time or time.monotonic()
+            self._log("interrupted", error=str(error))
+            return GenerationResult("interrupted", self.step, plan.generation, error)
+        except CommError as error:
+            self.failure_time = self.failure_time or time.monotonic()
+            self._log("comm_failed", error=str(error))
+            return GenerationResult("failed", self.step, plan.generation, error)
+        return GenerationResult("done", self.step, plan.generation, None)
+
+    def run_static(self, plan: Plan, steps: int | None = None) -> list[StepOutcome]:
+        """Adopt `plan` and train until `steps` (default: config.steps) global steps are done."""
+        self.adopt(plan)
+        target = self.config.steps if steps is None else steps
+        outcomes = []
+        while self.step < target:
+            outcomes.append(self.train_step())
+        return outcomes
+
+    # -- output ------------------------------------------------------------------------------------
+
+    def _append_loss(self, outcome: StepOutcome) -> None:
+        if self.losses_path is None:
+            return
+        record = {"job": self.config.job, "rank": self.rank, **asdict(outcome), "time": time.time()}
+        with self.losses_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def _log(self, event: str, **fields) -> None:
+        generation = self.plan.generation if self.plan is not None else None
+        log.info(
+            json.dumps(
+                {"event": event, "job": self.config.job, "node": self.node, "gpu": self.gpu, "rank": self.rank,
+                 "generation": generation, "step": self.step, "pid": os.getpid(), **fields}
+            )
+        )
+
+    def layer_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Parameters of every held layer (CPU copies), for checks and dumps."""
+        return {
+            layer: {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
+            for layer, module in sorted(self.layers.items())
+        }

@@ -1,0 +1,136 @@
+"""Helpers for runtime tests: hand-built plans and a local multi-process run of real workers.
+
+Plans are built by hand (the planner is tested on its own); workers are real `python -m
+oobleck.runtime worker` processes talking gloo through a TCPStore hosted by the test process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from oobleck.api.plan import LayerCopy, Pipeline, Plan, RankAssignment, Stage, Template, TemplateStage
+from oobleck.runtime.config import WorkerConfig
+
+
+@dataclass
+class PipelineSpec:
+    """A pipeline by hand: stages as (start, end, node index within the pipeline, gpus)."""
+
+    stages: list[tuple[int, int, int, int]]
+    microbatches: int
+
+
+def make_plan(
+    specs: list[PipelineSpec],
+    num_layers: int,
+    gpus_per_node: int = 1,
+    generation: int = 0,
+    job: str = "test",
+    f: int = 1,
+    copies: list[dict] | None = None,
+    node_names: list[list[str]] | None = None,
+) -> Plan:
+    """A valid Plan: ranks numbered pipeline by pipeline, stage by stage, GPU by GPU."""
+    pipelines, ranks, templates = [], [], {}
+    offset, rank, node_counter = 0, 0, 0
+    for index, spec in enumerate(specs):
+        count = max(node for _, _, node, _ in spec.stages) + 1
+        names = node_names[index] if node_names else [f"n{node_counter + i}" for i in range(count)]
+        node_counter += count
+        used = [0] * count
+        stages, template_stages = [], []
+        for stage_index, (start, end, node, gpus) in enumerate(spec.stages):
+            stage_ranks = list(range(rank, rank + gpus))
+            for g in range(gpus):
+                ranks.append(
+                    RankAssignment(rank=rank, node=names[node], gpu=used[node] + g, pipeline=index,
+                                   stage=stage_index, start=start, end=end)
+                )
+                rank += 1
+            template_stages.append(
+                TemplateStage(start=start, end=end, node=node, gpus=gpus, gpu_offset=used[node], forward_ms=1, backward_ms=2)
+            )
+            used[node] += gpus
+            stages.append(Stage(start=start, end=end, ranks=stage_ranks))
+        templates.setdefault(count, Template(nodes=count, stages=template_stages, iteration_ms=1, m_ref=spec.microbatches))
+        pipelines.append(
+            Pipeline(index=index, template_nodes=count, nodes=names, microbatches=spec.microbatches,
+                     microbatch_offset=offset, stages=stages, iteration_ms=1)
+        )
+        offset += spec.microbatches
+    return Plan(
+        job=job, generation=generation, num_layers=num_layers, gpus_per_node=gpus_per_node, f=f,
+        global_microbatches=offset, templates=list(templates.values()), pipelines=pipelines, ranks=ranks,
+        copies=[LayerCopy(**c) for c in copies or []], iteration_ms=1,
+    )
+
+
+@dataclass
+class RunResult:
+    losses: list[dict]
+    layers: dict[int, dict[str, torch.Tensor]]
+    """final parameters, merged over all workers (first holder wins; replicas are compared separately)"""
+    per_rank: dict[int, dict[int, dict[str, torch.Tensor]]]
+    seconds: float
+
+
+def run_workers(tmp: Path, config: WorkerConfig, plan: Plan, timeout: float = 120) -> RunResult:
+    """Run every rank of `plan` as a real worker process; return losses and final parameters."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    (tmp / "config.json").write_text(config.model_dump_json())
+    (tmp / "plan.json").write_text(plan.to_json())
+    losses = tmp / "losses.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    started = time.perf_counter()
+    processes = []
+    for assignment in plan.ranks:
+        log = open(tmp / f"rank{assignment.rank}.log", "w")
+        processes.append((assignment.rank, log, subprocess.Popen(
+            [sys.executable, "-m", "oobleck.runtime", "worker", "--config", str(tmp / "config.json"),
+             "--plan", str(tmp / "plan.json"), "--store", f"127.0.0.1:{store.port}", "--node", assignment.node,
+             "--gpu", str(assignment.gpu), "--losses", str(losses), "--dump", str(tmp / f"rank{assignment.rank}.pt")],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )))
+    deadline = time.monotonic() + timeout
+    failures = []
+    for rank, log, process in processes:
+        try:
+            code = process.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = "timeout"
+        log.close()
+        if code != 0:
+            failures.append(f"rank {rank} exited {code}:\n{(tmp / f'rank{rank}.log').read_text()[-3000:]}")
+    if failures:
+        for _, _, process in processes:
+            process.kill()
+        pytest.fail("\n".join(failures))
+    seconds = time.perf_counter() - started
+    per_rank = {a.rank: torch.load(tmp / f"rank{a.rank}.pt") for a in plan.ranks}
+    merged: dict[int, dict[str, torch.Tensor]] = {}
+    for rank in sorted(per_rank):
+        for layer, params in per_rank[rank].items():
+            merged.setdefault(layer, params)
+    records = [json.loads(line) for line in losses.read_text().splitlines()]
+    return RunResult(losses=records, layers=merged, per_rank=per_rank, seconds=seconds)
+
+
+@pytest.fixture
+def plan_builder():
+    return make_plan, PipelineSpec
+
+
+@pytest.fixture
+def workers():
+    return run_workers
