@@ -15,8 +15,10 @@ build: venv
 k8s-tools:
 	@scripts/k8s-tools/build >/dev/null
 
+# The CRD YAML is generated from the pydantic models; the helm chart carries a copy of it.
 crds: venv
 	$(PY) -m oobleck.cli crds --write crds/
+	$(PY) -m oobleck.dev.chart --write
 
 test: venv k8s-tools
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
