@@ -17,6 +17,7 @@ import pytest
 
 if TYPE_CHECKING:
     from oobleck.dev.controlplane import Cluster
+    from oobleck.dev.nodeagent import NodeAgent
 
 USE_EXISTING = "OOBLECK_USE_EXISTING_CLUSTER"
 
@@ -76,3 +77,29 @@ def cluster() -> Iterator[Cluster]:
             yield handle
         finally:
             handle.close()
+
+
+@pytest.fixture(scope="module")
+def local_nodes(
+    cluster: Cluster, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeAgent]:
+    """A local node agent on the session cluster for one test module: nodes whose pods run as processes.
+
+    Default: 2 nodes x 2 `nvidia.com/gpu`; a module overrides any `NodeAgent` keyword with a
+    module-level dict `LOCAL_NODES = {"nodes": 4, "gpus_per_node": 8, "timeouts": AgentTimeouts(...)}`.
+    Nodes are named `local-<owner>-<random>-<i>`; pin pods to them with `nodeSelector:
+    agent.node_selector` (kwok nodes of the same session also offer GPUs). Container logs and pod
+    folders stay in a pytest temp folder (`agent.workdir`). Stopped at the end of the module: no
+    process is left and the nodes are deleted. See `oobleck.dev.nodeagent.NodeAgent`.
+    """
+    from oobleck.dev.nodeagent import NodeAgent
+
+    options = {"nodes": 2, "gpus_per_node": 2, **getattr(request.module, "LOCAL_NODES", {})}
+    agent = NodeAgent(
+        cluster.kubeconfig,
+        name_prefix=f"local-{cluster.owner}-{secrets.token_hex(2)}-",
+        workdir=tmp_path_factory.mktemp("nodeagent"),
+        **options,
+    )
+    with agent:
+        yield agent

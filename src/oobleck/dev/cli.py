@@ -1,13 +1,20 @@
 """`oobleck dev`: a local control plane by hand.
 
-    oobleck dev up [--kwok-nodes N --gpus-per-node G]   start in the background, print KUBECONFIG
+    oobleck dev up [--kwok-nodes N] [--local-nodes N] [--gpus-per-node G]
+                                                         start in the background, print KUBECONFIG
     oobleck dev status                                   what runs, and whether the API is ready
     oobleck dev down                                     stop everything, remove the state (idempotent)
     oobleck dev serve [...]                              the same control plane in the foreground
+    oobleck dev nodes --count N --gpus G                 a local node agent in the foreground
+    oobleck dev kill-pod NS/POD [--signal SIG]           kill a pod's processes on the local nodes
+    oobleck dev gpu-unhealthy NODE [--healthy-gpus N]    a local node loses GPUs (gpu-healthy: back)
 
 `up` starts `serve` detached; `serve` owns the control plane (its children die with it, even on
 SIGKILL) and records pids, ports and the kubeconfig in the state folder (default `.state/dev/` of
-the checkout), writing `state.json` last, once everything is ready.
+the checkout), writing `state.json` last, once everything is ready. With `--local-nodes` it also
+runs the local node agent (`oobleck.dev.nodeagent`): nodes whose pods run as local processes.
+The agent, in `serve` or in `nodes`, keeps `nodeagent/agent.json` in the state folder (pids per
+pod) for `kill-pod`; one agent per state folder.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ KUBECONFIG_FILE = "kubeconfig"
 UP_TIMEOUT_S = 600.0
 # `down` waits this long for `serve` to stop its children before SIGKILLing it.
 DOWN_GRACE_S = 60.0
+NODEAGENT_DIR = "nodeagent"
+KUBECONFIG_HELP = "default: the state folder's (from `up`), else $KUBECONFIG"
+GPU_DEVICES_HELP = "local nodes: real GPU ids (e.g. 0,1) behind their GPUs, set as CUDA_VISIBLE_DEVICES in pods"
 
 
 def default_state_dir() -> Path:
@@ -50,8 +60,22 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _devices(text: str) -> list[str]:
+    devices = [part.strip() for part in text.split(",") if part.strip()]
+    if not devices:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of GPU ids expected, got {text!r}")
+    return devices
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `oobleck dev {up,down,status,serve}`."""
+    """Add `oobleck dev {up,down,status,serve,nodes,kill-pod,gpu-unhealthy,gpu-healthy}`."""
     dev = subparsers.add_parser("dev", help="local Kubernetes control plane (etcd, apiserver, controllers, kwok)")
     commands = dev.add_subparsers(dest="dev_command", required=True, metavar="ACTION")
 
@@ -67,10 +91,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ):
         parser = add(name, help, func)
         parser.add_argument("--kwok-nodes", type=_non_negative, default=0, help="fake GPU nodes to register")
-        parser.add_argument("--gpus-per-node", type=_non_negative, default=8, help="nvidia.com/gpu per fake node")
+        parser.add_argument("--local-nodes", type=_non_negative, default=0, help="local nodes running pods as processes")
+        parser.add_argument("--gpus-per-node", type=_non_negative, default=8, help="nvidia.com/gpu per kwok or local node")
+        parser.add_argument("--gpu-devices", type=_devices, default=None, help=GPU_DEVICES_HELP)
         parser.add_argument("--build", action="store_true", help="build the k8s tools first if they are missing")
     add("down", "stop everything started by `up` and remove the state", _down)
     add("status", "show what runs; exit 0 if ready, 3 if not running, 1 if unhealthy", _status)
+
+    nodes = add("nodes", "run a local node agent in the foreground until Ctrl-C", _nodes)
+    nodes.add_argument("--count", type=_positive, default=4, help="nodes to register (default 4)")
+    nodes.add_argument("--gpus", type=_non_negative, default=8, help="nvidia.com/gpu per node (default 8)")
+    nodes.add_argument("--cpu", default="16", help="cpu capacity per node (default 16)")
+    nodes.add_argument("--memory", default="64Gi", help="memory capacity per node (default 64Gi)")
+    nodes.add_argument("--name-prefix", default="oobleck-local-", help="node names: <prefix><i>")
+    nodes.add_argument("--kubeconfig", default=None, help=KUBECONFIG_HELP)
+    nodes.add_argument("--gpu-devices", type=_devices, default=None, help=GPU_DEVICES_HELP)
+    kill = add("kill-pod", "kill the processes of a pod running on the local nodes", _kill_pod)
+    kill.add_argument("pod", metavar="NAMESPACE/POD")
+    kill.add_argument("--signal", default="KILL", help="signal name or number (default KILL: exit code 137)")
+    for name, help, func in (
+        ("gpu-unhealthy", "lower a node's allocatable nvidia.com/gpu and set GPUHealthy=False", _gpu_unhealthy),
+        ("gpu-healthy", "restore a node's allocatable nvidia.com/gpu to its capacity", _gpu_healthy),
+    ):
+        parser = add(name, help, func)
+        parser.add_argument("node", metavar="NODE")
+        parser.add_argument("--kubeconfig", default=None, help=KUBECONFIG_HELP)
+        if name == "gpu-unhealthy":
+            parser.add_argument("--healthy-gpus", type=_non_negative, default=None, help="default: one fewer than capacity")
 
 
 # --- process identity ----------------------------------------------------------------------------
@@ -138,6 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"oobleck dev: {error}", file=sys.stderr)
         return 1
     control_plane = ControlPlane(tools, kubeconfig=state / KUBECONFIG_FILE)
+    agent = None
     try:
         control_plane.start()
         nodes: list[str] = []
@@ -145,6 +193,11 @@ def _serve(args: argparse.Namespace) -> int:
         if args.kwok_nodes:
             control_plane.start_kwok()
             nodes = kwok.add_fake_nodes(control_plane.kubeconfig, args.kwok_nodes, gpus=args.gpus_per_node, group="dev")
+        local_began = time.monotonic()
+        if args.local_nodes:
+            agent = _start_agent(
+                state, str(control_plane.kubeconfig), args.local_nodes, args.gpus_per_node, gpu_devices=args.gpu_devices
+            )
         record = {
             "supervisor": _stamp(os.getpid()),
             "server": control_plane.server,
@@ -156,7 +209,9 @@ def _serve(args: argparse.Namespace) -> int:
             "gpus_per_node": args.gpus_per_node,
             "started_in_s": round(control_plane.started_in_s or 0, 2),
             "phases_s": control_plane.phase_s,
-            "kwok_nodes_in_s": round(time.monotonic() - began, 2) if nodes else None,
+            "kwok_nodes_in_s": round(local_began - began, 2) if nodes else None,
+            "local_nodes": agent.node_names if agent else [],
+            "local_nodes_in_s": round(time.monotonic() - local_began, 2) if agent else None,
         }
         tmp = state / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=2))
@@ -173,6 +228,8 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        if agent is not None:
+            agent.stop()  # before the API server goes: it deletes its nodes
         control_plane.stop()
         for name in (STATE_FILE, SUPERVISOR_FILE):
             (state / name).unlink(missing_ok=True)
@@ -205,8 +262,9 @@ def _up(args: argparse.Namespace) -> int:
     command = [
         # This module's own entry point: the supervisor needs none of the other subcommands.
         sys.executable, "-m", "oobleck.dev.cli", "serve", "--state-dir", str(state),
-        "--kwok-nodes", str(args.kwok_nodes), "--gpus-per-node", str(args.gpus_per_node),
-        *(["--build"] if args.build else []),
+        "--kwok-nodes", str(args.kwok_nodes), "--local-nodes", str(args.local_nodes),
+        "--gpus-per-node", str(args.gpus_per_node), *(["--build"] if args.build else []),
+        *(["--gpu-devices", ",".join(args.gpu_devices)] if args.gpu_devices else []),
     ]  # fmt: skip
     with open(state / LOG_FILE, "w") as log:
         # A session of its own: it outlives this command and the terminal's Ctrl-C.
@@ -230,6 +288,8 @@ def _up(args: argparse.Namespace) -> int:
     print(f"up: {record['server']} (control plane ready in {record['started_in_s']} s)")
     if record["kwok_nodes"]:
         print(f"kwok: {record['kwok_nodes']} fake nodes with nvidia.com/gpu={record['gpus_per_node']}")
+    if record.get("local_nodes"):
+        print(f"local nodes: {', '.join(record['local_nodes'])} with nvidia.com/gpu={record['gpus_per_node']}")
     _print_kubeconfig(record["kubeconfig"])
     return 0
 
@@ -264,10 +324,12 @@ def _cleanup(state: Path, quiet: bool) -> bool:
             os.killpg(int(stamp.split()[0]), signal.SIGKILL)
             if not quiet:
                 print(f"killed leftover {name} ({stamp.split()[0]})")
-    if record.get("workdir"):
-        import shutil
+    import shutil
 
+    if record.get("workdir"):
         shutil.rmtree(record["workdir"], ignore_errors=True)
+    if not _agent_running(state):  # the agent's pod folders and logs (its processes died with `serve`)
+        shutil.rmtree(state / NODEAGENT_DIR, ignore_errors=True)
     for name in (STATE_FILE, SUPERVISOR_FILE, KUBECONFIG_FILE, LOG_FILE, STATE_FILE + ".tmp", KUBECONFIG_FILE + ".tmp"):
         (state / name).unlink(missing_ok=True)
     return running
@@ -307,7 +369,129 @@ def _status(args: argparse.Namespace) -> int:
     print(f"readyz:     {ready.stdout.strip() or ready.stderr.strip()}")
     if record["kwok_nodes"]:
         print(f"kwok nodes: {record['kwok_nodes']} x nvidia.com/gpu={record['gpus_per_node']}")
+    if record.get("local_nodes"):
+        print(f"local nodes: {', '.join(record['local_nodes'])} x nvidia.com/gpu={record['gpus_per_node']}")
     return 0 if healthy else 1
+
+
+# --- the local node agent ------------------------------------------------------------------------
+
+
+def _agent_running(state: Path) -> bool:
+    """Whether a node agent holds this state folder (its lock)."""
+    lock_path = state / NODEAGENT_DIR / LOCK_FILE
+    if not lock_path.exists():
+        return False
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return False
+
+
+def _start_agent(state: Path, kubeconfig: str, count: int, gpus: int, **options):
+    """Start a NodeAgent keeping its pids, pod folders and logs in `<state>/nodeagent` (one per state folder)."""
+    from oobleck.dev.nodeagent import NodeAgent, NodeAgentError
+
+    folder = state / NODEAGENT_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder / LOCK_FILE, "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise NodeAgentError(f"a node agent already runs for {state}") from None
+    agent = NodeAgent(kubeconfig, count, gpus, workdir=folder / "work", status_dir=folder, **options)
+    agent.start()  # stops itself if it fails
+    agent._cli_lock = lock  # type: ignore[attr-defined]  # held (open) for the agent's lifetime
+    return agent
+
+
+def _kubeconfig(args: argparse.Namespace) -> str:
+    own = _state_dir(args) / KUBECONFIG_FILE
+    if args.kubeconfig:
+        return args.kubeconfig
+    if own.exists():
+        return str(own)
+    if os.environ.get("KUBECONFIG"):
+        return os.environ["KUBECONFIG"].split(os.pathsep)[0]
+    raise SystemExit("oobleck dev: no kubeconfig: pass --kubeconfig, run `oobleck dev up`, or set KUBECONFIG")
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    from oobleck.dev.nodeagent import NodeAgentError
+    from oobleck.dev.podenv import PodConfigError
+
+    kubeconfig = _kubeconfig(args)
+    state = _state_dir(args)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, _raise_stop)
+    agent = None
+    try:
+        agent = _start_agent(
+            state, kubeconfig, args.count, args.gpus, cpu=args.cpu, memory=args.memory,
+            name_prefix=args.name_prefix, gpu_devices=args.gpu_devices,
+        )  # fmt: skip
+        print(f"local nodes ready: {', '.join(agent.node_names)} (nvidia.com/gpu={args.gpus}); "
+              f"pod logs in {agent.workdir / 'logs'}; Ctrl-C stops them", flush=True)  # fmt: skip
+        while True:
+            signal.pause()
+    except _StopRequested as stop:
+        print(f"stopping ({stop})", flush=True)
+        return 0
+    except (NodeAgentError, PodConfigError, ValueError) as error:
+        print(f"oobleck dev nodes: {error}", file=sys.stderr)
+        return 1
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
+        if agent is not None:
+            agent.stop()
+
+
+def _kill_pod(args: argparse.Namespace) -> int:
+    from oobleck.dev.nodeagent import NodeAgentError, kill_from_status_file
+
+    namespace, _, pod = args.pod.partition("/")
+    if not namespace or not pod:
+        print(f"oobleck dev kill-pod: NAMESPACE/POD expected, got {args.pod!r}", file=sys.stderr)
+        return 2
+    try:
+        name = args.signal.upper().removeprefix("SIG")
+        signum = int(args.signal) if args.signal.isdigit() else signal.Signals["SIG" + name]
+    except KeyError:
+        print(f"oobleck dev kill-pod: --signal: unknown signal {args.signal!r}", file=sys.stderr)
+        return 2
+    try:
+        pids = kill_from_status_file(_state_dir(args) / NODEAGENT_DIR, namespace, pod, signum)
+    except (NodeAgentError, LookupError) as error:
+        print(f"oobleck dev kill-pod: {error}", file=sys.stderr)
+        return 1
+    print(f"sent {signal.Signals(signum).name} to {namespace}/{pod} (pids {', '.join(map(str, pids))})")
+    return 0
+
+
+def _gpu_unhealthy(args: argparse.Namespace) -> int:
+    return _gpu_health(args, args.healthy_gpus, restore=False)
+
+
+def _gpu_healthy(args: argparse.Namespace) -> int:
+    return _gpu_health(args, None, restore=True)
+
+
+def _gpu_health(args: argparse.Namespace, healthy: int | None, restore: bool) -> int:
+    from oobleck.dev.nodeagent import ApiError, GPU_RESOURCE, set_gpu_health_sync
+
+    try:
+        status = set_gpu_health_sync(_kubeconfig(args), args.node, healthy, restore=restore)["status"]
+    except (ApiError, ValueError) as error:
+        print(f"oobleck dev {'gpu-healthy' if restore else 'gpu-unhealthy'}: {error}", file=sys.stderr)
+        return 1
+    allocatable, capacity = status["allocatable"][GPU_RESOURCE], status["capacity"][GPU_RESOURCE]
+    print(f"{args.node}: nvidia.com/gpu allocatable {allocatable} of {capacity}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
