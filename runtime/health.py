@@ -1,0 +1,494 @@
+"""Failure detection inside a worker: heartbeats, a watcher, collective errors and a GPU probe.
+
+Every worker runs three small daemon threads, each with its own store connection (a store client
+serialises its operations, so a blocking wait must not sit in front of a heartbeat):
+
+- `oobleck-heartbeat` increments `hb/{worker}` every `heartbeat_period_s`;
+- `oobleck-watch` reads the peers' counters and declares a peer dead when its counter has not moved
+  for `dead_after_s` (measured on this worker's own monotonic clock, so clocks need not agree);
+  it also runs the GPU probe every `gpu_probe_period_s`;
+- `oobleck-abort` blocks on the `gen{g}/abort` key, so that one worker's detection reaches every
+  survivor in milliseconds.
+
+On a failure the detector sets `failure` (the Event the engine's waits check), posts the abort key
+of the generation, and hands a `FailureReport` to a `FailureReporter` (locally: the coordinator's
+failure queue, read by the plan controller; in a pod: an annotation on the worker's own pod).
+A broken collective ("Connection closed by peer" on gloo's TCP pairs) is the fastest signal of a
+process death: `signal(error)` turns it into the same failure path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import shutil
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol
+
+import torch.distributed as dist
+
+from oobleck.runtime import coordinator as keys
+from oobleck.runtime.coordinator import StoreTimeouts, StoreUnavailable, connect, is_store_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HealthTimeouts:
+    """Detection timing; every value overridable (e.g. longer on a loaded machine)."""
+
+    heartbeat_period_s: float = 0.1
+    """How often a worker bumps its heartbeat counter."""
+    dead_after_s: float = 1.0
+    """A peer whose counter has not moved for this long is dead (detection < dead_after + watch period)."""
+    watch_period_s: float = 0.05
+    """How often the watcher reads the peers' counters."""
+    abort_wait_s: float = 0.2
+    """Slice of the blocking wait on the abort key (bounds how long a generation switch takes to follow)."""
+    gpu_probe_period_s: float = 5.0
+    """How often the GPU probe runs (0 disables it)."""
+    startup_grace_s: float = 60.0
+    """Silence allowed from a peer that has never beaten (still starting: importing torch takes seconds
+    on a loaded machine). A death before the first beat is left to the controller (pod / process status)."""
+    rejoin_grace_s: float = 3.0
+    """Extra silence allowed after the coordinator came back: peers' clients reconnect with backoff."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_period_s", "dead_after_s", "watch_period_s", "abort_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.dead_after_s <= 2 * self.heartbeat_period_s:
+            raise ValueError(
+                f"dead_after_s: must exceed two heartbeat periods: {self.dead_after_s} <= 2 * {self.heartbeat_period_s}"
+            )
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """What a worker saw: who it thinks is dead (empty when unknown), how, and in which generation."""
+
+    job: str
+    generation: int
+    reporter: str
+    kind: str  # "heartbeat" | "collective" | "gpu" | "abort" | "process-exit"
+    dead: tuple[str, ...] = ()
+    detail: str = ""
+    detected_at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["dead"] = list(self.dead)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "FailureReport":
+        return cls(**{**data, "dead": tuple(data.get("dead", ()))})
+
+
+class FailureReporter(Protocol):
+    """Tells the plan controller about a failure. In a pod: annotate the worker's own pod."""
+
+    def report(self, report: FailureReport) -> None: ...
+
+
+class StoreFailureReporter:
+    """Local reporter: pushes the report onto the coordinator's `failures` queue."""
+
+    def __init__(self, host: str, port: int, timeouts: StoreTimeouts = StoreTimeouts()) -> None:
+        self._address = (host, port)
+        self._timeouts = timeouts
+        # Connected up front: a failure report must not wait for a connection.
+        self._store: dist.Store | None = connect(host, port, timeouts)[0]
+        self._lock = threading.Lock()
+
+    def report(self, report: FailureReport) -> None:
+        with self._lock:
+            for attempt in range(2):
+                if self._store is None:
+                    self._store, _ = connect(*self._address, self._timeouts)
+                try:
+                    keys.push_failure(self._store, report.to_dict())
+                    # A push has no reply: on a connection to a dead server it "succeeds" silently.
+                    # A call that answers proves it arrived (or raises, and we push again).
+                    self._store.queue_len(keys.FAILURES_QUEUE)
+                    return
+                except RuntimeError as error:
+                    if not is_store_loss(error) or attempt:
+                        raise
+                    self._store = None  # the coordinator restarted: reconnect once
+
+
+class CallbackFailureReporter:
+    """In-process reporter (tests, an embedded controller): calls `callback(report)`."""
+
+    def __init__(self, callback: Callable[[FailureReport], None]) -> None:
+        self._callback = callback
+
+    def report(self, report: FailureReport) -> None:
+        self._callback(report)
+
+
+# Text of errors that mean "a peer of this collective is gone" (gloo TCP pairs, NCCL, the store).
+_PEER_LOSS_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Connection refused",
+    "Broken pipe",
+    "Socket closed",
+    "EOF",
+    "Application timeout caused pair closure",
+    "ncclRemoteError",
+    "NCCL communicator was aborted",
+)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether an exception from a collective / p2p op means a peer died or the link broke."""
+    text = f"{type(error).__name__}: {error}"
+    return isinstance(error, dist.DistNetworkError) or any(marker in text for marker in _PEER_LOSS_MARKERS)
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    index: int
+    healthy: bool
+    detail: str = ""
+
+
+def probe_gpus() -> list[GpuHealth]:
+    """Health of the local GPUs: NVML through `pynvml` if importable, else `nvidia-smi`, else none.
+
+    No GPU (a CPU node) is an empty list, i.e. healthy. A GPU is unhealthy if it cannot be queried
+    or reports uncorrected volatile ECC errors.
+    """
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return _probe_nvidia_smi()
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return _probe_nvidia_smi()
+    try:
+        result = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                pynvml.nvmlDeviceGetMemoryInfo(handle)  # fails on a GPU that fell off the bus
+                try:
+                    ecc = pynvml.nvmlDeviceGetTotalEccErrors(
+                        handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+                    )
+                except pynvml.NVMLError_NotSupported:
+                    ecc = 0
+                result.append(GpuHealth(index, ecc == 0, f"uncorrected ECC errors: {ecc}" if ecc else ""))
+            except pynvml.NVMLError as error:
+                result.append(GpuHealth(index, False, f"NVML: {error}"))
+        return result
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _probe_nvidia_smi() -> list[GpuHealth]:
+    binary = shutil.which("nvidia-smi")
+    if binary is None:
+        return []
+    query = "index,ecc.errors.uncorrected.volatile.total"
+    try:
+        out = subprocess.run(
+            [binary, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError) as error:
+        # nvidia-smi present but failing: the driver or a GPU is in trouble.
+        return [GpuHealth(-1, False, f"nvidia-smi failed: {error}")]
+    result = []
+    for line in out.strip().splitlines():
+        index_text, ecc_text = (part.strip() for part in line.split(",", 1))
+        ecc = int(ecc_text) if ecc_text.isdigit() else 0  # "[N/A]" where ECC is off or unsupported
+        result.append(GpuHealth(int(index_text), ecc == 0, f"uncorrected ECC errors: {ecc}" if ecc else ""))
+    return result
+
+
+class FailureDetector:
+    """A worker's failure detection: heartbeat, watcher and abort-listener threads.
+
+    Usage: `start()`, then for every plan generation: `watch(generation, peers)` before adopting it
+    and `ready()` once adopted; the engine checks `failure`; the worker calls `signal(error)` when a
+    collective raises.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        worker: str,
+        host: str,
+        port: int,
+        *,
+        reporter: FailureReporter | None = None,
+        timeouts: HealthTimeouts = HealthTimeouts(),
+        store_timeouts: StoreTimeouts = StoreTimeouts(),
+        failure: threading.Event | None = None,
+        gpu_probe: Callable[[], list[GpuHealth]] = probe_gpus,
+    ) -> None:
+        self.job = job
+        self.worker = worker
+        self._address = (host, port)
+        self.timeouts = timeouts
+        self._store_timeouts = store_timeouts
+        self.reporter = reporter if reporter is not None else StoreFailureReporter(host, port, store_timeouts)
+        self.failure = failure if failure is not None else threading.Event()
+        self._gpu_probe = gpu_probe
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._generation = -1
+        self._peers: tuple[str, ...] = ()
+        self._watch_version = 0  # bumped by watch(): the watcher resets its clocks
+        self._reported: set[tuple[int, str]] = set()
+        self.last_report: FailureReport | None = None
+        self.epoch = ""
+        self._threads: list[threading.Thread] = []
+        self._trigger_store: dist.Store | None = None
+        self._trigger_lock = threading.RLock()  # _connect may re-enter trigger on a new epoch
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> "FailureDetector":
+        self._trigger_store, self.epoch = connect(*self._address, self._store_timeouts)
+        for name, target in (
+            ("oobleck-heartbeat", self._heartbeat_loop),
+            ("oobleck-watch", self._watch_loop),
+            ("oobleck-abort", self._abort_loop),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=2 * self.timeouts.abort_wait_s + self._store_timeouts.connect_s)
+        self._threads.clear()
+
+    def watch(self, generation: int, peers: list[str] | tuple[str, ...]) -> None:
+        """Adopt a plan generation: clear `failure`, watch `peers` (this worker is skipped)."""
+        with self._lock:
+            self._generation = generation
+            self._peers = tuple(p for p in peers if p != self.worker)
+            self._watch_version += 1
+            self.failure.clear()
+
+    def ready(self) -> None:
+        """This worker has adopted its generation: peers start holding it to `dead_after_s`."""
+        generation = self._generation
+        with self._trigger_lock:
+            for attempt in range(2):
+                if self._trigger_store is None:
+                    self._trigger_store = self._connect()
+                try:
+                    self._trigger_store.set(keys.ready_key(generation, self.worker), "1")
+                    self._trigger_store.check([keys.ready_key(generation, self.worker)])  # `set` has no reply
+                    return
+                except RuntimeError as error:
+                    self._trigger_store = None
+                    if not is_store_loss(error) or attempt:
+                        raise
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    # -- failure entry points ----------------------------------------------------------------------
+
+    def signal(self, error: BaseException) -> bool:
+        """Classify an exception raised by a collective; a peer loss triggers the failure path."""
+        if not is_peer_failure(error):
+            return False
+        self.trigger("collective", (), f"{type(error).__name__}: {error}")
+        return True
+
+    def trigger(
+        self, kind: str, dead: tuple[str, ...], detail: str, generation: int | None = None
+    ) -> FailureReport | None:
+        """Set `failure`, abort the generation and report (once per generation and dead worker)."""
+        with self._lock:
+            generation = self._generation if generation is None else generation
+            if generation != self._generation:
+                return None  # a late signal about a generation this worker already left
+            self.failure.set()
+            fresh = tuple(d for d in dead if (generation, d) not in self._reported)
+            if dead and not fresh:
+                return None
+            if not dead and (generation, "") in self._reported:
+                return None
+            self._reported.update((generation, d) for d in (fresh or ("",)))
+        report = FailureReport(self.job, generation, self.worker, kind, fresh, detail)
+        self.last_report = report
+        log.warning("failure detected by %s in generation %d: %s %s %s", self.worker, generation, kind, fresh, detail)
+        try:
+            self._post_abort(generation, report)
+        except (RuntimeError, StoreUnavailable) as error:
+            log.error("cannot post the abort of generation %d: %s", generation, error)
+        try:
+            self.reporter.report(report)
+        except (RuntimeError, StoreUnavailable) as error:
+            log.error("cannot report the failure: %s", error)
+        return report
+
+    # -- threads -----------------------------------------------------------------------------------
+
+    def _post_abort(self, generation: int, report: FailureReport) -> None:
+        """Post the abort on a connection kept for it: connecting takes ~0.2 s on a busy host, and
+        this is the critical path of every survivor's wake-up."""
+        with self._trigger_lock:
+            for attempt in range(2):
+                if self._trigger_store is None:
+                    self._trigger_store = self._connect()
+                try:
+                    keys.post_abort(self._trigger_store, generation, report.to_dict())
+                    return
+                except RuntimeError as error:
+                    self._trigger_store = None
+                    if not is_store_loss(error) or attempt:
+                        raise
+
+    def _connect(self) -> dist.Store:
+        store, epoch = connect(*self._address, self._store_timeouts)
+        if epoch != self.epoch:
+            log.warning("coordinator restarted: epoch %s -> %s", self.epoch, epoch)
+            previous, self.epoch = self.epoch, epoch
+            if previous:
+                # Groups of this generation may be half-built in the lost store: everyone leaves the
+                # generation and re-rendezvouses under the next one (new epoch, new prefix).
+                self.trigger("coordinator-restart", (), f"store epoch {previous} -> {epoch}")
+        return store
+
+    def _heartbeat_loop(self) -> None:
+        key = keys.heartbeat_key(self.worker)
+        store: dist.Store | None = None
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                if store is None:
+                    store = self._connect()
+                store.add(key, 1)
+            except RuntimeError as error:
+                if not is_store_loss(error):
+                    raise
+                store = None  # reconnect on the next beat
+            except StoreUnavailable as error:
+                log.error("heartbeat: %s", error)
+                return
+            self._stop.wait(max(0.0, self.timeouts.heartbeat_period_s - (time.monotonic() - started)))
+
+    def _watch_loop(self) -> None:
+        store: dist.Store | None = None
+        last_value: dict[str, int] = {}  # peers whose key exists in this store incarnation
+        last_change: dict[str, float] = {}
+        seen: set[str] = set()  # peers that have beaten at least once (in any incarnation)
+        seen_version = -1
+        next_probe = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            with self._lock:
+                generation, peers, version = self._generation, self._peers, self._watch_version
+            if version != seen_version:
+                # A new peer set: every peer gets a full dead_after_s from now.
+                seen_version = version
+                last_change = {p: now for p in peers}
+                last_value = {p: last_value[p] for p in peers if p in last_value}
+                armed: set[str] = set()
+            try:
+                if store is None:
+                    store = self._connect()
+                    # Nobody could beat during the outage, and peers reconnect with c10d's backoff.
+                    resumed = time.monotonic() + self.timeouts.rejoin_grace_s
+                    last_change = {p: resumed for p in peers}
+                    last_value = {}  # keys of a new incarnation must be checked before multi_get waits on them
+                    armed = set()
+                if generation >= 0 and keys.aborted(store, generation) and not self.failure.is_set():
+                    self._follow_abort(store, generation)
+                for peer in peers:
+                    if peer not in armed and generation >= 0 and store.check([keys.ready_key(generation, peer)]):
+                        armed.add(peer)  # it has adopted the generation: from now on, silence is death
+                        last_change[peer] = time.monotonic()
+                present = [p for p in peers if p in last_value or store.check([keys.heartbeat_key(p)])]
+                values = store.multi_get([keys.heartbeat_key(p) for p in present]) if present else []
+            except RuntimeError as error:
+                if not is_store_loss(error):
+                    raise
+                store = None
+                continue
+            except StoreUnavailable as error:
+                log.error("watch: %s", error)
+                return
+            now = time.monotonic()
+            for peer, raw in zip(present, values):
+                value = int(raw)
+                if last_value.get(peer) != value:
+                    last_value[peer] = value
+                    last_change[peer] = now
+                    seen.add(peer)
+            # A peer is held to dead_after_s once it has adopted the generation (`ready`): before
+            # that it may be importing torch or waiting in a rendezvous, where a loaded machine can
+            # starve its heartbeat thread of the GIL for seconds (measured: 1.5 s at load 13 on 2
+            # cores). A death in that window surfaces as a rendezvous / collective error or through
+            # the controller (process or pod status); a peer that never beats at all is dead after
+            # startup_grace_s.
+            dead = tuple(
+                p for p in peers
+                if (p in armed and now - last_change.get(p, now) > self.timeouts.dead_after_s)
+                or (p not in seen and now - last_change.get(p, now) > self.timeouts.startup_grace_s)
+            )
+            if dead and generation >= 0:
+                silent = ", ".join(f"{p} {now - last_change[p]:.2f}s" for p in dead)
+                self.trigger("heartbeat", dead, f"no heartbeat: {silent}", generation)
+            if self.timeouts.gpu_probe_period_s > 0 and now >= next_probe:
+                next_probe = now + self.timeouts.gpu_probe_period_s
+                bad = [g for g in self._gpu_probe() if not g.healthy]
+                if bad and generation >= 0:
+                    detail = "; ".join(f"gpu {g.index}: {g.detail}" for g in bad)
+                    self.trigger("gpu", (self.worker,), detail, generation)
+            self._stop.wait(self.timeouts.watch_period_s)
+
+    def _abort_loop(self) -> None:
+        store: dist.Store | None = None
+        while not self._stop.is_set():
+            generation = self._generation
+            if generation < 0 or self.failure.is_set():
+                self._stop.wait(self.timeouts.abort_wait_s)
+                continue
+            try:
+                if store is None:
+                    store = self._connect()
+                if keys.wait_abort(store, generation, self.timeouts.abort_wait_s):
+                    self._follow_abort(store, generation)
+            except RuntimeError as error:
+                if not is_store_loss(error):
+                    raise
+                store = None
+                self._stop.wait(self._store_timeouts.retry_s)
+            except StoreUnavailable as error:
+                log.error("abort listener: %s", error)
+                return
+
+    def _follow_abort(self, store: dist.Store, generation: int) -> None:
+        """Another worker aborted `generation`: stop waiting on collectives now."""
+        with self._lock:
+            if generation != self._generation:
+                return
+            self.failure.set()
+        try:
+            self.last_report = FailureReport.from_dict(json.loads(store.get(keys.abort_key(generation))))
+        except (RuntimeError, ValueError, TypeError):
+            pass
+
+
+def wait_alive(store: dist.Store, workers: list[str], timeout_s: float) -> None:
+    """Block until every one of `workers` has sent a heartbeat (a start barrier for a controller)."""
+    store.wait([keys.heartbeat_key(w) for w in workers], datetime.timedelta(seconds=timeout_s))

@@ -1,0 +1,363 @@
+"""The elastic worker: train under the newest plan, and reconfigure in place when it changes.
+
+This is the control loop around the execution engine (`oobleck.runtime.worker.Worker`):
+
+    plan = newest plan containing this worker
+    loop:
+        watch(plan) -> adopt(plan)       groups under e{epoch}/{job}/gen{g}/, layer copies, frees
+        train_step() until done          every step ends in a store-decided commit (below)
+        on a failure (heartbeat, abort key, collective error, coordinator restart) or a newer plan:
+            abandon() -> report holdings (held/{worker}) -> wait for the next plan -> adopt it
+            -> redo the interrupted step (the step counter only advances on a committed step)
+
+A newer plan interrupts like a failure, even one that only adds a node: ranks must leave a
+generation after the same step, and the commit decision is what makes that step common.
+
+Commit: a global step must be applied by every rank or by none, otherwise replicas of a layer
+diverge (a rank whose gradient sum completed would update while a neighbour, interrupted a moment
+earlier, would not). So before the optimizer update each rank arrives at
+`gen{g}/commit/{step}/arrived`; the rank that completes the count writes "commit" to
+`.../decision`, a rank that sees the failure Event first writes "abort" (compare-and-set: the first
+writer wins) and everyone follows the decision. Arriving means "my gradient sums completed", so a
+commit is safe even if some rank dies right after it. The hook is the optimizer's `step` (the
+engine calls it right after the sums and before touching any state).
+
+Run one worker: `python -m oobleck.runtime.reconfig --config C --plan-file P --store H:P --node N --gpu G`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from oobleck.api.plan import Plan
+from oobleck.runtime import coordinator as keys
+from oobleck.runtime.coordinator import StoreTimeouts, connect, is_store_loss, worker_id
+from oobleck.runtime.health import FailureDetector, HealthTimeouts
+from oobleck.runtime.plansource import FilePlanSource, PlanSource, PlanWatcher
+
+log = logging.getLogger("oobleck.runtime.reconfig")
+
+# Exit codes of an elastic worker (the launcher reads them).
+EXIT_DONE = 0
+EXIT_DROPPED = 3
+"""this worker was in a plan and a newer plan left it out (declared dead, or its node removed)"""
+EXIT_NO_PLAN = 4
+"""no plan arrived in time"""
+
+
+class ControlStore:
+    """The main thread's connection to the coordinator; replaced after a coordinator restart."""
+
+    def __init__(self, host: str, port: int, timeouts: StoreTimeouts = StoreTimeouts()) -> None:
+        self.address = (host, port)
+        self.timeouts = timeouts
+        self.store, self.epoch = connect(host, port, timeouts)
+
+    def reconnect(self) -> None:
+        self.store, self.epoch = connect(*self.address, self.timeouts)
+
+
+class StepCommit:
+    """All-or-nothing agreement on applying a step, decided through the coordinator's store.
+
+    If the coordinator dies while a rank waits for the decision, some ranks may have read "commit"
+    (and applied the step) and others not. The waiting rank then keeps its reduced gradients,
+    reconnects to the recreated coordinator, reports itself pending (`held/{worker}` with phase
+    "pending"), and waits for the controller to re-post the decision: "commit" if any survivor
+    reports the step applied, else "abort" (the controller sees every survivor's report).
+    """
+
+    def __init__(self, control: ControlStore, failed, worker: str = "", poll_s: float = 0.05,
+                 recover_timeout_s: float = 300.0) -> None:
+        self.control = control
+        self.failed = failed
+        self.worker = worker
+        self.poll_s = poll_s
+        self.recover_timeout_s = recover_timeout_s
+
+    def decide(self, generation: int, world_size: int, step: int) -> bool:
+        """Arrive and wait for the decision; True: apply the step, False: abort it."""
+        try:
+            return self._decide(generation, world_size, step)
+        except RuntimeError as error:
+            if not is_store_loss(error):
+                raise
+            return self._recover(generation, step)
+
+    def _decide(self, generation: int, world_size: int, step: int) -> bool:
+        store = self.control.store
+        prefix = keys.commit_prefix(generation, step)
+        decision = prefix + "decision"
+        if store.add(prefix + "arrived", 1) == world_size:
+            store.compare_set(decision, "", "commit")
+            # Every rank is past step - 2's decision now: drop its keys so a long job does not
+            # grow the store without bound.
+            old = keys.commit_prefix(generation, step - 2)
+            store.delete_key(old + "arrived")
+            store.delete_key(old + "decision")
+        while True:
+            if self.failed.is_set():
+                # compare_set returns the value in force: ours if we were first, else the winner's.
+                return store.compare_set(decision, "", "abort").decode() == "commit"
+            try:
+                store.wait([decision], datetime.timedelta(seconds=self.poll_s))
+                return store.get(decision).decode() == "commit"
+            except RuntimeError as error:
+                if is_store_loss(error):
+                    raise
+                # A wait timeout: look at the failure Event again.
+
+    def _recover(self, generation: int, step: int) -> bool:
+        log.warning(json.dumps({"event": "commit-pending", "worker": self.worker, "generation": generation,
+                                "step": step}))
+        self.control.reconnect()
+        store = self.control.store
+        store.set(keys.held_key(self.worker), json.dumps(
+            {"generation": generation, "step": step, "layers": [], "phase": "pending"}))
+        decision = keys.commit_prefix(generation, step) + "decision"
+        store.wait([decision], datetime.timedelta(seconds=self.recover_timeout_s))
+        return store.get(decision).decode() == "commit"
+
+
+class CommittingOptimizer:
+    """Wraps the worker's optimizer: `step()` first asks `StepCommit`, everything else passes through."""
+
+    def __init__(self, inner, worker, commit: StepCommit) -> None:
+        self._inner = inner
+        self._worker = worker
+        self._commit = commit
+
+    def step(self, *args, **kwargs):
+        from oobleck.runtime.groups import Interrupted
+
+        plan = self._worker.plan
+        try:
+            applied = self._commit.decide(plan.generation, plan.world_size, self._worker.step)
+        except RuntimeError as error:  # the coordinator is gone: nobody can commit, so nobody does
+            if not is_store_loss(error):
+                raise
+            raise Interrupted(f"commit of step {self._worker.step}: coordinator lost: {error}") from error
+        if not applied:
+            raise Interrupted(
+                f"step {self._worker.step} of generation {plan.generation} aborted by the commit decision"
+            )
+        return self._inner.step(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+@dataclass(frozen=True)
+class ElasticTimeouts:
+    first_plan_s: float = 300.0
+    """How long a starting worker waits for a plan that includes it (a joining node may wait long)."""
+    next_plan_s: float = 120.0
+    """How long a worker waits for the plan that follows a failure."""
+
+
+@dataclass
+class ElasticResult:
+    steps: int
+    generations: list[int] = field(default_factory=list)
+    interruptions: int = 0
+    exit_code: int = EXIT_DONE
+
+
+def run_elastic(
+    worker,
+    source: PlanSource,
+    detector: FailureDetector,
+    control: ControlStore,
+    steps: int,
+    timeouts: ElasticTimeouts = ElasticTimeouts(),
+) -> ElasticResult:
+    """Train `worker` to `steps` global steps across plan generations (see the module docstring)."""
+    from oobleck.runtime.groups import CommError, Interrupted
+
+    me = worker_id(worker.node, worker.gpu)
+    result = ElasticResult(steps=worker.step)
+    # A newer plan interrupts like a failure (backstop for the controller's abort key).
+    watcher = PlanWatcher(source, signal=detector.failure).start()
+    plan = _wait_for_plan(source, -1, me, timeouts.first_plan_s, joined=False)
+    try:
+        while plan is not None:
+            if plan.rank_of(worker.node, worker.gpu) is None:
+                log.warning(json.dumps({"event": "dropped", "worker": me, "generation": plan.generation}))
+                result.exit_code = EXIT_DROPPED
+                return result
+            result.generations.append(plan.generation)
+            watcher.adopt(plan.generation)  # first: the watcher must not flag this generation as newer
+            detector.watch(plan.generation, [worker_id(a.node, a.gpu) for a in plan.ranks])
+            _ensure_epoch(worker, control)
+            interrupted = False
+            try:
+                adopt_started = time.time()
+                worker.adopt(plan)
+                # Timestamped (wall clock) so that recovery can be split into its parts across processes.
+                log.info(json.dumps({"event": "generation-ready", "worker": me, "generation": plan.generation,
+                                     "step": worker.step, "adopt_started": adopt_started, "time": time.time()}))
+                _publish_held(control, me, worker)
+                detector.ready()
+                while worker.step < steps:
+                    keys.set_progress(control.store, me, plan.generation, worker.step, "step")
+                    outcome = worker.train_step()
+                    if outcome.loss is not None and not worker.logs_loss:
+                        _append_loss(worker, outcome)
+            except RuntimeError as error:
+                # Interrupted / CommError, a lost coordinator, or a rendezvous that failed (gloo
+                # raises plain RuntimeErrors there): all end this generation, none ends the worker.
+                if not isinstance(error, (Interrupted, CommError)):
+                    detector.trigger("coordinator-lost" if is_store_loss(error) else "rendezvous", (), str(error)[:500])
+                interrupted = True
+                result.interruptions += 1
+                if isinstance(error, CommError):
+                    detector.signal(error.__cause__ or error)
+                    if not detector.failure.is_set():  # not a peer loss: still a failure of this generation
+                        detector.trigger("collective", (), str(error))
+                log.warning(json.dumps({"event": "interrupted", "worker": me, "generation": plan.generation,
+                                        "step": worker.step, "error": str(error)[:300]}))
+            result.steps = worker.step
+            if worker.step >= steps and not interrupted:
+                _quietly(control, lambda store: keys.set_progress(store, me, plan.generation, worker.step, "done"))
+                return result
+            worker.abandon()
+            _ensure_epoch(worker, control)  # after a coordinator loss the report must reach the new one
+            _publish_held(control, me, worker, generation=plan.generation, phase="left")
+            plan = _wait_for_plan(source, plan.generation, me, timeouts.next_plan_s, joined=True)
+        result.exit_code = EXIT_NO_PLAN
+        return result
+    finally:
+        watcher.stop()
+
+
+def _append_loss(worker, outcome) -> None:
+    """Every rank that knows the step's loss records it (the worker's designated logger may die
+    right after the step's commit); the launcher merges the records and checks they agree."""
+    if worker.losses_path is None:
+        return
+    record = {"job": worker.config.job, "rank": worker.rank, **asdict(outcome), "time": time.time()}
+    with open(worker.losses_path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def _wait_for_plan(source: PlanSource, after: int, me: str, timeout_s: float, joined: bool) -> Plan | None:
+    """The newest plan after generation `after`; a worker that has not joined yet waits to be in one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        plan = source.wait_newer(after, deadline - time.monotonic())
+        if plan is None:
+            return None
+        node, gpu = me.rsplit(":", 1)
+        if joined or plan.rank_of(node, int(gpu)) is not None:
+            return plan
+        after = plan.generation  # not for us (yet): a later generation will add this node
+    return None
+
+
+def _ensure_epoch(worker, control: ControlStore) -> None:
+    """After a coordinator restart, rendezvous through a new connection under the new epoch's prefix."""
+    try:
+        keys.current_generation(control.store)  # a cheap round trip: is the connection alive?
+    except RuntimeError as error:
+        if not is_store_loss(error):
+            raise
+        control.reconnect()
+    if getattr(worker, "_epoch", None) != control.epoch:
+        # Group names must not repeat within a store incarnation, and a new incarnation may have
+        # seen half of a rendezvous: the epoch in the prefix makes every name new.
+        worker.store = dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store)
+        worker._epoch = control.epoch
+
+
+def _quietly(control: ControlStore, action) -> None:
+    """Best-effort bookkeeping: a lost coordinator must not turn a finished step into a crash."""
+    try:
+        action(control.store)
+    except RuntimeError as error:
+        if not is_store_loss(error):
+            raise
+
+
+def _publish_held(
+    control: ControlStore, me: str, worker, generation: int | None = None, phase: str = "adopted"
+) -> None:
+    """phase "adopted": after joining `generation`; "left": after leaving it (final for that generation)."""
+    generation = worker.plan.generation if generation is None and worker.plan is not None else generation
+    value = {"generation": generation, "step": worker.step, "layers": sorted(worker.layers), "phase": phase}
+    _quietly(control, lambda store: store.set(keys.held_key(me), json.dumps(value)))
+
+
+def _address(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"--store: expected HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m oobleck.runtime.reconfig", description="one elastic training worker"
+    )
+    parser.add_argument("--config", required=True, help="worker config (JSON or YAML)")
+    parser.add_argument("--plan-file", required=True, help="plan JSON the controller replaces atomically")
+    parser.add_argument("--store", type=_address, default=os.environ.get("OOBLECK_STORE"), help="coordinator HOST:PORT")
+    parser.add_argument("--node", default=os.environ.get("OOBLECK_NODE"), required="OOBLECK_NODE" not in os.environ)
+    parser.add_argument("--gpu", type=int, default=int(os.environ.get("OOBLECK_GPU", "0")))
+    parser.add_argument("--steps", type=int, default=None, help="override config.steps")
+    parser.add_argument("--losses", default=None, help="append per-step global losses here (JSON lines)")
+    parser.add_argument("--dump", default=None, help="write the final parameters of held layers here (torch.save)")
+    parser.add_argument("--heartbeat-period", type=float, default=HealthTimeouts.heartbeat_period_s)
+    parser.add_argument("--dead-after", type=float, default=HealthTimeouts.dead_after_s)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.store is None:
+        parser.error("--store: required (or OOBLECK_STORE)")
+
+    from oobleck.runtime.config import load_config
+    from oobleck.runtime.worker import Worker
+
+    try:
+        config = load_config(args.config)
+        health = HealthTimeouts(heartbeat_period_s=args.heartbeat_period, dead_after_s=args.dead_after)
+    except (OSError, ValueError) as error:
+        print(f"oobleck elastic worker: {error}", file=sys.stderr)
+        return 2
+    host, port = args.store
+    store_timeouts = StoreTimeouts()
+    me = worker_id(args.node, args.gpu)
+    detector = FailureDetector(config.job, me, host, port, timeouts=health, store_timeouts=store_timeouts).start()
+    control = ControlStore(host, port, store_timeouts)
+    worker = Worker(config, dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store), args.node, args.gpu,
+                    failed=detector.failure, losses_path=args.losses)
+    worker._epoch = control.epoch
+    worker.optimizer = CommittingOptimizer(worker.optimizer, worker, StepCommit(control, detector.failure, worker=me))
+    try:
+        result = run_elastic(worker, FilePlanSource(args.plan_file), detector, control,
+                             config.steps if args.steps is None else args.steps)
+    finally:
+        detector.stop()
+    if args.dump and result.exit_code == EXIT_DONE:
+        torch.save(worker.layer_state(), args.dump)
+    log.info(json.dumps({"event": "exit", "worker": me, "steps": result.steps, "generations": result.generations,
+                         "interruptions": result.interruptions, "code": result.exit_code}))
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    code = main()
+    # Abandoned generations may leave gloo threads blocked on dead peers (groups.GRAVEYARD); a normal
+    # interpreter teardown would destroy them and abort ("terminate called without an active
+    # exception"). Everything this worker owes is written: leave without running destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

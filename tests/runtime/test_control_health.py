@@ -1,0 +1,301 @@
+"""Failure detection with real processes: kill -9 is noticed by survivors in < 2 s.
+
+Worker processes are this file run as a script (see `_worker_main`): each runs a FailureDetector
+against a real coordinator and records, in the store, when its failure Event fired.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from oobleck.runtime import coordinator as co
+from oobleck.runtime.coordinator import Coordinator, StoreTimeouts, connect
+from oobleck.runtime.health import (
+    CallbackFailureReporter,
+    FailureDetector,
+    FailureReport,
+    GpuHealth,
+    HealthTimeouts,
+    is_peer_failure,
+    probe_gpus,
+    wait_alive,
+)
+
+FAST = StoreTimeouts(connect_s=5.0, op_s=2.0, reconnect_s=20.0, retry_s=0.02)
+ENV = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+DETECTION_LIMIT_S = 2.0
+# The process-heavy tests share one xdist worker with the launcher tests (see test_control_launcher).
+GROUP = pytest.mark.xdist_group("control-processes")
+
+
+def _spawn(port: int, worker: str, peers: list[str], *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, __file__, "--port", str(port), "--worker", worker, "--peers", ",".join(peers), *extra],
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _collect(store: dist.Store, want: set[str], deadline_s: float) -> list[dict]:
+    """Pop failure reports until every worker in `want` was named dead or the deadline passes."""
+    reports: list[dict] = []
+    named: set[str] = set()
+    end = time.monotonic() + deadline_s
+    while not want <= named and time.monotonic() < end:
+        for report in co.pop_failures(store):
+            reports.append(report)
+            named.update(report["dead"])
+        time.sleep(0.005)
+    return reports
+
+
+def _detections(store: dist.Store, workers: list[str], timeout_s: float, generation: int = 0) -> dict[str, float]:
+    names = [f"detected/{w}/{generation}" for w in workers]
+    store.wait(names, datetime.timedelta(seconds=timeout_s))
+    return {w: float(v) for w, v in zip(workers, store.multi_get(names))}
+
+
+def _watching(store: dist.Store, workers: list[str], generation: int = 0) -> None:
+    store.wait([f"watching/{w}/{generation}" for w in workers], datetime.timedelta(seconds=60))
+
+
+@GROUP
+@pytest.mark.slow
+def test_kill_9_is_detected_by_every_survivor_within_2_s():
+    workers = [f"node{i}:0" for i in range(4)]
+    with Coordinator() as coordinator:
+        store = coordinator.store()
+        procs = [_spawn(coordinator.port, w, workers) for w in workers]
+        try:
+            wait_alive(store, workers, 60)
+            _watching(store, workers)
+            time.sleep(1.5)  # longer than dead_after_s: no false positive while everyone is alive
+            assert co.pop_failures(store) == []
+            victim = workers[2]
+            killed_at = time.time()
+            os.kill(procs[2].pid, signal.SIGKILL)
+            reports = _collect(store, {victim}, 10)
+            survivors = [w for w in workers if w != victim]
+            detected = _detections(store, survivors, 10)
+            abort = json.loads(store.get(co.abort_key(0)))
+        finally:
+            _stop(procs)
+    first = min(r["detected_at"] for r in reports if victim in r["dead"])
+    latencies = {w: t - killed_at for w, t in detected.items()}
+    print(f"kill -> first report {first - killed_at:.3f} s; per survivor {latencies}")
+    assert all(set(r["dead"]) == {victim} for r in reports), reports
+    assert all(r["kind"] == "heartbeat" and r["generation"] == 0 for r in reports)
+    assert first - killed_at < DETECTION_LIMIT_S
+    assert max(latencies.values()) < DETECTION_LIMIT_S, latencies
+    assert abort["dead"] == [victim]
+
+
+@GROUP
+@pytest.mark.slow
+def test_coordinator_restart_then_two_simultaneous_kills():
+    """A coordinator outage longer than dead_after_s is no worker death; kills after it are detected."""
+    workers = [f"node{i}:0" for i in range(5)]
+    coordinator = Coordinator().start()
+    port = coordinator.port
+    procs = [_spawn(port, w, workers) for w in workers]
+    try:
+        store = coordinator.store()
+        wait_alive(store, workers, 60)
+        _watching(store, workers)
+        coordinator.stop()
+        time.sleep(1.5)
+        coordinator = Coordinator(port=port).start()
+        store = coordinator.store()
+        # Every worker reconnects, sees the new epoch and leaves generation 0 (nobody is called dead).
+        restart_reports = []
+        deadline = time.monotonic() + 20
+        while len({r["reporter"] for r in restart_reports}) < len(workers) and time.monotonic() < deadline:
+            restart_reports += co.pop_failures(store)
+            time.sleep(0.01)
+        assert {r["reporter"] for r in restart_reports} == set(workers)
+        assert all(r["kind"] == "coordinator-restart" and r["dead"] == [] for r in restart_reports), restart_reports
+        # The controller publishes the next generation; workers watch it.
+        co.set_generation(store, 1)
+        _watching(store, workers, 1)
+        time.sleep(1.5)
+        assert co.pop_failures(store) == [], "a coordinator outage must not look like dead workers"
+        killed_at = time.time()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        os.kill(procs[3].pid, signal.SIGKILL)
+        reports = _collect(store, {workers[1], workers[3]}, 10)
+        detected = _detections(store, [workers[0], workers[2], workers[4]], 10, generation=1)
+        abort = json.loads(store.get(co.abort_key(1)))
+    finally:
+        _stop(procs)
+        coordinator.stop()
+    dead = {d for r in reports for d in r["dead"]}
+    assert dead == {workers[1], workers[3]}
+    assert all(r["generation"] == 1 for r in reports)
+    latencies = sorted(t - killed_at for t in detected.values())
+    print(f"after a coordinator restart: two kills detected in {latencies}")
+    assert latencies[-1] < DETECTION_LIMIT_S
+    assert abort["kind"] == "heartbeat" and set(abort["dead"]) <= dead
+
+
+def _gloo_pair(rank: int, port: int) -> None:
+    """Rank 1 stays in an all_reduce that rank 0 never joins; rank 0 then dies by SIGKILL."""
+    store, _ = connect("127.0.0.1", port, FAST)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("pair/", store), rank, 2, datetime.timedelta(seconds=60))
+    tensor = torch.ones(4)
+    pg.allreduce([tensor]).wait()  # both ranks: the group works
+    store.set(f"ready/{rank}", "1")
+    if rank == 0:
+        time.sleep(600)
+    try:
+        pg.allreduce([tensor]).wait()
+    except RuntimeError as error:
+        store.set("error_at", str(time.time()))
+        store.set("error", f"{type(error).__name__}: {error}"[:500])
+        store.set("peer_failure", str(is_peer_failure(error)))
+
+
+@GROUP
+@pytest.mark.slow
+def test_a_peer_death_breaks_a_gloo_collective_fast_and_is_classified_as_a_failure():
+    with Coordinator() as coordinator:
+        store = coordinator.store()
+        procs = [
+            subprocess.Popen([sys.executable, __file__, "--gloo-pair", str(r), "--port", str(coordinator.port)],
+                             env=ENV, stderr=subprocess.DEVNULL, start_new_session=True)
+            for r in range(2)
+        ]
+        try:
+            store.wait(["ready/0", "ready/1"], datetime.timedelta(seconds=60))
+            time.sleep(0.3)
+            killed_at = time.time()
+            os.kill(procs[0].pid, signal.SIGKILL)
+            store.wait(["peer_failure"], datetime.timedelta(seconds=30))
+            error_after = float(store.get("error_at")) - killed_at
+            error, classified = store.get("error").decode(), store.get("peer_failure").decode()
+        finally:
+            _stop(procs)
+    print(f"collective error {error_after:.3f} s after the kill: {error}")
+    assert classified == "True", error
+    assert error_after < 0.5
+
+
+def test_signal_and_trigger_report_once_per_generation():
+    reports: list[FailureReport] = []
+    with Coordinator() as coordinator:
+        detector = FailureDetector(
+            "job", "node0:0", "127.0.0.1", coordinator.port,
+            reporter=CallbackFailureReporter(reports.append), store_timeouts=FAST, gpu_probe=lambda: [],
+        )
+        detector.watch(2, ["node0:0", "node1:0"])
+        assert detector.signal(ValueError("shape mismatch")) is False
+        assert not detector.failure.is_set()
+        assert detector.signal(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")) is True
+        assert detector.failure.is_set()
+        assert detector.signal(RuntimeError("Connection closed by peer")) is True  # still a failure ...
+        assert len(reports) == 1  # ... but reported once
+        assert co.aborted(coordinator.store(), 2)
+        detector.trigger("heartbeat", ("node1:0",), "silent")
+        detector.trigger("heartbeat", ("node1:0",), "silent")
+        assert [r.dead for r in reports] == [(), ("node1:0",)]
+        # A late signal about a generation the worker left is ignored; a new generation clears the Event.
+        detector.watch(3, ["node0:0"])
+        assert not detector.failure.is_set()
+        assert detector.trigger("heartbeat", ("node1:0",), "late", generation=2) is None
+
+
+def test_an_unhealthy_gpu_reports_its_own_worker():
+    reports: list[FailureReport] = []
+    with Coordinator() as coordinator:
+        detector = FailureDetector(
+            "job", "node0:0", "127.0.0.1", coordinator.port,
+            reporter=CallbackFailureReporter(reports.append), store_timeouts=FAST,
+            timeouts=HealthTimeouts(gpu_probe_period_s=0.05),
+            gpu_probe=lambda: [GpuHealth(0, True), GpuHealth(1, False, "uncorrected ECC errors: 3")],
+        ).start()
+        try:
+            detector.watch(0, ["node0:0"])
+            assert detector.failure.wait(5)
+        finally:
+            detector.stop()
+    assert reports[0].kind == "gpu" and reports[0].dead == ("node0:0",)
+    assert "gpu 1: uncorrected ECC errors: 3" in reports[0].detail
+
+
+def test_gpu_probe_on_this_machine():
+    gpus = probe_gpus()
+    if not torch.cuda.is_available():
+        assert all(g.healthy for g in gpus)  # a CPU machine (or a healthy one) reports healthy
+    else:
+        assert len(gpus) >= torch.cuda.device_count() and all(g.healthy for g in gpus), gpus
+
+
+@pytest.mark.parametrize(
+    "field, value", [("heartbeat_period_s", 0), ("dead_after_s", -1), ("watch_period_s", 0), ("dead_after_s", 0.15)]
+)
+def test_bad_timeouts_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        HealthTimeouts(**{field: value})
+
+
+def _worker_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--worker")
+    parser.add_argument("--peers", default="")
+    parser.add_argument("--gloo-pair", type=int)
+    args = parser.parse_args(argv)
+    if args.gloo_pair is not None:
+        _gloo_pair(args.gloo_pair, args.port)
+        return 0
+    detector = FailureDetector("test", args.worker, "127.0.0.1", args.port, store_timeouts=FAST).start()
+    store, _ = connect("127.0.0.1", args.port, FAST)
+    generation = 0
+    while True:
+        detector.watch(generation, args.peers.split(","))
+        detector.ready()
+        store = _confirmed_set(store, args.port, f"watching/{args.worker}/{generation}", "1")
+        detector.failure.wait()
+        store = _confirmed_set(store, args.port, f"detected/{args.worker}/{generation}", str(time.time()))
+        # Like a worker waiting for the controller's next plan.
+        while True:
+            try:
+                current = co.current_generation(store)
+            except RuntimeError:
+                store, _ = connect("127.0.0.1", args.port, FAST)
+                continue
+            if current is not None and current > generation:
+                generation = current
+                break
+            time.sleep(0.01)
+
+
+def _confirmed_set(store: dist.Store, port: int, key: str, value: str) -> dist.Store:
+    """`set` has no reply, so a dead server only shows at the next call: confirm, reconnect, retry."""
+    while True:
+        try:
+            store.set(key, value)
+            store.check([key])
+            return store
+        except RuntimeError:
+            store, _ = connect("127.0.0.1", port, FAST)
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""The file plan source: atomic replacement, new generations noticed within ~50 ms, never going back."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import pytest
+
+from oobleck.api.plan import Pipeline, Plan, RankAssignment, Stage, Template, TemplateStage
+from oobleck.runtime.plansource import FilePlanSource, PlanSourceError, PlanWatcher, write_plan
+
+NOTICE_LIMIT_S = 0.05
+
+
+def plan(generation: int, nodes: int = 2) -> Plan:
+    names = [f"n{i}" for i in range(nodes)]
+    return Plan(
+        job="job", generation=generation, num_layers=2, gpus_per_node=1, f=nodes - 1, global_microbatches=nodes,
+        templates=[Template(nodes=1, stages=[TemplateStage(start=0, end=2, node=0, gpus=1, gpu_offset=0,
+                                                           forward_ms=1, backward_ms=2)], iteration_ms=3, m_ref=1)],
+        pipelines=[Pipeline(index=i, template_nodes=1, nodes=[n], microbatches=1, microbatch_offset=i,
+                            stages=[Stage(start=0, end=2, ranks=[i])], iteration_ms=3) for i, n in enumerate(names)],
+        ranks=[RankAssignment(rank=i, node=n, gpu=0, pipeline=i, stage=0, start=0, end=2) for i, n in enumerate(names)],
+        iteration_ms=3, reason="test",
+    )
+
+
+def test_missing_file_means_no_plan_yet(tmp_path):
+    source = FilePlanSource(tmp_path / "plan.json")
+    assert source.current() is None
+    assert source.wait_newer(-1, 0.05) is None
+
+
+def test_new_generation_is_noticed_within_50_ms(tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan(path, plan(0))
+    source = FilePlanSource(path)
+    assert source.current().generation == 0
+    latencies = []
+    for generation in range(1, 11):
+        got: list = []
+        def wait(after: int = generation - 1) -> None:
+            got.append((source.wait_newer(after, 5), time.perf_counter()))
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.03)
+        written = time.perf_counter()
+        write_plan(path, plan(generation))
+        waiter.join(5)
+        assert got[0][0].generation == generation
+        latencies.append(got[0][1] - written)
+    print(f"notice latency: max {max(latencies) * 1e3:.1f} ms, mean {sum(latencies) / len(latencies) * 1e3:.1f} ms")
+    assert max(latencies) < NOTICE_LIMIT_S
+
+
+def _writer(path: str, count: int) -> None:
+    for generation in range(count):
+        write_plan(path, plan(generation, nodes=1 + generation % 3))
+
+
+def test_a_reader_never_sees_half_a_plan_or_goes_back(tmp_path):
+    """A writer process replaces the file as fast as it can; every read parses, generations never decrease."""
+    path = tmp_path / "plan.json"
+    write_plan(path, plan(0))
+    source = FilePlanSource(path, poll_s=0.0001)
+    writer = multiprocessing.get_context("spawn").Process(target=_writer, args=(str(path), 400))
+    writer.start()
+    seen = []
+    while writer.is_alive() or not seen or seen[-1] < 399:
+        seen.append(source.current().generation)
+        if len(seen) > 1_000_000:
+            break
+    writer.join(10)
+    assert seen == sorted(seen) and seen[-1] == 399
+    assert len(set(seen)) > 1
+    # A stale writer cannot undo a newer generation.
+    write_plan(path, plan(5))
+    assert source.current().generation == 399
+
+
+def test_an_invalid_document_names_the_file(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text('{"job": "x"}')
+    with pytest.raises(PlanSourceError, match="plan.json: not a valid plan"):
+        FilePlanSource(path).current()
+
+
+def test_watcher_flags_newer_generations_only(tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan(path, plan(0))
+    watcher = PlanWatcher(FilePlanSource(path), poll_s=0.01).start()
+    try:
+        watcher.adopt(0)
+        time.sleep(0.1)
+        assert not watcher.newer.is_set()
+        write_plan(path, plan(1))
+        assert watcher.newer.wait(1)
+        watcher.adopt(1)
+        time.sleep(0.1)
+        assert not watcher.newer.is_set()
+    finally:
+        watcher.stop()
+
+
+def test_poll_interval_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="poll_s"):
+        FilePlanSource(tmp_path / "p.json", poll_s=0)
