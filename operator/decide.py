@@ -1,0 +1,497 @@
+"""What to do next for a job: a pure function of its spec, its observation and its current plan.
+
+`decide` is level-based: it compares what is (pods, nodes, the plan ConfigMap) with what should be
+and returns every action at once, so that running it again after a crash, or twice in a row,
+does no harm. The order in which `apply` executes a Decision is part of the contract:
+
+    1. write `plan` (the next generation) to the plan ConfigMap - the source of truth;
+    2. patch `patches` onto the surviving pods (they carry the generation, so repeats are no-ops);
+    3. delete `delete` (lost pods, after the plan that drops them exists), create `create`;
+    4. write `status` and post `events`.
+
+A crash between 1 and 2 is repaired by the next run: the plan is re-read, the pods still carry the
+old generation, and step 2 is planned again. No step creates a plan from a plan it has not read.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from oobleck.api.conditions import ConditionType, Reason, is_true, phase_of, set_condition
+from oobleck.api.job import (
+    Condition,
+    OobleckJobSpec,
+    OobleckJobStatus,
+    PlanSummary,
+    Progress,
+    TemplateUse,
+    worker_selector,
+)
+from oobleck.api.plan import Plan
+from oobleck.api.profile import ClusterShape, ModelProfile
+from oobleck.planner import LostLayersError, instantiate, reconfigure
+from oobleck.planner.errors import PlanningError
+from oobleck.planner.synthetic import GPTShape, gpt_profile
+from oobleck.planner.templates import generate_templates
+
+from oobleck.operator.observe import JobObservation, Worker
+from oobleck.operator.render import ranks_table, worker_annotations, worker_index
+
+# Replacement or scale-up pods that cannot be scheduled get this condition (D's list has no type for
+# it; see the report).
+WORKERS_PENDING = "WorkersPending"
+REASON_UNSCHEDULABLE = "Unschedulable"
+REASON_SCHEDULED = "AllScheduled"
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The operator-wide numbers the planner needs and a spec does not carry (see settings.py)."""
+
+    gpu_memory_bytes: int = 80 << 30
+    intra_node_bandwidth: float = 300e9
+    inter_node_bandwidth: float = 25e9
+    gpu_flops: float = 300e12
+    hbm_bandwidth: float = 2e12
+    horizon: int = 100
+    gpu_failure_conditions: tuple[str, ...] = ("GPUUnhealthy", "GpuUnhealthy", "NVIDIAGPUUnhealthy")
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """The job as read from the API server."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: OobleckJobSpec
+    status: OobleckJobStatus
+
+
+@dataclass(frozen=True)
+class CurrentPlan:
+    """The plan ConfigMap's content: the generation in force and the failure counter stored with it."""
+
+    plan: Plan
+    failures_survived: int = 0
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Everything to do, in `apply`'s order (see the module docstring)."""
+
+    status: dict[str, Any]
+    plan: Plan | None = None
+    failures_survived: int = 0
+    status_during: dict[str, Any] | None = None  # written while the patches are in flight (Reconfiguring)
+    patches: tuple[tuple[str, dict[str, str]], ...] = ()
+    delete: tuple[tuple[str, str], ...] = ()  # (pod, why)
+    create: tuple[int, ...] = ()  # worker indices
+    create_coordinator: bool = False
+    events: tuple[Event, ...] = ()
+    lost: tuple[str, ...] = ()  # members lost in this decision (for metrics)
+    planner_seconds: float = 0.0
+
+
+def cluster_shape(spec: OobleckJobSpec, tuning: Tuning) -> ClusterShape:
+    """The machines the job plans for: nodes.max nodes of gpusPerNode GPUs."""
+    return ClusterShape(
+        nodes=spec.nodes.max, gpus_per_node=spec.gpus_per_node, gpu_memory_bytes=tuning.gpu_memory_bytes,
+        intra_node_bandwidth=tuning.intra_node_bandwidth, inter_node_bandwidth=tuning.inter_node_bandwidth,
+    )  # fmt: skip
+
+
+def synthetic_profile(spec: OobleckJobSpec, tuning: Tuning) -> ModelProfile:
+    """The profile of the built-in GPT from its sizes (what `profile.source: measure` uses until the
+    runtime's profiling phase runs in pods). Raises PlanningError for an entry-point model."""
+    gpt = spec.model.gpt
+    if gpt is None:
+        raise PlanningError(
+            "profile.source: measure needs the runtime's profiler for model.entryPoint, which the operator does "
+            "not run yet; measure with `oobleck profile` and use profile.source: configMap"
+        )
+    shape = GPTShape(blocks=gpt.layers, hidden=gpt.hidden_size, heads=gpt.heads, vocab=gpt.vocab_size)
+    return gpt_profile(
+        shape, seq_len=gpt.sequence_length, microbatch_size=spec.training.microbatch_size,
+        gpu_flops=tuning.gpu_flops, hbm_bandwidth=tuning.hbm_bandwidth, name=f"gpt-{gpt.layers}x{gpt.hidden_size}",
+    )  # fmt: skip
+
+
+def check_spec(spec: OobleckJobSpec, profile: ModelProfile, tuning: Tuning) -> str | None:
+    """Why the planner cannot serve this (API-valid) spec, or None: templates for nodes.max, a full
+    plan on the wanted node count, and a (possibly degraded) plan on nodes.min must all exist.
+    Memoised: a job waiting for 1000 pods is reconciled many times with the same spec."""
+    return _check_spec(spec.model_dump_json(), profile.model_dump_json(), tuning)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_spec(spec_json: str, profile_json: str, tuning: Tuning) -> str | None:
+    spec = OobleckJobSpec.model_validate_json(spec_json)
+    profile = ModelProfile.model_validate_json(profile_json)
+    try:
+        templates = generate_templates(profile, cluster_shape(spec, tuning), f=spec.f)
+        mb = spec.training.global_microbatches
+        instantiate(templates, [str(i) for i in range(spec.nodes.wanted)], spec.f, mb, "check", gpus_per_node=spec.gpus_per_node)
+        instantiate(
+            templates, [str(i) for i in range(spec.nodes.min)], spec.f, mb, "check",
+            gpus_per_node=spec.gpus_per_node, allow_degraded=True,
+        )  # fmt: skip
+    except PlanningError as error:
+        return str(error)
+    return None
+
+
+def next_indices(obs: JobObservation, plan: Plan | None, count: int) -> tuple[int, ...]:
+    """`count` fresh worker indices above every index an existing pod or the current plan uses."""
+    if count <= 0:
+        return ()
+    used = [w.index for w in obs.workers]
+    if plan is not None:
+        job = plan.job
+        used += [i for n in (*plan.nodes, *plan.lost_nodes) if (i := worker_index(job, n)) is not None]
+    start = max(used, default=-1) + 1
+    return tuple(range(start, start + count))
+
+
+class _Status:
+    """Builds the next status from the previous one (conditions keep their transition times)."""
+
+    def __init__(self, ctx: JobContext, now: datetime) -> None:
+        self.ctx, self.now = ctx, now
+        self.conditions: list[Condition] = list(ctx.status.conditions)
+
+    def set(self, type_: str, status: str, reason: str, message: str) -> None:
+        self.conditions = set_condition(self.conditions, type_, status, reason, message, self.ctx.generation, self.now)  # type: ignore[arg-type]
+
+    def render(self, plan: Plan | None, failures: int, step: int, *, completed: bool = False) -> dict[str, Any]:
+        prior = self.ctx.status
+        summary = None
+        if plan is not None:
+            uses: dict[int, int] = {}
+            for pipeline in plan.pipelines:
+                uses[pipeline.template_nodes] = uses.get(pipeline.template_nodes, 0) + 1
+            summary = PlanSummary(
+                generation=plan.generation, config_map=f"{self.ctx.name}-plan",
+                templates=[TemplateUse(nodes=n, pipelines=uses.get(n, 0)) for n in sorted({t.nodes for t in plan.templates})],
+                pipelines=len(plan.pipelines), nodes=len(plan.nodes), degraded=plan.degraded,
+                iteration_ms=round(plan.iteration_ms, 3),
+            )  # fmt: skip
+        progress = prior.progress
+        if step and (progress is None or progress.step != step):
+            progress = Progress(step=step) if progress is None else progress.model_copy(update={"step": step})
+        status = OobleckJobStatus(
+            phase=phase_of(self.conditions),
+            conditions=self.conditions,
+            observed_generation=self.ctx.generation,
+            nodes=len(plan.nodes) if plan is not None else 0,
+            selector=worker_selector(self.ctx.name),
+            plan=summary,
+            progress=progress,
+            failures_survived=failures,
+            reconfigurations=plan.generation if plan is not None else 0,
+            start_time=prior.start_time or (self.now if plan is not None else None),
+            completion_time=prior.completion_time or (self.now if completed else None),
+        )
+        return status.to_kubernetes()
+
+
+def _cleanup(spec: OobleckJobSpec, obs: JobObservation) -> tuple[tuple[str, str], ...]:
+    """Pods to delete once the job finished, per cleanPodPolicy."""
+    if spec.clean_pod_policy == "None":
+        return ()
+    doomed = []
+    for worker in obs.workers:
+        if spec.clean_pod_policy == "All" or worker.status in ("running", "pending"):
+            doomed.append((worker.name, f"cleanPodPolicy {spec.clean_pod_policy}"))
+    coordinator = obs.coordinator
+    if coordinator is not None and not coordinator.deleting and (
+        spec.clean_pod_policy == "All" or coordinator.phase in ("Running", "Pending")
+    ):
+        doomed.append((coordinator.name, f"cleanPodPolicy {spec.clean_pod_policy}"))
+    return tuple(doomed)
+
+
+def _finished(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: _Status, events: list[Event]) -> Decision:
+    plan = current.plan if current else None
+    failures = current.failures_survived if current else 0
+    return Decision(
+        status=status.render(plan, failures, obs.step, completed=True),
+        delete=_cleanup(ctx.spec, obs),
+        events=tuple(events),
+    )
+
+
+def _fail(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: _Status, reason: str, message: str) -> Decision:
+    status.set(ConditionType.FAILED, "True", reason, message)
+    status.set(ConditionType.RUNNING, "False", Reason.NOT_APPLICABLE, "the job failed")
+    status.set(ConditionType.RECONFIGURING, "False", Reason.NOT_APPLICABLE, "the job failed")
+    return _finished(ctx, obs, current, status, [Event("Warning", reason, message)])
+
+
+def _pending_condition(status: _Status, pending: Sequence[Worker], timeout_s: int, now: float) -> None:
+    stuck = [w for w in pending if not w.scheduled and w.created is not None and now - w.created >= timeout_s]
+    if stuck:
+        why = stuck[0].reason or "not scheduled"
+        status.set(
+            WORKERS_PENDING, "True", REASON_UNSCHEDULABLE,
+            f"{len(stuck)} worker pod(s) unschedulable for over {timeout_s} s (e.g. {stuck[0].name}: {why})",
+        )  # fmt: skip
+    elif any(c.type == WORKERS_PENDING for c in status.conditions):
+        status.set(WORKERS_PENDING, "False", REASON_SCHEDULED, "no worker pod is stuck unschedulable")
+
+
+def decide(
+    ctx: JobContext,
+    obs: JobObservation,
+    current: CurrentPlan | None,
+    profile: ModelProfile,
+    tuning: Tuning,
+    now: datetime,
+) -> Decision:
+    """The next actions for a job (see the module docstring)."""
+    spec = ctx.spec
+    status = _Status(ctx, now)
+    conditions = ctx.status.conditions
+    if is_true(conditions, ConditionType.FAILED) or is_true(conditions, ConditionType.SUCCEEDED):
+        return _finished(ctx, obs, current, status, [])
+    plan = current.plan if current else None
+    failures = current.failures_survived if current else 0
+    wall = now.timestamp()
+
+    if plan is not None and obs.step >= spec.training.steps:
+        status.set(ConditionType.SUCCEEDED, "True", Reason.STEPS_COMPLETED, f"{obs.step} of {spec.training.steps} steps done")
+        status.set(ConditionType.RUNNING, "False", Reason.NOT_APPLICABLE, "the job succeeded")
+        status.set(ConditionType.RECONFIGURING, "False", Reason.NOT_APPLICABLE, "the job succeeded")
+        return _finished(ctx, obs, current, status, [Event("Normal", Reason.STEPS_COMPLETED, f"all {spec.training.steps} steps done")])
+
+    status.set(ConditionType.CREATED, "True", Reason.OBJECTS_CREATED, "service, RBAC, coordinator and worker pods created")
+    create_coordinator = obs.coordinator is None
+    delete: list[tuple[str, str]] = []
+    if obs.coordinator is not None and not obs.coordinator.deleting and obs.coordinator.phase == "Failed":
+        delete.append((obs.coordinator.name, "coordinator failed"))  # recreated on the next pass
+    wanted = spec.nodes.wanted
+
+    if plan is None:
+        return _first_plan(ctx, obs, profile, tuning, status, delete, create_coordinator, wall)
+
+    members = plan.nodes
+    member_set, dropped = set(members), set(plan.lost_nodes)
+    lost: dict[str, str] = {}
+    for name in members:
+        worker = obs.get(name)
+        if worker is None:
+            lost[name] = f"pod {name} gone"
+        elif worker.status == "lost":
+            lost[name] = worker.reason
+    survivors = [m for m in members if m not in lost]
+    # Scale down: drop the newest members beyond the target.
+    by_index = sorted(survivors, key=lambda n: worker_index(ctx.name, n) or 0)
+    scaled = by_index[wanted:] if len(survivors) > wanted else []
+    room = wanted - (len(survivors) - len(scaled))
+    newcomers = [
+        w for w in obs.workers if w.name not in member_set and w.status == "running" and w.name not in dropped
+    ]
+    added = [w.name for w in newcomers[: max(room, 0)]]
+    added_set = set(added)
+    spare = max(room, 0) - len(added)  # pending pods beyond this are no longer wanted
+    for worker in obs.workers:
+        if worker.name in member_set or worker.name in added_set:
+            continue
+        if worker.status == "lost" or worker.name in dropped:
+            delete.append((worker.name, worker.reason or "dropped from the plan"))
+        elif worker.status == "pending" and spare > 0:
+            spare -= 1
+        elif worker.status in ("running", "pending"):
+            delete.append((worker.name, f"scaled to {wanted} nodes"))
+
+    events: list[Event] = []
+    new_plan = None
+    planner_s = 0.0
+    if lost or scaled or added:
+        if len(survivors) - len(scaled) + len(added) < spec.nodes.min:
+            return _fail(
+                ctx, obs, current, status, Reason.TOO_FEW_NODES,
+                f"{len(survivors) + len(added)} nodes left after losing {sorted(lost)}; nodes.min is {spec.nodes.min}",
+            )  # fmt: skip
+        began = time.perf_counter()
+        restore = False
+        try:
+            new_plan = reconfigure(
+                plan, plan.templates, profile, [*lost, *scaled], added,
+                bandwidth=tuning.inter_node_bandwidth, horizon=tuning.horizon,
+            )  # fmt: skip
+        except LostLayersError as error:
+            if spec.checkpoint is None:
+                return _fail(ctx, obs, current, status, Reason.LAYERS_LOST, f"{error}; no checkpoint configured")
+            restore = True
+            try:
+                fresh = instantiate(
+                    plan.templates, [*[m for m in survivors if m not in scaled], *added], spec.f,
+                    spec.training.global_microbatches, ctx.name, gpus_per_node=spec.gpus_per_node, allow_degraded=True,
+                )  # fmt: skip
+            except PlanningError as again:
+                return _fail(ctx, obs, current, status, Reason.TOO_FEW_NODES, str(again))
+            new_plan = fresh.model_copy(
+                update={"generation": plan.generation + 1, "lost_nodes": [m for m in members if m in lost or m in scaled],
+                        "added_nodes": added, "reason": "restore-checkpoint"}
+            )  # fmt: skip
+        except PlanningError as error:
+            return _fail(ctx, obs, current, status, Reason.TOO_FEW_NODES, str(error))
+        planner_s = time.perf_counter() - began
+        failures += len(lost)
+        moved = sum(c.bytes for c in new_plan.copies)
+        for name, why in lost.items():
+            events.append(Event("Warning", Reason.NODE_LOST, f"{name}: {why}"))
+        what = []
+        if lost:
+            what.append(f"lost {sorted(lost)}")
+        if scaled:
+            what.append(f"scaled in {scaled}")
+        if added:
+            what.append(f"added {added}")
+        summary = (
+            f"generation {new_plan.generation}: {', '.join(what)}; {len(new_plan.pipelines)} pipelines on "
+            f"{len(new_plan.nodes)} nodes ({new_plan.reason}); moved {moved} bytes"
+        )
+        if restore:
+            summary += f"; restoring from the latest checkpoint under {spec.checkpoint.path}"  # type: ignore[union-attr]
+        events.append(Event("Normal", Reason.RECONFIGURED, summary))
+        reason = Reason.RESTORING_CHECKPOINT if restore else (
+            Reason.NODE_LOST if lost else Reason.SCALED if scaled else Reason.NODES_ADDED
+        )  # fmt: skip
+        status.set(ConditionType.RECONFIGURING, "True", reason, summary)
+        status.set(ConditionType.RUNNING, "True", Reason.TRAINING, f"generation {plan.generation} until the survivors switch")
+        during = status.render(plan, failures, obs.step)
+        status.set(ConditionType.RECONFIGURING, "False", Reason.RECONFIGURED, summary)
+        for name, why in lost.items():
+            if obs.get(name) is not None:
+                delete.append((name, why))
+        for name in scaled:
+            delete.append((name, f"scaled to {wanted} nodes"))
+    else:
+        during = None
+    in_force = new_plan or plan
+    patches = []
+    table = ranks_table(in_force)
+    by_name = {w.name: w for w in obs.workers}
+    for name in in_force.nodes:
+        worker = by_name.get(name)
+        if worker is not None and worker.status == "running" and worker.generation != in_force.generation:
+            patches.append((name, worker_annotations(in_force, name, table)))
+    status.set(
+        ConditionType.RUNNING, "True", Reason.TRAINING,
+        f"generation {in_force.generation}: {len(in_force.pipelines)} pipelines on {len(in_force.nodes)} nodes",
+    )  # fmt: skip
+    if in_force.degraded:
+        status.set(
+            ConditionType.DEGRADED, "True", Reason.FEWER_PIPELINES,
+            f"{len(in_force.pipelines)} pipelines, fewer than f + 1 = {spec.f + 1}: another failure may need a checkpoint",
+        )  # fmt: skip
+    else:
+        status.set(ConditionType.DEGRADED, "False", Reason.FULLY_REDUNDANT, f"{len(in_force.pipelines)} pipelines >= f + 1 = {spec.f + 1}")
+    in_force_set = set(in_force.nodes)
+    pending = [w for w in obs.workers if w.status == "pending" and w.name not in in_force_set]
+    doomed = {d for d, _ in delete}
+    kept_pending = [w for w in pending if w.name not in doomed]
+    _pending_condition(status, kept_pending, spec.pending_timeout_seconds, wall)
+    create = next_indices(obs, in_force, wanted - len(in_force.nodes) - len(kept_pending))
+    # A pod already being deleted needs no second request (a pod on a dead node can stay terminating).
+    delete = [(name, why) for name, why in delete if not ((w := obs.get(name)) is not None and w.deleting)]
+    return Decision(
+        status=status.render(in_force, failures, obs.step),
+        plan=new_plan,
+        failures_survived=failures,
+        status_during=during,
+        patches=tuple(patches),
+        delete=tuple(dict(delete).items()),
+        create=create,
+        create_coordinator=create_coordinator,
+        events=tuple(events),
+        lost=tuple(lost),
+        planner_seconds=planner_s,
+    )
+
+
+def _first_plan(
+    ctx: JobContext,
+    obs: JobObservation,
+    profile: ModelProfile,
+    tuning: Tuning,
+    status: _Status,
+    delete: list[tuple[str, str]],
+    create_coordinator: bool,
+    wall: float,
+) -> Decision:
+    """Before generation 0: validate, create worker pods, and plan once enough of them run."""
+    spec = ctx.spec
+    problem = check_spec(spec, profile, tuning)
+    if problem is not None:
+        return _fail(ctx, obs, None, status, Reason.INVALID_SPEC, f"the planner cannot serve this spec: {problem}")
+    wanted = spec.nodes.wanted
+    for worker in obs.workers:
+        if worker.status in ("lost", "succeeded"):
+            delete.append((worker.name, worker.reason or "finished before the first plan"))
+    live = [w for w in obs.workers if w.status in ("running", "pending")]
+    for worker in live[wanted:]:  # scaled down before the first plan
+        delete.append((worker.name, f"scaled to {wanted} nodes"))
+    live = live[:wanted]
+    running = [w for w in live if w.status == "running"]
+    pending = [w for w in live if w.status == "pending"]
+    create = next_indices(obs, None, wanted - len(live))
+    oldest = min((w.created for w in pending if w.created is not None), default=None)
+    timed_out = oldest is not None and wall - oldest >= spec.pending_timeout_seconds
+    plan = None
+    planner_s = 0.0
+    events: list[Event] = []
+    if running and (len(running) == wanted or (timed_out and len(running) >= spec.nodes.min)):
+        began = time.perf_counter()
+        try:
+            templates = generate_templates(profile, cluster_shape(spec, tuning), f=spec.f)
+            plan = instantiate(
+                templates, [w.name for w in running], spec.f, spec.training.global_microbatches, ctx.name,
+                gpus_per_node=spec.gpus_per_node, allow_degraded=True,
+            )  # fmt: skip
+        except PlanningError as error:
+            waiting = f"{len(running)} running worker pods cannot be planned yet: {error}"
+            plan = None
+        planner_s = time.perf_counter() - began
+    if plan is None:
+        if not running or len(running) < wanted:
+            why = next((w.reason for w in pending if w.reason), "")
+            waiting = f"{len(running)} of {wanted} worker pods running" + (f"; {why}" if why else "")
+        status.set(ConditionType.RUNNING, "False", Reason.WAITING_FOR_NODES, waiting)
+        _pending_condition(status, pending, spec.pending_timeout_seconds, wall)
+        return Decision(
+            status=status.render(None, 0, 0), delete=tuple(dict(delete).items()), create=create,
+            create_coordinator=create_coordinator, planner_seconds=planner_s,
+        )  # fmt: skip
+    message = f"generation 0: {len(plan.pipelines)} pipelines on {len(plan.nodes)} nodes"
+    events.append(Event("Normal", "Planned", f"{message}, estimated {plan.iteration_ms:.1f} ms per step"))
+    status.set(ConditionType.RUNNING, "True", Reason.TRAINING, message)
+    if plan.degraded:
+        status.set(ConditionType.DEGRADED, "True", Reason.FEWER_PIPELINES, f"{len(plan.pipelines)} pipelines, fewer than f + 1 = {spec.f + 1}")
+    else:
+        status.set(ConditionType.DEGRADED, "False", Reason.FULLY_REDUNDANT, f"{len(plan.pipelines)} pipelines >= f + 1 = {spec.f + 1}")
+    if any(c.type == WORKERS_PENDING for c in status.conditions):
+        status.set(WORKERS_PENDING, "False", REASON_SCHEDULED, "no worker pod is stuck unschedulable")
+    table = ranks_table(plan)
+    patches = tuple((w.name, worker_annotations(plan, w.name, table)) for w in running)
+    # Pods still pending stay: once they run they are folded into the next generation.
+    return Decision(
+        status=status.render(plan, 0, 0), plan=plan, patches=patches, delete=tuple(dict(delete).items()),
+        create=create, create_coordinator=create_coordinator, events=tuple(events), planner_seconds=planner_s,
+    )  # fmt: skip
+

@@ -1,0 +1,362 @@
+"""kopf wiring: indexes of pods and nodes, one daemon per OobleckJob, and thin event handlers.
+
+Level-based: the pod and node indexes hold health summaries (observe.py); pod, node and job events
+only wake the daemon of the job concerned; the daemon reconciles (observe -> decide -> apply) until
+nothing changes. No handler changes Pods, so kopf writes nothing onto them. A daemon gets kopf's
+finalizer on its job (kopf's rule for daemons): deleting a job waits for a running operator to stop
+the daemon; the children then go by garbage collection (owner references).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+from kubernetes_asyncio import client, config as kube_config
+from pydantic import ValidationError
+
+from oobleck.api.conditions import ConditionType, Reason, is_true, phase_of, set_condition
+from oobleck.api.job import GROUP, JOB_LABEL, PLURAL, VERSION, OobleckJobSpec, parse_spec, parse_status
+from oobleck.api.profile import ModelProfile
+from oobleck.operator import observe
+from oobleck.operator.apply import Api, ApiError, ForeignObject, apply_decision, ensure_static_children, read_current
+from oobleck.operator.decide import CurrentPlan, Event, JobContext, decide, synthetic_profile
+from oobleck.operator.metrics import Metrics
+from oobleck.operator.settings import OperatorConfig, configure_kopf
+from oobleck.planner.errors import PlanningError
+
+log = logging.getLogger("oobleck.operator")
+JobKey = tuple[str, str]  # (namespace, name)
+
+
+@dataclass
+class Waker:
+    """A job's wake-up signal, and when the first event since the last reconcile arrived."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    first_at: float | None = None
+
+    def wake(self, at: float) -> None:
+        if self.first_at is None:
+            self.first_at = at
+        self.event.set()
+
+
+@dataclass
+class JobRunner:
+    """What a job's daemon remembers between reconciles (all of it re-derivable from the cluster)."""
+
+    key: JobKey
+    uid: str
+    current: CurrentPlan | None = None
+    plan_version: str | None = None  # the plan ConfigMap's resourceVersion: writes are conditional on it
+    profile: ModelProfile | None = None
+    loaded: bool = False  # static children ensured and the plan ConfigMap read
+    phase: str = "Pending"
+    nodes: frozenset[str] = frozenset()
+
+
+def _memo_waker(memo: Any, key: JobKey) -> Waker:
+    wakers: dict[JobKey, Waker] = memo.wakers
+    waker = wakers.get(key)
+    if waker is None:
+        waker = wakers[key] = Waker()
+    return waker
+
+
+# -- startup and shutdown ---------------------------------------------------------------------------
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    config: OperatorConfig = memo.config
+    configure_kopf(settings, config)
+    memo.metrics = Metrics()
+    memo.wakers = {}
+    memo.runners = {}
+    memo.node_seen = {}
+    memo.pod_seen = {}
+    memo.node_jobs = {}
+    if config.metrics_port >= 0:
+        port = memo.metrics.serve(config.metrics_port)
+        logger.info(f"metrics on :{port}/metrics")
+    memo.api = await Api.connect(config.kubeconfig, memo.metrics, config.write_concurrency, config.request_timeout_s)
+
+
+@kopf.on.login()
+async def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """Log kopf in with the same credentials as our own client (the configured kubeconfig)."""
+    config: OperatorConfig = memo.config
+    configuration = client.Configuration()
+    if config.kubeconfig:
+        await kube_config.load_kube_config(config_file=config.kubeconfig, client_configuration=configuration)
+    else:
+        try:
+            kube_config.load_incluster_config(client_configuration=configuration)
+        except kube_config.ConfigException:
+            await kube_config.load_kube_config(client_configuration=configuration)
+    header = configuration.get_api_key_with_prefix("BearerToken")
+    if asyncio.iscoroutine(header):
+        header = await header
+    scheme, token = (header.split(" ", 1) if header and " " in header else (None, header or None))
+    return kopf.ConnectionInfo(
+        server=configuration.host, ca_path=configuration.ssl_ca_cert, insecure=not configuration.verify_ssl,
+        scheme=scheme, token=token, certificate_path=configuration.cert_file, private_key_path=configuration.key_file,
+    )  # fmt: skip
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    api: Api | None = getattr(memo, "api", None)
+    if api is not None:
+        await api.close()
+
+
+@kopf.on.probe(id="jobs")
+def probe_jobs(memo: kopf.Memo, **_: Any) -> int:
+    """Liveness: the number of jobs with a running daemon (the probe answering at all is the signal)."""
+    return len(memo.runners)
+
+
+# -- indexes and wake-ups ---------------------------------------------------------------------------
+
+
+def _health(summary: observe.PodSummary | None) -> observe.PodSummary | None:
+    """A summary without what the operator itself writes (the generation): its echo is not news."""
+    return None if summary is None else replace(summary, generation=None)
+
+
+@kopf.index("pods", labels={JOB_LABEL: kopf.PRESENT})
+def job_pods(namespace: str, name: str, labels: kopf.Labels, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[JobKey, observe.PodSummary]:
+    """Index the job's pods by (namespace, job) and wake the job when something it cares about changed.
+
+    Waking here rather than in an event handler keeps the per-event cost low: every patch the
+    operator sends to 1000 pods comes back as 1000 watch events.
+    """
+    summary = observe.summarize_pod(body)
+    key = (namespace, labels[JOB_LABEL])
+    seen: dict[tuple[str, str], observe.PodSummary] = memo.pod_seen
+    health = _health(summary)
+    if seen.get((namespace, name)) != health:
+        seen[(namespace, name)] = health  # type: ignore[assignment]
+        _memo_waker(memo, key).wake(time.monotonic())
+    return {key: summary}
+
+
+@kopf.index("nodes")
+def node_health(name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, observe.NodeSummary]:
+    summary = observe.summarize_node(body)
+    _node_changed(memo, name, summary)
+    return {name: summary}
+
+
+def _node_changed(memo: kopf.Memo, name: str, summary: observe.NodeSummary | None) -> None:
+    if memo.node_seen.get(name) == summary:
+        return  # e.g. a heartbeat: nothing health-related changed
+    memo.node_seen[name] = summary
+    now = time.monotonic()
+    for key in memo.node_jobs.get(name, ()):
+        _memo_waker(memo, key).wake(now)
+
+
+# Indexers are not called for deletions: these two handlers see only DELETED events.
+@kopf.on.event("pods", labels={JOB_LABEL: kopf.PRESENT}, when=lambda type, **_: type == "DELETED")
+def pod_deleted(namespace: str, name: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    memo.pod_seen.pop((namespace, name), None)
+    _memo_waker(memo, (namespace, labels[JOB_LABEL])).wake(time.monotonic())
+
+
+@kopf.on.event("nodes", when=lambda type, **_: type == "DELETED")
+def node_deleted(name: str, memo: kopf.Memo, **_: Any) -> None:
+    _node_changed(memo, name, None)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def job_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    _memo_waker(memo, (namespace, name)).wake(time.monotonic())
+
+
+# -- the per-job daemon ------------------------------------------------------------------------------
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
+async def job_daemon(
+    stopped: kopf.DaemonStopped,
+    body: kopf.Body,
+    namespace: str,
+    name: str,
+    uid: str,
+    memo: kopf.Memo,
+    job_pods: kopf.Index,
+    node_health: kopf.Index,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    """Reconcile one job whenever something about it changes (and every resync_s)."""
+    config: OperatorConfig = memo.config
+    key = (namespace, name)
+    runner = JobRunner(key, uid)
+    memo.runners[key] = runner
+    waker = _memo_waker(memo, key)
+    waker.wake(time.monotonic())
+    try:
+        while not stopped:
+            try:
+                await asyncio.wait_for(waker.event.wait(), timeout=config.resync_s)
+                # Let the other losses of a simultaneous failure arrive, and the index settle.
+                await asyncio.sleep(config.batch_window_s)
+            except asyncio.TimeoutError:
+                pass
+            if stopped:
+                break
+            waker.event.clear()
+            first_at, waker.first_at = waker.first_at, None
+            began = time.perf_counter()
+            try:
+                await reconcile(runner, body, memo, job_pods, node_health, first_at, logger)
+            except (ApiError, ForeignObject, OSError, asyncio.TimeoutError) as error:
+                logger.warning(f"reconcile failed, retrying in {config.error_backoff_s} s: {error}")
+                runner.loaded = False  # re-read the truth (e.g. a plan written before a failed patch)
+                waker.wake(first_at or time.monotonic())
+                await stopped.wait(config.error_backoff_s)
+            memo.metrics.reconcile_seconds.observe(time.perf_counter() - began)
+            memo.metrics.set_phases(r.phase for r in memo.runners.values())
+    finally:
+        memo.runners.pop(key, None)
+        memo.wakers.pop(key, None)
+        for jobs in memo.node_jobs.values():
+            jobs.discard(key)
+        memo.metrics.set_phases(r.phase for r in memo.runners.values())
+
+
+def _crash() -> None:
+    log.warning("crash_after_plan_write: exiting between the plan write and the pod patches")
+    os._exit(137)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(microsecond=0)
+
+
+async def _fail_invalid(api: Api, namespace: str, name: str, uid: str, body: kopf.Body, message: str) -> str:
+    """Mark a job whose spec the operator cannot use as Failed (once), with an event."""
+    status = parse_status(dict(body.get("status") or {}))
+    if is_true(status.conditions, ConditionType.FAILED):
+        return status.phase.value
+    generation = body.metadata.get("generation")
+    conditions = set_condition(status.conditions, ConditionType.FAILED, "True", Reason.INVALID_SPEC, message, generation, _now())
+    new = status.model_copy(update={"conditions": conditions, "phase": phase_of(conditions), "observed_generation": generation, "completion_time": _now()})
+    await api.patch_status(namespace, name, new.to_kubernetes())
+    await api.post_event(namespace, name, uid, Event("Warning", Reason.INVALID_SPEC, message))
+    return new.phase.value
+
+
+async def _profile(api: Api, runner: JobRunner, spec: OobleckJobSpec, namespace: str, config: OperatorConfig) -> ModelProfile:
+    """The profile to plan with: stored beside the plan, from the spec's ConfigMap, or synthetic."""
+    if runner.profile is not None:
+        return runner.profile
+    if spec.profile.source == "configMap":
+        ref = spec.profile.config_map
+        assert ref is not None  # the spec rules require it
+        config_map = await api.read_config_map(namespace, ref.name)
+        text = ((config_map or {}).get("data") or {}).get(ref.key)
+        if not text:
+            raise PlanningError(f"profile.configMap: configmap {namespace}/{ref.name} has no key {ref.key}")
+        try:
+            runner.profile = ModelProfile.model_validate_json(text)
+        except ValidationError as error:
+            raise PlanningError(f"profile.configMap: {ref.name}/{ref.key} is not a valid profile: {error}") from error
+    else:
+        runner.profile = synthetic_profile(spec, config.tuning)
+    return runner.profile
+
+
+async def reconcile(
+    runner: JobRunner,
+    body: kopf.Body,
+    memo: kopf.Memo,
+    job_pods: kopf.Index,
+    node_health: kopf.Index,
+    first_event_at: float | None,
+    logger: logging.Logger,
+) -> None:
+    """One pass: read (cache or API), observe, decide, apply."""
+    config: OperatorConfig = memo.config
+    api: Api = memo.api
+    metrics: Metrics = memo.metrics
+    namespace, name = runner.key
+    raw_spec, raw_status = dict(body.get("spec") or {}), dict(body.get("status") or {})
+    try:
+        spec = parse_spec(raw_spec)
+    except ValidationError as error:
+        runner.phase = await _fail_invalid(api, namespace, name, runner.uid, body, f"invalid spec: {error}")
+        return
+    if not runner.loaded:
+        await ensure_static_children(api, namespace, name, runner.uid)
+        config_map = await api.read_config_map(namespace, f"{name}-plan")
+        owners = {o.get("uid") for o in ((config_map or {}).get("metadata") or {}).get("ownerReferences") or []}
+        if config_map is not None and runner.uid not in owners:
+            raise ForeignObject(f"configmap {namespace}/{name}-plan belongs to another owner (a deleted job's?); waiting for it to go")
+        current = read_current(config_map)
+        if current is not None:
+            plan, failures, stored_profile, runner.plan_version = current
+            runner.current = CurrentPlan(plan, failures)
+            runner.profile = stored_profile or runner.profile
+        else:
+            runner.current = runner.plan_version = None
+        runner.loaded = True
+    try:
+        profile = await _profile(api, runner, spec, namespace, config)
+    except (PlanningError, ValueError) as error:
+        runner.phase = await _fail_invalid(api, namespace, name, runner.uid, body, str(error))
+        return
+    nodes = {node: next(iter(store)) for node, store in node_health.items()}
+    gpu = spec.gpu_resource_name if spec.device == "cuda" else None
+    obs = observe.observe(
+        name, runner.uid, job_pods.get(runner.key, ()), nodes, runner.current.plan if runner.current else None,
+        gpu_resource=gpu, gpu_conditions=config.tuning.gpu_failure_conditions,
+    )  # fmt: skip
+    # Node events wake the jobs with pods on that node.
+    on_nodes = frozenset(w.node_name for w in obs.workers if w.node_name)
+    for node in runner.nodes - on_nodes:
+        memo.node_jobs.get(node, set()).discard(runner.key)
+    for node in on_nodes:
+        memo.node_jobs.setdefault(node, set()).add(runner.key)
+    runner.nodes = on_nodes
+    status = parse_status(raw_status)
+    ctx = JobContext(name, namespace, runner.uid, int(body.metadata.get("generation") or 0), spec, status)
+    decision = decide(ctx, obs, runner.current, profile, config.tuning, _now())
+    if obs.foreign:
+        logger.warning(f"pods {list(obs.foreign)} carry this job's label but another owner; ignored")
+    applied = await apply_decision(
+        api, namespace=namespace, job=name, uid=runner.uid, spec=spec, profile=profile, decision=decision,
+        plan_version=runner.plan_version, default_image=config.default_image,
+        default_command=list(config.default_command), status_before=parse_status(raw_status).to_kubernetes(),
+        after_plan_write=_crash if config.crash_after_plan_write else None,
+    )  # fmt: skip
+    latency = None
+    if decision.lost:
+        metrics.pods_lost.inc(len(decision.lost))
+        if applied.patched_at is not None and first_event_at is not None:
+            latency = applied.patched_at - first_event_at
+            metrics.failure_to_patch_seconds.observe(latency)
+    if decision.plan is not None:
+        plan = decision.plan
+        runner.current = CurrentPlan(plan, decision.failures_survived)
+        runner.plan_version = applied.plan_version
+        metrics.plan_generations.inc()
+        metrics.planner_seconds.observe(decision.planner_seconds)
+        log.info(
+            f"{namespace}/{name}: plan generation {plan.generation} ({plan.reason}) on {len(plan.nodes)} nodes; "
+            f"lost {len(plan.lost_nodes)} added {len(plan.added_nodes)}; planner {decision.planner_seconds:.4f} s; "
+            f"patched {len(decision.patches)} pods"
+            + (f"; failure-to-patch {latency:.4f} s" if latency is not None else "")
+        )
+    metrics.pods_created.inc(applied.created)
+    runner.phase = str(decision.status.get("phase", "Pending"))

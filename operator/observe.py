@@ -1,0 +1,309 @@
+"""What the operator sees of a job, as typed values: pure functions from Kubernetes objects.
+
+`summarize_pod` / `summarize_node` reduce an object to the few fields health depends on (the kopf
+indexes store these, so equal summaries mean "nothing relevant changed"). `observe` turns a job's
+pod summaries, the node summaries and the current plan into a `JobObservation`: which workers run,
+which are pending (and why), which are lost (and why), and the progress the workers reported.
+
+A worker is lost when any of these holds (the first that does is the reason):
+pod being deleted; pod Failed (evicted included); worker container terminated with a non-zero
+code; pod marked as a disruption target; its node deleted, NotReady or unreachable (Ready
+condition or the node-lifecycle taints); the node's allocatable GPUs below its capacity; a node
+condition listed as a GPU failure reporting True; the worker reporting its own GPU unhealthy; a
+live peer of the current generation reporting it dead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from oobleck.api.plan import Plan
+
+from oobleck.operator.render import (
+    COORDINATOR_ROLE,
+    FAILURE_ANNOTATION,
+    GENERATION_ANNOTATION,
+    PROGRESS_ANNOTATION,
+    ROLE_LABEL,
+    WORKER_ROLE,
+    worker_index,
+)
+
+UNREACHABLE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+
+
+def _time(value: str | None) -> float | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def _int(value: str | None) -> int | None:
+    return int(value) if value is not None and value.lstrip("-").isdigit() else None
+
+
+@dataclass(frozen=True)
+class PodSummary:
+    """The health-relevant part of a pod of a job."""
+
+    name: str
+    uid: str
+    role: str
+    node_name: str | None
+    phase: str
+    created: float | None
+    deleting: bool = False
+    status_reason: str = ""
+    terminated: tuple[int, str] | None = None  # (exit code, reason) of the first terminated container
+    disrupted: str | None = None  # reason of a DisruptionTarget=True condition
+    unschedulable: str | None = None  # the scheduler's message while PodScheduled=False
+    generation: int | None = None
+    failure_report: str | None = None
+    progress: str | None = None
+    owner_uid: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeSummary:
+    """The health-relevant part of a node."""
+
+    name: str
+    ready: str  # "True" | "False" | "Unknown" (no Ready condition: "Unknown")
+    ready_reason: str = ""
+    taints: tuple[str, ...] = ()  # keys of NoExecute/NoSchedule taints from UNREACHABLE_TAINTS
+    true_conditions: tuple[str, ...] = ()  # condition types other than Ready whose status is True
+    capacity: tuple[tuple[str, int], ...] = ()  # extended resources (names with a '/') only
+    allocatable: tuple[tuple[str, int], ...] = ()
+
+
+def summarize_pod(body: Mapping[str, Any]) -> PodSummary:
+    """Reduce a Pod to a PodSummary."""
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
+    terminated = None
+    for container in status.get("containerStatuses") or []:
+        state = (container.get("state") or {}).get("terminated")
+        if state:
+            terminated = (int(state.get("exitCode", 0)), state.get("reason") or "")
+            break
+    disrupted = unschedulable = None
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
+            disrupted = condition.get("reason") or "DisruptionTarget"
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            unschedulable = condition.get("message") or condition.get("reason") or "not scheduled"
+    owner = next((o.get("uid") for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
+    return PodSummary(
+        name=meta.get("name", ""),
+        uid=meta.get("uid", ""),
+        role=labels.get(ROLE_LABEL, ""),
+        node_name=(body.get("spec") or {}).get("nodeName") or None,
+        phase=status.get("phase") or "Pending",
+        created=_time(meta.get("creationTimestamp")),
+        deleting=bool(meta.get("deletionTimestamp")),
+        status_reason=status.get("reason") or "",
+        terminated=terminated,
+        disrupted=disrupted,
+        unschedulable=unschedulable,
+        generation=_int(annotations.get(GENERATION_ANNOTATION)),
+        failure_report=annotations.get(FAILURE_ANNOTATION),
+        progress=annotations.get(PROGRESS_ANNOTATION),
+        owner_uid=owner,
+    )
+
+
+def _extended(resources: Mapping[str, Any] | None) -> tuple[tuple[str, int], ...]:
+    out = []
+    for name, value in (resources or {}).items():
+        if "/" in name and str(value).isdigit():
+            out.append((name, int(value)))
+    return tuple(sorted(out))
+
+
+def summarize_node(body: Mapping[str, Any]) -> NodeSummary:
+    """Reduce a Node to a NodeSummary."""
+    status = body.get("status") or {}
+    ready, reason, true_conditions = "Unknown", "", []
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "Ready":
+            ready, reason = condition.get("status") or "Unknown", condition.get("reason") or ""
+        elif condition.get("status") == "True":
+            true_conditions.append(condition.get("type") or "")
+    taints = tuple(
+        sorted({t.get("key", "") for t in (body.get("spec") or {}).get("taints") or [] if t.get("key") in UNREACHABLE_TAINTS})
+    )
+    return NodeSummary(
+        name=(body.get("metadata") or {}).get("name", ""),
+        ready=ready,
+        ready_reason=reason,
+        taints=taints,
+        true_conditions=tuple(sorted(true_conditions)),
+        capacity=_extended(status.get("capacity")),
+        allocatable=_extended(status.get("allocatable")),
+    )
+
+
+def node_problem(node: NodeSummary | None, name: str, gpu_resource: str | None, gpu_conditions: Iterable[str]) -> str | None:
+    """Why a worker on this node is lost, or None when the node is healthy. gpu_resource None: no GPU check."""
+    if node is None:
+        return f"node {name} deleted"
+    if node.ready != "True":
+        kind = "unreachable" if node.ready == "Unknown" else "NotReady"
+        return f"node {name} {kind}" + (f" ({node.ready_reason})" if node.ready_reason else "")
+    if node.taints:
+        return f"node {name} tainted {', '.join(node.taints)}"
+    if gpu_resource is not None:
+        capacity, allocatable = dict(node.capacity).get(gpu_resource), dict(node.allocatable).get(gpu_resource)
+        if capacity is not None and (allocatable or 0) < capacity:
+            return f"node {name}: allocatable {gpu_resource} {allocatable or 0} < capacity {capacity} (unhealthy GPU)"
+        failing = sorted(set(node.true_conditions) & set(gpu_conditions))
+        if failing:
+            return f"node {name}: condition {', '.join(failing)} is True (GPU failure)"
+    return None
+
+
+def pod_problem(pod: PodSummary) -> str | None:
+    """Why the pod itself shows its worker lost, or None (a succeeded worker is not lost)."""
+    if pod.deleting:
+        return f"pod {pod.name} deleted"
+    if pod.phase == "Failed":
+        return f"pod {pod.name} failed" + (f" ({pod.status_reason})" if pod.status_reason else "")
+    if pod.terminated is not None and pod.terminated[0] != 0:
+        code, reason = pod.terminated
+        return f"pod {pod.name}: worker container exited with code {code}" + (f" ({reason})" if reason else "")
+    if pod.disrupted:
+        return f"pod {pod.name}: disruption target ({pod.disrupted})"
+    return None
+
+
+WorkerStatus = Literal["running", "pending", "lost", "succeeded"]
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One worker pod as observed."""
+
+    name: str
+    index: int
+    status: WorkerStatus
+    reason: str = ""  # why lost, or why pending (the scheduler's message)
+    node_name: str | None = None
+    generation: int | None = None  # GENERATION_ANNOTATION
+    created: float | None = None
+    scheduled: bool = False
+    deleting: bool = False  # already being deleted: no need to ask again
+
+
+@dataclass(frozen=True)
+class JobObservation:
+    """A job's workers (by index), its coordinator and what the workers reported."""
+
+    workers: tuple[Worker, ...]
+    coordinator: PodSummary | None
+    step: int = 0
+    foreign: tuple[str, ...] = ()  # pods with our names but another owner (a previous job's leftovers)
+    reports: tuple[str, ...] = field(default=())  # accepted worker reports, for logs and events
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {w.name: w for w in self.workers})
+
+    def by_status(self, status: WorkerStatus) -> list[Worker]:
+        return [w for w in self.workers if w.status == status]
+
+    @property
+    def names(self) -> set[str]:
+        return {w.name for w in self.workers}
+
+    def get(self, name: str) -> Worker | None:
+        return self._by_name.get(name)  # type: ignore[attr-defined]
+
+
+def _report(raw: str | None) -> dict[str, Any] | None:
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def observe(
+    job: str,
+    uid: str,
+    pods: Iterable[PodSummary],
+    nodes: Mapping[str, NodeSummary],
+    plan: Plan | None,
+    *,
+    gpu_resource: str | None,
+    gpu_conditions: Sequence[str] = (),
+) -> JobObservation:
+    """Classify a job's pods (see the module docstring). `gpu_resource` None disables the GPU checks (cpu jobs)."""
+    workers: dict[str, Worker] = {}
+    coordinator = None
+    foreign = []
+    summaries: dict[str, PodSummary] = {}
+    step = 0
+    for pod in pods:
+        if pod.owner_uid != uid:
+            foreign.append(pod.name)
+            continue
+        if pod.role == COORDINATOR_ROLE:
+            coordinator = pod
+            continue
+        index = worker_index(job, pod.name)
+        if pod.role != WORKER_ROLE or index is None:
+            continue
+        summaries[pod.name] = pod
+        progress = _report(pod.progress)
+        if progress is not None and isinstance(progress.get("step"), int):
+            step = max(step, progress["step"])
+        problem = pod_problem(pod)
+        if problem is None and pod.node_name is not None and pod.phase != "Succeeded":
+            problem = node_problem(nodes.get(pod.node_name), pod.node_name, gpu_resource, gpu_conditions)
+        if problem is not None:
+            status: WorkerStatus = "lost"
+        elif pod.phase == "Succeeded" or pod.terminated is not None:
+            status = "succeeded"
+        elif pod.phase == "Running":
+            status = "running"
+        else:
+            status = "pending"
+            problem = pod.unschedulable or ""
+        workers[pod.name] = Worker(
+            name=pod.name, index=index, status=status, reason=problem or "", node_name=pod.node_name,
+            generation=pod.generation, created=pod.created, scheduled=pod.node_name is not None, deleting=pod.deleting,
+        )  # fmt: skip
+
+    accepted = []
+    if plan is not None:
+        members = set(plan.nodes)
+        # Reports count only from live members about the current generation (older ones are settled).
+        for name, pod in summaries.items():
+            report = _report(pod.failure_report)
+            worker = workers[name]
+            if report is None or worker.status != "running" or name not in members:
+                continue
+            if report.get("generation") != plan.generation:
+                continue
+            dead = [d for d in report.get("dead") or [] if isinstance(d, str)]
+            kind = str(report.get("kind") or "")
+            detail = str(report.get("detail") or "")
+            if kind == "gpu" and (not dead or name in dead):
+                dead = [name]
+                why = f"worker {name} reported an unhealthy GPU" + (f": {detail}" if detail else "")
+            else:
+                why = f"reported dead by {name} ({kind})" + (f": {detail}" if detail else "")
+            for target in dead:
+                peer = workers.get(target)
+                if target in members and peer is not None and peer.status == "running":
+                    workers[target] = Worker(**{**peer.__dict__, "status": "lost", "reason": why})
+                    accepted.append(f"{target}: {why}")
+    ordered = tuple(sorted(workers.values(), key=lambda w: w.index))
+    return JobObservation(workers=ordered, coordinator=coordinator, step=step, foreign=tuple(sorted(foreign)), reports=tuple(accepted))

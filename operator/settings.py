@@ -1,0 +1,95 @@
+"""The operator's configuration: one typed object built from the command line, applied once at startup.
+
+Nothing else reads environment variables or globals: `cli.py` builds `OperatorConfig`, passes it in
+kopf's memo, and the startup hook calls `configure_kopf` with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from oobleck.api.job import GROUP, KIND
+from oobleck.operator.decide import Tuning
+
+DEFAULT_IMAGE = "ghcr.io/oobleck-dev/oobleck:0.1.0"
+DEFAULT_COMMAND = ("oobleck", "worker")
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Everything the operator is told at startup. Every timeout is explicit and overridable."""
+
+    namespaces: tuple[str, ...] = ()
+    """Namespaces to serve; empty means all (cluster-wide watches of pods: costly on big clusters)."""
+    kubeconfig: str | None = None
+    """Kubeconfig path; None: in-cluster service account, else the default kubeconfig."""
+    default_image: str = DEFAULT_IMAGE
+    """Worker image when a job's spec has none."""
+    default_command: tuple[str, ...] = DEFAULT_COMMAND
+    """Worker command when a job's spec has none."""
+    tuning: Tuning = field(default_factory=Tuning)
+    """Planner inputs a spec does not carry (GPU memory, bandwidths, synthetic profile speeds)."""
+    write_concurrency: int = 128
+    """Concurrent API writes per job (pod patches fan out to every survivor at once)."""
+    batch_window_s: float = 0.05
+    """After the first event, wait this long for more before reconciling: f simultaneous losses
+    become one plan generation. Counts against the failure-to-patch latency."""
+    resync_s: float = 10.0
+    """Reconcile each job at least this often (timeouts, e.g. pods pending too long, need no event)."""
+    request_timeout_s: float = 15.0
+    """Timeout of one API call (kopf's and ours)."""
+    error_backoff_s: float = 1.0
+    """Wait after a failed reconcile before the next try."""
+    metrics_port: int = 9090
+    """Prometheus metrics port (0: any free port, logged; -1: off)."""
+    liveness_port: int = 8080
+    """Liveness probe port (http://0.0.0.0:PORT/healthz; -1: off)."""
+    standalone: bool = True
+    """No peering (one replica). False: kopf peering (leader election) under `peering_name`."""
+    peering_name: str = "oobleck-operator"
+    priority: int = 0
+    """Peering priority: the highest runs, the others pause."""
+    peering_lifetime_s: int = 15
+    """How long a silent peer counts as alive (failover time after a crash)."""
+    log_level: int = logging.INFO
+    crash_after_plan_write: bool = False
+    """Tests only: exit abruptly right after writing a new plan generation (before patching pods)."""
+
+
+class JobsOnlyDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's diff base, built for OobleckJobs only.
+
+    kopf builds an object's "essence" (a deep copy) on every watch event of every watched kind, to
+    detect changes for state-changing handlers. Pods and nodes have none here (indexes only), and
+    at 1000 pods that copy was the operator's largest CPU cost: skip it for them.
+    """
+
+    def build(self, *, body: Any, extra_fields: Any = None) -> Any:
+        spec = body.get("spec") or {}
+        if body.get("kind") not in (None, KIND) or "training" not in spec:
+            return None
+        return super().build(body=body, extra_fields=extra_fields)
+
+
+def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    """Apply `config` to kopf's settings (called once, from the startup hook)."""
+    # Never change these on a live cluster: kopf would treat every object as new.
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = JobsOnlyDiffBaseStorage(prefix=GROUP, key="last-handled-configuration")
+    # Indexes need unlimited workers (a limit can deadlock the initial indexing).
+    settings.queueing.worker_limit = None
+    settings.watching.server_timeout = 60
+    settings.watching.client_timeout = 90
+    settings.watching.connect_timeout = config.request_timeout_s
+    settings.networking.request_timeout = config.request_timeout_s
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "oobleck-operator"
+    settings.peering.name = config.peering_name
+    settings.peering.priority = config.priority
+    settings.peering.lifetime = config.peering_lifetime_s
+    settings.peering.standalone = config.standalone

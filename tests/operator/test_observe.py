@@ -1,0 +1,114 @@
+"""Health classification: every way a worker can be lost, and what is not a loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oobleck.operator.observe import observe, summarize_node, summarize_pod
+from oobleck.operator import render
+
+
+def _status(obs, index: int):
+    worker = obs.get(render.worker_name("tiny", index))
+    return worker.status, worker.reason
+
+
+def test_summaries_from_raw_objects():
+    pod = {
+        "metadata": {"name": "tiny-worker-0", "uid": "p", "labels": {render.ROLE_LABEL: "worker"},
+                     "annotations": {render.GENERATION_ANNOTATION: "3"}, "creationTimestamp": "2026-01-01T00:00:00Z",
+                     "ownerReferences": [{"uid": "uid-1", "controller": True}]},
+        "spec": {"nodeName": "n1"},
+        "status": {"phase": "Running", "containerStatuses": [{"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}],
+                   "conditions": [{"type": "PodScheduled", "status": "True"}]},
+    }
+    summary = summarize_pod(pod)
+    assert (summary.node_name, summary.generation, summary.terminated, summary.owner_uid) == ("n1", 3, (137, "OOMKilled"), "uid-1")
+    node = {
+        "metadata": {"name": "n1"},
+        "spec": {"taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}, {"key": "other"}]},
+        "status": {"conditions": [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown"},
+                                  {"type": "GPUUnhealthy", "status": "True"}, {"type": "MemoryPressure", "status": "False"}],
+                   "capacity": {"cpu": "8", "nvidia.com/gpu": "8"}, "allocatable": {"cpu": "7", "nvidia.com/gpu": "7"}},
+    }
+    n = summarize_node(node)
+    assert n.ready == "Unknown" and n.taints == ("node.kubernetes.io/unreachable",)
+    assert n.true_conditions == ("GPUUnhealthy",)
+    assert n.capacity == (("nvidia.com/gpu", 8),) and n.allocatable == (("nvidia.com/gpu", 7),)
+
+
+@pytest.mark.parametrize(
+    "pod_fields, node_fields, expected",
+    [
+        ({"deleting": True}, {}, "pod tiny-worker-1 deleted"),
+        ({"phase": "Failed", "status_reason": "Evicted"}, {}, "failed (Evicted)"),
+        ({"terminated": (1, "Error")}, {}, "exited with code 1"),
+        ({"disrupted": "DeletionByTaintManager"}, {}, "disruption target"),
+        ({}, {"ready": "False", "ready_reason": "KubeletNotReady"}, "NotReady (KubeletNotReady)"),
+        ({}, {"ready": "Unknown"}, "unreachable"),
+        ({}, {"taints": ("node.kubernetes.io/unreachable",)}, "tainted"),
+        ({}, {"allocatable": 7}, "allocatable nvidia.com/gpu 7 < capacity 8"),
+        ({}, {"true_conditions": ("GPUUnhealthy",)}, "condition GPUUnhealthy"),
+    ],
+)
+def test_each_failure_kind_loses_the_worker(h, pod_fields, node_fields, expected):
+    pods = [h.worker(0), h.worker(1, **pod_fields)]
+    nodes = h.nodes(2)
+    nodes["node-1"] = h.node("node-1", **node_fields)
+    obs = observe("tiny", h.UID, pods, nodes, None, gpu_resource="nvidia.com/gpu", gpu_conditions=("GPUUnhealthy",))
+    assert _status(obs, 0) == ("running", "")
+    status, reason = _status(obs, 1)
+    assert status == "lost" and expected in reason
+
+
+def test_node_deleted_and_cpu_jobs_skip_gpu_checks(h):
+    pods = [h.worker(0), h.worker(1)]
+    nodes = {"node-0": h.node("node-0", allocatable=0)}
+    obs = observe("tiny", h.UID, pods, nodes, None, gpu_resource=None)
+    assert _status(obs, 0) == ("running", "")  # allocatable drop ignored for cpu jobs
+    assert _status(obs, 1) == ("lost", "node node-1 deleted")
+
+
+def test_pending_succeeded_and_foreign(h):
+    pods = [
+        h.worker(0, node="", phase="Pending", unschedulable="0/3 nodes are available: Insufficient nvidia.com/gpu."),
+        h.worker(1, phase="Succeeded", terminated=(0, "Completed")),
+        h.worker(2),
+        h.coordinator(),
+    ]
+    foreign = h.worker(3)
+    pods.append(type(foreign)(**{**foreign.__dict__, "owner_uid": "someone-else"}))
+    obs = observe("tiny", h.UID, pods, h.nodes(4), None, gpu_resource="nvidia.com/gpu")
+    assert _status(obs, 0) == ("pending", "0/3 nodes are available: Insufficient nvidia.com/gpu.")
+    assert _status(obs, 1)[0] == "succeeded"
+    assert obs.coordinator is not None and obs.foreign == ("tiny-worker-3",)
+    assert [w.index for w in obs.workers] == [0, 1, 2]
+
+
+def _plan(h, n=4):
+    from oobleck.operator.decide import Tuning, cluster_shape, synthetic_profile
+    from oobleck.planner import plan_job
+
+    spec = h.spec()
+    profile = synthetic_profile(spec, Tuning())
+    return plan_job(profile, cluster_shape(spec, Tuning()), 1, 8, "tiny", nodes=[render.worker_name("tiny", i) for i in range(n)])
+
+
+def test_worker_reports_count_only_for_the_current_generation_from_live_members(h):
+    plan = _plan(h)
+    report = lambda gen, kind, dead: json.dumps({"job": "tiny", "generation": gen, "reporter": "x", "kind": kind, "dead": dead})
+    pods = [
+        h.worker(0, failure_report=report(0, "heartbeat", ["tiny-worker-1"])),
+        h.worker(1),
+        h.worker(2, failure_report=report(0, "gpu", [])),
+        h.worker(3, failure_report=report(7, "heartbeat", ["tiny-worker-0"])),  # another generation: ignored
+    ]
+    obs = observe("tiny", h.UID, pods, h.nodes(4), plan, gpu_resource="nvidia.com/gpu")
+    assert _status(obs, 0) == ("running", "")
+    assert _status(obs, 1)[0] == "lost" and "reported dead by tiny-worker-0" in _status(obs, 1)[1]
+    assert _status(obs, 2)[0] == "lost" and "unhealthy GPU" in _status(obs, 2)[1]
+    assert _status(obs, 3) == ("running", "")
+    # Without a plan (or from a lost reporter) nothing is accepted.
+    assert observe("tiny", h.UID, pods, h.nodes(4), None, gpu_resource="nvidia.com/gpu").get("tiny-worker-1").status == "running"

@@ -1,0 +1,490 @@
+"""The operator against the real local control plane, run as a subprocess (so tests can SIGKILL it).
+
+Worker pods land on kwok nodes with `nvidia.com/gpu` capacity (kwok keeps them Running); each test
+gets its own namespace and its own pool of nodes (a node label the job's nodeSelector names).
+Failures are injected the ways the operator must notice: pod deletion, pod status patches, node
+conditions (after taking the node away from kwok, which would re-ready it), allocatable changes,
+and a worker's failure report.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from oobleck.api.plan import Plan
+from oobleck.dev.controlplane import free_port
+from oobleck.dev.kwok import FAKE_NODE_LABEL
+from oobleck.operator import render
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+POOL_LABEL = "oobleck-test/pool"
+TIMEOUT_S = 60.0
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except Exception as error:  # noqa: BLE001  (the object may not exist yet)
+            last = error
+        else:
+            if last:
+                return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
+
+
+class Operator:
+    """`oobleck operator` in a subprocess, logging to a file."""
+
+    def __init__(self, cluster, namespace: str, log_dir: Path) -> None:
+        self.cluster, self.namespace, self.log_dir = cluster, namespace, log_dir
+        self.process: subprocess.Popen | None = None
+        self.metrics_port = self.liveness_port = 0
+        self.starts = 0
+
+    def start(self, *extra: str) -> "Operator":
+        self.metrics_port, self.liveness_port = free_port(), free_port()
+        self.starts += 1
+        log = open(self.log_dir / f"operator-{self.starts}.log", "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "oobleck.cli", "operator", "-n", self.namespace, "--kubeconfig", self.cluster.kubeconfig,
+             "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), "--resync", "2", *extra],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        wait_for(self.healthy, "the operator's liveness probe", timeout=90)
+        return self
+
+    def healthy(self) -> bool:
+        if self.process is not None and self.process.poll() is not None:
+            raise AssertionError(f"operator exited with {self.process.returncode}:\n{self.log()[-3000:]}")
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=2) as response:
+            return response.status == 200
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            return response.read().decode()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def log(self) -> str:
+        return "".join(p.read_text() for p in sorted(self.log_dir.glob("operator-*.log")))
+
+
+@pytest.fixture
+def env(cluster, tmp_path) -> Iterator[dict[str, Any]]:
+    namespace = cluster.namespace("op")
+    pool = f"p{secrets.token_hex(4)}"
+    operator = Operator(cluster, namespace, tmp_path)
+    state: dict[str, Any] = {"ns": namespace, "pool": pool, "operator": operator, "nodes": []}
+
+    def add_nodes(n: int, gpus: int = 8) -> list[str]:
+        names = cluster.add_kwok_nodes(n, gpus=gpus, labels={POOL_LABEL: pool})
+        state["nodes"] += names
+        return names
+
+    state["add_nodes"] = add_nodes
+    try:
+        yield state
+    finally:
+        operator.kill()
+        if state["nodes"]:
+            cluster.delete_kwok_nodes(state["nodes"])
+        if operator.starts:
+            print(operator.log()[-5000:])
+
+
+def job_manifest(name: str, pool: str, **spec: Any) -> str:
+    body = {
+        "apiVersion": "oobleck.dev/v1alpha1",
+        "kind": "OobleckJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"gpt": {"layers": 4, "hiddenSize": 64, "heads": 4, "sequenceLength": 32, "vocabSize": 256}},
+            "nodes": {"min": 2, "max": 4},
+            "gpusPerNode": 1,
+            "f": 1,
+            "training": {"steps": 40, "globalBatchSize": 16, "microbatchSize": 2},
+            "pod": {"nodeSelector": {POOL_LABEL: pool}},
+            "pendingTimeoutSeconds": 600,
+            **spec,
+        },
+    }
+    return yaml.safe_dump(body)
+
+
+def apply_job(cluster, env: dict[str, Any], name: str = "tiny", **spec: Any) -> None:
+    cluster.kubectl("apply", "-n", env["ns"], "-f", "-", input=job_manifest(name, env["pool"], **spec))
+
+
+def job(cluster, ns: str, name: str = "tiny") -> dict[str, Any]:
+    return cluster.kubectl_json("get", "oobleckjob", name, "-n", ns)
+
+
+def condition(body: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in body.get("status", {}).get("conditions", []) if c["type"] == type_), None)
+
+
+def workers(cluster, ns: str, name: str = "tiny") -> dict[str, dict[str, Any]]:
+    pods = cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"oobleck.dev/job={name},{render.ROLE_LABEL}=worker")["items"]
+    return {p["metadata"]["name"]: p for p in pods}
+
+
+def current_plan(cluster, ns: str, name: str = "tiny") -> Plan:
+    return render.read_plan(cluster.kubectl_json("get", "configmap", render.plan_name(name), "-n", ns))
+
+
+def reconfigured_events(cluster, ns: str) -> list[str]:
+    items = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", "reason=Reconfigured")["items"]
+    return sorted(e["message"] for e in items)
+
+
+def settled(cluster, ns: str, generation: int, name: str = "tiny") -> Plan | None:
+    """The plan once it has `generation` and every member pod is Running and annotated with it."""
+    plan = current_plan(cluster, ns, name)
+    if plan.generation != generation:
+        return None
+    pods = workers(cluster, ns, name)
+    for node in plan.nodes:
+        pod = pods.get(node)
+        if pod is None or pod["status"].get("phase") != "Running":
+            return None
+        if pod["metadata"].get("annotations", {}).get(render.GENERATION_ANNOTATION) != str(generation):
+            return None
+    return plan
+
+
+def running_job(cluster, env: dict[str, Any], nodes: int = 4, **spec: Any) -> Plan:
+    env["add_nodes"](nodes)
+    env["operator"].start(*spec.pop("operator_args", ()))
+    apply_job(cluster, env, **spec)
+    return wait_for(lambda: settled(cluster, env["ns"], 0), "generation 0 on every worker")
+
+
+# -- lifecycle ---------------------------------------------------------------------------------------
+
+
+def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
+    ns = env["ns"]
+    env["add_nodes"](2)
+    env["operator"].start()
+    apply_job(cluster, env, nodes={"min": 2, "max": 3})
+    waiting = wait_for(
+        lambda: (c := condition(job(cluster, ns), "Running")) and "nodes are available" in c["message"] and c,
+        "the WaitingForNodes condition with the scheduler's reason",
+    )  # fmt: skip
+    assert waiting["reason"] == "WaitingForNodes" and "2 of 3 worker pods running" in waiting["message"]
+    assert len(workers(cluster, ns)) == 3  # two running, one pending: nothing piled up
+    env["add_nodes"](1)
+    plan = wait_for(lambda: settled(cluster, ns, 0), "generation 0 once the third node exists")
+    assert len(plan.nodes) == 3
+    body = job(cluster, ns)
+    assert body["status"]["phase"] == "Running" and body["status"]["plan"]["generation"] == 0
+    # Children: owned, deterministic names.
+    uid = body["metadata"]["uid"]
+    for kind, name in [("service", "tiny-workers"), ("serviceaccount", "tiny-worker"), ("role", "tiny-worker"),
+                       ("rolebinding", "tiny-worker"), ("configmap", "tiny-plan"), ("pod", "tiny-coordinator")]:
+        child = cluster.kubectl_json("get", kind, name, "-n", ns)
+        assert child["metadata"]["ownerReferences"][0]["uid"] == uid, (kind, name)
+    metrics = env["operator"].metrics()
+    assert 'oobleck_operator_jobs{phase="Running"} 1.0' in metrics
+    assert "oobleck_operator_pods_created_total 4.0" in metrics  # 3 workers + the coordinator
+    cluster.kubectl("delete", "oobleckjob", "tiny", "-n", ns, "--wait=true", timeout=90)
+    wait_for(lambda: not cluster.kubectl_json("get", "pods,configmap,service,serviceaccount,role", "-n", ns, "-l", "oobleck.dev/job=tiny")["items"],
+             "garbage collection of every child")  # fmt: skip
+
+
+def test_spec_the_planner_cannot_serve_fails_with_an_event(cluster, env):
+    ns = env["ns"]
+    env["operator"].start()
+    # Each block alone needs more memory than a GPU has: no template exists.
+    apply_job(cluster, env, model={"gpt": {"layers": 4, "hiddenSize": 32768, "heads": 32, "sequenceLength": 64, "vocabSize": 256}})
+    failed = wait_for(lambda: (c := condition(job(cluster, ns), "Failed")) and c["status"] == "True" and c, "the Failed condition")
+    assert failed["reason"] == "InvalidSpec" and "planner cannot serve" in failed["message"]
+    assert job(cluster, ns)["status"]["phase"] == "Failed"
+    events = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", "reason=InvalidSpec")["items"]
+    assert events and events[0]["type"] == "Warning"
+    assert not workers(cluster, ns)
+
+
+# -- failures ----------------------------------------------------------------------------------------
+
+
+def _take_from_kwok(cluster, node: str) -> None:
+    # kwok re-initialises a managed node that is not Ready; unmanaged, the injected state stays.
+    cluster.kubectl("label", "node", node, f"{FAKE_NODE_LABEL}-")
+
+
+def _patch_node_status(cluster, node: str, status: dict[str, Any]) -> None:
+    cluster.kubectl("patch", "node", node, "--subresource=status", "-p", json.dumps({"status": status}))
+
+
+def inject(kind: str, cluster, ns: str, victim: str, plan: Plan) -> None:
+    pod = cluster.kubectl_json("get", "pod", victim, "-n", ns)
+    node = pod["spec"]["nodeName"]
+    if kind == "pod-deleted":
+        cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+    elif kind == "pod-failed":
+        cluster.kubectl("patch", "pod", victim, "-n", ns, "--subresource=status", "--type=merge",
+                        "-p", json.dumps({"status": {"phase": "Failed", "reason": "Injected"}}))  # fmt: skip
+    elif kind == "container-exited":
+        _take_from_kwok(cluster, node)  # kwok would otherwise report the container running again
+        terminated = {"name": "worker", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+                      "state": {"terminated": {"exitCode": 3, "reason": "Error"}}}  # fmt: skip
+        cluster.kubectl("patch", "pod", victim, "-n", ns, "--subresource=status", "--type=merge",
+                        "-p", json.dumps({"status": {"containerStatuses": [terminated]}}))  # fmt: skip
+    elif kind == "node-not-ready":
+        _take_from_kwok(cluster, node)
+        _patch_node_status(cluster, node, {"conditions": [{"type": "Ready", "status": "False", "reason": "Injected"}]})
+    elif kind == "gpu-allocatable":
+        _take_from_kwok(cluster, node)
+        _patch_node_status(cluster, node, {"allocatable": {"nvidia.com/gpu": "7"}})
+    elif kind == "gpu-condition":
+        _take_from_kwok(cluster, node)
+        _patch_node_status(cluster, node, {"conditions": [{"type": "GPUUnhealthy", "status": "True", "reason": "XidError"}]})
+    elif kind == "worker-report":
+        reporter = next(n for n in plan.nodes if n != victim)
+        report = {"job": "tiny", "generation": plan.generation, "reporter": reporter, "kind": "heartbeat", "dead": [victim]}
+        cluster.kubectl("annotate", "pod", reporter, "-n", ns, f"{render.FAILURE_ANNOTATION}={json.dumps(report)}")
+    elif kind == "gpu-report":
+        report = {"job": "tiny", "generation": plan.generation, "reporter": victim, "kind": "gpu", "dead": [], "detail": "Xid 79"}
+        cluster.kubectl("annotate", "pod", victim, "-n", ns, f"{render.FAILURE_ANNOTATION}={json.dumps(report)}")
+    else:
+        raise ValueError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["pod-deleted", "pod-failed", "container-exited", "node-not-ready", "gpu-allocatable", "gpu-condition", "worker-report", "gpu-report"],
+)
+def test_each_failure_kind_is_one_generation_without_the_node(cluster, env, kind):
+    ns = env["ns"]
+    plan = running_job(cluster, env)
+    victim = plan.nodes[1]
+    inject(kind, cluster, ns, victim, plan)
+    lost = wait_for(
+        lambda: (p := current_plan(cluster, ns)).generation >= 1 and p, f"a new generation after {kind}"
+    )  # fmt: skip
+    assert victim not in lost.nodes
+    # Every survivor carries the generation that excludes the victim (or a later one adding a replacement).
+    wait_for(lambda: settled(cluster, ns, current_plan(cluster, ns).generation), "survivors patched")
+    events = reconfigured_events(cluster, ns)
+    with_losses = [e for e in events if "lost" in e]
+    assert len(with_losses) == 1 and f"lost ['{victim}']" in with_losses[0], events
+    assert victim not in workers(cluster, ns) or workers(cluster, ns)[victim]["metadata"].get("deletionTimestamp")
+    # The status is written after the patches (Reconfiguring -> Running).
+    wait_for(lambda: (s := job(cluster, ns)["status"])["phase"] == "Running" and s["failuresSurvived"] == 1, "status Running, 1 failure")
+    assert "oobleck_operator_failure_to_patch_seconds_count 1.0" in env["operator"].metrics()
+
+
+def test_simultaneous_losses_make_one_generation(cluster, env):
+    ns = env["ns"]
+    env["add_nodes"](6)
+    env["operator"].start("--batch-window", "0.5")
+    apply_job(cluster, env, f=2, nodes={"min": 2, "max": 6})
+    plan = wait_for(lambda: settled(cluster, ns, 0), "generation 0")
+    victims = plan.nodes[1:3]
+    cluster.kubectl("delete", "pod", *victims, "-n", ns, "--wait=false")
+    wait_for(lambda: current_plan(cluster, ns).generation >= 1, "a new generation")
+    wait_for(lambda: settled(cluster, ns, current_plan(cluster, ns).generation), "survivors patched")
+    with_losses = [e for e in reconfigured_events(cluster, ns) if "lost" in e]
+    assert len(with_losses) == 1 and all(v in with_losses[0] for v in victims), with_losses
+    wait_for(lambda: job(cluster, ns)["status"]["failuresSurvived"] == 2, "status.failuresSurvived == 2")  # written after the patches
+
+
+# -- restart safety -------------------------------------------------------------------------------------
+
+
+def test_killed_between_plan_write_and_patches_converges(cluster, env):
+    ns = env["ns"]
+    env["add_nodes"](4)
+    operator = env["operator"]
+    operator.start()
+    apply_job(cluster, env, nodes={"min": 2, "max": 4, "target": 3})
+    plan = wait_for(lambda: settled(cluster, ns, 0), "generation 0")
+    operator.kill()
+    operator.start("--crash-after-plan-write")
+    victim = plan.nodes[0]
+    cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+    wait_for(lambda: operator.process.poll() is not None, "the operator to crash after writing generation 1")
+    assert current_plan(cluster, ns).generation == 1
+    stale = [n for n, p in workers(cluster, ns).items() if p["metadata"]["annotations"].get(render.GENERATION_ANNOTATION) == "0"]
+    assert stale, "the crash must leave survivors unpatched"
+    operator.start()
+    # Generation 1 is finished (survivors patched), then the replacement is folded in as generation 2.
+    final = wait_for(
+        lambda: len((p := current_plan(cluster, ns)).nodes) == 3 and settled(cluster, ns, p.generation), "convergence"
+    )  # fmt: skip
+    assert final.generation == 2 and final.lost_nodes == [] and len(final.added_nodes) == 1
+    time.sleep(3)  # over a resync period: nothing else may happen
+    assert current_plan(cluster, ns).generation == 2
+    live = [n for n, p in workers(cluster, ns).items() if not p["metadata"].get("deletionTimestamp")]
+    assert sorted(live) == sorted(final.nodes)  # no duplicate, no orphan
+    assert job(cluster, ns)["status"]["failuresSurvived"] == 1
+
+
+def test_killed_at_random_moments_never_duplicates(cluster, env):
+    ns = env["ns"]
+    env["add_nodes"](5)
+    operator = env["operator"]
+    operator.start()
+    apply_job(cluster, env, nodes={"min": 2, "max": 4})
+    plan = wait_for(lambda: settled(cluster, ns, 0), "generation 0")
+    for round_ in range(3):
+        victim = plan.nodes[0]
+        cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+        time.sleep(0.05 * round_)  # kill at a different point of the reconfiguration each round
+        operator.kill()
+        operator.start()
+        plan = wait_for(
+            lambda: (p := current_plan(cluster, ns)) and victim not in p.nodes and len(p.nodes) == 4 and settled(cluster, ns, p.generation),
+            f"round {round_}: a plan without {victim} on 4 nodes",
+        )  # fmt: skip
+        live = [n for n, p in workers(cluster, ns).items() if not p["metadata"].get("deletionTimestamp")]
+        assert sorted(live) == sorted(plan.nodes), (live, plan.nodes)
+    wait_for(lambda: job(cluster, ns)["status"]["failuresSurvived"] == 3, "status.failuresSurvived == 3")  # written after the patches
+
+
+# -- scale ---------------------------------------------------------------------------------------------
+
+
+def test_kubectl_scale_changes_the_node_count(cluster, env):
+    ns = env["ns"]
+    plan = running_job(cluster, env)
+    cluster.kubectl("scale", "oobleckjob/tiny", "-n", ns, "--replicas=2")
+    small = wait_for(lambda: (p := current_plan(cluster, ns)).generation == 1 and settled(cluster, ns, 1), "scaled in")
+    newest = sorted(plan.nodes, key=lambda n: render.worker_index("tiny", n))[2:]
+    assert len(small.nodes) == 2 and sorted(small.lost_nodes) == sorted(newest)
+    wait_for(lambda: len(workers(cluster, ns)) == 2, "two worker pods")
+    wait_for(lambda: job(cluster, ns)["status"]["failuresSurvived"] == 0, "status.failuresSurvived == 0")  # written after the patches
+    cluster.kubectl("scale", "oobleckjob/tiny", "-n", ns, "--replicas=3")
+    big = wait_for(lambda: (p := current_plan(cluster, ns)).generation == 2 and settled(cluster, ns, 2), "scaled out")
+    assert len(big.nodes) == 3 and len(big.added_nodes) == 1
+    wait_for(lambda: job(cluster, ns)["status"]["nodes"] == 3, "status.nodes == 3")  # written after the patches
+
+
+def test_final_step_succeeds_and_cleans_pods(cluster, env):
+    ns = env["ns"]
+    plan = running_job(cluster, env, cleanPodPolicy="Running")
+    progress = json.dumps({"generation": 0, "step": 40})
+    cluster.kubectl("annotate", "pod", plan.nodes[0], "-n", ns, f"{render.PROGRESS_ANNOTATION}={progress}")
+    wait_for(lambda: job(cluster, ns)["status"]["phase"] == "Succeeded", "Succeeded")
+    wait_for(lambda: not cluster.kubectl_json("get", "pods", "-n", ns, "-l", "oobleck.dev/job=tiny")["items"], "pods cleaned up")
+    assert job(cluster, ns)["status"]["progress"]["step"] == 40
+
+
+# -- high availability ----------------------------------------------------------------------------------
+
+# kopf's namespaced peering resource (kopf.dev/v1 KopfPeering): peers write their identity, priority
+# and lifetime into the object's top-level `status`, so the schema keeps unknown fields.
+PEERING_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "kopfpeerings.kopf.dev"},
+    "spec": {
+        "group": "kopf.dev",
+        "scope": "Namespaced",
+        "names": {"plural": "kopfpeerings", "singular": "kopfpeering", "kind": "KopfPeering"},
+        "versions": [{
+            "name": "v1", "served": True, "storage": True,
+            "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+        }],
+    },
+}  # fmt: skip
+
+
+def test_two_replicas_with_peering_fail_over(cluster, env, tmp_path):
+    ns = env["ns"]
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(PEERING_CRD))
+    wait_for(lambda: cluster.kubectl("get", "kopfpeerings", "-n", ns, check=False).returncode == 0, "the peering CRD")
+    peering = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "oobleck-ha", "namespace": ns}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(peering))
+    env["add_nodes"](4)
+    leader = env["operator"]
+    (tmp_path / "standby").mkdir()
+    standby = Operator(cluster, ns, tmp_path / "standby")
+    common = ("--peering", "oobleck-ha", "--peering-lifetime", "5")
+    leader.start(*common, "--priority", "100")
+    standby.start(*common, "--priority", "50")
+    try:
+        apply_job(cluster, env, nodes={"min": 2, "max": 4, "target": 3})
+        plan = wait_for(lambda: settled(cluster, ns, 0), "generation 0")
+        victim = plan.nodes[0]
+        cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+        wait_for(lambda: (p := current_plan(cluster, ns)) and len(p.nodes) == 3 and victim not in p.nodes and settled(cluster, ns, p.generation),
+                 "the leader's reconfiguration")  # fmt: skip
+        assert "plan generation" not in standby.log()  # paused: the leader did all of it
+        leader.kill()
+        time.sleep(1)
+        plan = current_plan(cluster, ns)
+        victim = plan.nodes[0]
+        cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+        final = wait_for(
+            lambda: (p := current_plan(cluster, ns)) and len(p.nodes) == 3 and victim not in p.nodes and settled(cluster, ns, p.generation),
+            "the standby taking over", timeout=90,
+        )  # fmt: skip
+        assert "plan generation" in standby.log()
+        with_losses = [e for e in reconfigured_events(cluster, ns) if "lost" in e]
+        assert len(with_losses) == 2, with_losses  # one per failure: never both replicas
+        live = [n for n, p in workers(cluster, ns).items() if not p["metadata"].get("deletionTimestamp")]
+        assert sorted(live) == sorted(final.nodes)
+    finally:
+        standby.kill()
+        print(standby.log()[-3000:])
+
+
+def test_plan_writes_are_conditional_on_the_version_read(cluster, h):
+    """A writer with a stale view (e.g. a replica that was paused) gets 409 instead of undoing a newer plan."""
+    import asyncio
+
+    from oobleck.operator.apply import Api, ApiError
+    from oobleck.operator.decide import Tuning, cluster_shape, synthetic_profile
+    from oobleck.operator.metrics import Metrics
+    from oobleck.planner import plan_job
+
+    ns = cluster.namespace("op")
+    # A real owner (no operator serves this namespace): the garbage collector deletes children of a missing one.
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=job_manifest("tiny", "none"))
+    owner = job(cluster, ns)["metadata"]["uid"]
+    spec = h.spec()
+    profile = synthetic_profile(spec, Tuning())
+    names = [render.worker_name("tiny", i) for i in range(4)]
+    plan0 = plan_job(profile, cluster_shape(spec, Tuning()), 1, 8, "tiny", nodes=names)
+    plan1 = plan0.model_copy(update={"generation": 1})
+
+    async def scenario() -> None:
+        api = await Api.connect(cluster.kubeconfig, Metrics(), 8, 15.0)
+        try:
+            body0 = render.plan_config_map("tiny", ns, owner, plan0, profile, spec, 0)
+            version0 = await api.write_plan(body0, owner, None)
+            body1 = render.plan_config_map("tiny", ns, owner, plan1, profile, spec, 0)
+            version1 = await api.write_plan(body1, owner, version0)
+            assert version1 != version0
+            with pytest.raises(ApiError) as stale:  # the generation-0 writer, still holding version0
+                await api.write_plan(body0, owner, version0)
+            assert stale.value.status == 409
+            with pytest.raises(ApiError) as twice:  # creating generation 0 again
+                await api.write_plan(body0, owner, None)
+            assert twice.value.status == 409
+        finally:
+            await api.close()
+
+    asyncio.run(scenario())
+    assert current_plan(cluster, ns).generation == 1

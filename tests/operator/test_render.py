@@ -1,0 +1,96 @@
+"""Manifests: names, owner references, GPU requests, the plan ConfigMap round trip."""
+
+from __future__ import annotations
+
+from oobleck.api.job import JOB_LABEL
+from oobleck.operator import render
+from oobleck.operator.decide import Tuning, synthetic_profile
+from oobleck.planner import plan_job
+
+
+def _plan(h, nodes: int = 4):
+    spec = h.spec()
+    from oobleck.operator.decide import cluster_shape
+
+    profile = synthetic_profile(spec, Tuning())
+    names = [render.worker_name(h.JOB, i) for i in range(nodes)]
+    return spec, profile, plan_job(profile, cluster_shape(spec, Tuning()), 1, 8, h.JOB, nodes=names)
+
+
+def test_worker_pod_requests_gpus_and_is_owned(h):
+    spec = h.spec(gpusPerNode=4, resources={"cpu": "2", "memory": "8Gi"})
+    pod = render.worker_pod(h.JOB, "ns", h.UID, spec, 3, default_image="img", default_command=["oobleck", "worker"])
+    assert pod["metadata"]["name"] == "tiny-worker-3"
+    assert pod["metadata"]["labels"][JOB_LABEL] == h.JOB
+    assert pod["metadata"]["labels"][render.INDEX_LABEL] == "3"
+    owner = pod["metadata"]["ownerReferences"][0]
+    assert owner["uid"] == h.UID and owner["controller"] is True
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["requests"] == {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": "4"}
+    assert container["resources"]["limits"] == {"memory": "8Gi", "nvidia.com/gpu": "4"}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["OOBLECK_NODE"] == "tiny-worker-3"
+    assert env["OOBLECK_PLAN_CONFIGMAP"] == "tiny-plan"
+    assert env["OOBLECK_STORE"] == "tiny-coordinator.tiny-workers.ns.svc:29400"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    anti = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_cpu_pods_request_no_gpu_and_overrides_apply(h):
+    spec = h.spec(device="cpu", image="me/img:1", command=["python", "-m", "x"],
+                  pod={"nodeSelector": {"pool": "a"}, "env": [{"name": "A", "value": "1"}], "labels": {"team": "x"}})
+    pod = render.worker_pod(h.JOB, "ns", h.UID, spec, 0, default_image="img", default_command=["oobleck", "worker"])
+    container = pod["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in container["resources"]["requests"]
+    assert container["image"] == "me/img:1" and container["command"] == ["python", "-m", "x"]
+    assert {"name": "A", "value": "1"} in container["env"]
+    assert pod["spec"]["nodeSelector"] == {"pool": "a"}
+    assert pod["metadata"]["labels"]["team"] == "x"
+
+
+def test_role_is_least_privilege(h):
+    role = render.worker_role(h.JOB, "ns", h.UID)
+    verbs = {tuple(rule["resources"]): set(rule["verbs"]) for rule in role["rules"]}
+    assert verbs[("configmaps",)] == {"get", "list", "watch"}
+    assert verbs[("pods",)] == {"get", "patch"}
+    assert all("create" not in v and "delete" not in v for v in verbs.values())
+    assert role["rules"][0]["resourceNames"] == ["tiny-plan"]
+
+
+def test_plan_config_map_round_trips_inline_and_gzipped(h, monkeypatch):
+    spec, profile, plan = _plan(h)
+    body = render.plan_config_map(h.JOB, "ns", h.UID, plan, profile, spec, failures_survived=2)
+    assert body["metadata"]["annotations"][render.GENERATION_ANNOTATION] == "0"
+    assert render.read_plan(body) == plan
+    assert render.read_failures_survived(body) == 2
+    assert render.read_profile(body) == profile
+    monkeypatch.setattr(render, "PLAN_INLINE_LIMIT", 10)
+    small = render.plan_config_map(h.JOB, "ns", h.UID, plan, profile, spec, failures_survived=0)
+    assert small["data"][render.PLAN_KEY] == "" and render.PLAN_GZ_KEY in small["binaryData"]
+    assert render.read_plan(small) == plan
+    # Going back to an inline plan removes the gzipped one in the same merge patch.
+    assert render.plan_patch(body)["binaryData"] == {render.PLAN_GZ_KEY: None}
+
+
+def test_read_plan_names_the_bad_key():
+    import pytest
+
+    with pytest.raises(ValueError, match="key plan.json"):
+        render.read_plan({"metadata": {"name": "x-plan"}, "data": {"plan.json": "{}"}})
+
+
+def test_ranks_annotation(h):
+    _, _, plan = _plan(h)
+    node = plan.ranks[1].node
+    annotations = render.worker_annotations(plan, node)
+    assert annotations[render.GENERATION_ANNOTATION] == "0"
+    assert annotations[render.RANKS_ANNOTATION] == str(plan.ranks[1].rank)
+    assert render.ranks_value(plan, "absent", 1) == ""
+
+
+def test_worker_index_parses_only_our_names():
+    assert render.worker_index("job", "job-worker-12") == 12
+    assert render.worker_index("job", "job-worker-012") is None
+    assert render.worker_index("job", "other-worker-1") is None
+    assert render.worker_index("job", "job-coordinator") is None
