@@ -13,20 +13,23 @@ Each candidate gets the water-filled batch split and is scored as
 the layer state every GPU must receive being priced at its state_bytes. Candidates with f + 1
 pipelines beat degraded ones; equal scores go to the earlier candidate (the list above, in order).
 
-The copy plan lists, for every GPU of the new plan that must hold a layer it did not hold before,
-one source GPU among the survivors that held it, sources chosen least-loaded first (ties: lower new
+The copy plan lists, for every GPU of the new plan that must hold a layer it does not hold, one
+source GPU among the survivors that holds it, sources chosen least-loaded first (ties: lower new
 rank). A layer without any surviving holder makes LostLayersError (the operator restores a checkpoint).
+What a GPU holds is what the previous plan assigns it, or, given `holdings`, what the workers report:
+after an interrupted reconfiguration a receiver may lack layers the plan in force gives it (it is
+then no source for them, and gets a copy) or still hold layers of its older range (then a source).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from oobleck.api.plan import Plan, Template
+from oobleck.api.plan import LayerCopy, Plan, Template
 from oobleck.api.profile import ModelProfile
 
 from .errors import PlanningError
@@ -226,21 +229,28 @@ class NextLayout:
 def reconfigure(
     plan: Plan,
     templates: Sequence[Template],
-    profile: ModelProfile,
+    profile: ModelProfile | Sequence[int],
     lost: Iterable[str] = (),
     added: Iterable[str] = (),
     *,
     bandwidth: float,
     horizon: int = DEFAULT_HORIZON,
     engine: Engine = "compiled",
+    holdings: Holdings | None = None,
 ) -> Plan:
     """The next plan (generation + 1) after losing `lost` nodes and gaining `added` ones.
 
-    `bandwidth` (bytes/s) prices the layer copies; `horizon` iterations price the iteration time.
+    `profile` may be just the per-layer state bytes: the copies are all this reads from it (the
+    timings are in the templates). `bandwidth` (bytes/s) prices the layer copies; `horizon`
+    iterations price the iteration time.
+    `holdings` is what each surviving (node, GPU) really holds (a GPU left out holds nothing); None
+    means what `plan` assigns. With holdings, `lost` and `added` may both be empty: the same nodes,
+    re-laid out and topped up so that every GPU holds its layers (after an interrupted reconfiguration).
     Raises LostLayersError when a layer has no surviving replica, PlanningError for bad input or
     when the remaining nodes cannot form any pipeline.
     """
-    chosen = next_layout(plan, templates, profile, lost, added, bandwidth=bandwidth, horizon=horizon, engine=engine)
+    chosen = next_layout(plan, templates, profile, lost, added, bandwidth=bandwidth, horizon=horizon, engine=engine,
+                         holdings=holdings)
     return to_plan(plan, templates, chosen)
 
 
@@ -256,18 +266,19 @@ def to_plan(plan: Plan, templates: Sequence[Template], chosen: NextLayout) -> Pl
 def next_layout(
     plan: Plan,
     templates: Sequence[Template],
-    profile: ModelProfile,
+    profile: ModelProfile | Sequence[int],
     lost: Iterable[str] = (),
     added: Iterable[str] = (),
     *,
     bandwidth: float,
     horizon: int = DEFAULT_HORIZON,
     engine: Engine = "compiled",
+    holdings: Holdings | None = None,
 ) -> NextLayout:
     """Choose the next layout (see `reconfigure`; the module docstring says how)."""
     lost = _check_ids("lost", list(lost))
     added = _check_ids("added", list(added))
-    if not lost and not added:
+    if not lost and not added and holdings is None:
         raise PlanningError("lost, added: both empty; nothing to reconfigure")
     current = plan.nodes
     unknown = [n for n in lost if n not in set(current)]
@@ -281,18 +292,23 @@ def next_layout(
     if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 0:
         raise PlanningError(f"horizon: must be an integer >= 0, got {horizon!r}")
     num_layers, gpus_per_node = check_templates(templates, plan.gpus_per_node)
-    if num_layers != plan.num_layers or len(profile.layers) != plan.num_layers:
+    state_bytes = _state_bytes(profile)
+    if num_layers != plan.num_layers or len(state_bytes) != plan.num_layers:
         raise PlanningError(
-            f"templates, profile: {num_layers} and {len(profile.layers)} layers, the plan has {plan.num_layers}"
+            f"templates, profile: {num_layers} and {len(state_bytes)} layers, the plan has {plan.num_layers}"
         )
     gone = set(lost)
     lost = [n for n in current if n in gone]  # plan order, for a canonical record
     if len(gone) == len(current) and not added:
         raise PlanningError(f"lost: all {len(current)} nodes of the plan are lost and none added")
-    state = np.array([layer.state_bytes for layer in profile.layers], dtype=np.int64)
+    state = np.array(state_bytes, dtype=np.int64)
     prefix = np.concatenate(([0], np.cumsum(state)))
-    held = _Held(plan, gone, current + added, gpus_per_node)
-    orphans = held.orphans(num_layers)
+    if holdings is None:  # what the plan assigns: ranges, filled in without a Python loop per layer
+        held = _Held.from_plan(plan, gone, current + added, gpus_per_node, state)
+    else:
+        holdings = _check_holdings(holdings, current, gone, gpus_per_node, num_layers)
+        held = _Held.from_holdings(holdings, current + added, gpus_per_node, state)
+    orphans = held.orphans()
     if orphans:
         raise LostLayersError(orphans, lost)
 
@@ -309,7 +325,7 @@ def next_layout(
         repaired = _repair(groups, shrunk, added, sizes, merge_first)
         if repaired is not None:
             work, moves = repaired
-            reason = "+".join(m for m in _MOVES if m in moves) or "shrink"
+            reason = "+".join(m for m in _MOVES if m in moves) or ("shrink" if lost else "resync")
             candidates.append(Candidate(reason, tuple((len(g), tuple(g)) for g in work)))
     ordered = sorted(sizes, reverse=True)
     try:
@@ -356,6 +372,62 @@ def next_layout(
     return NextLayout(reason, pipelines, nb, copies, lost, added, gpus_per_node, considered, chosen)
 
 
+Holdings = Mapping[tuple[str, int], Iterable[int]]
+"""(node, local GPU) -> the layers that GPU holds."""
+
+
+def _state_bytes(profile: ModelProfile | Sequence[int]) -> list[int]:
+    """Per-layer state bytes of a profile, or the list itself, checked."""
+    if isinstance(profile, ModelProfile):
+        return [layer.state_bytes for layer in profile.layers]
+    state = list(profile)
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in state):
+        raise PlanningError(f"profile: state bytes must be integers >= 0, got {state}")
+    return state
+
+
+def _check_holdings(
+    holdings: Holdings, current: list[str], gone: set[str], gpus_per_node: int, num_layers: int
+) -> dict[tuple[str, int], frozenset[int]]:
+    """Validated holdings of the surviving GPUs; a GPU of a lost or unknown node is an error, not ignored."""
+    alive = set(current) - gone
+    out = {}
+    for key, layers in holdings.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int)):
+            raise PlanningError(f"holdings: keys must be (node, gpu) pairs, got {key!r}")
+        node, gpu = key
+        if node not in alive:
+            raise PlanningError(f"holdings: node {node!r} is not a surviving node of the plan")
+        if not 0 <= gpu < gpus_per_node:
+            raise PlanningError(f"holdings: ({node!r}, {gpu}): the GPU is outside 0..{gpus_per_node - 1}")
+        layers = frozenset(layers)
+        bad = sorted(x for x in layers if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < num_layers)
+        if bad:
+            raise PlanningError(f"holdings: ({node!r}, {gpu}) holds layers {bad} outside 0..{num_layers - 1}")
+        out[key] = layers
+    return dict(sorted(out.items()))
+
+
+def layout_copies(plan: Plan, holdings: Holdings, state_bytes: Sequence[int]) -> list[LayerCopy]:
+    """The copies that make every rank of `plan` hold its layers, from GPUs of `plan` that hold them.
+
+    The copy plan `reconfigure` makes, for a layout already chosen (same sources, same order).
+    Raises LostLayersError naming the layers no GPU holds.
+    """
+    state_bytes = _state_bytes(state_bytes)
+    if len(state_bytes) != plan.num_layers:
+        raise PlanningError(f"state_bytes: {len(state_bytes)} layers, the plan has {plan.num_layers}")
+    holdings = _check_holdings(holdings, plan.nodes, set(), plan.gpus_per_node, plan.num_layers)
+    state = np.array(state_bytes, dtype=np.int64)
+    held = _Held.from_holdings(holdings, plan.nodes, plan.gpus_per_node, state)
+    orphans = held.orphans()
+    if orphans:
+        raise LostLayersError(orphans, [])
+    index = held.index
+    places = np.array([(index[a.node], a.gpu, a.start, a.end) for a in plan.ranks], dtype=np.int64).reshape(-1, 4)
+    return [LayerCopy(**c) for c in held.copies(places, state_bytes)]
+
+
 def _gpu_table(template: Template) -> np.ndarray:
     """Per GPU of a template, in rank order: (node within the pipeline, local GPU, start, end)."""
     return np.array(
@@ -376,58 +448,124 @@ def _places(groups: Sequence[tuple[int, tuple[str, ...]]], per_gpu: dict[int, np
 
 
 class _Held:
-    """What every surviving GPU holds before the change, as arrays indexed by node index * G + GPU."""
+    """What every surviving GPU holds before the change, indexed by node index * G + GPU.
 
-    def __init__(self, plan: Plan, gone: set[str], names: list[str], gpus_per_node: int) -> None:
+    A range per GPU, [start, end) (-1, -1: nothing), as every plan assigns, kept as arrays so that a
+    plan's holdings cost no Python loop per layer. Reported holdings need not be a range (a GPU whose
+    previous reconfiguration was interrupted holds its old range plus whichever copies arrived): a
+    GPU's range then spans its lowest to highest layer, and `gaps` lists the (key, layer) pairs of
+    the range it does not hold.
+    """
+
+    def __init__(self, names: list[str], gpus_per_node: int, state: np.ndarray, start: np.ndarray,
+                 end: np.ndarray, gaps: tuple[list[int], list[int]] = ([], [])) -> None:
         self.names = names
         self.index = {name: i for i, name in enumerate(names)}
         self.gpus = gpus_per_node
-        alive = [a for a in plan.ranks if a.node not in gone]
-        keys = np.array([self.index[a.node] * gpus_per_node + a.gpu for a in alive], dtype=np.int64)
-        self.start = np.full(len(names) * gpus_per_node, -1, dtype=np.int64)
-        self.end = np.full(len(names) * gpus_per_node, -1, dtype=np.int64)
-        self.start[keys] = [a.start for a in alive]
-        self.end[keys] = [a.end for a in alive]
+        self.state = state
+        self.start, self.end = start, end
+        self.gaps = tuple(np.array(a, dtype=np.int64) for a in gaps)
 
-    def orphans(self, num_layers: int) -> list[int]:
+    @classmethod
+    def from_plan(cls, plan: Plan, gone: set[str], names: list[str], gpus_per_node: int, state: np.ndarray) -> _Held:
+        """What the surviving GPUs hold according to `plan`: each its [start, end) range."""
+        index = {name: i for i, name in enumerate(names)}
+        alive = [a for a in plan.ranks if a.node not in gone]
+        start = np.full(len(names) * gpus_per_node, -1, dtype=np.int64)
+        end = start.copy()
+        keys = [index[a.node] * gpus_per_node + a.gpu for a in alive]
+        start[keys] = [a.start for a in alive]
+        end[keys] = [a.end for a in alive]
+        return cls(names, gpus_per_node, state, start, end)
+
+    @classmethod
+    def from_holdings(cls, held: dict[tuple[str, int], frozenset[int]], names: list[str], gpus_per_node: int,
+                      state: np.ndarray) -> _Held:
+        """Reported holdings: each GPU's range spans its lowest to highest layer, less its gaps."""
+        index = {name: i for i, name in enumerate(names)}
+        start = np.full(len(names) * gpus_per_node, -1, dtype=np.int64)
+        end = start.copy()
+        gaps: tuple[list[int], list[int]] = ([], [])
+        for (node, gpu), layers in held.items():
+            if layers:
+                key = index[node] * gpus_per_node + gpu
+                start[key], end[key] = min(layers), max(layers) + 1
+                missing = sorted(set(range(start[key], end[key])) - layers)
+                gaps[0].extend([key] * len(missing))
+                gaps[1].extend(missing)
+        return cls(names, gpus_per_node, state, start, end, gaps=gaps)
+
+    def orphans(self) -> list[int]:
         """Layers that no surviving GPU holds."""
+        num_layers = len(self.state)
         alive = self.start >= 0
         cover = np.zeros(num_layers + 1, dtype=np.int64)
         np.add.at(cover, self.start[alive], 1)
         np.add.at(cover, self.end[alive], -1)
-        return np.flatnonzero(np.cumsum(cover)[:num_layers] == 0).tolist()
+        cover = np.cumsum(cover)[:num_layers]
+        np.add.at(cover, self.gaps[1], -1)
+        return np.flatnonzero(cover == 0).tolist()
 
-    def _old(self, places: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        keys = places[:, 0] * self.gpus + places[:, 1]
-        return self.start[keys], self.end[keys]
+    def _keys(self, places: np.ndarray) -> np.ndarray:
+        return places[:, 0] * self.gpus + places[:, 1]
+
+    def _gaps_in(self, places: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The gaps, as (new rank, layer) pairs, that fall inside the rank's new range."""
+        keys, layers = self.gaps
+        if not len(keys):
+            return keys, layers
+        rank_of = np.full(len(self.start), -1, dtype=np.int64)
+        rank_of[self._keys(places)] = np.arange(len(places))
+        ranks = rank_of[keys]
+        ok = ranks >= 0
+        ranks, layers = ranks[ok], layers[ok]
+        inside = (places[ranks, 2] <= layers) & (layers < places[ranks, 3])
+        return ranks[inside], layers[inside]
 
     def missing_bytes(self, places: np.ndarray, prefix: np.ndarray) -> int:
         """State bytes the GPUs of a layout lack (prefix: cumulative state_bytes by layer)."""
-        start, end = places[:, 2], places[:, 3]
-        old_start, old_end = self._old(places)
+        keys, start, end = self._keys(places), places[:, 2], places[:, 3]
+        old_start, old_end = self.start[keys], self.end[keys]
         low = np.maximum(start, old_start)
         high = np.minimum(end, old_end)
         kept = np.where((old_start >= 0) & (low < high), prefix[np.maximum(high, 0)] - prefix[np.maximum(low, 0)], 0)
-        return int((prefix[end] - prefix[start] - kept).sum())
+        return int((prefix[end] - prefix[start] - kept).sum() + self.state[self._gaps_in(places)[1]].sum())
 
     def copies(self, places: np.ndarray, state: list[int]) -> list[dict]:
-        """Sources for every layer a GPU of the layout lacks (LayerCopy fields), least-loaded survivor first.
+        """Sources for every layer a GPU of the layout lacks (LayerCopy fields), least-loaded holder first.
 
         Load is the bytes a source has sent so far, over all layers; ties go to the lower new rank.
         """
-        old_start, old_end = self._old(places)
-        changed = np.flatnonzero((places[:, 2] != old_start) | (places[:, 3] != old_end)).tolist()
+        keys = self._keys(places)
+        old_start, old_end = self.start[keys], self.end[keys]
+        gaps: dict[int, set[int]] = {}  # new rank -> layers of its old range it lacks
+        lacking: dict[int, set[int]] = {}  # layer -> new ranks whose old range has it but who lack it
+        rank_of = dict(zip(keys.tolist(), range(len(keys))))
+        for key, layer in zip(*(a.tolist() for a in self.gaps)):
+            rank = rank_of.get(key)  # None: a GPU the layout does not use, no source and no destination
+            if rank is not None:
+                gaps.setdefault(rank, set()).add(layer)
+                lacking.setdefault(layer, set()).add(rank)
+        irregular = np.zeros(len(places), dtype=bool)
+        irregular[list(gaps)] = True
+        changed = np.flatnonzero((places[:, 2] != old_start) | (places[:, 3] != old_end) | irregular).tolist()
         wanted = []  # (rank, layer) to fill, in rank then layer order
         for rank in changed:
-            low, high = int(old_start[rank]), int(old_end[rank])
-            wanted.extend((rank, layer) for layer in range(places[rank, 2], places[rank, 3]) if not low <= layer < high)
+            low, high, less = int(old_start[rank]), int(old_end[rank]), gaps.get(rank, ())
+            wanted.extend((rank, layer) for layer in range(places[rank, 2], places[rank, 3])
+                          if not (low <= layer < high and layer not in less))
         if not wanted:
             return []
         survivor = np.flatnonzero(old_start >= 0)  # new ranks of the GPUs that hold state, ascending
         s_start, s_end = old_start[survivor], old_end[survivor]
+        holders = {}
+        for layer in sorted({w[1] for w in wanted}):
+            ranks = survivor[(s_start <= layer) & (layer < s_end)].tolist()
+            holders[layer] = [r for r in ranks if r not in lacking[layer]] if layer in lacking else ranks
+            if not holders[layer]:  # held only by GPUs the layout leaves idle: no rank to send from
+                raise PlanningError(f"layer {layer}: held only by GPUs the new layout does not use")
         # Per layer: its holders by rank, a cursor past those that already sent something, and a heap of
         # (load when pushed, rank) of those. An unused holder's load is 0, so the cursor's is the least of them.
-        holders = {layer: survivor[(s_start <= layer) & (layer < s_end)].tolist() for layer in {w[1] for w in wanted}}
         cursor = dict.fromkeys(holders, 0)
         heaps: dict[int, list[tuple[int, int]]] = {layer: [] for layer in holders}
         sent: dict[int, int] = {}

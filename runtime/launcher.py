@@ -11,12 +11,12 @@ The launcher plays the parts the operator and the cluster play in production:
 Every child dies with the launcher: each runs in a process group of its own with
 PR_SET_PDEATHSIG=SIGKILL, and the launcher kills every group on exit, Ctrl-C included.
 
-Planning: generation 0 comes from `oobleck.planner` (`plan_job`). Later generations re-instantiate
-the templates of generation 0 on the surviving nodes (degraded if fewer than f + 1 pipelines fit)
-and add a LayerCopy for every layer a worker must hold but does not, from a survivor that reported
-holding it (`held/{worker}` in the store). This is the plain "re-instantiate + copy" policy, correct
-but not Oobleck's movement-minimising reconfiguration; `replan` is the one place to swap it for the
-planner's when that lands.
+Planning: generation 0 comes from `oobleck.planner` (`plan_job`). Later generations come from the
+planner's reconfiguration (`oobleck.planner.reconfigure`: Oobleck's minimal-movement moves or a
+re-instantiation of generation 0's templates, degraded if fewer than f + 1 pipelines fit, priced by
+copy bytes / `copy_bandwidth` + iteration time), with a LayerCopy for every layer a worker must hold
+but does not, from a survivor that reported holding it (`held/{worker}` in the store): what workers
+report, not what the plan in force says, since a reconfiguration may have been interrupted.
 """
 
 from __future__ import annotations
@@ -41,53 +41,69 @@ PR_SET_PDEATHSIG = 1
 # -- planning (pure) -----------------------------------------------------------------------------
 
 
+DEFAULT_COPY_BANDWIDTH = 10e9
+"""bytes/s a layer copy is priced at when re-planning: the inter-node bandwidth generation 0 is planned with"""
+
+
+def _worker_holdings(holdings: dict[str, set[int]]) -> dict[tuple[str, int], frozenset[int]]:
+    """The launcher's `node:gpu` worker names as the planner's (node, gpu) keys."""
+    out = {}
+    for worker, layers in holdings.items():
+        node, _, gpu = worker.rpartition(":")
+        out[(node, int(gpu))] = frozenset(layers)
+    return out
+
+
+def _no_holder(error) -> str:
+    """A LostLayersError in the launcher's words: which layers no surviving worker holds."""
+    layers = error.layers
+    named = f"layer {layers[0]}: no surviving worker holds it" if len(layers) == 1 else \
+        f"layers {layers}: no surviving worker holds them"
+    return f"{named} (more than f failures; restore from a checkpoint)"
+
+
 def copy_plan(plan, holdings: dict[str, set[int]], state_bytes: list[int]):
     """LayerCopies so that every rank of `plan` holds its layers, taken from `holdings` (worker -> layers).
 
-    Sources are chosen to spread the bytes: the holder with the least bytes to send so far, then the
-    lowest rank. Raises PlanningError when a layer has no holder left (beyond f failures).
+    The planner's copy plan (`oobleck.planner.reconfigure.layout_copies`) for a layout already fixed.
+    Raises PlanningError naming the layers no worker holds.
     """
-    from oobleck.api.plan import LayerCopy
     from oobleck.planner.errors import PlanningError
+    from oobleck.planner.reconfigure import LostLayersError, layout_copies
 
-    placed = {f"{a.node}:{a.gpu}": a for a in plan.ranks}
-    load: dict[str, int] = {}
-    copies = []
-    for assignment in plan.ranks:
-        me = f"{assignment.node}:{assignment.gpu}"
-        for layer in range(assignment.start, assignment.end):
-            if layer in holdings.get(me, set()):
-                continue
-            sources = sorted(
-                (w for w, layers in holdings.items() if layer in layers and w in placed),
-                key=lambda w: (load.get(w, 0), placed[w].rank),
-            )
-            if not sources:
-                raise PlanningError(f"layer {layer}: no surviving worker holds it (more than f failures)")
-            src = placed[sources[0]]
-            load[sources[0]] = load.get(sources[0], 0) + state_bytes[layer]
-            copies.append(LayerCopy(
-                layer=layer, src_node=src.node, src_gpu=src.gpu, src_rank=src.rank,
-                dst_node=assignment.node, dst_gpu=assignment.gpu, dst_rank=assignment.rank, bytes=state_bytes[layer],
-            ))
-    return copies
+    try:
+        return layout_copies(plan, _worker_holdings(holdings), state_bytes)
+    except LostLayersError as error:
+        raise PlanningError(_no_holder(error)) from error
 
 
-def replan(previous, nodes: list[str], holdings: dict[str, set[int]], state_bytes: list[int],
-           *, lost: list[str] = (), added: list[str] = (), reason: str):
-    """The generation after `previous` on `nodes`: re-instantiated templates + the copies it needs."""
-    from oobleck.api.plan import Plan
-    from oobleck.planner.instantiate import instantiate
+def replan(previous, nodes: list[str], holdings: dict[str, set[int]], profile,
+           *, lost: list[str] = (), added: list[str] = (), reason: str,
+           bandwidth: float = DEFAULT_COPY_BANDWIDTH):
+    """The generation after `previous` on `nodes` (its nodes less `lost`, plus `added`), with its copies.
 
-    fresh = instantiate(
-        previous.templates, nodes, previous.f, previous.global_microbatches, previous.job,
-        gpus_per_node=previous.gpus_per_node, allow_degraded=True,
-    )
-    copies = copy_plan(fresh, holdings, state_bytes)
-    return Plan.model_validate(fresh.model_dump() | {
-        "generation": previous.generation + 1, "copies": [c.model_dump() for c in copies],
-        "lost_nodes": list(lost), "added_nodes": list(added), "reason": reason,
-    })
+    The planner's reconfiguration (minimal-movement moves or a re-instantiation of the same templates,
+    whichever costs least) from what the survivors report holding (`holdings`, worker -> layers): a
+    worker whose previous reconfiguration was interrupted may hold more or less than `previous` says.
+    `profile` is the ModelProfile generation 0 was planned with, or just its per-layer state bytes.
+    With nothing lost or added (a retry, a coordinator restart) the plan keeps the layout and
+    `reason`; otherwise its reason names the planner's moves. Raises PlanningError (LostLayersError
+    naming the layers no survivor holds; the job cannot continue without a checkpoint).
+    """
+    from oobleck.planner.errors import PlanningError
+    from oobleck.planner.reconfigure import LostLayersError, reconfigure
+
+    expected = [n for n in previous.nodes if n not in set(lost)] + [n for n in added if n not in previous.nodes]
+    if sorted(nodes) != sorted(expected):
+        raise PlanningError(f"nodes: {sorted(nodes)} is not the previous nodes less {list(lost)} plus {list(added)}")
+    try:
+        plan = reconfigure(previous, previous.templates, profile, lost, added, bandwidth=bandwidth,
+                           holdings=_worker_holdings(holdings))
+    except LostLayersError as error:
+        raise PlanningError(_no_holder(error)) from error
+    if not lost and not added:
+        plan = plan.model_copy(update={"reason": reason})
+    return plan
 
 
 def layout_holdings(plan) -> dict[str, set[int]]:
@@ -125,6 +141,8 @@ class LaunchOptions:
     """a WorkerConfig file; the options above override its fields"""
     profile: Path | None = None
     """the model's profile JSON (`oobleck profile`); default: measure it at start (timings vary per run)"""
+    copy_bandwidth: float = DEFAULT_COPY_BANDWIDTH
+    """bytes/s between nodes: the planner's inter-node bandwidth, and the price of layer copies when re-planning"""
     gpu_memory: int = 80 << 30
     """bytes per GPU the planner may use (small values force multi-node pipeline templates)"""
     faults: tuple[Fault, ...] = ()
@@ -147,6 +165,8 @@ class LaunchOptions:
         for name in ("nodes", "gpus_per_node", "microbatch_size", "microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.copy_bandwidth > 0:
+            raise ValueError(f"copy_bandwidth: must be > 0 bytes/s, got {self.copy_bandwidth}")
         for name in ("f", "steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -290,7 +310,8 @@ class Launcher:
 
         o = self.options
         cluster = ClusterShape(nodes=len(nodes), gpus_per_node=o.gpus_per_node, gpu_memory_bytes=o.gpu_memory,
-                               intra_node_bandwidth=100e9, inter_node_bandwidth=10e9)
+                               intra_node_bandwidth=100e9,
+                               inter_node_bandwidth=o.copy_bandwidth)
         return plan_job(profile, cluster, o.f, o.microbatches, o.job, nodes=nodes)
 
     def _spawn(self, node: str, gpu: int) -> Child:
@@ -345,7 +366,7 @@ class Launcher:
         layers = build_model(config).num_layers
         if len(profile.layers) != layers:
             raise ValueError(f"profile: has {len(profile.layers)} layers, model {config.model.name!r} has {layers}")
-        self.state_bytes = [layer.state_bytes for layer in profile.layers]
+        self.profile = profile  # generation 0's: the planner prices later generations' copies with it
         self.coordinator = Coordinator("127.0.0.1").start()
         self.store = self.coordinator.store()
         error = ""
@@ -586,7 +607,8 @@ class Launcher:
         else:
             holdings = self._holdings(survivors, previous.generation, wait_s=3.0)
         try:
-            plan = replan(previous, nodes, holdings, self.state_bytes, lost=lost, added=added, reason=reason)
+            plan = replan(previous, nodes, holdings, self.profile, lost=lost, added=added, reason=reason,
+                          bandwidth=self.options.copy_bandwidth)
         except PlanningError as error:
             raise JobFailed(f"cannot plan generation {previous.generation + 1}: {error}") from error
         self._publish(plan)
@@ -645,6 +667,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     parser.add_argument("--config", type=Path, default=None, help="base worker config (JSON or YAML)")
     parser.add_argument("--gpu-memory", type=int, default=80 << 30, help="bytes per GPU for the planner")
+    parser.add_argument("--copy-bandwidth", type=float, default=DEFAULT_COPY_BANDWIDTH,
+                        help="bytes/s between nodes: prices layer copies when re-planning")
     parser.add_argument("--profile", type=Path, default=None,
                         help="model profile JSON (from `oobleck profile`); default: measure at start")
     parser.add_argument("--kill-rank", type=int, action="append", default=[], help="SIGKILL this rank (repeatable)")
@@ -676,7 +700,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     return LaunchOptions(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, f=args.f, steps=args.steps, model=args.model,
         microbatch_size=args.microbatch_size, microbatches=args.microbatches, seed=args.seed, device=args.device,
-        config=args.config, profile=args.profile, gpu_memory=args.gpu_memory, faults=faults,
+        config=args.config, profile=args.profile, gpu_memory=args.gpu_memory,
+        copy_bandwidth=args.copy_bandwidth, faults=faults,
         add_node_at_step=tuple(args.add_node_at_step), restart_coordinator_at_step=args.restart_coordinator_at_step,
         workdir=args.workdir, timeout_s=args.timeout, dead_after_s=args.dead_after,
         detect_exits=not args.heartbeats_only,

@@ -243,6 +243,148 @@ def test_any_loss_gives_a_valid_plan_or_names_the_lost_layers(n_nodes, f, microb
     event(f"reconfigured: {after.reason}")
 
 
+
+# ---------------------------------------------------------------- reported holdings
+
+
+def layout(plan: Plan, without: tuple[str, ...] = ()) -> dict[tuple[str, int], set[int]]:
+    """What every GPU of `plan` holds once it has adopted it (copies done), less the nodes `without`."""
+    return {(a.node, a.gpu): set(range(a.start, a.end)) for a in plan.ranks if a.node not in without}
+
+
+def check_copies(after: Plan, held: dict[tuple[str, int], set[int]]) -> None:
+    """The copy plan against what the GPUs really hold: exactly the missing layers, from real holders."""
+    expected = {(a.rank, layer) for a in after.ranks for layer in range(a.start, a.end)
+                if layer not in held.get((a.node, a.gpu), set())}
+    got = [(c.dst_rank, c.layer) for c in after.copies]
+    assert sorted(got) == sorted(expected) and len(got) == len(set(got)), "exactly the missing layers are copied"
+    sent: dict[int, int] = {}
+    for c in after.copies:
+        assert c.layer in held[(c.src_node, c.src_gpu)], "the source really holds the layer"
+        assert after.rank_of(c.src_node, c.src_gpu) == c.src_rank and after.rank_of(c.dst_node, c.dst_gpu) == c.dst_rank
+        holders = [after.rank_of(node, gpu) for (node, gpu), layers in held.items() if c.layer in layers]
+        assert min((sent.get(r, 0), r) for r in holders) == (sent.get(c.src_rank, 0), c.src_rank)
+        sent[c.src_rank] = sent.get(c.src_rank, 0) + c.bytes
+
+
+def test_plan_holdings_give_the_same_plan_as_none() -> None:
+    before = first_plan(13, f=1, microbatches=60)
+    plain = reconfigure(before, TEMPLATES, PROFILE, lost=["4", "9"], bandwidth=BANDWIDTH)
+    held = layout(before, without=("4", "9"))
+    for engine in ("compiled", "reference"):
+        told = reconfigure(before, TEMPLATES, PROFILE, lost=["4", "9"], bandwidth=BANDWIDTH, engine=engine,
+                           holdings=held)
+        assert told.to_json() == plain.to_json()
+
+
+def test_an_interrupted_receiver_is_no_source_and_gets_its_copies() -> None:
+    """Generation 1's copies never arrived on nodes 3 and 5, then node 1 fails too."""
+    before = first_plan(12)
+    middle = reconfigure(before, TEMPLATES, PROFILE, lost=["4"], bandwidth=BANDWIDTH)
+    receivers = {(c.dst_node, c.dst_gpu) for c in middle.copies}
+    assert receivers and {n for n, _ in receivers} <= {"3", "5"}
+    # What they really hold: their generation-0 layers, none of generation 1's copies.
+    held = layout(middle, without=("1",))
+    for key in receivers:
+        held[key] = set(layout(before)[key])
+    lacking = {(node, gpu, layer) for (node, gpu) in receivers
+               for layer in layout(middle)[(node, gpu)] - held[(node, gpu)]}
+    # Trusting the plan in force, receivers would send layers they lack, and nobody would send them theirs.
+    believed = reconfigure(middle, TEMPLATES, PROFILE, lost=["1"], bandwidth=BANDWIDTH)
+    assert any((c.src_node, c.src_gpu, c.layer) in lacking for c in believed.copies)
+    assert not any((c.dst_node, c.dst_gpu, c.layer) in lacking for c in believed.copies)
+    for engine in ("compiled", "reference"):
+        after = reconfigure(middle, TEMPLATES, PROFILE, lost=["1"], bandwidth=BANDWIDTH, engine=engine, holdings=held)
+        check_copies(after, held)
+    assert not any((c.src_node, c.src_gpu, c.layer) in lacking for c in after.copies)
+    assert any((c.dst_node, c.dst_gpu, c.layer) in lacking for c in after.copies)
+    kept = {(a.node, a.gpu) for a in after.ranks} & receivers
+    assert kept, "a receiver stays in the next plan"
+    for key in kept:  # every layer it runs and lacks reaches it
+        rank = after.rank_of(*key)
+        a = after.ranks[rank]
+        missing = set(range(a.start, a.end)) - held[key]
+        assert missing == {c.layer for c in after.copies if c.dst_rank == rank}
+
+
+def test_a_layer_only_a_worker_reports_is_not_lost() -> None:
+    before = first_plan(4, f=1)
+    assert [p.nodes for p in before.pipelines] == [["0", "1"], ["2", "3"]]
+    first_half = sorted({layer for a in before.ranks if a.node == "0" for layer in range(a.start, a.end)})
+    with pytest.raises(LostLayersError):
+        reconfigure(before, TEMPLATES, PROFILE, lost=["0", "2"], bandwidth=BANDWIDTH)
+    # GPU 0 of node 1 still holds the first half (its range in an older generation): nothing is lost.
+    held = layout(before, without=("0", "2"))
+    held[("1", 0)] |= set(first_half)
+    after = reconfigure(before, TEMPLATES, PROFILE, lost=["0", "2"], bandwidth=BANDWIDTH, holdings=held)
+    check_copies(after, held)
+    assert {(c.src_node, c.src_gpu) for c in after.copies if c.layer in first_half} == {("1", 0)}
+    # Only part of it: the error names the rest, and only the rest.
+    held[("1", 0)] -= set(first_half[:2])
+    with pytest.raises(LostLayersError) as info:
+        reconfigure(before, TEMPLATES, PROFILE, lost=["0", "2"], bandwidth=BANDWIDTH, holdings=held)
+    assert info.value.layers == first_half[:2]
+
+
+def test_nothing_lost_or_added_tops_up_what_is_missing() -> None:
+    before = first_plan(12)
+    with pytest.raises(PlanningError, match="lost, added: both empty"):
+        reconfigure(before, TEMPLATES, PROFILE, bandwidth=BANDWIDTH)
+    held = layout(before)
+    a = before.ranks[7]
+    held[(a.node, a.gpu)] -= {a.start}
+    after = reconfigure(before, TEMPLATES, PROFILE, bandwidth=BANDWIDTH, holdings=held)
+    assert after.reason == "resync" and after.generation == 1
+    places = [[(r.node, r.gpu, r.start, r.end) for r in p.ranks] for p in (before, after)]
+    assert places[0] == places[1], "the same nodes keep the same layout"
+    assert [(c.dst_rank, c.layer) for c in after.copies] == [(7, a.start)]
+    check_copies(after, held)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({("4", 0): {0}}, "holdings: node '4' is not a surviving node"),
+        ({("x", 0): {0}}, "holdings: node 'x' is not a surviving node"),
+        ({("1", 2): {0}}, "holdings: ('1', 2): the GPU is outside 0..1"),
+        ({("1", 0): {18}}, "holdings: ('1', 0) holds layers [18] outside 0..17"),
+        ({"1:0": {0}}, "holdings: keys must be (node, gpu) pairs"),
+    ],
+)
+def test_bad_holdings_are_named(change: dict, message: str) -> None:
+    before = first_plan(6)
+    held = layout(before, without=("4",)) | change
+    with pytest.raises(PlanningError) as info:
+        reconfigure(before, TEMPLATES, PROFILE, lost=["4"], bandwidth=BANDWIDTH, holdings=held)
+    assert str(info.value).startswith(message)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(4, 20), st.data())
+def test_any_reported_holdings_give_copies_from_real_holders(n_nodes, data) -> None:
+    """Survivors hold their layout give or take some layers: the copies follow what they hold."""
+    before = first_plan(n_nodes)
+    lost = data.draw(st.lists(st.sampled_from(before.nodes), unique=True, min_size=1, max_size=3))
+    held = layout(before, without=tuple(lost))
+    for key in sorted(held):
+        held[key] = (held[key] - data.draw(st.sets(st.integers(0, LAYERS - 1), max_size=3))) | data.draw(
+            st.sets(st.integers(0, LAYERS - 1), max_size=2))
+    orphaned = [l for l in range(LAYERS) if not any(l in layers for layers in held.values())]
+    try:
+        after = reconfigure(before, TEMPLATES, PROFILE, lost=lost, bandwidth=BANDWIDTH, holdings=held)
+    except LostLayersError as error:
+        assert error.layers == orphaned and orphaned
+        return
+    except PlanningError as error:
+        assert str(error).startswith("nodes:"), error
+        return
+    assert not orphaned
+    check_copies(after, held)
+    reference = reconfigure(before, TEMPLATES, PROFILE, lost=lost, bandwidth=BANDWIDTH, holdings=held,
+                            engine="reference")
+    assert reference.to_json() == after.to_json()
+
+
 # ---------------------------------------------------------------- with generated templates
 
 

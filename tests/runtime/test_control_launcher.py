@@ -66,7 +66,7 @@ def leftovers(workdir: Path, exclude: int | None = None) -> list[str]:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if str(workdir) in cmdline and "pytest" not in cmdline and int(entry.name) != exclude:
+            if str(workdir) in cmdline and int(entry.name) not in (exclude, os.getpid()):
                 found.append(f"{entry.name}: {cmdline[:200]}")
     return found
 
