@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oobleck.dev import controlplane, kwok
+from oobleck.dev import controlplane, kwok, poll
 from oobleck.dev.controlplane import Cluster, ControlPlane, port_in_use, process_start_time, reap_stale_workdirs
 from oobleck.dev.tools import find_tools
 
@@ -28,14 +28,7 @@ REACT_TIMEOUT_S = 90.0
 
 
 def wait_until(check: Callable[[], object], what: str, timeout: float = REACT_TIMEOUT_S) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.25)
+    return poll.wait_until(check, what, timeout, 0.25)
 
 
 def pinned_kubernetes_version() -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from oobleck.dev import podenv
+from oobleck.dev import podenv, poll
 from oobleck.dev.controlplane import Cluster
 from oobleck.dev.nodeagent import (
     AGENT_LABEL,
@@ -38,14 +38,7 @@ WAIT_S = 60.0
 
 
 def wait_until(check: Callable[[], object], what: str, timeout: float = WAIT_S, interval: float = 0.1) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    return poll.wait_until(check, what, timeout, interval)
 
 
 def pid_running(pid: int) -> bool:

@@ -20,7 +20,6 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import yaml
 
 from oobleck.api.job import JOB_LABEL
 from oobleck.dev.chart import CHART_PATH
+from oobleck.dev.poll import wait_until
 from oobleck.dev.controlplane import free_port
 from oobleck.operator import render
 
@@ -47,18 +47,7 @@ PERMISSION_MARKERS = ("forbidden", "not enough permissions", "http 403", "status
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except Exception as error:  # noqa: BLE001  (the object may not exist yet)
-            last = error
-        else:
-            if last:
-                return last
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
+    return wait_until(predicate, what, timeout, 0.3, tolerate=(Exception,))  # the object may not exist yet
 
 
 @dataclass

@@ -25,6 +25,7 @@ import yaml
 
 from oobleck.api.plan import Plan
 from oobleck.dev.controlplane import free_port
+from oobleck.dev.poll import wait_until
 from oobleck.dev.kwok import FAKE_NODE_LABEL
 from oobleck.operator import render
 
@@ -34,18 +35,7 @@ TIMEOUT_S = 60.0
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except Exception as error:  # noqa: BLE001  (the object may not exist yet)
-            last = error
-        else:
-            if last:
-                return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
+    return wait_until(predicate, what, timeout, 0.2, tolerate=(Exception,))  # the object may not exist yet
 
 
 class Operator:
