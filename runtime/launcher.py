@@ -22,7 +22,6 @@ report, not what the plan in force says, since a reconfiguration may have been i
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -33,9 +32,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-log = logging.getLogger("oobleck.launcher")
+from oobleck.processes import die_with_parent
 
-PR_SET_PDEATHSIG = 1
+log = logging.getLogger("oobleck.launcher")
 
 
 # -- planning (pure) -----------------------------------------------------------------------------
@@ -186,12 +185,6 @@ class LaunchOptions:
 # -- processes -------------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGKILL me when the launcher dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
 @dataclass
 class Child:
     worker: str
@@ -328,7 +321,7 @@ class Launcher:
         ]
         with open(log_path, "ab") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       preexec_fn=_die_with_parent, process_group=0)
+                                       preexec_fn=die_with_parent(os.getpid()), process_group=0)
         child = Child(worker, node, gpu, process, log_path, losses, dump)
         self.children[worker] = child
         return child

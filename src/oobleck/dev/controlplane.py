@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import base64
-import ctypes
 import json
 import os
 import re
@@ -43,6 +42,7 @@ import yaml
 from oobleck.dev import kwok
 from oobleck.dev.certs import CertificateAuthority, KeyPair, service_account_keys
 from oobleck.dev.tools import K8sTools, find_tools, repo_root
+from oobleck.processes import die_with_parent
 
 WORKDIR_PREFIX = "oobleck-cp-"
 CONTEXT = "oobleck-dev"
@@ -78,20 +78,6 @@ class ControlPlaneError(RuntimeError):
 
 # --- child processes -----------------------------------------------------------------------------
 
-_PR_SET_PDEATHSIG = 1
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before any fork
-
-
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    def preexec() -> None:  # runs in the child between fork and exec
-        if _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            os._exit(126)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(126)
-
-    return preexec
-
-
 class ManagedProcess:
     """A child process in its own session that dies with its parent, logging to a file."""
 
@@ -106,7 +92,7 @@ class ManagedProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=die_with_parent(os.getpid()),
                 env=env,
             )
         self.pid = self.popen.pid

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from oobleck.dev import podenv
 from oobleck.dev.kwok import GPU_RESOURCE
-from oobleck.dev.controlplane import _die_with_parent
+from oobleck.processes import die_with_parent
 from oobleck.dev.podenv import MountError, VolumeContent, mounted_path
 
 log = logging.getLogger("oobleck.dev.nodeagent")
@@ -145,7 +145,7 @@ class ContainerProcess:
                 env=dict(env),
                 start_new_session=True,
                 # Dies with the thread that started it: the agent's event loop thread.
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=die_with_parent(os.getpid()),
                 close_fds=True,
             )
         self.pid = self.popen.pid
