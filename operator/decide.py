@@ -42,12 +42,6 @@ from oobleck.planner.templates import generate_templates
 from oobleck.operator.observe import JobObservation, Worker
 from oobleck.operator.render import ranks_table, worker_annotations, worker_index
 
-# Replacement or scale-up pods that cannot be scheduled get this condition (D's list has no type for
-# it; see the report).
-WORKERS_PENDING = "WorkersPending"
-REASON_UNSCHEDULABLE = "Unschedulable"
-REASON_SCHEDULED = "AllScheduled"
-
 
 @dataclass(frozen=True)
 class Tuning:
@@ -246,11 +240,11 @@ def _pending_condition(status: _Status, pending: Sequence[Worker], timeout_s: in
     if stuck:
         why = stuck[0].reason or "not scheduled"
         status.set(
-            WORKERS_PENDING, "True", REASON_UNSCHEDULABLE,
+            ConditionType.WORKERS_PENDING, "True", Reason.UNSCHEDULABLE,
             f"{len(stuck)} worker pod(s) unschedulable for over {timeout_s} s (e.g. {stuck[0].name}: {why})",
         )  # fmt: skip
-    elif any(c.type == WORKERS_PENDING for c in status.conditions):
-        status.set(WORKERS_PENDING, "False", REASON_SCHEDULED, "no worker pod is stuck unschedulable")
+    elif any(c.type == ConditionType.WORKERS_PENDING for c in status.conditions):
+        status.set(ConditionType.WORKERS_PENDING, "False", Reason.ALL_SCHEDULED, "no worker pod is stuck unschedulable")
 
 
 def decide(
@@ -485,8 +479,8 @@ def _first_plan(
         status.set(ConditionType.DEGRADED, "True", Reason.FEWER_PIPELINES, f"{len(plan.pipelines)} pipelines, fewer than f + 1 = {spec.f + 1}")
     else:
         status.set(ConditionType.DEGRADED, "False", Reason.FULLY_REDUNDANT, f"{len(plan.pipelines)} pipelines >= f + 1 = {spec.f + 1}")
-    if any(c.type == WORKERS_PENDING for c in status.conditions):
-        status.set(WORKERS_PENDING, "False", REASON_SCHEDULED, "no worker pod is stuck unschedulable")
+    if any(c.type == ConditionType.WORKERS_PENDING for c in status.conditions):
+        status.set(ConditionType.WORKERS_PENDING, "False", Reason.ALL_SCHEDULED, "no worker pod is stuck unschedulable")
     table = ranks_table(plan)
     patches = tuple((w.name, worker_annotations(plan, w.name, table)) for w in running)
     # Pods still pending stay: once they run they are folded into the next generation.

@@ -11,7 +11,8 @@ import pytest
 from oobleck.api.conditions import find_condition
 from oobleck.api.job import parse_status
 from oobleck.operator import render
-from oobleck.operator.decide import WORKERS_PENDING, CurrentPlan, Decision, Tuning, decide, synthetic_profile
+from oobleck.api.conditions import ConditionType
+from oobleck.operator.decide import CurrentPlan, Decision, Tuning, decide, synthetic_profile
 from oobleck.operator.observe import observe
 
 TUNING = Tuning()
@@ -209,10 +210,10 @@ def test_waits_for_nodes_then_plans_without_pending_after_the_timeout(h):
     world.now += timedelta(seconds=120)
     d = world.step()
     assert d.plan is not None and len(d.plan.nodes) == 2
-    assert cond(d.status, WORKERS_PENDING) is None or cond(d.status, WORKERS_PENDING).status == "False"
+    assert cond(d.status, ConditionType.WORKERS_PENDING) is None or cond(d.status, ConditionType.WORKERS_PENDING).status == "False"
     world.apply(d)
     d = world.step()
-    pending = cond(d.status, WORKERS_PENDING)
+    pending = cond(d.status, ConditionType.WORKERS_PENDING)
     assert pending.status == "True" and "unschedulable" in pending.message
     assert d.create == ()  # the pending pods wait; no more are piled up
 

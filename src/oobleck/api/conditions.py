@@ -29,6 +29,8 @@ class ConditionType(StrEnum):
     """All training steps completed."""
     FAILED = "Failed"
     """The job stopped and will not resume by itself."""
+    WORKERS_PENDING = "WorkersPending"
+    """Worker pods (replacements or a scale-up) cannot be scheduled; the message says why."""
 
 
 class Reason:
@@ -51,6 +53,9 @@ class Reason:
     FULLY_REDUNDANT = "FullyRedundant"
     # Succeeded
     STEPS_COMPLETED = "StepsCompleted"
+    # WorkersPending
+    UNSCHEDULABLE = "Unschedulable"
+    ALL_SCHEDULED = "AllScheduled"
     # Failed
     INVALID_SPEC = "InvalidSpec"
     TOO_FEW_NODES = "TooFewNodes"
