@@ -38,14 +38,20 @@ import gzip
 import json
 from typing import Any
 
-from oobleck.api.job import API_VERSION, GROUP, JOB_LABEL, KIND, OobleckJobSpec
+from oobleck.api.job import (
+    API_VERSION,
+    COORDINATOR_ROLE,
+    GROUP,
+    JOB_LABEL,
+    KIND,
+    ROLE_LABEL,
+    WORKER_ROLE,
+    OobleckJobSpec,
+)
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ModelProfile
 
-ROLE_LABEL = f"{GROUP}/role"
 INDEX_LABEL = f"{GROUP}/worker-index"
-WORKER_ROLE = "worker"
-COORDINATOR_ROLE = "coordinator"
 
 GENERATION_ANNOTATION = f"{GROUP}/plan-generation"
 RANKS_ANNOTATION = f"{GROUP}/ranks"

@@ -116,7 +116,7 @@ def test_scale_sets_the_target_within_min_and_max(cluster: Any) -> None:
     scale = json.loads(cluster.kubectl("get", "-n", namespace, "oj/tiny-gpt", "--subresource=scale", "-o", "json").stdout)
     assert scale["kind"] == "Scale"
     assert scale["spec"]["replicas"] == 3
-    assert scale["status"] == {"replicas": 4, "selector": "oobleck.dev/job=tiny-gpt"}
+    assert scale["status"] == {"replicas": 4, "selector": "oobleck.dev/job=tiny-gpt,oobleck.dev/role=worker"}
     for replicas in (9, 1):  # above nodes.max, below nodes.min
         refused = cluster.kubectl("scale", "-n", namespace, "oj/tiny-gpt", f"--replicas={replicas}", check=False)
         assert refused.returncode != 0

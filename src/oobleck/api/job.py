@@ -39,6 +39,10 @@ RESERVED_ENV_PREFIX = "OOBLECK_"
 # The label on every worker pod naming its job; status.selector (the scale subresource's label
 # selector) is `worker_selector(job_name)`.
 JOB_LABEL = f"{GROUP}/job"
+# Every pod of a job also carries its role: `worker` (one per node) or `coordinator`.
+ROLE_LABEL = f"{GROUP}/role"
+WORKER_ROLE = "worker"
+COORDINATOR_ROLE = "coordinator"
 
 MAX_NODES = 4096
 # Kubernetes resource quantity, unsigned (e.g. "500m", "2", "8Gi", "1e3"): the apimachinery grammar.
@@ -634,8 +638,8 @@ class OobleckJobStatus(_Model):
 
 
 def worker_selector(job_name: str) -> str:
-    """The label selector of a job's worker pods, as status.selector holds it."""
-    return f"{JOB_LABEL}={job_name}"
+    """The label selector of a job's worker pods (not its coordinator), as status.selector holds it."""
+    return f"{JOB_LABEL}={job_name},{ROLE_LABEL}={WORKER_ROLE}"
 
 
 def parse_spec(spec: dict[str, Any]) -> OobleckJobSpec:
