@@ -209,6 +209,7 @@ class Child:
 class Reconfiguration:
     generation: int
     reason: str
+    """what triggered it: lost, retry, add, coordinator-restart"""
     lost: list[str]
     added: list[str]
     copies: int
@@ -218,6 +219,8 @@ class Reconfiguration:
     published_at: float = 0.0
     first_step_at: float | None = None
     """time the first step of this generation completed (loss record), once known"""
+    moves: str = ""
+    """what the planner did about it (the plan's reason: shrink, merge, borrow, reinstantiate, ...)"""
 
     def as_dict(self) -> dict:
         out = self.__dict__.copy()
@@ -534,7 +537,7 @@ class Launcher:
         detected = min([r.detected_at for r in reports if set(r.dead) & dead] + ([exit_seen] if exit_seen else []),
                        default=None)
         lost_nodes = sorted({w.split(":")[0] for w in dead})
-        self._reconfigure(lost=lost_nodes, added=[], reason="shrink" if dead else "retry",
+        self._reconfigure(lost=lost_nodes, added=[], reason="lost" if dead else "retry",
                           kill_at=kill_at, detected_at=detected)
 
     def _holdings(self, survivors: list[str], generation: int, wait_s: float) -> dict[str, set[int]]:
@@ -606,7 +609,7 @@ class Launcher:
             raise JobFailed(f"cannot plan generation {previous.generation + 1}: {error}") from error
         self._publish(plan)
         self.reconfigurations.append(Reconfiguration(
-            generation=plan.generation, reason=reason, lost=lost, added=added, copies=len(plan.copies),
+            generation=plan.generation, reason=reason, moves=plan.reason, lost=lost, added=added, copies=len(plan.copies),
             copy_bytes=sum(c.bytes for c in plan.copies), kill_at=kill_at, detected_at=detected_at,
             published_at=time.time(),
         ))
@@ -724,7 +727,7 @@ def format_summary(summary: Summary) -> str:
         first, last = min(summary.losses), max(summary.losses)
         lines.append(f"loss: step {first} {summary.losses[first]:.5f} -> step {last} {summary.losses[last]:.5f}")
     for r in summary.reconfigurations:
-        parts = [f"generation {r.generation} ({r.reason})"]
+        parts = [f"generation {r.generation} ({r.reason}; planner: {r.moves})"]
         if r.lost:
             parts.append(f"lost {r.lost}")
         if r.added:

@@ -118,7 +118,8 @@ def test_kill_rank_reconfigures_and_finishes_every_step_exactly(tmp_path, delay,
     print(output.split("\n\n")[-1][-1500:])
     assert summary["ok"] and summary["steps"] == 10
     [reconfiguration] = summary["reconfigurations"]
-    assert reconfiguration["reason"] == "shrink" and reconfiguration["lost"] == ["node1"]
+    assert reconfiguration["reason"] == "lost" and reconfiguration["lost"] == ["node1"]
+    assert reconfiguration["moves"], "the plan's reason (the planner's moves) is recorded"
     assert reconfiguration["copies"] >= 1, "a 2-node pipeline lost a node: layers must move"
     assert reconfiguration["first_step_s"] < 5.0
     worst = check_against_reference(tmp_path, summary, 8)
