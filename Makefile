@@ -5,7 +5,7 @@ PY := .venv/bin/python
 # Tests run in parallel; the slow ones share one control plane per worker process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: test demo build venv k8s-tools crds lint clean-cache dev-up dev-down bench
+.PHONY: test demo build venv k8s-tools crds dev-up dev-down bench bench-runtime bench-operator
 
 venv:
 	@scripts/venv >/dev/null
@@ -32,6 +32,14 @@ dev-up: venv k8s-tools
 dev-down: venv
 	$(PY) -m oobleck.cli dev down
 
+# Benchmarks print figures (ratios against a baseline measured in the same run); see README.
 bench: venv
 	$(PY) bench/planner_templates.py
 	$(PY) bench/planner_plans.py
+
+bench-runtime: venv
+	$(PY) bench/recovery.py
+	$(PY) bench/overhead.py
+
+bench-operator: venv k8s-tools
+	$(PY) bench/operator_scale.py
