@@ -276,6 +276,20 @@ def default_crds_dir() -> Path | None:
     return root / "crds" if root is not None and (root / "crds").is_dir() else None
 
 
+def _not_established(listing: str) -> list[str]:
+    """Names of the CustomResourceDefinitions in a `kubectl get -o json` listing not yet Established."""
+    data = json.loads(listing)
+    items = data.get("items", [data]) if data.get("kind") == "List" else [data]
+    return [
+        item["metadata"]["name"]
+        for item in items
+        if not any(
+            c.get("type") == "Established" and c.get("status") == "True"
+            for c in (item.get("status") or {}).get("conditions") or []
+        )
+    ]
+
+
 class ControlPlane:
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler on loopback.
 
@@ -509,16 +523,21 @@ class ControlPlane:
             return
         flags = [arg for path in files for arg in ("-f", str(path))]
         self.kubectl("apply", "--server-side", "--force-conflicts", *flags)
+        # Polled rather than `kubectl wait`, which fails outright when it reads a CRD before the API
+        # server has written any status condition ("<nil> is of the type <nil>").
         timeout = self.timeouts.crds_established
-        result = self.kubectl(
-            "wait", "--for=condition=Established", f"--timeout={timeout:.0f}s", *flags,
-            check=False, timeout=timeout + 30,
-        )  # fmt: skip
-        if result.returncode != 0:
-            raise ControlPlaneError(
-                f"timed out after {timeout:.0f} s (crds_established) waiting for the CRDs in {self.crds_dir} "
-                f"to be Established:\n{result.stderr}"
-            )
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.kubectl("get", *flags, "-o", "json", check=False)
+            pending = _not_established(result.stdout) if result.returncode == 0 else [result.stderr.strip()]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(
+                    f"timed out after {timeout:.0f} s (crds_established) waiting for the CRDs in {self.crds_dir} "
+                    f"to be Established; not yet: {', '.join(pending)}"
+                )
+            time.sleep(0.2)
 
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float | None = None
