@@ -70,6 +70,22 @@ def run_oobleck(workdir: Path, steps: int, kill_step: int, heartbeats_only: bool
     }
 
 
+def _kill_baseline_workers(workdir: Path) -> None:
+    """SIGKILL every process whose command line names this baseline's folder (none may outlive it)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "--baseline-worker" in cmdline and str(workdir) in cmdline:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def run_baseline(workdir: Path, steps: int, kill_step: int, ckpt_every: int) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "config.json"
@@ -77,10 +93,9 @@ def run_baseline(workdir: Path, steps: int, kill_step: int, ckpt_every: int) -> 
 
     config.write_text(WorkerConfig(job="baseline", microbatch_size=4, steps=steps).model_dump_json())
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
-    torchrun = Path(sys.executable).with_name("torchrun")
     log = open(workdir / "torchrun.log", "w")
     proc = subprocess.Popen(
-        [str(torchrun), "--standalone", "--nproc-per-node", "4", "--max-restarts", "3", __file__,
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "3", __file__,
          "--baseline-worker", "--dir", str(workdir), "--steps", str(steps), "--ckpt-every", str(ckpt_every)],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
@@ -100,6 +115,7 @@ def run_baseline(workdir: Path, steps: int, kill_step: int, ckpt_every: int) -> 
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        _kill_baseline_workers(workdir)  # torchrun's workers may sit in sessions of their own
         log.close()
     if proc.returncode != 0 or kill_at is None:
         raise SystemExit(f"baseline failed with {proc.returncode} (logs in {workdir})")
