@@ -1,15 +1,33 @@
-"""Steady-state step time with the runtime's fault-tolerance machinery on vs off, and pipeline
-efficiency against the 1F1B bound.
+"""Steady-state step time of the elastic path (the fault-tolerance machinery on) against the same
+pipelines without it, each piece's share, and pipeline efficiency against the 1F1B bound.
 
-"On" is what a worker runs by default: every send/receive/all-reduce wait is interruptible (watched
-in a helper thread against the failure event). "Off" blocks in plain `work.wait()`. The heartbeat
-side of the machinery (runtime/coordinator.py) is not part of this measurement.
+Variants, all on the same plan (one pipeline of two single-GPU stages) with the same two worker
+processes, one torch thread each:
+
+- `on`: what `oobleck launch` runs: `python -m oobleck.runtime.reconfig` workers against a
+  coordinator (runtime/coordinator.py) and a plan file, with the failure detector's threads
+  (heartbeat, watcher, abort listener), interruptible waits, the store-decided step commit, the
+  per-step progress key and snapshots every `snapshot.interval_steps` (default 10) steps.
+- `off`: the static worker (`python -m oobleck.runtime worker`) with plain `work.wait()`s: no
+  coordinator, no detector, no commit, no progress, no snapshots.
+- `no-<piece>` (with `--pieces`): `on` with one piece taken out; `on - no-<piece>` is that piece's
+  cost. The config-level pieces (waits, snapshots) go through the real worker entry point; the
+  others through this script's copy of its assembly (`_worker`), which only leaves the piece out.
+
+Step time: the interval between consecutive steps' completions on the rank that logs the loss
+(wall clock, so it includes everything between steps: commit, progress, snapshot scheduling) over
+the steps after `--warmup`; each variant runs `--repeats` times, interleaved. Per run: the median,
+the 10th percentile (the least disturbed steps: robust on a shared, loaded machine) and the mean
+(throughput: the only one that sees the snapshot steps); each figure is the median over runs.
+
+`OVERHEAD_PROFILE=PATH` writes a cProfile of each `_worker`'s training loop to PATH.<node>
+(variant `no-nothing` is that assembly with every piece on).
 
 The 1F1B bound for a pipeline of stages s with per-microbatch forward+backward t_s running M
 microbatches is sum_s t_s + (M - 1) * max_s t_s (communication free); t_s comes from the profiler
 run on this machine with the same thread count. Efficiency = bound / measured step time.
 
-usage: .venv/bin/python bench/overhead.py [--steps 30] [--repeats 2] [--out result.json]
+usage: .venv/bin/python bench/overhead.py [--steps 40] [--repeats 5] [--pieces] [--out result.json]
 Runs real worker processes (gloo, CPU); on a shared machine, compare runs made back to back.
 """
 
@@ -25,18 +43,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from torch.distributed import TCPStore
-
-from oobleck.api.plan import Pipeline, Plan, RankAssignment, Stage, Template, TemplateStage
-from oobleck.runtime.config import WorkerConfig, build_model
-from oobleck.runtime.profiler import profile_model
-
 MODEL = {"name": "gpt", "sizes": {"blocks": 4, "hidden": 128, "heads": 4, "seq_len": 64, "vocab": 512}}
+PIECES = ("waits", "detector", "commit", "progress", "snapshots")
 
 
-def two_stage_plan(num_layers: int, microbatches: int, split: int) -> Plan:
+def two_stage_plan(num_layers: int, microbatches: int, split: int):
     """One pipeline of two single-GPU nodes: layers [0, split) and [split, num_layers)."""
+    from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
+
     stages = [(0, split), (split, num_layers)]
     return Plan(
         job="overhead", generation=0, num_layers=num_layers, gpus_per_node=1, f=0,
@@ -45,44 +59,173 @@ def two_stage_plan(num_layers: int, microbatches: int, split: int) -> Plan:
                                                            backward_ms=0) for i, (a, b) in enumerate(stages)],
                             iteration_ms=0, m_ref=microbatches)],
         pipelines=[Pipeline(index=0, template_nodes=2, nodes=["n0", "n1"], microbatches=microbatches, microbatch_offset=0,
-                            stages=[Stage(start=a, end=b, ranks=[i]) for i, (a, b) in enumerate(stages)], iteration_ms=0)],
-        ranks=[RankAssignment(rank=i, node=f"n{i}", gpu=0, pipeline=0, stage=i, start=a, end=b)
-               for i, (a, b) in enumerate(stages)],
+                            stages=[Stage(start=a, end=b, node=f"n{i}", gpus=[0], ranks=[i]) for i, (a, b) in enumerate(stages)],
+                            iteration_ms=0)],
         iteration_ms=0,
     )
 
 
-def run(config: WorkerConfig, plan: Plan, folder: Path) -> list[float]:
-    """Step seconds (as logged by the last stage) of one run of real worker processes."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+def step_intervals(losses: Path, rank: int) -> list[float]:
+    """Seconds between consecutive step completions of `rank` (one record per step)."""
+    records = [json.loads(line) for line in losses.read_text().splitlines()]
+    times = {r["step"]: r["time"] for r in records if r["rank"] == rank}
+    steps = sorted(times)
+    return [times[b] - times[a] for a, b in zip(steps, steps[1:]) if b == a + 1]
+
+
+def _communicate(processes: list[subprocess.Popen], timeout: float = 600) -> None:
+    for process in processes:
+        _, err = process.communicate(timeout=timeout)
+        if process.returncode != 0:
+            for other in processes:
+                other.kill()
+            raise RuntimeError(f"worker failed ({process.returncode}):\n{err[-3000:]}")
+
+
+def run_variant(variant: str, config, plan, folder: Path) -> list[float]:
+    """Step intervals of one run of `variant` (see the module docstring) with real worker processes."""
+    from torch.distributed import TCPStore
+
+    from oobleck.runtime.coordinator import Coordinator
+    from oobleck.runtime.plansource import write_plan
+
+    without = variant.removeprefix("no-") if variant.startswith("no-") else None
+    if without == "waits":
+        config = config.model_copy(update={"interruptible_waits": False})
+    if without == "snapshots":
+        config = config.model_copy(update={"snapshot": config.snapshot.model_copy(update={"interval_steps": 0})})
     (folder / "config.json").write_text(config.model_dump_json())
-    (folder / "plan.json").write_text(plan.to_json())
     losses = folder / "losses.jsonl"
     losses.unlink(missing_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(config.threads))
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "oobleck.runtime", "worker", "--config", str(folder / "config.json"), "--plan",
-             str(folder / "plan.json"), "--store", f"127.0.0.1:{store.port}", "--node", a.node, "--gpu", "0",
-             "--losses", str(losses)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True,
-        )
-        for a in plan.ranks
-    ]
-    for process in processes:
-        _, err = process.communicate(timeout=600)
-        if process.returncode != 0:
-            raise RuntimeError(f"worker failed:\n{err[-2000:]}")
-    return [json.loads(line)["seconds"] for line in losses.read_text().splitlines()]
+    env = dict(os.environ, OMP_NUM_THREADS=str(config.threads), PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
+    logger = plan.pipelines[0].stages[-1].ranks[0]
+    if variant == "off":
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        (folder / "plan.json").write_text(plan.to_json())
+        commands = [[sys.executable, "-m", "oobleck.runtime", "worker", "--config", str(folder / "config.json"),
+                     "--plan", str(folder / "plan.json"), "--store", f"127.0.0.1:{store.port}", "--node", a.node,
+                     "--gpu", "0", "--losses", str(losses)] for a in plan.ranks]
+        processes = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+                     for c in commands]
+        _communicate(processes)
+        return step_intervals(losses, logger)
+    coordinator = Coordinator("127.0.0.1").start()
+    try:
+        plan_path = folder / "plan.json"
+        write_plan(plan_path, plan)
+        entry = ([sys.executable, "-m", "oobleck.runtime.reconfig"] if without in (None, "waits", "snapshots")
+                 else [sys.executable, __file__, "_worker", "--without", without])
+        commands = [entry + ["--config", str(folder / "config.json"), "--plan-file", str(plan_path),
+                             "--store", f"127.0.0.1:{coordinator.port}", "--node", a.node, "--gpu", "0",
+                             "--losses", str(losses)] for a in plan.ranks]
+        processes = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+                     for c in commands]
+        _communicate(processes)
+    finally:
+        coordinator.stop()
+    return step_intervals(losses, logger)
+
+
+class _NoDetector:
+    """The FailureDetector's interface with no threads and no store traffic (the `no-detector` variant)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.failure = threading.Event()
+
+    def watch(self, generation, peers, epoch=None) -> None:
+        self.failure.clear()
+
+    def ready(self) -> None:
+        pass
+
+    def trigger(self, kind, dead, detail, generation=None) -> None:
+        self.failure.set()
+
+    def signal(self, error) -> bool:
+        self.failure.set()
+        return True
+
+    def stop(self) -> None:
+        pass
+
+
+def _worker(argv: list[str]) -> int:
+    """`python -m oobleck.runtime.reconfig`'s assembly (reconfig.main) with one piece left out."""
+    import logging
+
+    import torch.distributed as dist
+
+    from oobleck.runtime import coordinator as keys
+    from oobleck.runtime import reconfig
+    from oobleck.runtime.config import load_config
+    from oobleck.runtime.coordinator import StoreTimeouts, connect, worker_id
+    from oobleck.runtime.health import FailureDetector
+    from oobleck.runtime.plansource import FilePlanSource
+    from oobleck.runtime.snapshot import snapshotter_for
+    from oobleck.runtime.worker import Worker
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--without", choices=["nothing", "detector", "commit", "progress"], required=True)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--plan-file", required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--node", required=True)
+    parser.add_argument("--gpu", type=int, default=0)
+    parser.add_argument("--losses", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    config = load_config(args.config)
+    host, _, port = args.store.rpartition(":")
+    port = int(port)
+    timeouts = StoreTimeouts()
+    me = worker_id(args.node, args.gpu)
+    detector = (_NoDetector() if args.without == "detector"
+                else FailureDetector(config.job, me, host, port, store_timeouts=timeouts).start())
+    control = reconfig.ControlStore(host, port, timeouts)
+    worker = Worker(config, dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store), args.node, args.gpu,
+                    failed=detector.failure, losses_path=args.losses)
+    worker._epoch = control.epoch
+    if args.without != "commit":
+        worker.optimizer = reconfig.CommittingOptimizer(
+            worker.optimizer, worker, reconfig.StepCommit(control, detector.failure, worker=me))
+    worker.snapshots = snapshotter_for(config, me, lambda: connect(host, port, timeouts)[0], host)
+    profiler = None
+    if os.environ.get("OVERHEAD_PROFILE"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    try:
+        result = reconfig.run_elastic(worker, FilePlanSource(args.plan_file), detector, control, config.steps,
+                                      progress=args.without != "progress")
+    finally:
+        detector.stop()
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(f"{os.environ['OVERHEAD_PROFILE']}.{args.node}")
+    if worker.snapshots is not None:
+        worker.snapshots.wait_idle(60.0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(result.exit_code)
 
 
 def main() -> int:
+    import torch
+
+    from oobleck.runtime.config import WorkerConfig, build_model
+    from oobleck.runtime.profiler import profile_model
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the statistics")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--microbatch-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2, help="on/off pairs, interleaved")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of every variant, interleaved")
+    parser.add_argument("--pieces", action="store_true", help="also run `on` with each piece taken out")
+    parser.add_argument("--variants", default=None, help="comma-separated variants to run (default: on,off)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -97,21 +240,39 @@ def main() -> int:
     stage_ms = [sum(costs[:split]), sum(costs[split:])]
     bound_ms = sum(stage_ms) + (args.microbatches - 1) * max(stage_ms)
 
-    medians: dict[str, list[float]] = {"on": [], "off": []}
+    variants = (args.variants.split(",") if args.variants
+                else ["on", "off"] + ([f"no-{p}" for p in PIECES] if args.pieces else []))
+    stats = ("median", "p10", "mean")
+    runs: dict[str, dict[str, list[float]]] = {v: {k: [] for k in stats} for v in variants}
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.repeats):
-            for mode in ("on", "off"):
-                cfg = config.model_copy(update={"interruptible_waits": mode == "on"})
-                seconds = run(cfg, plan, Path(tmp))[args.warmup:]
-                medians[mode].append(statistics.median(seconds) * 1e3)
-    on, off = statistics.median(medians["on"]), statistics.median(medians["off"])
-    result = {
+            for variant in variants:
+                seconds = sorted(run_variant(variant, config, plan, Path(tmp))[args.warmup:])
+                runs[variant]["median"].append(statistics.median(seconds) * 1e3)
+                runs[variant]["p10"].append(seconds[len(seconds) // 10] * 1e3)
+                runs[variant]["mean"].append(statistics.mean(seconds) * 1e3)
+                load.append(os.getloadavg()[0])
+    # Per statistic: the median over runs of each run's figure.
+    step_ms = {k: {v: statistics.median(runs[v][k]) for v in variants} for k in stats}
+    result: dict = {
         "model": MODEL, "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
-        "stages": [[0, split], [split, model.num_layers]], "stage_ms": stage_ms,
-        "step_ms_on": on, "step_ms_off": off, "runs_on": medians["on"], "runs_off": medians["off"],
-        "overhead": on / off - 1, "bound_1f1b_ms": bound_ms, "efficiency_on": bound_ms / on, "efficiency_off": bound_ms / off,
-        "cpu_count": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+        "snapshot_interval_steps": config.snapshot.interval_steps,
+        "stages": [[0, split], [split, model.num_layers]], "stage_ms": stage_ms, "bound_1f1b_ms": bound_ms,
+        "step_ms": step_ms, "runs_ms": runs,
+        "efficiency": {v: bound_ms / ms for v, ms in step_ms["median"].items()},
     }
+    if "on" in variants and "off" in variants:
+        # median: the brief's figure; p10: the least disturbed steps (robust to a loaded machine);
+        # mean: throughput, the only one that sees the snapshot steps (1 in interval_steps).
+        result["overhead_on_vs_off"] = {k: step_ms[k]["on"] / step_ms[k]["off"] - 1 for k in stats}
+    if "on" in variants:
+        # A piece's cost: how much faster `on` runs without it.
+        result["piece_cost_ms"] = {k: {v.removeprefix("no-"): step_ms[k]["on"] - ms for v, ms in step_ms[k].items()
+                                       if v.startswith("no-")} for k in stats}
+    result |= {"cpu_count": os.cpu_count(), "load_1min": {"min": min(load), "max": max(load)},
+               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
@@ -120,4 +281,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["_worker"]:
+        sys.exit(_worker(sys.argv[2:]))
     sys.exit(main())

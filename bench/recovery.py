@@ -6,6 +6,9 @@
    copy (-> every survivor adopted it: process groups rebuilt, layer state copied), redo (-> the
    interrupted step completed). Measured twice: with the launcher's process-exit signal (the local
    analogue of a pod's status) and with the workers' heartbeats alone.
+   And once beyond f failures: node0 and node2 (every replica of the first layers) killed at once;
+   the job rolls back to the newest in-memory peer snapshot (every `--snapshot-every` steps) and
+   replays. Reported: kill -> first step after it, and kill -> the killed step completed again.
 2. baseline: `torchrun --max-restarts` with plain DDP on the same model and data, checkpointing every
    `--ckpt-every` steps; the same kill makes torchrun restart every worker, which reloads the latest
    checkpoint and replays. Reported: kill -> first step completed after the restart, and kill -> the
@@ -67,6 +70,28 @@ def run_oobleck(workdir: Path, steps: int, kill_step: int, heartbeats_only: bool
         "copies": reconfiguration.copies,
         "copy_bytes": reconfiguration.copy_bytes,
         "steps": summary.steps,
+    }
+
+
+def run_oobleck_rollback(workdir: Path, steps: int, kill_step: int, snapshot_every: int) -> dict:
+    from oobleck.runtime.launcher import Fault, LaunchOptions, Launcher
+
+    options = LaunchOptions(
+        nodes=4, f=1, steps=steps, microbatches=8, gpu_memory=PIPELINED_MEMORY, workdir=workdir, timeout_s=300,
+        faults=(Fault(at_step=kill_step, nodes=("node0", "node2"), delay_s=0.01),), snapshot_interval=snapshot_every,
+    )
+    summary = Launcher(options).run()
+    if not summary.ok:
+        raise SystemExit(f"oobleck rollback run failed: {summary.error} (logs in {workdir})")
+    [reconfiguration] = summary.reconfigurations
+    records = [json.loads(line) for path in workdir.glob("*.losses.jsonl") for line in path.read_text().splitlines() if line]
+    again = min(r["time"] for r in records if r["generation"] == reconfiguration.generation and r["step"] == kill_step)
+    return {
+        "total_s": reconfiguration.first_step_at - reconfiguration.kill_at,
+        "regained_s": again - reconfiguration.kill_at,
+        "restore_step": reconfiguration.restore_step,
+        "replayed_steps": kill_step - reconfiguration.restore_step,
+        "sources": reconfiguration.restore_sources,
     }
 
 
@@ -194,6 +219,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--kill-step", type=int, default=6)
     parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--snapshot-every", type=int, default=5, help="in-memory snapshots (the rollback run)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -207,6 +233,8 @@ def main() -> int:
     results = {
         "oobleck": run_oobleck(root / "oobleck", args.steps, args.kill_step, heartbeats_only=False),
         "oobleck_heartbeats_only": run_oobleck(root / "oobleck-hb", args.steps, args.kill_step, heartbeats_only=True),
+        "oobleck_rollback": run_oobleck_rollback(root / "oobleck-rollback", args.steps, args.kill_step,
+                                                 args.snapshot_every),
         "baseline": run_baseline(root / "baseline", args.steps, args.kill_step, args.ckpt_every),
     }
     results["ratio"] = results["baseline"]["total_s"] / results["oobleck"]["total_s"]
@@ -216,6 +244,10 @@ def main() -> int:
         print(f"{name:25s} recovery {r['total_s']:.3f} s = detection {r['detection_s']:.3f} + plan {r['plan_s']:.3f}"
               f" + rendezvous/copy {r['rendezvous_copy_s']:.3f} + redo {r['redo_s']:.3f}"
               f"  ({r['copies']} layer copies, {r['copy_bytes']} bytes)")
+    r = results["oobleck_rollback"]
+    print(f"{'oobleck rollback (> f)':25s} recovery {r['total_s']:.3f} s (rolled back to step {r['restore_step']} "
+          f"from in-memory snapshots {r['sources']}; kill -> killed step done again {r['regained_s']:.3f} s, "
+          f"{r['replayed_steps']} steps replayed)")
     b = results["baseline"]
     print(f"{'torchrun restart':25s} recovery {b['total_s']:.3f} s (first step after restart "
           f"{b['first_step_after_restart_s']:.3f} s, {b['replayed_steps']} steps replayed from the checkpoint)")

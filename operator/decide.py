@@ -5,12 +5,16 @@ and returns every action at once, so that running it again after a crash, or twi
 does no harm. The order in which `apply` executes a Decision is part of the contract:
 
     1. write `plan` (the next generation) to the plan ConfigMap - the source of truth;
-    2. patch `patches` onto the surviving pods (they carry the generation, so repeats are no-ops);
+    2. patch `patches` onto the running member pods whose RANKS_ANNOTATION differs from the plan's
+       (the patch carries the ranks and the generation, so repeats are no-ops);
     3. delete `delete` (lost pods, after the plan that drops them exists), create `create`;
     4. write `status` and post `events`.
 
-A crash between 1 and 2 is repaired by the next run: the plan is re-read, the pods still carry the
-old generation, and step 2 is planned again. No step creates a plan from a plan it has not read.
+A pod whose ranks did not change is not patched: workers read the generation from the ConfigMap,
+and the planner keeps ranks across generations, so a lost node costs a handful of patches, not one
+per pod. A crash between 1 and 2 is repaired by the next run: the plan is re-read, the pods whose
+ranks changed still carry their old ranks, and step 2 is planned again. No step creates a plan from
+a plan it has not read.
 """
 
 from __future__ import annotations
@@ -137,6 +141,11 @@ def _check_spec(spec_json: str, profile_json: str, tuning: Tuning) -> str | None
     profile = ModelProfile.model_validate_json(profile_json)
     try:
         templates = generate_templates(profile, cluster_shape(spec, tuning), f=spec.f)
+        # A stage of g GPUs splits every microbatch in g parts: each needs at least one sample.
+        split = max((stage.gpus for t in templates for stage in t.stages), default=1)
+        if split > spec.training.microbatch_size:
+            return (f"training.microbatchSize: {spec.training.microbatch_size} sample(s) cannot be split over the "
+                    f"{split} GPUs of a pipeline stage the planner needs; use a microbatchSize of at least {split}")
         mb = spec.training.global_microbatches
         instantiate(templates, [str(i) for i in range(spec.nodes.wanted)], spec.f, mb, "check", gpus_per_node=spec.gpus_per_node)
         instantiate(
@@ -163,9 +172,11 @@ def next_indices(obs: JobObservation, plan: Plan | None, count: int) -> tuple[in
 class _Status:
     """Builds the next status from the previous one (conditions keep their transition times)."""
 
-    def __init__(self, ctx: JobContext, now: datetime) -> None:
+    def __init__(self, ctx: JobContext, now: datetime, measured: tuple[float | None, float | None] | None = None) -> None:
         self.ctx, self.now = ctx, now
         self.conditions: list[Condition] = list(ctx.status.conditions)
+        self.measured = measured
+        """(loss, samples/s) of the newest step the workers reported"""
 
     def set(self, type_: str, status: str, reason: str, message: str) -> None:
         self.conditions = set_condition(self.conditions, type_, status, reason, message, self.ctx.generation, self.now)  # type: ignore[arg-type]
@@ -186,6 +197,10 @@ class _Status:
         progress = prior.progress
         if step and (progress is None or progress.step != step):
             progress = Progress(step=step) if progress is None else progress.model_copy(update={"step": step})
+        if progress is not None and self.measured is not None:
+            loss, rate = self.measured
+            progress = progress.model_copy(update={"loss": loss if loss is not None else progress.loss,
+                                                   "samples_per_second": rate if rate is not None else progress.samples_per_second})
         status = OobleckJobStatus(
             phase=phase_of(self.conditions),
             conditions=self.conditions,
@@ -235,6 +250,19 @@ def _fail(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, sta
     return _finished(ctx, obs, current, status, [Event("Warning", reason, message)])
 
 
+RETRY_AFTER_S = 5.0
+"""A failure that names nobody and that no pod or node explains within this long redoes the generation."""
+
+
+def _retry_reason(obs: JobObservation, wall: float) -> str:
+    """Why the current generation must be redone on the same nodes ("" if it need not)."""
+    if obs.retry:
+        return obs.retry
+    if obs.stalled_since is not None and wall - obs.stalled_since >= RETRY_AFTER_S:
+        return f"a failure reported {wall - obs.stalled_since:.0f} s ago names no lost worker"
+    return ""
+
+
 def _pending_condition(status: _Status, pending: Sequence[Worker], timeout_s: int, now: float) -> None:
     stuck = [w for w in pending if not w.scheduled and w.created is not None and now - w.created >= timeout_s]
     if stuck:
@@ -257,7 +285,7 @@ def decide(
 ) -> Decision:
     """The next actions for a job (see the module docstring)."""
     spec = ctx.spec
-    status = _Status(ctx, now)
+    status = _Status(ctx, now, (obs.loss, obs.samples_per_second))
     conditions = ctx.status.conditions
     if is_true(conditions, ConditionType.FAILED) or is_true(conditions, ConditionType.SUCCEEDED):
         return _finished(ctx, obs, current, status, [])
@@ -270,6 +298,9 @@ def decide(
         status.set(ConditionType.RUNNING, "False", Reason.NOT_APPLICABLE, "the job succeeded")
         status.set(ConditionType.RECONFIGURING, "False", Reason.NOT_APPLICABLE, "the job succeeded")
         return _finished(ctx, obs, current, status, [Event("Normal", Reason.STEPS_COMPLETED, f"all {spec.training.steps} steps done")])
+
+    if plan is not None and obs.unrecoverable:
+        return _fail(ctx, obs, current, status, Reason.LAYERS_LOST, obs.unrecoverable)
 
     status.set(ConditionType.CREATED, "True", Reason.OBJECTS_CREATED, "service, RBAC, coordinator and worker pods created")
     create_coordinator = obs.coordinator is None
@@ -295,18 +326,25 @@ def decide(
     by_index = sorted(survivors, key=lambda n: worker_index(ctx.name, n) or 0)
     scaled = by_index[wanted:] if len(survivors) > wanted else []
     room = wanted - (len(survivors) - len(scaled))
+    # Fold a running newcomer in once its runtime is up (it reported: torch imported, store reached), and
+    # not while the current generation is still being adopted (its members have not trained a step in
+    # it yet): otherwise the survivors would wait for the newcomer's start-up, or abandon an adoption.
+    # Pods whose runtime reports nothing (no member ever did) are folded in as soon as they run.
+    reporting = obs.generation_trained is not None
     newcomers = [
-        w for w in obs.workers if w.name not in member_set and w.status == "running" and w.name not in dropped
+        w for w in obs.workers
+        if w.name not in member_set and w.status == "running" and w.name not in dropped
+        and (not reporting or (w.reported and obs.generation_trained))
     ]
     added = [w.name for w in newcomers[: max(room, 0)]]
-    added_set = set(added)
-    spare = max(room, 0) - len(added)  # pending pods beyond this are no longer wanted
+    added_set, eligible = set(added), {w.name for w in newcomers}
+    spare = max(room, 0) - len(added)  # pending (or still starting) pods beyond this are no longer wanted
     for worker in obs.workers:
         if worker.name in member_set or worker.name in added_set:
             continue
         if worker.status == "lost" or worker.name in dropped:
             delete.append((worker.name, worker.reason or "dropped from the plan"))
-        elif worker.status == "pending" and spare > 0:
+        elif (worker.status == "pending" or (worker.status == "running" and worker.name not in eligible)) and spare > 0:
             spare -= 1
         elif worker.status in ("running", "pending"):
             delete.append((worker.name, f"scaled to {wanted} nodes"))
@@ -327,9 +365,10 @@ def decide(
                 plan, plan.templates, profile, [*lost, *scaled], added,
                 bandwidth=tuning.inter_node_bandwidth, horizon=tuning.horizon,
             )  # fmt: skip
-        except LostLayersError as error:
-            if spec.checkpoint is None:
-                return _fail(ctx, obs, current, status, Reason.LAYERS_LOST, f"{error}; no checkpoint configured")
+        except LostLayersError:
+            # Every live replica of some layer is gone: a fresh layout on the survivors, and the
+            # workers restore the newest step their snapshots or the checkpoint directory hold in
+            # full (runtime/resolve.py); if none does they report "unrecoverable" and the job fails.
             restore = True
             try:
                 fresh = instantiate(
@@ -340,7 +379,7 @@ def decide(
                 return _fail(ctx, obs, current, status, Reason.TOO_FEW_NODES, str(again))
             new_plan = fresh.model_copy(
                 update={"generation": plan.generation + 1, "lost_nodes": [m for m in members if m in lost or m in scaled],
-                        "added_nodes": added, "reason": "restore-checkpoint"}
+                        "added_nodes": added, "reason": "rollback"}
             )  # fmt: skip
         except PlanningError as error:
             return _fail(ctx, obs, current, status, Reason.TOO_FEW_NODES, str(error))
@@ -361,9 +400,9 @@ def decide(
             f"{len(new_plan.nodes)} nodes ({new_plan.reason}); moved {moved} bytes"
         )
         if restore:
-            summary += f"; restoring from the latest checkpoint under {spec.checkpoint.path}"  # type: ignore[union-attr]
+            summary += "; every replica of some layer was lost: rolling back to the newest snapshot or checkpoint"
         events.append(Event("Normal", Reason.RECONFIGURED, summary))
-        reason = Reason.RESTORING_CHECKPOINT if restore else (
+        reason = Reason.ROLLING_BACK if restore else (
             Reason.NODE_LOST if lost else Reason.SCALED if scaled else Reason.NODES_ADDED
         )  # fmt: skip
         status.set(ConditionType.RECONFIGURING, "True", reason, summary)
@@ -375,6 +414,16 @@ def decide(
                 delete.append((name, why))
         for name in scaled:
             delete.append((name, f"scaled to {wanted} nodes"))
+    elif why := _retry_reason(obs, wall):
+        # Nobody is lost, but the generation cannot go on (its store is gone, or a failure named nobody
+        # and no pod or node explains it): the same nodes start the next generation.
+        new_plan = plan.model_copy(update={"generation": plan.generation + 1, "copies": [], "lost_nodes": [],
+                                           "added_nodes": [], "reason": "retry"})
+        summary = f"generation {new_plan.generation}: the same {len(plan.nodes)} nodes again ({why})"
+        events.append(Event("Normal", Reason.GENERATION_RETRIED, summary))
+        status.set(ConditionType.RECONFIGURING, "True", Reason.GENERATION_RETRIED, summary)
+        during = status.render(plan, failures, obs.step)
+        status.set(ConditionType.RECONFIGURING, "False", Reason.RECONFIGURED, summary)
     else:
         during = None
     in_force = new_plan or plan
@@ -383,7 +432,7 @@ def decide(
     by_name = {w.name: w for w in obs.workers}
     for name in in_force.nodes:
         worker = by_name.get(name)
-        if worker is not None and worker.status == "running" and worker.generation != in_force.generation:
+        if worker is not None and worker.status == "running" and worker.ranks != table.get(name, ""):
             patches.append((name, worker_annotations(in_force, name, table)))
     status.set(
         ConditionType.RUNNING, "True", Reason.TRAINING,
@@ -397,7 +446,8 @@ def decide(
     else:
         status.set(ConditionType.DEGRADED, "False", Reason.FULLY_REDUNDANT, f"{len(in_force.pipelines)} pipelines >= f + 1 = {spec.f + 1}")
     in_force_set = set(in_force.nodes)
-    pending = [w for w in obs.workers if w.status == "pending" and w.name not in in_force_set]
+    # Pods on their way in: pending, or running but not folded in yet (still starting, see above).
+    pending = [w for w in obs.workers if w.status in ("pending", "running") and w.name not in in_force_set]
     doomed = {d for d, _ in delete}
     kept_pending = [w for w in pending if w.name not in doomed]
     _pending_condition(status, kept_pending, spec.pending_timeout_seconds, wall)
@@ -482,7 +532,7 @@ def _first_plan(
     if any(c.type == ConditionType.WORKERS_PENDING for c in status.conditions):
         status.set(ConditionType.WORKERS_PENDING, "False", Reason.ALL_SCHEDULED, "no worker pod is stuck unschedulable")
     table = ranks_table(plan)
-    patches = tuple((w.name, worker_annotations(plan, w.name, table)) for w in running)
+    patches = tuple((w.name, worker_annotations(plan, w.name, table)) for w in running if w.ranks != table.get(w.name, ""))
     # Pods still pending stay: once they run they are folded into the next generation.
     return Decision(
         status=status.render(plan, 0, 0), plan=plan, patches=patches, delete=tuple(dict(delete).items()),

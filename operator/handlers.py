@@ -25,7 +25,7 @@ from oobleck.api.conditions import ConditionType, Reason, is_true, phase_of, set
 from oobleck.api.job import GROUP, JOB_LABEL, PLURAL, VERSION, OobleckJobSpec, parse_spec, parse_status
 from oobleck.api.profile import ModelProfile
 from oobleck.operator import observe
-from oobleck.operator.apply import Api, ApiError, ForeignObject, apply_decision, ensure_static_children, read_current
+from oobleck.operator.apply import Api, ApiError, ForeignObject, GcPause, apply_decision, ensure_static_children, read_current
 from oobleck.operator.decide import CurrentPlan, Event, JobContext, decide, synthetic_profile
 from oobleck.operator.metrics import Metrics
 from oobleck.operator.settings import OperatorConfig, configure_kopf
@@ -128,8 +128,8 @@ def probe_jobs(memo: kopf.Memo, **_: Any) -> int:
 
 
 def _health(summary: observe.PodSummary | None) -> observe.PodSummary | None:
-    """A summary without what the operator itself writes (the generation): its echo is not news."""
-    return None if summary is None else replace(summary, generation=None)
+    """A summary without what the operator itself writes (generation, ranks): its echo is not news."""
+    return None if summary is None else replace(summary, generation=None, ranks=None)
 
 
 @kopf.index("pods", labels={JOB_LABEL: kopf.PRESENT})
@@ -331,15 +331,18 @@ async def reconcile(
     runner.nodes = on_nodes
     status = parse_status(raw_status)
     ctx = JobContext(name, namespace, runner.uid, int(body.metadata.get("generation") or 0), spec, status)
-    decision = decide(ctx, obs, runner.current, profile, config.tuning, _now())
-    if obs.foreign:
-        logger.warning(f"pods {list(obs.foreign)} carry this job's label but another owner; ignored")
-    applied = await apply_decision(
-        api, namespace=namespace, job=name, uid=runner.uid, spec=spec, profile=profile, decision=decision,
-        plan_version=runner.plan_version, default_image=config.default_image,
-        default_command=list(config.default_command), status_before=parse_status(raw_status).to_kubernetes(),
-        after_plan_write=_crash if config.crash_after_plan_write else None,
-    )  # fmt: skip
+    with GcPause() as pause:  # no collector pause between a failure and the patches (apply.GcPause)
+        decision = decide(ctx, obs, runner.current, profile, config.tuning, _now())
+        if decision.plan is None:
+            pause.end()
+        if obs.foreign:
+            logger.warning(f"pods {list(obs.foreign)} carry this job's label but another owner; ignored")
+        applied = await apply_decision(
+            api, namespace=namespace, job=name, uid=runner.uid, spec=spec, profile=profile, decision=decision,
+            plan_version=runner.plan_version, default_image=config.default_image,
+            default_command=list(config.default_command), status_before=parse_status(raw_status).to_kubernetes(),
+            after_plan_write=_crash if config.crash_after_plan_write else None,
+        )  # fmt: skip
     latency = None
     if decision.lost:
         metrics.pods_lost.inc(len(decision.lost))

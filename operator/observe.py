@@ -11,6 +11,12 @@ code; pod marked as a disruption target; its node deleted, NotReady or unreachab
 condition or the node-lifecycle taints); the node's allocatable GPUs below its capacity; a node
 condition listed as a GPU failure reporting True; the worker reporting its own GPU unhealthy; a
 live peer of the current generation reporting it dead.
+
+Other reports of the current generation: "unrecoverable" (a layer's state is gone from every worker,
+snapshot and checkpoint: the job fails with the worker's words), "coordinator-restart" (the store was
+lost: the generation is redone on the same nodes), and failures that name nobody (a broken
+collective: the dead worker's pod or node usually shows it within moments; `stalled_since` lets
+decide redo the generation if nothing does).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from oobleck.operator.render import (
     FAILURE_ANNOTATION,
     GENERATION_ANNOTATION,
     PROGRESS_ANNOTATION,
+    RANKS_ANNOTATION,
     ROLE_LABEL,
     WORKER_ROLE,
     worker_index,
@@ -61,7 +68,8 @@ class PodSummary:
     terminated: tuple[int, str] | None = None  # (exit code, reason) of the first terminated container
     disrupted: str | None = None  # reason of a DisruptionTarget=True condition
     unschedulable: str | None = None  # the scheduler's message while PodScheduled=False
-    generation: int | None = None
+    generation: int | None = None  # GENERATION_ANNOTATION and RANKS_ANNOTATION: what the operator wrote
+    ranks: str | None = None
     failure_report: str | None = None
     progress: str | None = None
     owner_uid: str | None = None
@@ -112,6 +120,7 @@ def summarize_pod(body: Mapping[str, Any]) -> PodSummary:
         disrupted=disrupted,
         unschedulable=unschedulable,
         generation=_int(annotations.get(GENERATION_ANNOTATION)),
+        ranks=annotations.get(RANKS_ANNOTATION),
         failure_report=annotations.get(FAILURE_ANNOTATION),
         progress=annotations.get(PROGRESS_ANNOTATION),
         owner_uid=owner,
@@ -194,10 +203,12 @@ class Worker:
     status: WorkerStatus
     reason: str = ""  # why lost, or why pending (the scheduler's message)
     node_name: str | None = None
-    generation: int | None = None  # GENERATION_ANNOTATION
+    generation: int | None = None  # GENERATION_ANNOTATION: the generation its ranks were written for
+    ranks: str | None = None  # RANKS_ANNOTATION (None: never annotated)
     created: float | None = None
     scheduled: bool = False
     deleting: bool = False  # already being deleted: no need to ask again
+    reported: bool = False  # its runtime wrote a progress annotation (it started and waits for, or runs, a plan)
 
 
 @dataclass(frozen=True)
@@ -209,6 +220,12 @@ class JobObservation:
     step: int = 0
     foreign: tuple[str, ...] = ()  # pods with our names but another owner (a previous job's leftovers)
     reports: tuple[str, ...] = field(default=())  # accepted worker reports, for logs and events
+    loss: float | None = None  # of the newest step a worker reported
+    samples_per_second: float | None = None
+    unrecoverable: str = ""  # a member found some layer's state gone everywhere (the job cannot go on)
+    retry: str = ""  # why the current generation must be redone on the same nodes now (coordinator restart)
+    stalled_since: float | None = None  # earliest report of a failure that names no dead worker (wall time)
+    generation_trained: bool | None = None  # a member reported a step in the current generation (None: no reports)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {w.name: w for w in self.workers})
@@ -250,6 +267,7 @@ def observe(
     foreign = []
     summaries: dict[str, PodSummary] = {}
     step = 0
+    latest: tuple[float | None, float | None] = (None, None)  # loss, samples/s of the newest step
     for pod in pods:
         if pod.owner_uid != uid:
             foreign.append(pod.name)
@@ -262,8 +280,10 @@ def observe(
             continue
         summaries[pod.name] = pod
         progress = _report(pod.progress)
-        if progress is not None and isinstance(progress.get("step"), int):
-            step = max(step, progress["step"])
+        if progress is not None and isinstance(progress.get("step"), int) and progress["step"] >= step:
+            step = progress["step"]
+            loss, rate = progress.get("loss"), progress.get("samplesPerSecond")
+            latest = (loss if isinstance(loss, (int, float)) else None, rate if isinstance(rate, (int, float)) else None)
         problem = pod_problem(pod)
         if problem is None and pod.node_name is not None and pod.phase != "Succeeded":
             problem = node_problem(nodes.get(pod.node_name), pod.node_name, gpu_resource, gpu_conditions)
@@ -278,11 +298,19 @@ def observe(
             problem = pod.unschedulable or ""
         workers[pod.name] = Worker(
             name=pod.name, index=index, status=status, reason=problem or "", node_name=pod.node_name,
-            generation=pod.generation, created=pod.created, scheduled=pod.node_name is not None, deleting=pod.deleting,
+            generation=pod.generation, ranks=pod.ranks, created=pod.created, scheduled=pod.node_name is not None, deleting=pod.deleting,
+            reported=progress is not None,
         )  # fmt: skip
 
     accepted = []
+    unrecoverable = retry = ""
+    stalled_since: float | None = None
+    generation_trained: bool | None = None
     if plan is not None:
+        for name in plan.nodes:
+            progress = _report(summaries[name].progress) if name in summaries else None
+            if progress is not None:
+                generation_trained = bool(generation_trained) or progress.get("generation") == plan.generation
         members = set(plan.nodes)
         # Reports count only from live members about the current generation (older ones are settled).
         for name, pod in summaries.items():
@@ -295,6 +323,19 @@ def observe(
             dead = [d for d in report.get("dead") or [] if isinstance(d, str)]
             kind = str(report.get("kind") or "")
             detail = str(report.get("detail") or "")
+            if kind == "unrecoverable":
+                unrecoverable = unrecoverable or f"{name}: {detail}"
+                continue
+            if kind == "coordinator-restart":
+                retry = retry or f"{name}: the coordinator restarted ({detail})"
+                continue
+            if not dead and kind != "gpu":
+                # Who died is not known yet (a broken collective): the pod or node status usually
+                # tells within moments; if nothing does, the generation is redone (decide).
+                at = report.get("detected_at")
+                if isinstance(at, (int, float)):
+                    stalled_since = at if stalled_since is None else min(stalled_since, at)
+                continue
             if kind == "gpu" and (not dead or name in dead):
                 dead = [name]
                 why = f"worker {name} reported an unhealthy GPU" + (f": {detail}" if detail else "")
@@ -306,4 +347,8 @@ def observe(
                     workers[target] = Worker(**{**peer.__dict__, "status": "lost", "reason": why})
                     accepted.append(f"{target}: {why}")
     ordered = tuple(sorted(workers.values(), key=lambda w: w.index))
-    return JobObservation(workers=ordered, coordinator=coordinator, step=step, foreign=tuple(sorted(foreign)), reports=tuple(accepted))
+    return JobObservation(
+        workers=ordered, coordinator=coordinator, step=step, foreign=tuple(sorted(foreign)), reports=tuple(accepted),
+        loss=latest[0], samples_per_second=latest[1], unrecoverable=unrecoverable, retry=retry,
+        stalled_since=stalled_since, generation_trained=generation_trained,
+    )

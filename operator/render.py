@@ -14,27 +14,40 @@ The contract with the runtime (what a worker pod may rely on):
 - Environment of the worker container:
   OOBLECK_JOB (job name), OOBLECK_NAMESPACE, OOBLECK_NODE (this pod's name: the plan's node id),
   OOBLECK_PLAN_CONFIGMAP (`<job>-plan`), OOBLECK_STORE (`<job>-coordinator.<job>-workers.<ns>.svc:29400`,
-  the coordinator's TCPStore), OOBLECK_GPUS_PER_NODE, OOBLECK_DEVICE (cuda or cpu).
+  the coordinator's TCPStore), OOBLECK_GPUS_PER_NODE, OOBLECK_DEVICE (cuda or cpu). The worker
+  (`python -m oobleck.runtime.pod`) connects to the coordinator pod's status.podIP, read through the
+  API (the first label of OOBLECK_STORE is that pod's name), and uses the DNS name only when it cannot
+  read it: the Service's names do not resolve on local nodes.
 - The plan ConfigMap: `plan.json` (oobleck.api.plan.Plan as JSON) or, when that would exceed
   PLAN_INLINE_LIMIT bytes, `plan.json.gz` in binaryData (gzip of the same JSON); `profile.json` (the
   ModelProfile planned with) and `job.json` (the job's spec, camelCase). The annotation
-  GENERATION_ANNOTATION equals the plan's generation. `read_plan` decodes either form. The operator
+  GENERATION_ANNOTATION equals the plan's generation. `read_plan` decodes either form (the encoding and
+  these names live in oobleck.api.planmap, shared with the runtime, which never imports the operator). The operator
   replaces the plan as a whole and only ever increases its generation.
-- Annotations on worker pods, written by the operator: GENERATION_ANNOTATION (the newest generation
-  this pod has been told about; it is patched *after* the ConfigMap holds that generation) and
-  RANKS_ANNOTATION (comma-separated ranks of local GPUs 0..G-1 in that generation; empty: not in it).
+- Annotations on worker pods, written by the operator: RANKS_ANNOTATION (comma-separated ranks of
+  local GPUs 0..G-1 in the plan in force; empty: not in it) and GENERATION_ANNOTATION (the generation
+  those ranks were written for: they last changed at or before it). The operator patches a pod only
+  when its ranks change, and only *after* the ConfigMap holds the generation; a pod whose ranks stay
+  keeps its older GENERATION_ANNOTATION (the planner keeps ranks across generations, so one lost node
+  renumbers about one node). A worker takes the current generation from the ConfigMap, never from
+  its pod. `annotations_current` says whether a pod's annotations match a plan.
 - Annotations on worker pods, written by the worker about itself (RBAC allows it to patch pods):
   FAILURE_ANNOTATION: a oobleck.runtime.health.FailureReport as JSON (`job`, `generation`,
   `reporter`, `kind`, `dead` (plan node ids), `detail`); kind "gpu" with `dead` empty or naming the
-  reporter marks the reporter's own GPU unhealthy. Reports for another generation than the current
-  plan's are ignored. PROGRESS_ANNOTATION: `{"generation": g, "step": s}` after each optimizer
-  step (or less often); a step >= spec.training.steps completes the job.
+  reporter marks the reporter's own GPU unhealthy; kind "unrecoverable" (some layer's state is gone
+  from every worker, snapshot and checkpoint) fails the job with `detail`; kind
+  "coordinator-restart", or a report naming nobody that no pod or node status explains within
+  5 s, makes the operator redo the generation on the same nodes. Reports for another generation
+  than the current plan's are ignored. PROGRESS_ANNOTATION: `{"generation": g, "step": s, "loss":
+  l, "samplesPerSecond": r}` (loss and throughput when known) after optimizer steps, at most about
+  once a second and always for the last step; a step >= spec.training.steps completes the job.
+  `{"generation": -1, "step": 0}` before the first plan means "runtime up, waiting for a plan": a
+  replacement pod is folded in only once it wrote it and the current generation has trained a
+  step (jobs whose pods never write progress fold replacements in as soon as they run).
 """
 
 from __future__ import annotations
 
-import base64
-import gzip
 import json
 from typing import Any
 
@@ -49,24 +62,28 @@ from oobleck.api.job import (
     OobleckJobSpec,
 )
 from oobleck.api.plan import Plan
+from oobleck.api.planmap import (  # noqa: F401  (re-exported: the operator's modules and tests use them from here)
+    FAILURE_ANNOTATION,
+    FAILURES_SURVIVED_ANNOTATION,
+    GENERATION_ANNOTATION,
+    JOB_KEY,
+    PLAN_GZ_KEY,
+    PLAN_INLINE_LIMIT,
+    PLAN_KEY,
+    PROFILE_KEY,
+    PROGRESS_ANNOTATION,
+    RANKS_ANNOTATION,
+    encode_plan,
+    read_failures_survived,
+    read_plan,
+    read_profile,
+)
 from oobleck.api.profile import ModelProfile
 
 INDEX_LABEL = f"{GROUP}/worker-index"
 
-GENERATION_ANNOTATION = f"{GROUP}/plan-generation"
-RANKS_ANNOTATION = f"{GROUP}/ranks"
-FAILURE_ANNOTATION = f"{GROUP}/failure-report"
-PROGRESS_ANNOTATION = f"{GROUP}/progress"
-FAILURES_SURVIVED_ANNOTATION = f"{GROUP}/failures-survived"
-
 STORE_PORT = 29400
 WORKER_PORT = 29500
-PLAN_KEY = "plan.json"
-PLAN_GZ_KEY = "plan.json.gz"
-PROFILE_KEY = "profile.json"
-JOB_KEY = "job.json"
-# A ConfigMap holds at most 1 MiB; a 1000-node, 8-GPU plan is close, so big plans are gzipped.
-PLAN_INLINE_LIMIT = 512 * 1024
 
 # Pod names are `<job>-worker-<index>`: the job name is at most 40 characters (api.job), which
 # leaves room for any index below a million within the 63-character hostname limit.
@@ -118,10 +135,11 @@ def _meta(name: str, namespace: str, job: str, uid: str, labels: dict[str, str] 
 
 
 def ranks_table(plan: Plan) -> dict[str, str]:
-    """RANKS_ANNOTATION for every node of the plan: its ranks for local GPUs 0..G-1 (one pass over the ranks)."""
+    """RANKS_ANNOTATION for every node of the plan: its ranks for local GPUs 0..G-1 (one pass over the stages)."""
     by_node: dict[str, dict[int, int]] = {}
-    for a in plan.ranks:
-        by_node.setdefault(a.node, {})[a.gpu] = a.rank
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            by_node.setdefault(stage.node, {}).update(zip(stage.gpus, stage.ranks))
     return {
         node: ",".join(str(ranks.get(gpu, "")) for gpu in range(plan.gpus_per_node)) for node, ranks in by_node.items()
     }
@@ -131,17 +149,24 @@ def ranks_value(plan: Plan | None, node: str, gpus_per_node: int) -> str:
     """RANKS_ANNOTATION for `node` alone, or "" when it is not in the plan."""
     if plan is None:
         return ""
-    ranks = {a.gpu: a.rank for a in plan.ranks if a.node == node}
-    if not ranks:
+    ranks = [plan.rank_of(node, gpu) for gpu in range(gpus_per_node)]
+    if all(rank is None for rank in ranks):
         return ""
-    return ",".join(str(ranks.get(gpu, "")) for gpu in range(gpus_per_node))
+    return ",".join("" if rank is None else str(rank) for rank in ranks)
 
 
 def worker_annotations(plan: Plan, node: str, table: dict[str, str] | None = None) -> dict[str, str]:
-    """The annotations that tell a worker pod about `plan` (the patch sent after the plan is written).
-    Pass `ranks_table(plan)` when annotating many pods."""
+    """The annotations that tell a worker pod its ranks in `plan` (the patch sent after the plan is
+    written, when they changed). Pass `ranks_table(plan)` when annotating many pods."""
     ranks = table.get(node, "") if table is not None else ranks_value(plan, node, plan.gpus_per_node)
     return {GENERATION_ANNOTATION: str(plan.generation), RANKS_ANNOTATION: ranks}
+
+
+def annotations_current(plan: Plan, node: str, annotations: dict[str, str] | None, table: dict[str, str] | None = None) -> bool:
+    """Whether a pod's annotations are up to date with `plan`: its RANKS_ANNOTATION is the plan's. The
+    operator patches exactly the running member pods for which this is False (decide.py)."""
+    ranks = table.get(node, "") if table is not None else ranks_value(plan, node, plan.gpus_per_node)
+    return (annotations or {}).get(RANKS_ANNOTATION) == ranks
 
 
 def _security() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -277,14 +302,14 @@ def service_account(job: str, namespace: str, uid: str) -> dict[str, Any]:
 
 
 def worker_role(job: str, namespace: str, uid: str) -> dict[str, Any]:
-    """Least privilege for workers: read their plan ConfigMap and their job, report on pods (annotations)."""
+    """Least privilege for workers, exactly what runtime/pod.py calls: get / list / watch their plan
+    ConfigMap (by name), get pods (the coordinator's IP), patch pods (their own annotations)."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": _meta(rbac_name(job), namespace, job, uid),
         "rules": [
             {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [plan_name(job)], "verbs": ["get", "list", "watch"]},
-            {"apiGroups": [GROUP], "resources": ["oobleckjobs"], "resourceNames": [job], "verbs": ["get"]},
             # A worker writes FAILURE_ANNOTATION / PROGRESS_ANNOTATION on its own pod (RBAC cannot name
             # pods created later, so the rule covers the namespace's pods; no create or delete).
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
@@ -316,20 +341,15 @@ def plan_config_map(
     job: str, namespace: str, uid: str, plan: Plan, profile: ModelProfile, spec: OobleckJobSpec, failures_survived: int
 ) -> dict[str, Any]:
     """The plan ConfigMap for one generation (see the module docstring for its keys)."""
-    text = plan.to_json()
     data = {PROFILE_KEY: profile.model_dump_json(), JOB_KEY: json.dumps(spec.to_kubernetes(), sort_keys=True)}
     body: dict[str, Any] = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(plan_name(job), namespace, job, uid)}
     body["metadata"]["annotations"] = {
         GENERATION_ANNOTATION: str(plan.generation),
         FAILURES_SURVIVED_ANNOTATION: str(failures_survived),
     }
-    if len(text) > PLAN_INLINE_LIMIT:
-        # mtime=0: the same plan always gives the same bytes.
-        body["binaryData"] = {PLAN_GZ_KEY: base64.b64encode(gzip.compress(text.encode(), mtime=0)).decode()}
-        data[PLAN_KEY] = ""
-    else:
-        data[PLAN_KEY] = text
-        body["binaryData"] = {}
+    plan_data, binary = encode_plan(plan, PLAN_INLINE_LIMIT)
+    data.update(plan_data)
+    body["binaryData"] = binary
     body["data"] = data
     return body
 
@@ -340,30 +360,3 @@ def plan_patch(body: dict[str, Any]) -> dict[str, Any]:
     if PLAN_GZ_KEY not in binary:
         binary[PLAN_GZ_KEY] = None
     return {"metadata": {"annotations": body["metadata"]["annotations"]}, "data": body["data"], "binaryData": binary}
-
-
-def read_plan(config_map: dict[str, Any]) -> Plan:
-    """The Plan in a plan ConfigMap (either form); raises ValueError naming the key if it is invalid."""
-    binary = (config_map.get("binaryData") or {}).get(PLAN_GZ_KEY)
-    try:
-        if binary:
-            text = gzip.decompress(base64.b64decode(binary)).decode()
-            key = PLAN_GZ_KEY
-        else:
-            text = (config_map.get("data") or {}).get(PLAN_KEY) or ""
-            key = PLAN_KEY
-        return Plan.model_validate_json(text)
-    except (ValueError, OSError) as error:
-        name = (config_map.get("metadata") or {}).get("name", "?")
-        raise ValueError(f"configmap {name}: key {key}: not a valid plan: {error}") from error
-
-
-def read_profile(config_map: dict[str, Any]) -> ModelProfile | None:
-    """The profile stored beside the plan, or None when the ConfigMap has none."""
-    text = (config_map.get("data") or {}).get(PROFILE_KEY)
-    return ModelProfile.model_validate_json(text) if text else None
-
-
-def read_failures_survived(config_map: dict[str, Any]) -> int:
-    value = ((config_map.get("metadata") or {}).get("annotations") or {}).get(FAILURES_SURVIVED_ANNOTATION, "0")
-    return int(value) if value.isdigit() else 0

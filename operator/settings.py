@@ -16,7 +16,8 @@ from oobleck.api.job import GROUP, KIND
 from oobleck.operator.decide import Tuning
 
 DEFAULT_IMAGE = "ghcr.io/oobleck-dev/oobleck:0.1.0"
-DEFAULT_COMMAND = ("oobleck", "worker")
+# The elastic worker of a pod (runtime/pod.py): reads the env contract of render.py and the plan ConfigMap.
+DEFAULT_COMMAND = ("python", "-m", "oobleck.runtime.pod")
 
 
 @dataclass(frozen=True)

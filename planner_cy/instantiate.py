@@ -14,7 +14,7 @@ is found by binary search over the candidate values T_t(m); the split then water
 The compiled core (_instantiate.pyx) does the numeric work; ref_instantiate.py is its reference.
 
 Layout conventions: pipelines are ordered by template size (largest first), nodes are taken in the
-order given, ranks are dense (pipeline by pipeline, stage by stage, GPU by GPU), and each pipeline
+order given, ranks are numbered pipeline by pipeline, stage by stage, GPU by GPU, and each pipeline
 runs a contiguous block of global microbatch indices in pipeline order.
 """
 
@@ -227,25 +227,27 @@ def build_plan(
     lost: Sequence[str] = (),
     added: Sequence[str] = (),
     reason: str,
+    ranks: Sequence[int] | None = None,
 ) -> Plan:
-    """Lay pipelines (template + its nodes, in plan order) out as a validated Plan."""
+    """Lay pipelines (template + its nodes, in plan order) out as a validated Plan.
+
+    Stages carry their node, GPUs and ranks; the Plan derives every per-rank view from them. `ranks`
+    gives the rank of every GPU in layout order (pipeline by pipeline, stage by stage, GPU by GPU);
+    None numbers them in that order.
+    """
     num_layers = templates[0].stages[-1].end
     out_pipelines = []
-    ranks = []
+    position = 0
     offset = 0
     slowest = 0.0
     for index, ((template, nodes), nb) in enumerate(zip(pipelines, microbatches, strict=True)):
         stages = []
         for stage in template.stages:
-            stage_ranks = []
-            for gpu in range(stage.gpu_offset, stage.gpu_offset + stage.gpus):
-                rank = len(ranks)
-                stage_ranks.append(rank)
-                ranks.append(
-                    {"rank": rank, "node": nodes[stage.node], "gpu": gpu, "pipeline": index,
-                     "stage": len(stages), "start": stage.start, "end": stage.end}
-                )
-            stages.append({"start": stage.start, "end": stage.end, "ranks": stage_ranks})
+            gpus = list(range(stage.gpu_offset, stage.gpu_offset + stage.gpus))
+            numbers = range(position, position + stage.gpus) if ranks is None else ranks[position : position + stage.gpus]
+            stages.append({"start": stage.start, "end": stage.end, "node": nodes[stage.node], "gpus": gpus,
+                           "ranks": [int(r) for r in numbers]})  # fmt: skip
+            position += stage.gpus
         ms = template_cost(template).at(nb)
         slowest = max(slowest, ms)
         out_pipelines.append(
@@ -263,7 +265,6 @@ def build_plan(
             "global_microbatches": offset,
             "templates": sorted(templates, key=lambda t: t.nodes),
             "pipelines": out_pipelines,
-            "ranks": ranks,
             "copies": list(copies),
             "degraded": len(out_pipelines) < f + 1,
             "iteration_ms": slowest,

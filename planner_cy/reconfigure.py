@@ -12,6 +12,9 @@ Each candidate gets the water-filled batch split and is scored as
     copy_ms + horizon * Z,   copy_ms = bytes to copy / bandwidth,
 the layer state every GPU must receive being priced at its state_bytes. Candidates with f + 1
 pipelines beat degraded ones; equal scores go to the earlier candidate (the list above, in order).
+Ranks are kept (`stable_ranks`): every surviving GPU whose rank is below the new world size keeps
+it, and the other GPUs take the free ranks in layout order, so that one lost node renumbers about
+one node's GPUs (the operator patches a worker pod when its ranks change).
 
 The copy plan lists, for every GPU of the new plan that must hold a layer it does not hold, one
 source GPU among the survivors that holds it, sources chosen least-loaded first (ties: lower new
@@ -224,6 +227,7 @@ class NextLayout:
     gpus_per_node: int
     considered: list[Scored]  # every valid candidate, in candidate order
     chosen: int  # index into considered: the best (non-degraded first, then cost, then order)
+    ranks: list[int]  # the rank of every GPU of `pipelines`, in layout order (stable_ranks)
 
 
 def reconfigure(
@@ -259,7 +263,7 @@ def to_plan(plan: Plan, templates: Sequence[Template], chosen: NextLayout) -> Pl
     return build_plan(
         job=plan.job, generation=plan.generation + 1, templates=templates, gpus_per_node=chosen.gpus_per_node,
         f=plan.f, pipelines=chosen.pipelines, microbatches=chosen.microbatches, copies=chosen.copies,
-        lost=chosen.lost, added=chosen.added, reason=chosen.reason,
+        lost=chosen.lost, added=chosen.added, reason=chosen.reason, ranks=chosen.ranks,
     )
 
 
@@ -303,8 +307,10 @@ def next_layout(
         raise PlanningError(f"lost: all {len(current)} nodes of the plan are lost and none added")
     state = np.array(state_bytes, dtype=np.int64)
     prefix = np.concatenate(([0], np.cumsum(state)))
+    names = current + added
+    before = _gpus_of(plan, {name: i for i, name in enumerate(names)})  # one pass over the plan's stages
     if holdings is None:  # what the plan assigns: ranges, filled in without a Python loop per layer
-        held = _Held.from_plan(plan, gone, current + added, gpus_per_node, state)
+        held = _Held.from_plan(before, gone, names, gpus_per_node, state)
     else:
         holdings = _check_holdings(holdings, current, gone, gpus_per_node, num_layers)
         held = _Held.from_holdings(holdings, current + added, gpus_per_node, state)
@@ -368,8 +374,61 @@ def next_layout(
             f"for {plan.global_microbatches} microbatches"
         )
     _, reason, pipelines, nb, chosen, places = best
-    copies = held.copies(places, state.tolist())
-    return NextLayout(reason, pipelines, nb, copies, lost, added, gpus_per_node, considered, chosen)
+    ranks = stable_ranks(before, places, gpus_per_node)
+    by_rank = np.empty_like(places)
+    by_rank[ranks] = places
+    copies = held.copies(by_rank, state.tolist())
+    return NextLayout(reason, pipelines, nb, copies, lost, added, gpus_per_node, considered, chosen, ranks.tolist())
+
+
+def stable_ranks(before: _GpuTable, places: np.ndarray, gpus_per_node: int) -> np.ndarray:
+    """The rank of every GPU of a new layout (`places` rows in layout order, keyed like `before`).
+
+    A GPU of the previous plan (`before`) keeps its rank when that is below the new world size; the
+    others (added nodes, GPUs whose rank is past the end) take the free ranks, in layout order. Ranks
+    only label the workers, so keeping them costs nothing, and one lost node then renumbers about one
+    node's GPUs (the last ranks) instead of every GPU after it.
+    """
+    world = len(places)
+    keys = places[:, 0] * gpus_per_node + places[:, 1]
+    rank_of = np.full(max(int(keys.max()), int(before.key.max())) + 1, -1, dtype=np.int64)
+    rank_of[before.key] = before.rank
+    ranks = rank_of[keys]
+    keep = (ranks >= 0) & (ranks < world)
+    ranks[~keep] = np.setdiff1d(np.arange(world), ranks[keep], assume_unique=True)
+    return ranks
+
+
+@dataclass(frozen=True)
+class _GpuTable:
+    """Every GPU of a plan, in stage order: key (node index * G + local GPU), rank, layer range."""
+
+    key: np.ndarray
+    rank: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+
+def _gpus_of(plan: Plan, index: Mapping[str, int]) -> _GpuTable:
+    """The GPU table of `plan`, its nodes numbered by `index` (which must name every node of the plan).
+
+    One pass over the stages filling flat lists, then numpy: no Python loop per GPU.
+    """
+    nodes: list[int] = []
+    gpus: list[int] = []
+    ranks: list[int] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            width = len(stage.gpus)
+            nodes += [index[stage.node]] * width
+            gpus += stage.gpus
+            ranks += stage.ranks
+            starts += [stage.start] * width
+            ends += [stage.end] * width
+    key = np.array(nodes, dtype=np.int64) * plan.gpus_per_node + np.array(gpus, dtype=np.int64)
+    return _GpuTable(key, np.array(ranks, dtype=np.int64), np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
 
 
 Holdings = Mapping[tuple[str, int], Iterable[int]]
@@ -467,15 +526,15 @@ class _Held:
         self.gaps = tuple(np.array(a, dtype=np.int64) for a in gaps)
 
     @classmethod
-    def from_plan(cls, plan: Plan, gone: set[str], names: list[str], gpus_per_node: int, state: np.ndarray) -> _Held:
-        """What the surviving GPUs hold according to `plan`: each its [start, end) range."""
+    def from_plan(cls, table: _GpuTable, gone: set[str], names: list[str], gpus_per_node: int, state: np.ndarray) -> _Held:
+        """What the surviving GPUs hold according to the plan whose GPUs are `table`: each its [start, end) range."""
         index = {name: i for i, name in enumerate(names)}
-        alive = [a for a in plan.ranks if a.node not in gone]
         start = np.full(len(names) * gpus_per_node, -1, dtype=np.int64)
         end = start.copy()
-        keys = [index[a.node] * gpus_per_node + a.gpu for a in alive]
-        start[keys] = [a.start for a in alive]
-        end[keys] = [a.end for a in alive]
+        start[table.key], end[table.key] = table.start, table.end
+        for node in gone:  # a lost node holds nothing
+            start[index[node] * gpus_per_node : (index[node] + 1) * gpus_per_node] = -1
+            end[index[node] * gpus_per_node : (index[node] + 1) * gpus_per_node] = -1
         return cls(names, gpus_per_node, state, start, end)
 
     @classmethod

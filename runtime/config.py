@@ -37,7 +37,7 @@ class DataConfig(_Strict):
 
 
 class OptimConfig(_Strict):
-    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr` at `decay_steps`."""
+    """AdamW with linear warmup then `schedule` decay (cosine by default) to `min_lr_ratio * lr` at `decay_steps`."""
 
     lr: float = Field(default=1e-3, gt=0)
     beta1: float = Field(default=0.9, ge=0, lt=1)
@@ -47,6 +47,9 @@ class OptimConfig(_Strict):
     warmup_steps: int = Field(default=5, ge=0)
     decay_steps: int = Field(default=1000, ge=1)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="decay after warmup; constant keeps lr (the job spec's training.schedule)"
+    )
 
 
 class Timeouts(_Strict):
@@ -55,6 +58,24 @@ class Timeouts(_Strict):
     connect: float = Field(default=60.0, gt=0, description="building a generation's process groups")
     poll: float = Field(default=0.05, gt=0, description="granularity of interruptible waits")
     step: float = Field(default=600.0, gt=0, description="one wait inside a step before giving up")
+
+
+class SnapshotConfig(_Strict):
+    """In-memory snapshots on a peer (runtime/snapshot.py): what survives losing every replica of a layer."""
+
+    interval_steps: int = Field(
+        default=10, ge=0,
+        description="snapshot every this many steps into host memory, own and a buddy's on another node "
+        "(costs 2 x (own + buddy's) layer state of host memory); 0 disables",
+    )
+
+
+class CheckpointConfig(_Strict):
+    """Periodic checkpoints to a directory (a PVC in a pod): used when even the in-memory snapshots lost a layer."""
+
+    path: str | None = Field(default=None, description="directory shared by every worker; None disables")
+    interval_steps: int = Field(default=100, ge=1, description="write every this many steps")
+    keep: int = Field(default=2, ge=1, description="complete checkpoints to keep")
 
 
 class WorkerConfig(_Strict):
@@ -77,6 +98,8 @@ class WorkerConfig(_Strict):
     interruptible_waits: bool = Field(
         default=True, description="watch the failure event during every wait; False only to measure its overhead"
     )
+    snapshot: SnapshotConfig = SnapshotConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
 
 def load_config(path: str | Path) -> WorkerConfig:

@@ -14,7 +14,10 @@ Key layout (every name is built by a function below; nothing else spells keys):
     failures                a queue of failure reports (JSON), consumed by the plan controller
     hb/{worker}             a worker's heartbeat counter (`add`), independent of generations
     progress/{worker}       the worker's last step event: {"generation", "step", "phase"}
-    held/{worker}           the layers a worker holds and their step (the controller's copy sources)
+    held/{worker}           the layers a worker holds and their step (the controller's copy sources),
+                            its snapshots {step: layers} and its snapshot server's address (snapshot.py)
+    snap/gen{g}/step{t}/done  ranks of generation g whose snapshot of step t reached their buddy
+    snap/complete/{t}       present once some generation's ranks all finished their snapshot of step t
     gen{g}/commit/{step}/   "arrived" counter and "decision" (commit | abort) of a step (reconfig.py)
     e{epoch}/{job}/gen{g}/  the rendezvous namespace of generation g (process groups, see groups.py)
 
@@ -34,6 +37,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -69,6 +73,16 @@ def ready_key(generation: int, worker: str) -> str:
 def held_key(worker: str) -> str:
     """What a worker holds: {"generation", "step", "layers"} (the controller picks copy sources by it)."""
     return f"held/{worker}"
+
+
+def snapshot_done_key(generation: int, step: int) -> str:
+    """Counter: ranks of `generation` whose snapshot of `step` is captured and held by their buddy."""
+    return f"snap/gen{generation}/step{step}/done"
+
+
+def snapshot_complete_key(step: int) -> str:
+    """Present once every rank of some generation finished its snapshot of `step`."""
+    return f"snap/complete/{step}"
 
 
 def commit_prefix(generation: int, step: int) -> str:
@@ -108,8 +122,33 @@ class StoreUnavailable(RuntimeError):
     """The coordinator could not be reached within `StoreTimeouts.reconnect_s`."""
 
 
+def _listen_fd(host: str, port: int) -> tuple[int | None, int]:
+    """A listening socket bound to `host` alone for the store server, and its port (None: every address).
+
+    TCPStore's server otherwise listens on every address: two jobs' coordinators on one machine (local
+    nodes give each pod its own loopback address, but the same port) would collide. The store takes
+    ownership of the descriptor.
+    """
+    if host in ("", "0.0.0.0", "::"):
+        return None, port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restarts reuse the port at once
+        listener.bind((host, port))
+        listener.listen(socket.SOMAXCONN)
+    except OSError:
+        listener.close()
+        raise
+    port = listener.getsockname()[1]
+    return listener.detach(), port
+
+
 class Coordinator:
-    """Hosts the job's `TCPStore` server. One instance per job; `start()` begins a new epoch."""
+    """Hosts the job's `TCPStore` server. One instance per job; `start()` begins a new epoch.
+
+    The server listens on `host` only (any address when it is 0.0.0.0).
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, op_timeout_s: float = 5.0) -> None:
         if not 0 <= port < 65536:
@@ -128,8 +167,9 @@ class Coordinator:
         deadline = time.monotonic() + 20.0
         while True:
             try:
+                fd, bound = _listen_fd(self.host, port)
                 self._server = dist.TCPStore(
-                    self.host, port, None, True, self._op_timeout, wait_for_workers=False
+                    self.host, bound, None, True, self._op_timeout, wait_for_workers=False, master_listen_fd=fd
                 )
                 break
             except (RuntimeError, OSError) as error:
@@ -275,7 +315,8 @@ def get_progress(store: dist.Store, workers: list[str]) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m oobleck.runtime.coordinator`: host the store until SIGTERM / SIGINT."""
     parser = argparse.ArgumentParser(prog="python -m oobleck.runtime.coordinator", description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--host", default=os.environ.get("OOBLECK_POD_IP") or "0.0.0.0",
+                        help="address to listen on (default: $OOBLECK_POD_IP, else every address)")
     parser.add_argument("--port", type=int, default=29400, help="port to listen on (0: any free port)")
     parser.add_argument("--op-timeout", type=float, default=5.0, help="server-side default op timeout, seconds")
     args = parser.parse_args(argv)

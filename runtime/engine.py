@@ -36,7 +36,9 @@ from torch import nn
 from oobleck.api.plan import Plan
 from oobleck.runtime.config import Timeouts, WorkerConfig
 from oobleck.runtime.data import Dataset
-from oobleck.runtime.groups import CommError, GenerationGroups, Interrupted, Layout, layout, overlap, rows, wait
+from oobleck.runtime.groups import (
+    CommError, GenerationGroups, Interrupted, Layout, layout, overlap, rows, wait, wait_all,
+)
 from oobleck.runtime.models import LayeredModel, layer_seed, output_spec
 from oobleck.runtime.optim import LayerAdamW, learning_rate
 
@@ -158,6 +160,14 @@ class Engine:
             return
         wait(work, self.failed, self.timeouts.poll, self.timeouts.step, what, cuda=self.device.type == "cuda")
 
+    def _wait_all(self, works: list[tuple[object, str]]) -> None:
+        """`_wait` for each (work, what), with one hand-off to the waiting thread for all of them."""
+        if not self.config.interruptible_waits:
+            for work, what in works:
+                self._wait(work, what)
+            return
+        wait_all(works, self.failed, self.timeouts.poll, self.timeouts.step, cuda=self.device.type == "cuda")
+
     def _check(self) -> None:
         if self.failed is not None and self.failed.is_set():
             raise Interrupted("interrupted between operations")
@@ -178,10 +188,9 @@ class Engine:
         for peer, (lo, hi) in self._pieces(offset):
             backend, peer_index = self.groups.link(peer, self.rank)
             buffer = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=self.device)
-            works.append((backend.recv([buffer], peer_index, tag), peer))
+            works.append((backend.recv([buffer], peer_index, tag), f"{what} from rank {peer}"))
             buffers.append(buffer)
-        for work, peer in works:
-            self._wait(work, f"{what} from rank {peer}")
+        self._wait_all(works)
         return buffers[0] if len(buffers) == 1 else torch.cat(buffers)
 
     def _send(self, tensor: torch.Tensor, offset: int, tag: int, pending: list) -> None:
@@ -239,8 +248,8 @@ class Engine:
                 if source is not None:
                     self._send(source.grad, -1, BACKWARD_TAG, pending)
                 self.buffers.accumulate()
-        for work, _, peer in pending:
-            self._wait(work, f"send to rank {peer}")
+        # One hand-off for every send of the step (most completed long ago).
+        self._wait_all([(work, f"send to rank {peer}") for work, _, peer in pending])
         if self.buffers.loss_slot is not None:
             self.buffers.loss_slot += loss_sum
         self._reduce()
@@ -267,5 +276,4 @@ class Engine:
             backend = self.groups.holders(members)
             if backend is not None:
                 works.append((backend.allreduce([flat]), members))
-        for work, members in works:
-            self._wait(work, f"gradient sum over ranks {list(members)}")
+        self._wait_all([(work, f"gradient sum over ranks {list(members)}") for work, members in works])

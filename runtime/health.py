@@ -45,8 +45,8 @@ class HealthTimeouts:
     """How often a worker bumps its heartbeat counter."""
     dead_after_s: float = 1.0
     """A peer whose counter has not moved for this long is dead (detection < dead_after + watch period)."""
-    watch_period_s: float = 0.05
-    """How often the watcher reads the peers' counters."""
+    watch_period_s: float = 0.1
+    """How often the watcher reads the peers' counters (one round trip; detection < dead_after + this)."""
     abort_wait_s: float = 0.2
     """Slice of the blocking wait on the abort key (bounds how long a generation switch takes to follow)."""
     gpu_probe_period_s: float = 5.0
@@ -56,6 +56,9 @@ class HealthTimeouts:
     on a loaded machine). A death before the first beat is left to the controller (pod / process status)."""
     rejoin_grace_s: float = 3.0
     """Extra silence allowed after the coordinator came back: peers' clients reconnect with backoff."""
+    abort_backstop_s: float = 1.0
+    """How often the watcher also looks for the abort key (the abort listener's blocking wait is the
+    fast path; this covers a listener that gave up)."""
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_period_s", "dead_after_s", "watch_period_s", "abort_wait_s"):
@@ -248,6 +251,7 @@ class FailureDetector:
         self._generation = -1
         self._peers: tuple[str, ...] = ()
         self._watch_version = 0  # bumped by watch(): the watcher resets its clocks
+        self._generation_epoch: str | None = None  # the epoch the watched generation began in
         self._reported: set[tuple[int, str]] = set()
         self.last_report: FailureReport | None = None
         self.epoch = ""
@@ -275,10 +279,16 @@ class FailureDetector:
             thread.join(timeout=2 * self.timeouts.abort_wait_s + self._store_timeouts.connect_s)
         self._threads.clear()
 
-    def watch(self, generation: int, peers: list[str] | tuple[str, ...]) -> None:
-        """Adopt a plan generation: clear `failure`, watch `peers` (this worker is skipped)."""
+    def watch(self, generation: int, peers: list[str] | tuple[str, ...], epoch: str | None = None) -> None:
+        """Adopt a plan generation: clear `failure`, watch `peers` (this worker is skipped).
+
+        `epoch`: the coordinator incarnation the generation rendezvouses in, when the caller knows it.
+        A restart that a thread of this detector notices late (its own connection still on the old
+        incarnation) then does not abort a generation that began after it.
+        """
         with self._lock:
             self._generation = generation
+            self._generation_epoch = epoch
             self._peers = tuple(p for p in peers if p != self.worker)
             self._watch_version += 1
             self.failure.clear()
@@ -362,7 +372,7 @@ class FailureDetector:
         if epoch != self.epoch:
             log.warning("coordinator restarted: epoch %s -> %s", self.epoch, epoch)
             previous, self.epoch = self.epoch, epoch
-            if previous:
+            if previous and self._generation_epoch != epoch:
                 # Groups of this generation may be half-built in the lost store: everyone leaves the
                 # generation and re-rendezvouses under the next one (new epoch, new prefix).
                 self.trigger("coordinator-restart", (), f"store epoch {previous} -> {epoch}")
@@ -393,6 +403,7 @@ class FailureDetector:
         seen: set[str] = set()  # peers that have beaten at least once (in any incarnation)
         seen_version = -1
         next_probe = time.monotonic()
+        next_abort_check = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
             with self._lock:
@@ -411,8 +422,12 @@ class FailureDetector:
                     last_change = {p: resumed for p in peers}
                     last_value = {}  # keys of a new incarnation must be checked before multi_get waits on them
                     armed = set()
-                if generation >= 0 and keys.aborted(store, generation) and not self.failure.is_set():
-                    self._follow_abort(store, generation)
+                # Every round trip here runs while the training thread computes (a GIL hand-off and a
+                # store request each), so the steady state costs one (multi_get) per period.
+                if generation >= 0 and now >= next_abort_check:
+                    next_abort_check = now + self.timeouts.abort_backstop_s
+                    if keys.aborted(store, generation) and not self.failure.is_set():
+                        self._follow_abort(store, generation)
                 for peer in peers:
                     if peer not in armed and generation >= 0 and store.check([keys.ready_key(generation, peer)]):
                         armed.add(peer)  # it has adopted the generation: from now on, silence is death

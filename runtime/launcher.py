@@ -17,6 +17,12 @@ re-instantiation of generation 0's templates, degraded if fewer than f + 1 pipel
 copy bytes / `copy_bandwidth` + iteration time), with a LayerCopy for every layer a worker must hold
 but does not, from a survivor that reported holding it (`held/{worker}` in the store): what workers
 report, not what the plan in force says, since a reconfiguration may have been interrupted.
+
+More than f failures: when some layer has no surviving live replica, the controller rolls back
+(runtime/snapshot.py): it picks the newest step whose every layer a survivor holds in its in-memory
+snapshots or the checkpoint directory holds, and publishes a generation with `restore_step` and a
+source for every layer; the summary records it (`restore_step`, `restore_sources`). Without any such
+step the job fails as before ("more than f failures; restore from a checkpoint").
 """
 
 from __future__ import annotations
@@ -156,9 +162,18 @@ class LaunchOptions:
     detect_exits: bool = True
     """also treat a worker process's exit as its failure (the local analogue of a pod's status);
     False leaves detection to the workers' heartbeats alone"""
+    controller: str = "reports"
+    """what the plan controller bases copies on: "reports" (the workers' holdings in the store) or
+    "layouts" (only the plans, as the operator: the workers settle the sources among themselves)"""
     settle_s: float = 0.1
     """after the first failure signal, how long to gather more (simultaneous failures) before replanning"""
     job: str = "local"
+    snapshot_interval: int | None = None
+    """in-memory snapshots every this many steps (0: off); None: the config's `snapshot.interval_steps`"""
+    checkpoint_dir: Path | None = None
+    """checkpoint directory (None: the config's `checkpoint.path`)"""
+    checkpoint_interval: int | None = None
+    """checkpoint every this many steps (None: the config's `checkpoint.interval_steps`)"""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "microbatch_size", "microbatches"):
@@ -177,6 +192,8 @@ class LaunchOptions:
         for step in self.add_node_at_step:
             if not 0 <= step < self.steps:
                 raise ValueError(f"add_node_at_step: {step} is outside the job's steps 0..{self.steps - 1}")
+        if self.controller not in ("reports", "layouts"):
+            raise ValueError(f"controller: must be 'reports' or 'layouts', got {self.controller!r}")
         restart = self.restart_coordinator_at_step
         if restart is not None and not 0 <= restart < self.steps:
             raise ValueError(f"restart_coordinator_at_step: {restart} is outside the job's steps 0..{self.steps - 1}")
@@ -221,6 +238,10 @@ class Reconfiguration:
     """time the first step of this generation completed (loss record), once known"""
     moves: str = ""
     """what the planner did about it (the plan's reason: shrink, merge, borrow, reinstantiate, ...)"""
+    restore_step: int | None = None
+    """a rollback: the step every worker reset to and replayed from (runtime/snapshot.py)"""
+    restore_sources: dict[str, int] = field(default_factory=dict)
+    """a rollback: layer restores by source (own-snapshot, peer-snapshot, checkpoint)"""
 
     def as_dict(self) -> dict:
         out = self.__dict__.copy()
@@ -260,6 +281,10 @@ class JobFailed(RuntimeError):
     pass
 
 
+class StepsDisagree(JobFailed):
+    """Survivors hold layers at different steps: only a rollback to a common snapshot can continue."""
+
+
 class Launcher:
     """Runs one local job to completion (see the module docstring)."""
 
@@ -285,6 +310,12 @@ class Launcher:
         base.update(job=o.job, microbatch_size=o.microbatch_size, steps=o.steps, seed=o.seed, device=o.device)
         base["model"] = {**base["model"], "name": o.model}
         base["timeouts"] = {**base["timeouts"], "connect": o.comm_timeout_s, "step": o.comm_timeout_s}
+        if o.snapshot_interval is not None:
+            base["snapshot"] = {**base["snapshot"], "interval_steps": o.snapshot_interval}
+        if o.checkpoint_dir is not None:
+            base["checkpoint"] = {**base["checkpoint"], "path": str(Path(o.checkpoint_dir).resolve())}
+        if o.checkpoint_interval is not None:
+            base["checkpoint"] = {**base["checkpoint"], "interval_steps": o.checkpoint_interval}
         return WorkerConfig.model_validate(base)
 
     def _profile(self, config):
@@ -354,7 +385,7 @@ class Launcher:
         for stale in self.workdir.glob("*.losses.jsonl"):
             stale.unlink()
         self.plan_path = self.workdir / "plan.json"
-        config = self._config()
+        config = self.worker_config = self._config()
         (self.workdir / "config.json").write_text(config.model_dump_json(indent=2))
         profile = self._profile(config)
         from oobleck.runtime.config import build_model
@@ -442,6 +473,16 @@ class Launcher:
                 raise JobFailed("every worker exited before the job finished")
             time.sleep(0.005)
 
+    def _last_error(self, worker: str) -> str:
+        """The error a worker logged last (its "unrecoverable" event), for the job's failure message."""
+        for line in reversed(self.children[worker].log_path.read_text(errors="replace").splitlines()):
+            if line.startswith("{") and '"error"' in line:
+                try:
+                    return json.loads(line)["error"]
+                except (ValueError, KeyError):
+                    continue
+        return "exited: no layer source left"
+
     def _restart_coordinator(self, outage_s: float = 0.5) -> None:
         """Lose the store (every key with it) and recreate it on the same port; then re-plan.
 
@@ -462,12 +503,17 @@ class Launcher:
         self._reconfigure(lost=[], added=[], reason="coordinator-restart", kill_at=lost_at)
 
     def _reap(self) -> list[tuple[str, int]]:
+        """Workers that exited since the last call; a worker that found a layer unrecoverable ends the job."""
+        from oobleck.runtime.reconfig import EXIT_UNRECOVERABLE
+
         exited = []
         for child in self.children.values():
             if child.code is None and (code := child.process.poll()) is not None:
                 child.code = code
                 exited.append((child.worker, code))
                 log.info("worker %s exited with %s", child.worker, code)
+                if code == EXIT_UNRECOVERABLE:
+                    raise JobFailed(f"{child.worker}: {self._last_error(child.worker)}")
         return exited
 
     def _inject(self, faults: list[Fault], progress: dict[str, dict]) -> list[Fault]:
@@ -508,6 +554,7 @@ class Launcher:
         generation = self.plan.generation
         in_plan = {f"{a.node}:{a.gpu}" for a in self.plan.ranks}
         dead = set(exited)
+        suspects: set[str] = set()  # named by a heartbeat verdict only: confirmed below
         exit_seen = time.time() if exited else None
         reports: list[FailureReport] = []
         if exited:
@@ -519,17 +566,19 @@ class Launcher:
             for report in self.reports:
                 if report.generation == generation:
                     reports.append(report)
-                    dead.update(d for d in report.dead if d in in_plan)
+                    named = {d for d in report.dead if d in in_plan}
+                    (suspects if report.kind == "heartbeat" else dead).update(named)
             self.reports = []
             self._reap()
             if o.detect_exits:
                 dead.update(w for w in in_plan if self.children[w].code not in (None, 0))
             now = time.monotonic()
-            if dead and now - first_signal >= o.settle_s:
+            if (dead or suspects) and now - first_signal >= o.settle_s:
                 break
             if now > deadline:
                 break  # nobody identified: a transient error; redo the generation on the same nodes
             time.sleep(0.005)
+        dead |= self._confirm_silent(suspects - dead)
         self.failure_log += [r.to_dict() for r in reports]
         for worker in dead:  # fence: a worker declared dead must not come back
             self.children[worker].kill()
@@ -540,18 +589,50 @@ class Launcher:
         self._reconfigure(lost=lost_nodes, added=[], reason="lost" if dead else "retry",
                           kill_at=kill_at, detected_at=detected)
 
+    def _confirm_silent(self, suspects: set[str]) -> set[str]:
+        """Those of `suspects` (workers a peer found silent) that are really dead.
+
+        A heartbeat verdict cannot tell a dead worker from one starved of CPU (a loaded machine can
+        hold a process off the CPU for over a second). The controller knows more: a worker whose
+        process exited is dead; one whose process runs must beat again within the confirmation
+        window (two verdict periods) to be spared, else it is hung and dead. Without exit detection
+        (`--heartbeats-only`, which measures the heartbeat path alone) verdicts are taken as they are.
+        A spared worker simply joins the next generation: the interrupted step is redone by all.
+        """
+        from oobleck.runtime import coordinator as keys
+
+        o = self.options
+        if not o.detect_exits or not suspects:
+            return suspects
+        dead = {w for w in suspects if self.children[w].process.poll() is not None}
+        alive = sorted(suspects - dead)
+        if not alive:
+            return dead
+        read = lambda: self.store.multi_get([keys.heartbeat_key(w) for w in alive])  # noqa: E731
+        before = dict(zip(alive, read()))
+        deadline = time.monotonic() + 2 * o.dead_after_s
+        while alive and time.monotonic() < deadline:
+            time.sleep(o.heartbeat_period_s)
+            now = dict(zip(alive, read()))
+            alive = [w for w in alive if now[w] == before[w] and self.children[w].process.poll() is None]
+        spared = sorted(suspects - dead - set(alive))
+        if spared:
+            log.warning("heartbeat verdict on %s not confirmed: they beat again (a slow, not a dead worker)", spared)
+        return dead | set(alive)
+
     def _holdings(self, survivors: list[str], generation: int, wait_s: float) -> dict[str, set[int]]:
         """Survivors' layers as they report them on leaving `generation` (waiting up to `wait_s`).
 
         A survivor that reports "pending" was waiting for a step's commit decision when the
         coordinator was lost: once every survivor has reported, the decision is re-posted ("commit"
         if any survivor has applied that step) and the pending ones report again after following it.
-        Without a report a worker is assumed to hold its layout of the current plan.
+        A survivor that has not reported leaving (a slow machine) is taken at its newest report (see
+        `_newest_holdings`), never at the layout of a plan it may not have finished adopting.
         """
         from oobleck.runtime import coordinator as keys
 
-        fallback = layout_holdings(self.plan)
         deadline = time.monotonic() + wait_s
+        hard_deadline = deadline + 10 * wait_s
         reposted = False
         while True:
             reports: dict[str, dict] = {}
@@ -561,7 +642,12 @@ class Launcher:
                     if value["generation"] == generation and value.get("phase") in ("left", "pending"):
                         reports[worker] = value
             pending = {w: r for w, r in reports.items() if r["phase"] == "pending"}
-            if len(reports) == len(survivors) and pending and not reposted:
+            missing = [w for w in survivors if w not in reports]
+            now = time.monotonic()
+            # A survivor whose process runs will report (reconnecting to a recreated coordinator
+            # can take several 5 s connection attempts on a loaded machine): wait for it longer.
+            waiting = missing and now < hard_deadline and any(self.children[w].process.poll() is None for w in missing)
+            if pending and not reposted and (not missing or (now > deadline and not waiting)):
                 reposted = True
                 step = next(iter(pending.values()))["step"]
                 applied = any(r["phase"] == "left" and r["step"] == step + 1 for r in reports.values())
@@ -569,50 +655,133 @@ class Launcher:
                 verdict = self.store.compare_set(decision, "", "commit" if applied else "abort").decode()
                 log.info("re-posted the lost commit decision of step %d: %s", step, verdict)
                 deadline = max(deadline, time.monotonic() + wait_s)  # the pending ones report again
-            elif (len(reports) == len(survivors) and not pending) or time.monotonic() > deadline:
+            elif (not missing and not pending) or (now > deadline and not waiting):
                 break
             time.sleep(0.002)
-        holdings = {w: set(reports[w]["layers"]) if w in reports else fallback.get(w, set()) for w in survivors}
-        steps = {reports[w]["step"] for w in reports if reports[w]["layers"]}
+        # A worker still pending was committing a step of this generation: it holds its layout.
+        left = {w: r for w, r in reports.items() if r["phase"] == "left"}
+        fallback = self._newest_holdings([w for w in survivors if w not in reports])
+        layout = layout_holdings(self.plan)
+        holdings = {w: set(left[w]["layers"]) if w in left else layout.get(w, set()) if w in reports else fallback[w]
+                    for w in survivors}
+        steps = {reports[w]["step"] for w in reports if holdings[w]}
         if len(steps) > 1:
-            raise JobFailed(f"survivors disagree on the step they hold: {sorted(steps)}")
+            raise StepsDisagree(f"survivors disagree on the step they hold: {sorted(steps)}")
         return holdings
 
-    def _adopted_holdings(self, workers: list[str]) -> dict[str, set[int]]:
+    def _newest_holdings(self, workers: list[str]) -> dict[str, set[int]]:
+        """What `workers` hold by their newest report (`held/{worker}`, any generation or phase).
+
+        Safe when that report is older than the plan in force: a worker frees layers only once an
+        adoption has completed, and reports right after it, so an adoption interrupted since (a
+        kill during a reconfiguration, a slow rendezvous) leaves it holding at least the reported
+        layers. A worker that never reported holds nothing - unless no step has been trained yet,
+        when every layer is a pure function of the seed and the plan's layout stands.
+        """
         from oobleck.runtime import coordinator as keys
 
-        fallback = layout_holdings(self.plan)
-        holdings = {}
+        newest: dict[str, dict] = {}
         for worker in workers:
-            value = None
             if self.store.check([keys.held_key(worker)]):
-                value = json.loads(self.store.get(keys.held_key(worker)))
-            current = value is not None and value["generation"] == self.plan.generation
-            holdings[worker] = set(value["layers"]) if current else fallback.get(worker, set())
-        return holdings
+                newest[worker] = json.loads(self.store.get(keys.held_key(worker)))
+        layout = layout_holdings(self.plan)
+        untrained = not any(c.losses_path.exists() and c.losses_path.stat().st_size for c in self.children.values())
+        return {w: set(newest[w]["layers"]) if w in newest else (layout.get(w, set()) if untrained else set())
+                for w in workers}
 
     def _reconfigure(self, *, lost: list[str], added: list[str], reason: str,
                      kill_at: float | None = None, detected_at: float | None = None) -> None:
         from oobleck.planner.errors import PlanningError
+        from oobleck.planner.reconfigure import LostLayersError
 
         previous = self.plan
         nodes = [n for n in previous.nodes if n not in lost] + [n for n in added if n not in previous.nodes]
         survivors = [f"{a.node}:{a.gpu}" for a in previous.ranks if a.node not in lost]
-        if reason == "add":  # nobody leaves the generation before the new plan: use what they adopted
-            holdings = self._adopted_holdings(survivors)
-        else:
-            holdings = self._holdings(survivors, previous.generation, wait_s=3.0)
+        if self.options.controller == "layouts":
+            self._record(self._layout_plan(previous, nodes, survivors, lost, added, reason), reason, lost, added,
+                         kill_at, detected_at)
+            return
         try:
+            if reason == "add":  # nobody leaves the generation before the new plan: use what they adopted
+                holdings = self._newest_holdings(survivors)
+            else:
+                holdings = self._holdings(survivors, previous.generation, wait_s=3.0)
             plan = replan(previous, nodes, holdings, self.profile, lost=lost, added=added, reason=reason,
                           bandwidth=self.options.copy_bandwidth)
+        except (PlanningError, StepsDisagree) as error:
+            # Some layer has no live replica (or the survivors' live states differ): roll back to
+            # the newest step that snapshots or the checkpoint directory still hold entirely.
+            if not (isinstance(error, StepsDisagree) or isinstance(error.__cause__, LostLayersError)):
+                raise JobFailed(f"cannot plan generation {previous.generation + 1}: {error}") from error
+            plan = self._rollback_plan(previous, survivors, lost, added)
+            if plan is None:
+                raise JobFailed(f"cannot plan generation {previous.generation + 1}: {error}; no in-memory "
+                                f"snapshot or checkpoint holds every layer at one step") from error
+        self._record(plan, reason, lost, added, kill_at, detected_at)
+
+    def _layout_plan(self, previous, nodes: list[str], survivors: list[str], lost: list[str], added: list[str],
+                     reason: str):
+        """The next generation as a controller that sees only plans proposes it (the operator's view).
+
+        Survivors are taken to hold their layout of `previous`; when that leaves a layer without a
+        holder, every survivor is priced as holding everything (any layout will do: the layers come
+        from snapshots). The members settle the real sources themselves (runtime/resolve.py)."""
+        from oobleck.planner.errors import PlanningError
+        from oobleck.planner.reconfigure import LostLayersError
+
+        layout = layout_holdings(previous)
+        try:
+            return replan(previous, nodes, {w: layout.get(w, set()) for w in survivors}, self.profile, lost=lost,
+                          added=added, reason=reason, bandwidth=self.options.copy_bandwidth)
         except PlanningError as error:
-            raise JobFailed(f"cannot plan generation {previous.generation + 1}: {error}") from error
+            if not isinstance(error.__cause__, LostLayersError):
+                raise JobFailed(f"cannot plan generation {previous.generation + 1}: {error}") from error
+        everything = set(range(previous.num_layers))
+        return replan(previous, nodes, {w: everything for w in survivors}, self.profile, lost=lost, added=added,
+                      reason=reason, bandwidth=self.options.copy_bandwidth)
+
+    def _record(self, plan, reason: str, lost: list[str], added: list[str], kill_at: float | None,
+                detected_at: float | None) -> None:
+        """Publish `plan` and note the reconfiguration for the summary."""
         self._publish(plan)
+        sources: dict[str, int] = {}
+        if plan.restore_step is not None:
+            for c in plan.copies:
+                kind = "checkpoint" if c.source_kind == "checkpoint" else \
+                    "own-snapshot" if c.src_rank == c.dst_rank else "peer-snapshot"
+                sources[kind] = sources.get(kind, 0) + 1
+        moved = [c for c in plan.copies if c.src_rank != c.dst_rank]  # a rollback also lists local restores
         self.reconfigurations.append(Reconfiguration(
-            generation=plan.generation, reason=reason, moves=plan.reason, lost=lost, added=added, copies=len(plan.copies),
-            copy_bytes=sum(c.bytes for c in plan.copies), kill_at=kill_at, detected_at=detected_at,
-            published_at=time.time(),
+            generation=plan.generation, reason=reason, moves=plan.reason, lost=lost, added=added, copies=len(moved),
+            copy_bytes=sum(c.bytes for c in moved), kill_at=kill_at, detected_at=detected_at,
+            published_at=time.time(), restore_step=plan.restore_step, restore_sources=sources,
         ))
+
+    def _rollback_plan(self, previous, survivors: list[str], lost: list[str], added: list[str]):
+        """The rollback generation from the survivors' snapshot reports and the checkpoint directory, or None."""
+        from oobleck.planner.errors import PlanningError
+        from oobleck.runtime import coordinator as keys
+        from oobleck.runtime.snapshot import checkpoint_holdings, rollback_plan
+
+        memory: dict[str, dict[int, set[int]]] = {}
+        latest = None  # the newest step a survivor reached: older runs' checkpoints may lie in the directory
+        for worker in survivors:
+            if not self.store.check([keys.held_key(worker)]):
+                continue
+            report = json.loads(self.store.get(keys.held_key(worker)))
+            # Only reports made on leaving `previous`: a worker's snapshots are frozen from then on.
+            if report.get("generation") == previous.generation and report.get("phase") in ("left", "pending"):
+                memory[worker] = {int(step): set(layers) for step, layers in report.get("snapshots", {}).items()}
+                latest = max(latest or 0, report["step"])
+        disk = checkpoint_holdings(self.worker_config.checkpoint.path)
+        try:
+            plan = rollback_plan(previous, self.profile, lost, added, memory, disk, bandwidth=self.options.copy_bandwidth,
+                                 latest=latest)
+        except PlanningError as error:
+            raise JobFailed(f"cannot plan the rollback generation {previous.generation + 1}: {error}") from error
+        if plan is not None:
+            log.info("rollback: generation %d restores step %d (%s)", plan.generation, plan.restore_step, plan.reason)
+        return plan
 
     # -- results -----------------------------------------------------------------------------------
 
@@ -680,6 +849,13 @@ def add_parser(subparsers) -> None:
                         help="heartbeat silence that means dead, seconds (margin for a loaded machine)")
     parser.add_argument("--heartbeats-only", action="store_true",
                         help="detect failures only through the workers' heartbeats, not process exits")
+    parser.add_argument("--snapshot-interval", type=int, default=None,
+                        help="in-memory peer snapshots every this many steps (0: off; default: the config's)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="write checkpoints to this directory")
+    parser.add_argument("--checkpoint-interval", type=int, default=None, help="... every this many steps")
+    parser.add_argument("--controller", choices=["reports", "layouts"], default="reports",
+                        help="base copies on the workers' reported holdings, or on plans alone as the operator "
+                             "does (the workers then settle the sources among themselves)")
     parser.add_argument("--summary", type=Path, default=None, help="also write the summary here (JSON)")
     parser.set_defaults(func=run_launch)
 
@@ -699,8 +875,9 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         config=args.config, profile=args.profile, gpu_memory=args.gpu_memory,
         copy_bandwidth=args.copy_bandwidth, faults=faults,
         add_node_at_step=tuple(args.add_node_at_step), restart_coordinator_at_step=args.restart_coordinator_at_step,
-        workdir=args.workdir, timeout_s=args.timeout, dead_after_s=args.dead_after,
-        detect_exits=not args.heartbeats_only,
+        workdir=args.workdir, timeout_s=args.timeout, dead_after_s=args.dead_after, controller=args.controller,
+        detect_exits=not args.heartbeats_only, snapshot_interval=args.snapshot_interval,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_interval=args.checkpoint_interval,
     )
 
 
@@ -733,6 +910,8 @@ def format_summary(summary: Summary) -> str:
         if r.added:
             parts.append(f"added {r.added}")
         parts.append(f"{r.copies} copies, {r.copy_bytes} bytes")
+        if r.restore_step is not None:
+            parts.append(f"rolled back to step {r.restore_step} from {r.restore_sources}")
         timing = r.as_dict()
         if r.kill_at is not None:
             parts.append("after the kill: " + ", ".join(

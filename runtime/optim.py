@@ -21,12 +21,16 @@ from oobleck.runtime.config import OptimConfig
 
 
 def learning_rate(config: OptimConfig, step: int) -> float:
-    """LR for global step `step` (0-based): linear warmup, then cosine decay to min_lr_ratio * lr."""
+    """LR for global step `step` (0-based): linear warmup, then `config.schedule` decay to min_lr_ratio * lr."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return config.lr
     span = max(1, config.decay_steps - config.warmup_steps)
     progress = min(1.0, (step - config.warmup_steps) / span)
     floor = config.min_lr_ratio * config.lr
+    if config.schedule == "linear":
+        return config.lr - (config.lr - floor) * progress
     return floor + 0.5 * (config.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 

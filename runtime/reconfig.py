@@ -53,6 +53,8 @@ EXIT_DROPPED = 3
 """this worker was in a plan and a newer plan left it out (declared dead, or its node removed)"""
 EXIT_NO_PLAN = 4
 """no plan arrived in time"""
+EXIT_UNRECOVERABLE = 5
+"""some layer's state is gone from every worker, snapshot and checkpoint (runtime/resolve.py)"""
 
 
 class ControlStore:
@@ -73,17 +75,24 @@ class StepCommit:
     If the coordinator dies while a rank waits for the decision, some ranks may have read "commit"
     (and applied the step) and others not. The waiting rank then keeps its reduced gradients,
     reconnects to the recreated coordinator, reports itself pending (`held/{worker}` with phase
-    "pending"), and waits for the controller to re-post the decision: "commit" if any survivor
-    reports the step applied, else "abort" (the controller sees every survivor's report).
+    "pending"), and waits for the decision to be re-posted: "commit" if any survivor reports the step
+    applied, else "abort". The local controller re-posts it once every survivor has reported; a
+    controller that cannot read the store (the operator) never does, so after `self_decide_s` the
+    pending ranks post it themselves from the reports present (compare-and-set: they agree). A rank
+    that applied the step but had not reported yet then holds a newer step than the others: the
+    next generation's members see the disagreement and roll back (runtime/resolve.py), never mix.
     """
 
     def __init__(self, control: ControlStore, failed, worker: str = "", poll_s: float = 0.05,
-                 recover_timeout_s: float = 300.0) -> None:
+                 recover_timeout_s: float = 300.0, self_decide_s: float = 10.0) -> None:
         self.control = control
         self.failed = failed
         self.worker = worker
         self.poll_s = poll_s
         self.recover_timeout_s = recover_timeout_s
+        self.self_decide_s = self_decide_s
+        self.members: tuple[str, ...] = ()
+        """the generation's workers ("node:gpu"), whose reports a self-decided re-post reads"""
 
     def decide(self, generation: int, world_size: int, step: int) -> bool:
         """Arrive and wait for the decision; True: apply the step, False: abort it."""
@@ -98,13 +107,18 @@ class StepCommit:
         store = self.control.store
         prefix = keys.commit_prefix(generation, step)
         decision = prefix + "decision"
-        if store.add(prefix + "arrived", 1) == world_size:
-            store.compare_set(decision, "", "commit")
-            # Every rank is past step - 2's decision now: drop its keys so a long job does not
-            # grow the store without bound.
-            old = keys.commit_prefix(generation, step - 2)
-            store.delete_key(old + "arrived")
-            store.delete_key(old + "decision")
+        arrived = store.add(prefix + "arrived", 1)
+        if arrived == world_size:
+            # The last arrival decides: compare_set's reply is the decision in force ("commit", or an
+            # "abort" posted first), so waiting for the key and reading it back would only add two
+            # round trips to the step's critical path (every other rank is waiting on this one).
+            applied = store.compare_set(decision, "", "commit").decode() == "commit"
+            if world_size == 1:
+                self._collect(store, generation, step - 2)
+            return applied
+        if arrived == 1:
+            # The first arrival waits for the others anyway: it drops old keys meanwhile.
+            self._collect(store, generation, step - 2)
         while True:
             if self.failed.is_set():
                 # compare_set returns the value in force: ours if we were first, else the winner's.
@@ -117,6 +131,16 @@ class StepCommit:
                     raise
                 # A wait timeout: look at the failure Event again.
 
+    @staticmethod
+    def _collect(store, generation: int, step: int) -> None:
+        """Drop `step`'s commit keys, so that a long job does not grow the store without bound.
+
+        Safe from a rank arriving at step + 2: step + 1 committed, so every rank arrived at step + 1,
+        i.e. every rank had read `step`'s decision already."""
+        old = keys.commit_prefix(generation, step)
+        store.delete_key(old + "arrived")
+        store.delete_key(old + "decision")
+
     def _recover(self, generation: int, step: int) -> bool:
         log.warning(json.dumps({"event": "commit-pending", "worker": self.worker, "generation": generation,
                                 "step": step}))
@@ -125,8 +149,26 @@ class StepCommit:
         store.set(keys.held_key(self.worker), json.dumps(
             {"generation": generation, "step": step, "layers": [], "phase": "pending"}))
         decision = keys.commit_prefix(generation, step) + "decision"
-        store.wait([decision], datetime.timedelta(seconds=self.recover_timeout_s))
+        began = time.monotonic()
+        while not store.check([decision]):
+            waited = time.monotonic() - began
+            if waited > self.recover_timeout_s:
+                raise RuntimeError(f"commit of step {step}: no decision within {self.recover_timeout_s:.0f} s")
+            if waited > self.self_decide_s:
+                store.compare_set(decision, "", "commit" if self._applied_by_a_peer(store, generation, step) else "abort")
+            else:
+                time.sleep(self.poll_s)
         return store.get(decision).decode() == "commit"
+
+    def _applied_by_a_peer(self, store, generation: int, step: int) -> bool:
+        """Whether a member reported leaving `generation` with `step` applied (its next step is step + 1)."""
+        for member in self.members:
+            if member != self.worker and store.check([keys.held_key(member)]):
+                report = json.loads(store.get(keys.held_key(member)))
+                if report.get("generation") == generation and report.get("phase") == "left" \
+                        and report.get("step") == step + 1:
+                    return True
+        return False
 
 
 class CommittingOptimizer:
@@ -141,6 +183,7 @@ class CommittingOptimizer:
         from oobleck.runtime.groups import Interrupted
 
         plan = self._worker.plan
+        self._commit.members = tuple(f"{a.node}:{a.gpu}" for a in plan.ranks)
         try:
             applied = self._commit.decide(plan.generation, plan.world_size, self._worker.step)
         except RuntimeError as error:  # the coordinator is gone: nobody can commit, so nobody does
@@ -180,8 +223,12 @@ def run_elastic(
     control: ControlStore,
     steps: int,
     timeouts: ElasticTimeouts = ElasticTimeouts(),
+    progress: bool = True,
 ) -> ElasticResult:
-    """Train `worker` to `steps` global steps across plan generations (see the module docstring)."""
+    """Train `worker` to `steps` global steps across plan generations (see the module docstring).
+
+    `progress`: post `progress/{worker}` before every step (the launcher's view of the job); False
+    only to measure what it costs (bench/overhead.py)."""
     from oobleck.runtime.groups import CommError, Interrupted
 
     me = worker_id(worker.node, worker.gpu)
@@ -197,11 +244,13 @@ def run_elastic(
                 return result
             result.generations.append(plan.generation)
             watcher.adopt(plan.generation)  # first: the watcher must not flag this generation as newer
-            detector.watch(plan.generation, [worker_id(a.node, a.gpu) for a in plan.ranks])
             _ensure_epoch(worker, control)
+            # The epoch tells the detector that a coordinator restart it notices later is older news.
+            detector.watch(plan.generation, [worker_id(a.node, a.gpu) for a in plan.ranks], epoch=control.epoch)
             interrupted = False
             try:
                 adopt_started = time.time()
+                plan = _settle_sources(plan, worker, control, me, detector)
                 worker.adopt(plan)
                 # Timestamped (wall clock) so that recovery can be split into its parts across processes.
                 log.info(json.dumps({"event": "generation-ready", "worker": me, "generation": plan.generation,
@@ -209,7 +258,8 @@ def run_elastic(
                 _publish_held(control, me, worker)
                 detector.ready()
                 while worker.step < steps:
-                    keys.set_progress(control.store, me, plan.generation, worker.step, "step")
+                    if progress:
+                        keys.set_progress(control.store, me, plan.generation, worker.step, "step")
                     outcome = worker.train_step()
                     if outcome.loss is not None and not worker.logs_loss:
                         _append_loss(worker, outcome)
@@ -238,6 +288,36 @@ def run_elastic(
         return result
     finally:
         watcher.stop()
+
+
+def _settle_sources(plan: Plan, worker, control: ControlStore, me: str, detector: FailureDetector) -> Plan:
+    """`plan` with copies that the members' actual holdings can serve (runtime/resolve.py).
+
+    Every member posts what it holds and waits for the others, so each computes the same plan: the
+    proposal when sound, else the copies (or a rollback) recomputed from the records. Interrupted
+    or timed out like any rendezvous of the generation (a RuntimeError ends the generation)."""
+    from oobleck.runtime.groups import Interrupted
+    from oobleck.runtime.resolve import Holding, exchange, resolve
+    from oobleck.runtime.snapshot import checkpoint_holdings
+
+    snapshots = getattr(worker, "snapshots", None)
+    mine = Holding(
+        step=worker.step, layers=tuple(sorted(worker.layers)), started=worker.started,
+        snapshots={int(k): tuple(v) for k, v in snapshots.store.holdings().items()} if snapshots is not None else {},
+        checkpoint={k: tuple(sorted(v)) for k, v in checkpoint_holdings(worker.config.checkpoint.path).items()},
+    )
+    timeout = max(worker.config.timeouts.connect, worker.config.timeouts.step)
+    try:
+        holdings = exchange(control.store, plan, me, mine, detector.failure, timeout)
+    except InterruptedError as error:
+        raise Interrupted(str(error)) from error
+    except TimeoutError as error:
+        raise RuntimeError(str(error)) from error
+    settled = resolve(plan, holdings, worker.layer_state_bytes())  # Unrecoverable ends the worker
+    if settled is not plan:
+        log.warning(json.dumps({"event": "sources-resolved", "worker": me, "generation": plan.generation,
+                                "restore_step": settled.restore_step, "copies": len(settled.copies)}))
+    return settled
 
 
 def _append_loss(worker, outcome) -> None:
@@ -294,6 +374,11 @@ def _publish_held(
     """phase "adopted": after joining `generation`; "left": after leaving it (final for that generation)."""
     generation = worker.plan.generation if generation is None and worker.plan is not None else generation
     value = {"generation": generation, "step": worker.step, "layers": sorted(worker.layers), "phase": phase}
+    snapshots = getattr(worker, "snapshots", None)
+    if snapshots is not None:
+        # What a rollback may restore from (frozen while the worker is between generations), and
+        # where its buddy pushes (runtime/snapshot.py).
+        value |= {"snapshots": snapshots.store.holdings(), "snapshot_address": snapshots.address}
     _quietly(control, lambda store: store.set(keys.held_key(me), json.dumps(value)))
 
 
@@ -341,15 +426,27 @@ def main(argv: list[str] | None = None) -> int:
                     failed=detector.failure, losses_path=args.losses)
     worker._epoch = control.epoch
     worker.optimizer = CommittingOptimizer(worker.optimizer, worker, StepCommit(control, detector.failure, worker=me))
+    from oobleck.runtime.snapshot import snapshotter_for
+
+    worker.snapshots = snapshotter_for(config, me, lambda: connect(host, port, store_timeouts)[0], host)
+    from oobleck.runtime.resolve import Unrecoverable
+
     try:
         result = run_elastic(worker, FilePlanSource(args.plan_file), detector, control,
                              config.steps if args.steps is None else args.steps)
+    except Unrecoverable as error:
+        log.error(json.dumps({"event": "unrecoverable", "worker": me, "error": str(error)}))
+        detector.trigger("unrecoverable", (), str(error))
+        return EXIT_UNRECOVERABLE
     finally:
         detector.stop()
+    if worker.snapshots is not None and result.exit_code == EXIT_DONE:
+        worker.snapshots.wait_idle(60.0)  # the last checkpoint files (a push to a buddy gone already just fails)
     if args.dump and result.exit_code == EXIT_DONE:
         torch.save(worker.layer_state(), args.dump)
     log.info(json.dumps({"event": "exit", "worker": me, "steps": result.steps, "generations": result.generations,
-                         "interruptions": result.interruptions, "code": result.exit_code}))
+                         "interruptions": result.interruptions, "code": result.exit_code,
+                         "snapshots": worker.snapshots.stats if worker.snapshots is not None else None}))
     return result.exit_code
 
 

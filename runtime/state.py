@@ -8,7 +8,7 @@ any metadata). Bytes rather than one float dtype: mixed-precision layers round-t
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -44,6 +44,25 @@ def flatten(layer: int, module: nn.Module, optimizer: LayerAdamW) -> torch.Tenso
     return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in _tensors(layer, module, optimizer)])
 
 
+def capture(layer: int, module: nn.Module, optimizer: LayerAdamW) -> torch.Tensor:
+    """The layer's full state (`flatten`'s bytes) as a host copy that later updates leave alone.
+
+    Runs on a snapshot thread while training goes on: on a GPU the copy goes through a side stream
+    that first waits for the work already queued (the last update), into pinned memory."""
+    tensors = list(_tensors(layer, module, optimizer))
+    if tensors and tensors[0].is_cuda:
+        device = tensors[0].device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.default_stream(device))
+        with torch.cuda.stream(stream):
+            flat = flatten(layer, module, optimizer)
+            host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+        stream.synchronize()
+        return host
+    return flatten(layer, module, optimizer)  # torch.cat allocates: already a copy
+
+
 @torch.no_grad()
 def unflatten(buffer: torch.Tensor, layer: int, module: nn.Module, optimizer: LayerAdamW) -> None:
     """Overwrite the layer's parameters, buffers and optimizer state from `flatten`'s output."""
@@ -70,18 +89,28 @@ def transfer(
     failed: threading.Event | None = None,
     poll: float = 0.05,
     timeout: float = 600.0,
+    snapshot: Callable[[int], torch.Tensor] | None = None,
 ) -> int:
     """Execute the copies this rank takes part in; received layers land in `layers` (with their
-    optimizer state). Returns the bytes this rank sent and received."""
+    optimizer state). Returns the bytes this rank sent and received.
+
+    A copy whose `source_kind` is "snapshot" is sent from `snapshot(layer)` (this rank's host copy
+    at the plan's restore step) instead of the live layer; copies with src == dst (a rank's own
+    snapshot, a checkpoint read) are the caller's (Worker.adopt), not a transfer."""
     moved = 0
     sends, receives = [], []
     for index, copy in enumerate(copies):
         tag = COPY_TAG_BASE + index
         if copy.src_rank == rank and copy.dst_rank != rank:
-            if copy.layer not in layers:
-                raise ValueError(f"copies[{index}]: rank {rank} is the source of layer {copy.layer} but does not hold it")
             backend, peer = groups.link(rank, copy.dst_rank)
-            flat = flatten(copy.layer, layers[copy.layer], optimizer)
+            if copy.source_kind == "snapshot":
+                if snapshot is None:
+                    raise ValueError(f"copies[{index}]: layer {copy.layer} from a snapshot, but rank {rank} keeps none")
+                flat = snapshot(copy.layer).to(device)
+            elif copy.layer not in layers:
+                raise ValueError(f"copies[{index}]: rank {rank} is the source of layer {copy.layer} but does not hold it")
+            else:
+                flat = flatten(copy.layer, layers[copy.layer], optimizer)
             sends.append((backend.send([flat], peer, tag), flat, copy))
             moved += flat.numel()
         elif copy.dst_rank == rank and copy.src_rank != rank:

@@ -31,7 +31,7 @@ from oobleck.runtime.engine import Engine, StepOutcome
 from oobleck.runtime.groups import CommError, GenerationGroups, Interrupted, layout
 from oobleck.runtime.metrics import WorkerMetrics
 from oobleck.runtime.optim import LayerAdamW
-from oobleck.runtime.state import transfer
+from oobleck.runtime.state import state_nbytes, transfer, unflatten
 
 log = logging.getLogger("oobleck.runtime.worker")
 
@@ -48,6 +48,23 @@ class GenerationResult:
 
 class NotInPlan(RuntimeError):
     """This worker's (node, gpu) has no rank in the plan."""
+
+
+class _FencedOptimizer:
+    """The worker's optimizer: `step` first waits for a snapshot capture in flight (it reads the state
+    this update overwrites); everything else passes through."""
+
+    def __init__(self, inner: LayerAdamW, worker: "Worker") -> None:
+        self._inner = inner
+        self._worker = worker
+
+    def step(self, *args, **kwargs):
+        if self._worker.snapshots is not None:
+            self._worker.snapshots.fence()
+        return self._inner.step(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
 
 
 def choose_device(config: WorkerConfig, gpu: int) -> torch.device:
@@ -83,7 +100,9 @@ class Worker:
         self.device = choose_device(config, gpu)
         self.model = build_model(config)
         self.data = build_dataset(config, self.model)
-        self.optimizer = LayerAdamW(config.optim)
+        self.optimizer = _FencedOptimizer(LayerAdamW(config.optim), self)
+        self.snapshots = None
+        """a `snapshot.Snapshotter` when snapshots are on (set by the elastic runner)"""
         self.layers: dict[int, nn.Module] = {}
         self.step = 0
         """the next global step to run (= steps completed)"""
@@ -98,6 +117,7 @@ class Worker:
         generation breaks (the control side may set an earlier one, e.g. the kill it detected)"""
         self.losses_path = Path(losses_path) if losses_path else None
         self.metrics = metrics or WorkerMetrics(config.job, node, gpu)
+        self._state_bytes: list[int] | None = None
 
     # -- generations -------------------------------------------------------------------------------
 
@@ -110,6 +130,12 @@ class Worker:
             raise ValueError(f"num_layers: plan has {plan.num_layers}, model {self.model.name!r} has {self.model.num_layers}")
         reconfiguring = self.plan is not None
         mine = layout(plan, rank)
+        if self.snapshots is not None:
+            self.snapshots.fence()  # a capture in flight reads the layers this adoption replaces
+        if plan.restore_step is not None:
+            # Before the rendezvous: a rollback interrupted from here on still leaves this worker
+            # wholly at the restore step (never half old step, half restored).
+            self._restore_local(plan, rank)
         timeout = max(self.config.timeouts.connect, self.config.timeouts.step)
         self.groups = GenerationGroups(
             self.store, plan, rank, self.config.microbatch_size, self.device, timeout, self.failed, self.config.timeouts.poll
@@ -129,7 +155,7 @@ class Worker:
             self.layers[layer] = module
         moved = transfer(
             plan.copies, rank, self.groups, self.model, self.layers, self.optimizer, self.device, self.failed,
-            self.config.timeouts.poll, self.config.timeouts.step,
+            self.config.timeouts.poll, self.config.timeouts.step, snapshot=self._snapshot_source(plan),
         )
         self.metrics.bytes_copied.inc(moved)
         for layer in [layer for layer in self.layers if layer not in mine.layers]:
@@ -148,8 +174,54 @@ class Worker:
         self.metrics.rank.set(rank)
         if reconfiguring:
             self.metrics.reconfigurations.inc()
+        if self.snapshots is not None:
+            self.snapshots.store.thaw()
         self._log("adopted", layers=list(mine.layers), copied_bytes=moved, reason=plan.reason)
         return rank
+
+    def _restore_local(self, plan: Plan, rank: int) -> None:
+        """Reset to `plan.restore_step`: drop every live layer, restore those whose source is this rank
+        (its own host snapshot, or the checkpoint directory); the others arrive by `transfer`."""
+        from oobleck.runtime.snapshot import read_checkpoint_layer
+
+        step = plan.restore_step
+        self.layers.clear()
+        self.optimizer.state.clear()
+        self.step = step
+        self.started = True  # every layer of the new range must now come from the plan's copies
+        for copy in plan.copies:
+            if copy.dst_rank != rank or copy.src_rank != rank:
+                continue
+            if copy.source_kind == "snapshot":
+                if self.snapshots is None:
+                    raise ValueError(f"copies: layer {copy.layer} from this rank's snapshot, but it keeps none")
+                data = self.snapshots.store.get(step, copy.layer)
+            elif copy.source_kind == "checkpoint":
+                if not self.config.checkpoint.path:
+                    raise ValueError(f"copies: layer {copy.layer} from the checkpoint, but checkpoint.path is not set")
+                data = read_checkpoint_layer(self.config.checkpoint.path, step, copy.layer)
+            else:
+                continue
+            module = self.model.build_layer(copy.layer).to(self.device)
+            unflatten(data.to(self.device), copy.layer, module, self.optimizer)
+            self.layers[copy.layer] = module
+        self._log("restored", for_generation=plan.generation, restore_step=step, local=sorted(self.layers))
+
+    def _snapshot_source(self, plan: Plan):
+        """What `transfer` sends for a copy from a snapshot: this rank's host copy at the restore step."""
+        if plan.restore_step is None or self.snapshots is None:
+            return None
+        store, step = self.snapshots.store, plan.restore_step
+        return lambda layer: store.get(step, layer)
+
+    def layer_state_bytes(self) -> list[int]:
+        """Every layer's full state in bytes (`state.flatten`'s size): what a copy of it moves.
+
+        Built once on the meta device: sizes without allocating the whole model."""
+        if self._state_bytes is None:
+            with torch.device("meta"):
+                self._state_bytes = [state_nbytes(self.model.build_layer(i)) for i in range(self.model.num_layers)]
+        return self._state_bytes
 
     def _step_from_state(self) -> int:
         """A joining worker learns the job's step from the optimizer state it received."""
@@ -175,6 +247,8 @@ class Worker:
         if self.groups is not None:
             self.groups.abandon()
         self.groups = self.engine = None
+        if self.snapshots is not None:
+            self.snapshots.store.freeze()  # what the next report lists must stay until the next plan
 
     # -- steps -------------------------------------------------------------------------------------
 
@@ -182,6 +256,10 @@ class Worker:
         """Run global step `self.step` under the adopted plan; advances the counter only on success."""
         if self.engine is None:
             raise RuntimeError("train_step: no plan adopted (call adopt(plan) first)")
+        if self.snapshots is not None and self.snapshots.due(self.plan.generation, self.step):
+            # The state before this step (the last committed one), captured while the step runs;
+            # the optimizer update waits for the capture (_FencedOptimizer).
+            self.snapshots.begin(self.plan, self.rank, self.step, self.layers, self.optimizer)
         outcome = self.engine.train_step(self.step)
         self.step += 1
         if self.failure_time is not None:

@@ -1,4 +1,5 @@
-"""`make demo` runs `oobleck demo`: it must work end to end and leave nothing behind."""
+"""`make demo` runs `oobleck demo`: real training through the operator on local nodes, a worker killed
+midway, a summary; it must leave nothing behind."""
 
 from __future__ import annotations
 
@@ -6,31 +7,79 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
+
+from oobleck.demo import EXAMPLE, Observation, Timeline, observe, steps_per_second, summarize
 
 
 @pytest.mark.slow
-def test_demo_applies_the_example_and_cleans_up() -> None:
+@pytest.mark.xdist_group("local-node-jobs")  # one training job at a time on the 2-core machine
+def test_demo_trains_survives_a_kill_and_cleans_up(tmp_path: Path) -> None:
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["spec"]["training"]["steps"] = 300  # the example's shape, fewer steps: the suite stays fast
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(manifest))
     result = subprocess.run(
-        [sys.executable, "-m", "oobleck.cli", "demo"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "oobleck.cli", "demo", "--job", str(job), "--kill-at-step", "60",
+         "--workdir", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=420,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
+    assert result.returncode == 0, out[-5000:] + result.stderr[-3000:]
     assert "oobleckjob.oobleck.dev/tiny-gpt created" in out
-    header = next(line for line in out.splitlines() if line.startswith("NAME"))
-    assert header.split() == ["NAME", "PHASE", "NODES", "PIPELINES", "STEP", "AGE"]
+    assert re.search(r"job Succeeded: 300/300 steps, plan generation [1-9]", out), out[-3000:]
+    assert "killed tiny-gpt-worker-1 at step" in out
+    assert re.search(r"training resumed \(step \d+ completed\) [\d.]+ s after the kill", out), out[-3000:]
     assert "done: nothing left running" in out
-    # The API server's port is free again: its process is gone.
+    # The API server's port is free again: its process is gone (SO_REUSEADDR: closed connections
+    # may linger in TIME_WAIT, a listener may not).
     port = int(re.search(r"at https://127\.0\.0\.1:(\d+)", out).group(1))
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind(("127.0.0.1", port))
+        probe.listen()
 
 
-def test_demo_rejects_a_missing_manifest(tmp_path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "oobleck.cli", "demo", "--job", str(tmp_path / "none.yaml")],
-        capture_output=True, text=True,
-    )
-    assert result.returncode != 0
-    assert "--job" in result.stderr and "no such file" in result.stderr
+def test_demo_rejects_bad_arguments(tmp_path: Path) -> None:
+    for args, message in (
+        (["--job", str(tmp_path / "none.yaml")], "no such file"),
+        (["--nodes", "0"], "--nodes: must be >= 1"),
+        (["--kill-at-step", "999"], "--kill-at-step: must be in 1..599"),
+    ):
+        result = subprocess.run([sys.executable, "-m", "oobleck.cli", "demo", *args], capture_output=True, text=True)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def _seen(at: float, step: int, generation: int = 0, phase: str = "Running") -> Observation:
+    return Observation(at=at, phase=phase, step=step, generation=generation, pipelines=2, nodes=4, loss=None,
+                       samples_per_second=None)
+
+
+def test_observe_reads_the_status_a_user_sees() -> None:
+    job = {"status": {"phase": "Running", "nodes": 4, "plan": {"generation": 2, "pipelines": 2},
+                      "progress": {"step": 7, "loss": 5.25, "samplesPerSecond": 120.0}}}
+    seen = observe(job)
+    assert (seen.phase, seen.step, seen.generation, seen.pipelines, seen.nodes, seen.loss, seen.samples_per_second) == \
+        ("Running", 7, 2, 2, 4, 5.25, 120.0)
+    failed = observe({"status": {"phase": "Failed", "conditions": [
+        {"type": "Failed", "status": "True", "message": "layer 3: no surviving worker holds it"}]}})
+    assert failed.step == 0 and failed.generation is None and "layer 3" in failed.reason
+
+
+def test_summary_measures_recovery_and_throughput_around_the_kill() -> None:
+    timeline = Timeline()
+    for at, step, generation in ((0.0, 0, 0), (1.0, 2, 0), (2.0, 4, 0), (2.5, 4, 1), (4.0, 5, 1), (5.0, 9, 1),
+                                 (5.5, 10, 1)):
+        timeline.add(_seen(at, step, generation))
+    timeline.kill_at, timeline.kill_step, timeline.killed_pod = 2.1, 4, "tiny-gpt-worker-1"
+    timeline.add(_seen(6.0, 10, 1, "Succeeded"))
+    lines = summarize(timeline, steps=10, batch=16)
+    assert lines[0] == "job Succeeded: 10/10 steps, plan generation 1, 2 pipelines on 4 nodes"
+    assert "new plan generation seen 0.40 s after the kill" in lines[2]
+    assert "training resumed (step 5 completed) 1.90 s after the kill" in lines[3]
+    assert "throughput before the failure: 2.00 steps/s = 32 samples/s" in lines[4]
+    assert "throughput after the failure: 3.33 steps/s = 53 samples/s" in lines[5]
+    assert steps_per_second({0: 1.0}, 0, 0) is None

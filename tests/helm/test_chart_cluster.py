@@ -247,7 +247,7 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
         cluster.kubectl("apply", "-f", "-", input=tiny_gpt(served, pool))
 
         def settled(at_least: int) -> list[str] | None:
-            """The plan's nodes once its generation is `at_least` or newer and all of them run and were told it."""
+            """The plan's nodes once its generation is `at_least` or newer and all of them run and carry their ranks."""
             plan = render.read_plan(cluster.kubectl_json("get", "configmap", render.plan_name(name), "-n", served))
             generation = plan.generation
             if generation < at_least:
@@ -258,7 +258,7 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
                 pod = pods.get(member)
                 if pod is None or pod["status"].get("phase") != "Running":
                     return None
-                if pod["metadata"].get("annotations", {}).get(render.GENERATION_ANNOTATION) != str(generation):
+                if not render.annotations_current(plan, member, pod["metadata"].get("annotations")):
                     return None
             return members
 

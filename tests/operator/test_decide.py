@@ -6,8 +6,6 @@ import json
 from dataclasses import replace
 from datetime import timedelta
 
-import pytest
-
 from oobleck.api.conditions import find_condition
 from oobleck.api.job import parse_status
 from oobleck.operator import render
@@ -42,9 +40,10 @@ class World:
         if d.plan is not None:
             self.current = CurrentPlan(d.plan, d.failures_survived)
         if patches:
-            for name, annotations in d.patches:
+            for name, written in d.patches:
                 pod = self.pods[name]
-                self.pods[name] = replace(pod, generation=int(annotations[render.GENERATION_ANNOTATION]))
+                self.pods[name] = replace(pod, generation=int(written[render.GENERATION_ANNOTATION]),
+                                          ranks=written[render.RANKS_ANNOTATION])
             for name, _ in d.delete:
                 pod = self.pods.pop(name, None)
                 if pod is not None and pod.node_name and pod.node_name in self.nodes:
@@ -105,10 +104,14 @@ def test_pod_failure_makes_exactly_one_generation_and_a_replacement(h):
     world = _running(h)
     lost = world.names(2)[0]
     world.pods[lost] = replace(world.pods[lost], phase="Failed", status_reason="Evicted")
+    before = render.ranks_table(world.current.plan)
     d = world.step()
     assert d.plan.generation == 1 and d.plan.lost_nodes == [lost] and lost not in d.plan.nodes
-    assert sorted(n for n, _ in d.patches) == sorted(d.plan.nodes)
-    assert all(a[render.GENERATION_ANNOTATION] == "1" for _, a in d.patches)
+    after = render.ranks_table(d.plan)
+    # Only the survivors whose ranks changed are patched (the planner keeps the others' ranks).
+    renumbered = sorted(n for n in d.plan.nodes if before[n] != after[n])
+    assert sorted(n for n, _ in d.patches) == renumbered and 0 < len(renumbered) < len(d.plan.nodes)
+    assert all(a[render.GENERATION_ANNOTATION] == "1" and a[render.RANKS_ANNOTATION] == after[n] for n, a in d.patches)
     assert (lost, "pod tiny-worker-2 failed (Evicted)") in d.delete
     assert d.create == (4,) and d.failures_survived == 1 and d.lost == (lost,)
     assert [e.reason for e in d.events] == ["NodeLost", "Reconfigured"]
@@ -124,6 +127,32 @@ def test_pod_failure_makes_exactly_one_generation_and_a_replacement(h):
     world.pods["tiny-worker-4"] = replace(world.pods["tiny-worker-4"], phase="Running", node_name="node-2", unschedulable=None)
     d = world.step()
     assert d.plan.generation == 2 and d.plan.added_nodes == ["tiny-worker-4"] and d.failures_survived == 1
+
+
+def test_a_replacement_joins_once_its_runtime_is_up_and_the_generation_trains(h):
+    """With a runtime that reports progress, a running replacement waits (kept, not duplicated) until it
+    reported itself and the survivors trained a step in the current generation."""
+    world = _running(h)
+    progress = lambda generation: json.dumps({"generation": generation, "step": 3})  # noqa: E731
+    for name in world.current.plan.nodes:
+        world.pods[name] = replace(world.pods[name], progress=progress(0))
+    lost = world.names(2)[0]
+    world.pods[lost] = replace(world.pods[lost], phase="Failed")
+    d = world.step()
+    assert d.plan.generation == 1 and d.create == (4,)
+    world.apply(d)
+    replacement = world.names(4)[0]
+    assert world.pods[replacement].phase == "Running"  # started, but its runtime has not reported yet
+    for _ in range(2):
+        d = world.step()
+        assert d.plan is None and not d.create and replacement not in dict(d.delete)
+    world.pods[replacement] = replace(world.pods[replacement], progress=json.dumps({"generation": -1, "step": 0}))
+    d = world.step()
+    assert d.plan is None, "the survivors have not trained in generation 1 yet"
+    for name in world.current.plan.nodes:
+        world.pods[name] = replace(world.pods[name], progress=progress(1))
+    d = world.step()
+    assert d.plan.generation == 2 and d.plan.added_nodes == [replacement]
 
 
 def test_simultaneous_losses_are_one_reconfiguration(h):
@@ -151,13 +180,36 @@ def test_crash_between_plan_and_patches_finishes_the_patches(h):
     lost = world.names(1)[0]
     world.nodes["node-1"] = h.node("node-1", allocatable=6)
     d = world.step()
+    assert d.patches, "the loss renumbers a survivor"
     world.apply(d, patches=False)  # the plan was written, then the operator died
     again = world.step()
     assert again.plan is None, "must not write another generation"
-    assert sorted(n for n, _ in again.patches) == sorted(d.plan.nodes)
+    assert again.patches == d.patches
     assert (lost, "dropped from the plan") in again.delete or any(n == lost for n, _ in again.delete)
     world.apply(again)
     assert world.step().patches == ()
+
+
+def test_a_loss_in_a_large_job_patches_a_handful_of_pods(h):
+    world = World(h, h.spec(nodes={"min": 2, "max": 16}, training={"steps": 40, "globalBatchSize": 64, "microbatchSize": 2}), n_nodes=16)
+    world.settle()
+    plan = world.current.plan
+    assert len(plan.nodes) == 16
+    for victim in (plan.pipelines[0].nodes[0], plan.pipelines[len(plan.pipelines) // 2].nodes[-1]):
+        before = render.ranks_table(world.current.plan)
+        world.pods[victim] = replace(world.pods[victim], phase="Failed")
+        d = world.step()
+        assert d.plan is not None and d.plan.lost_nodes == [victim]
+        after = render.ranks_table(d.plan)
+        assert sorted(n for n, _ in d.patches) == sorted(n for n in d.plan.nodes if before[n] != after[n])
+        assert 0 < len(d.patches) <= 2, d.patches  # not one per survivor
+        world.apply(d)  # the victim's node is freed: its replacement runs there
+        fold = world.step()
+        [added] = fold.plan.added_nodes
+        renumbered = [n for n, _ in fold.patches if n != added]
+        assert added in dict(fold.patches) and len(renumbered) <= 1, fold.patches
+        world.apply(fold)
+        assert world.step().patches == ()
 
 
 def test_scale_down_and_up(h):
@@ -238,11 +290,8 @@ def _two_node_pipelines(h) -> World:
     return World(h, spec, n_nodes=4, tuning=tuning)
 
 
-@pytest.mark.parametrize("checkpoint", [False, True])
-def test_losing_every_replica_of_a_layer(h, checkpoint):
+def test_losing_every_replica_of_a_layer_rolls_back_and_an_unrecoverable_report_fails_the_job(h):
     world = _two_node_pipelines(h)
-    if checkpoint:
-        world.spec = h.spec(checkpoint={"path": "/ckpt", "intervalSteps": 10})
     world.settle()
     plan = world.current.plan
     assert len(plan.pipelines) == 2 and all(len(p.nodes) == 2 for p in plan.pipelines)
@@ -251,12 +300,58 @@ def test_losing_every_replica_of_a_layer(h, checkpoint):
         first = pipeline.nodes[0]
         world.pods[first] = replace(world.pods[first], phase="Failed")
     d = world.step()
-    if checkpoint:
-        assert d.plan.generation == 1 and d.plan.reason == "restore-checkpoint"
-        assert cond(d.status_during, "Reconfiguring").reason == "RestoringCheckpoint"
-    else:
-        failed = cond(d.status, "Failed")
-        assert failed.reason == "LayersLost" and "no checkpoint configured" in failed.message
+    # A fresh layout on the survivors: the workers restore from their snapshots (runtime/resolve.py).
+    assert d.plan.generation == 1 and d.plan.reason == "rollback" and not d.plan.copies
+    assert cond(d.status_during, "Reconfiguring").reason == "RollingBack"
+    world.apply(d)
+    world.settle()
+    # Nothing held every layer at one step: a member says so, and the job fails with its words.
+    member = world.current.plan.nodes[0]
+    report = {"job": h.JOB, "generation": world.current.plan.generation, "reporter": f"{member}:0",
+              "kind": "unrecoverable", "dead": [], "detail": "layers [0] have no live holder and no snapshot"}
+    world.pods[member] = replace(world.pods[member], failure_report=json.dumps(report))
+    failed = cond(world.step().status, "Failed")
+    assert failed.reason == "LayersLost" and "layers [0] have no live holder" in failed.message
+
+
+def _report(h, world, kind: str, detected_at: float) -> None:
+    member = world.current.plan.nodes[0]
+    report = {"job": h.JOB, "generation": world.current.plan.generation, "reporter": f"{member}:0", "kind": kind,
+              "dead": [], "detail": "", "detected_at": detected_at}
+    world.pods[member] = replace(world.pods[member], failure_report=json.dumps(report))
+
+
+def test_a_coordinator_restart_redoes_the_generation_on_the_same_nodes(h):
+    world = World(h, h.spec(), n_nodes=4)
+    world.settle()
+    before = world.current.plan
+    _report(h, world, "coordinator-restart", world.now.timestamp())
+    d = world.step()
+    assert d.plan.generation == before.generation + 1 and d.plan.reason == "retry"
+    assert d.plan.nodes == before.nodes and d.plan.pipelines == before.pipelines and not d.plan.copies
+    assert cond(d.status_during, "Reconfiguring").reason == "GenerationRetried"
+    world.apply(d)
+    assert world.settle().plan is None  # the old report is about an older generation now
+
+
+def test_a_failure_that_names_nobody_redoes_the_generation_only_if_nothing_explains_it(h):
+    world = World(h, h.spec(), n_nodes=4)
+    world.settle()
+    _report(h, world, "collective", world.now.timestamp() - 1.0)
+    assert world.step().plan is None  # a pod or node status usually names the dead worker within moments
+    _report(h, world, "collective", world.now.timestamp() - 6.0)
+    d = world.step()
+    assert d.plan is not None and d.plan.reason == "retry" and d.plan.nodes == world.current.plan.nodes
+
+
+def test_progress_carries_loss_and_throughput_into_the_status(h):
+    world = World(h, h.spec(), n_nodes=4)
+    world.settle()
+    name = world.current.plan.nodes[0]
+    world.pods[name] = replace(world.pods[name], progress=json.dumps(
+        {"generation": 0, "step": 7, "loss": 5.25, "samplesPerSecond": 300.0}))
+    progress = parse_status(world.step().status).progress
+    assert (progress.step, progress.loss, progress.samples_per_second) == (7, 5.25, 300.0)
 
 
 def test_fewer_than_f_plus_one_pipelines_is_degraded_not_failed(h):
@@ -271,3 +366,11 @@ def test_fewer_than_f_plus_one_pipelines_is_degraded_not_failed(h):
     degraded = cond(d.status, "Degraded")
     assert degraded.status == "True" and degraded.reason == "FewerThanFPlusOnePipelines"
     assert d.status["phase"] == "Running" and d.failures_survived == 3
+
+
+def test_a_microbatch_too_small_to_split_over_a_stages_gpus_is_an_invalid_spec(h):
+    # Two GPUs per node and a model that fits on one node: the planner's stages use both GPUs of a node.
+    spec = h.spec(gpusPerNode=2, training={"steps": 40, "globalBatchSize": 16, "microbatchSize": 1})
+    world = World(h, spec, n_nodes=4)
+    failed = cond(world.step().status, "Failed")
+    assert failed.reason == "InvalidSpec" and "microbatchSize: 1 sample(s) cannot be split over the 2 GPUs" in failed.message

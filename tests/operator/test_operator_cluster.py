@@ -147,17 +147,20 @@ def reconfigured_events(cluster, ns: str) -> list[str]:
 
 
 def settled(cluster, ns: str, generation: int, name: str = "tiny") -> Plan | None:
-    """The plan once it has `generation` and every member pod is Running and annotated with it."""
+    """The plan once it has `generation` and every member pod is Running and annotated with its ranks."""
     plan = current_plan(cluster, ns, name)
     if plan.generation != generation:
         return None
     pods = workers(cluster, ns, name)
+    table = render.ranks_table(plan)
     for node in plan.nodes:
         pod = pods.get(node)
         if pod is None or pod["status"].get("phase") != "Running":
             return None
-        if pod["metadata"].get("annotations", {}).get(render.GENERATION_ANNOTATION) != str(generation):
+        annotations = pod["metadata"].get("annotations", {})
+        if not render.annotations_current(plan, node, annotations, table):
             return None
+        assert int(annotations[render.GENERATION_ANNOTATION]) <= generation, "patched before the plan was written"
     return plan
 
 
@@ -314,9 +317,11 @@ def test_killed_between_plan_write_and_patches_converges(cluster, env):
     victim = plan.nodes[0]
     cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
     wait_for(lambda: operator.process.poll() is not None, "the operator to crash after writing generation 1")
-    assert current_plan(cluster, ns).generation == 1
-    stale = [n for n, p in workers(cluster, ns).items() if p["metadata"]["annotations"].get(render.GENERATION_ANNOTATION) == "0"]
-    assert stale, "the crash must leave survivors unpatched"
+    written = current_plan(cluster, ns)
+    assert written.generation == 1
+    pods = workers(cluster, ns)
+    stale = [n for n in written.nodes if not render.annotations_current(written, n, pods[n]["metadata"]["annotations"])]
+    assert stale, "the crash must leave a renumbered survivor unpatched"
     operator.start()
     # Generation 1 is finished (survivors patched), then the replacement is folded in as generation 2.
     final = wait_for(

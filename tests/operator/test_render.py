@@ -87,6 +87,27 @@ def test_ranks_annotation(h):
     assert annotations[render.GENERATION_ANNOTATION] == "0"
     assert annotations[render.RANKS_ANNOTATION] == str(plan.ranks[1].rank)
     assert render.ranks_value(plan, "absent", 1) == ""
+    table = render.ranks_table(plan)
+    assert table == {n: render.ranks_value(plan, n, plan.gpus_per_node) for n in plan.nodes}
+    # Current means: the pod carries the plan's ranks (whatever generation wrote them).
+    assert render.annotations_current(plan, node, {**annotations, render.GENERATION_ANNOTATION: "0"}, table)
+    assert not render.annotations_current(plan, node, {render.GENERATION_ANNOTATION: "0", render.RANKS_ANNOTATION: "9"})
+    assert not render.annotations_current(plan, node, None)
+
+
+def test_ranks_table_lists_every_gpu_in_order():
+    from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
+
+    template = Template(nodes=1, stages=[TemplateStage(start=0, end=1, node=0, gpus=1, gpu_offset=0, forward_ms=1, backward_ms=1),
+                                         TemplateStage(start=1, end=2, node=0, gpus=1, gpu_offset=1, forward_ms=1, backward_ms=1)],
+                        iteration_ms=2, m_ref=1)  # fmt: skip
+    # Stages out of GPU order and ranks not in layout order: the table still reads GPU 0, 1, 2.
+    stages = [Stage(start=0, end=1, node="a", gpus=[2, 0], ranks=[1, 2]), Stage(start=1, end=2, node="a", gpus=[1], ranks=[0])]
+    plan = Plan(job="j", generation=3, num_layers=2, gpus_per_node=4, f=0, global_microbatches=1, templates=[template],
+                pipelines=[Pipeline(index=0, template_nodes=1, nodes=["a"], microbatches=1, microbatch_offset=0, stages=stages,
+                                    iteration_ms=2)], iteration_ms=2)  # fmt: skip
+    assert render.ranks_table(plan) == {"a": "2,0,1,"}
+    assert render.ranks_value(plan, "a", 4) == "2,0,1,"
 
 
 def test_worker_index_parses_only_our_names():

@@ -61,6 +61,10 @@ def check_next(before: Plan, after: Plan, lost: list[str], added: list[str]) -> 
     assert after.reason and after.reason != "initial"
     assert after.global_microbatches == before.global_microbatches
     assert after.degraded == (len(after.pipelines) < after.f + 1)
+    # Stable ranks: a GPU keeps its rank while it is below the new world size; the rest take the free ones.
+    old = {(a.node, a.gpu): a.rank for a in before.ranks}
+    renumbered = [a for a in after.ranks if old.get((a.node, a.gpu), after.world_size) != a.rank]
+    assert all(old.get((a.node, a.gpu), after.world_size) >= after.world_size for a in renumbered)
     held = {(a.node, a.gpu): (a.start, a.end) for a in before.ranks if a.node not in lost}
     expected = set()
     for a in after.ranks:
@@ -98,6 +102,20 @@ def test_losing_one_node_shrinks_only_its_pipeline() -> None:
     untouched = {n for p in before.pipelines if "4" not in p.nodes for n in p.nodes}
     assert {(n, g) for n in untouched for g in range(GPUS)} <= unchanged_places(before, after)
     assert {c.dst_node for c in after.copies} <= {"3", "5"}
+
+
+def test_survivors_keep_their_ranks_and_the_freed_ranks_go_to_the_last() -> None:
+    before = first_plan(12)  # four pipelines of 3 nodes x 2 GPUs: ranks 0..23 in layout order
+    after = reconfigure(before, TEMPLATES, PROFILE, lost=["4"], bandwidth=BANDWIDTH)
+    check_next(before, after, ["4"], [])
+    old = {(a.node, a.gpu): a.rank for a in before.ranks}
+    moved = {(a.node, a.gpu): a.rank for a in after.ranks if old[(a.node, a.gpu)] != a.rank}
+    # Node 4 held ranks 8 and 9; the GPUs of ranks 22 and 23 (node 11, past the new end) take them.
+    assert after.world_size == 22 and moved == {("11", 0): 8, ("11", 1): 9}
+    grown = reconfigure(after, TEMPLATES, PROFILE, added=["x"], bandwidth=BANDWIDTH)
+    check_next(after, grown, [], ["x"])
+    assert all(after.rank_of(a.node, a.gpu) in (a.rank, None) for a in grown.ranks)
+    assert sorted(grown.rank_of("x", g) for g in range(GPUS)) == [22, 23]
 
 
 def test_short_pipeline_borrows_from_the_largest() -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from oobleck.api.plan import LayerCopy, Pipeline, Plan, RankAssignment, Stage, Template, TemplateStage
+from oobleck.api.plan import LayerCopy, Pipeline, Plan, Stage, Template, TemplateStage
 from oobleck.runtime.config import WorkerConfig
 
 
@@ -41,7 +41,7 @@ def make_plan(
     node_names: list[list[str]] | None = None,
 ) -> Plan:
     """A valid Plan: ranks numbered pipeline by pipeline, stage by stage, GPU by GPU."""
-    pipelines, ranks, templates = [], [], {}
+    pipelines, templates = [], {}
     offset, rank, node_counter = 0, 0, 0
     for index, spec in enumerate(specs):
         count = max(node for _, _, node, _ in spec.stages) + 1
@@ -51,17 +51,13 @@ def make_plan(
         stages, template_stages = [], []
         for stage_index, (start, end, node, gpus) in enumerate(spec.stages):
             stage_ranks = list(range(rank, rank + gpus))
-            for g in range(gpus):
-                ranks.append(
-                    RankAssignment(rank=rank, node=names[node], gpu=used[node] + g, pipeline=index,
-                                   stage=stage_index, start=start, end=end)
-                )
-                rank += 1
+            rank += gpus
+            gpu_ids = list(range(used[node], used[node] + gpus))
             template_stages.append(
                 TemplateStage(start=start, end=end, node=node, gpus=gpus, gpu_offset=used[node], forward_ms=1, backward_ms=2)
             )
             used[node] += gpus
-            stages.append(Stage(start=start, end=end, ranks=stage_ranks))
+            stages.append(Stage(start=start, end=end, node=names[node], gpus=gpu_ids, ranks=stage_ranks))
         templates.setdefault(count, Template(nodes=count, stages=template_stages, iteration_ms=1, m_ref=spec.microbatches))
         pipelines.append(
             Pipeline(index=index, template_nodes=count, nodes=names, microbatches=spec.microbatches,
@@ -70,7 +66,7 @@ def make_plan(
         offset += spec.microbatches
     return Plan(
         job=job, generation=generation, num_layers=num_layers, gpus_per_node=gpus_per_node, f=f,
-        global_microbatches=offset, templates=list(templates.values()), pipelines=pipelines, ranks=ranks,
+        global_microbatches=offset, templates=list(templates.values()), pipelines=pipelines,
         copies=[LayerCopy(**c) for c in copies or []], iteration_ms=1,
     )
 
@@ -134,3 +130,97 @@ def plan_builder():
 @pytest.fixture
 def workers():
     return run_workers
+
+
+# -- whole jobs through `oobleck launch` (the launcher tests' shared helpers, served by the `kit` fixture) --
+
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+PIPELINED_MEMORY = 1_400_000  # bytes: tiny-gpt needs 2-3 nodes per pipeline (see the planner's memory model)
+LAUNCH_ENV = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"}
+
+
+class LaunchKit:
+    """Run `oobleck launch` and check what it did: every loss and final parameter against the reference."""
+
+    LOSS_RTOL = LOSS_RTOL
+    PARAM_ATOL = PARAM_ATOL
+    PIPELINED_MEMORY = PIPELINED_MEMORY
+    ENV = LAUNCH_ENV
+
+    @staticmethod
+    def launch(workdir: Path, *args: str, timeout: float = 400) -> tuple[int, dict, str]:
+        summary = workdir / "summary.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "oobleck.cli", "launch", "--workdir", str(workdir), "--summary", str(summary),
+             "--timeout", str(timeout - 30), *args],
+            capture_output=True, text=True, timeout=timeout, env=LAUNCH_ENV,
+        )
+        data = json.loads(summary.read_text()) if summary.exists() else {}
+        return proc.returncode, data, proc.stdout + proc.stderr[-4000:]
+
+    @staticmethod
+    def leftovers(workdir: Path, exclude: int | None = None) -> list[str]:
+        """Processes whose command line mentions `workdir` (every worker's does), but `exclude`."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                if str(workdir) in cmdline and int(entry.name) not in (exclude, os.getpid()):
+                    found.append(f"{entry.name}: {cmdline[:200]}")
+        return found
+
+    @staticmethod
+    def check_against_reference(workdir: Path, summary: dict, microbatches: int) -> float:
+        """Every step's loss and the final generation's parameters against single-process training;
+        returns the worst relative loss difference."""
+        from oobleck.runtime.config import load_config
+        from oobleck.runtime.reference import train_reference
+
+        config = load_config(workdir / "config.json")
+        reference = train_reference(config, microbatches)
+        losses = {int(k): v for k, v in summary["losses"].items()}
+        assert sorted(losses) == list(range(config.steps)), f"steps logged: {sorted(losses)}"
+        worst = 0.0
+        for step, expected in enumerate(reference.losses):
+            relative = abs(losses[step] - expected) / abs(expected)
+            worst = max(worst, relative)
+            assert relative <= LOSS_RTOL, f"step {step}: loss {losses[step]} vs reference {expected}"
+        plan = json.loads((workdir / "plan.json").read_text())
+        seen = set()
+        for node, gpu in {(s["node"], g) for p in plan["pipelines"] for s in p["stages"] for g in s["gpus"]}:
+            for layer, params in torch.load(workdir / f"{node}-gpu{gpu}.pt").items():
+                seen.add(layer)
+                for name, value in params.items():
+                    difference = (value - reference.layers[layer][name]).abs().max().item()
+                    assert difference <= PARAM_ATOL, f"layer {layer} {name}: {difference}"
+        assert seen == set(range(plan["num_layers"]))
+        return worst
+
+
+@pytest.fixture
+def kit() -> type[LaunchKit]:
+    return LaunchKit
+
+
+@pytest.fixture(scope="session")
+def uniform_profile_model():
+    """tiny-gpt's measured bytes with equal per-layer times: the planner's choices become deterministic."""
+    from oobleck.api.profile import ModelProfile
+    from oobleck.runtime.config import build_model
+    from oobleck.runtime.profiler import profile_model
+
+    measured = profile_model(build_model(WorkerConfig()), 4, torch.device("cpu"), 1, 1)
+    layers = [layer.model_dump() | {"forward_ms": 1.0, "backward_ms": 2.0} for layer in measured.layers]
+    return ModelProfile.model_validate(measured.model_dump() | {"layers": layers})
+
+
+@pytest.fixture(scope="session")
+def uniform_profile(uniform_profile_model, tmp_path_factory) -> Path:
+    """`uniform_profile_model` as a profile file (`oobleck launch --profile`)."""
+    path = tmp_path_factory.mktemp("profile") / "uniform.json"
+    path.write_text(uniform_profile_model.model_dump_json())
+    return path

@@ -137,3 +137,26 @@ def test_module_entry_point_serves_until_sigterm(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+
+
+def test_the_server_listens_on_its_host_alone_and_restarts_on_the_same_port():
+    """Local nodes give each pod its own loopback address and the same port: two coordinators coexist."""
+    import socket
+
+    first = Coordinator("127.0.0.7", 0).start()
+    try:
+        second = Coordinator("127.0.0.8", first.port).start()  # same port, another address: no collision
+        try:
+            for coordinator in (first, second):
+                store, epoch = connect(coordinator.host, coordinator.port, FAST)
+                assert epoch == coordinator.epoch
+            with pytest.raises(OSError):
+                socket.create_connection(("127.0.0.9", first.port), timeout=2).close()
+            old_epoch = first.epoch
+            first.stop()
+            first.start()  # a restart comes back on the same address and port
+            assert connect("127.0.0.7", first.port, FAST)[1] == first.epoch != old_epoch
+        finally:
+            second.stop()
+    finally:
+        first.stop()

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from oobleck.api.plan import Pipeline, Plan, RankAssignment, Stage, Template, TemplateStage
+from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
 from oobleck.planner.errors import PlanningError
 from oobleck.runtime.coordinator import Coordinator, StoreTimeouts
 from oobleck.runtime.launcher import copy_plan, layout_holdings, replan
@@ -61,15 +61,40 @@ def test_commit_and_abort_racing_still_agree(seed):
     assert len(decisions) == 4 and len(set(decisions.values())) == 1, decisions
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_consecutive_commits_drop_the_keys_of_steps_every_rank_is_past(world):
+    """Steps 0..5 commit; each step's keys go once every rank is past their decision (two steps on),
+    so a long job's store stays small; the two newest steps' keys remain."""
+    from oobleck.runtime import coordinator as keys
+
+    with Coordinator() as coordinator:
+        controls = [ControlStore("127.0.0.1", coordinator.port, FAST) for _ in range(world)]
+        decisions: dict[int, list[bool]] = {}
+
+        def run(rank: int) -> None:
+            commit = StepCommit(controls[rank], threading.Event(), poll_s=0.01)
+            decisions[rank] = [commit.decide(1, world, step) for step in range(6)]
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        assert decisions == {r: [True] * 6 for r in range(world)}
+        store = coordinator.store()
+        present = {step: store.check([keys.commit_prefix(1, step) + "decision"]) for step in range(6)}
+        assert present == {0: False, 1: False, 2: False, 3: False, 4: True, 5: True}
+        assert not any(store.check([keys.commit_prefix(1, step) + "arrived"]) for step in range(4))
+
+
 def _plan(generation: int, pipelines: list[list[tuple[str, int, int]]], f: int = 1) -> Plan:
     """Pipelines as lists of (node, start, end) stages, one GPU per node."""
-    ranks, out, offset = [], [], 0
+    rank, out, offset = 0, [], 0
     for index, stages in enumerate(pipelines):
         built = []
-        for stage_index, (node, start, end) in enumerate(stages):
-            ranks.append(RankAssignment(rank=len(ranks), node=node, gpu=0, pipeline=index, stage=stage_index,
-                                        start=start, end=end))
-            built.append(Stage(start=start, end=end, ranks=[len(ranks) - 1]))
+        for node, start, end in stages:
+            built.append(Stage(start=start, end=end, node=node, gpus=[0], ranks=[rank]))
+            rank += 1
         out.append(Pipeline(index=index, template_nodes=len(stages), nodes=[n for n, _, _ in stages], microbatches=2,
                             microbatch_offset=offset, stages=built, iteration_ms=1))
         offset += 2
@@ -82,7 +107,7 @@ def _plan(generation: int, pipelines: list[list[tuple[str, int, int]]], f: int =
                                                 backward_ms=4)], iteration_ms=18, m_ref=2),
     ]
     return Plan(job="j", generation=generation, num_layers=4, gpus_per_node=1, f=f, global_microbatches=offset,
-                templates=templates, pipelines=out, ranks=ranks, iteration_ms=1)
+                templates=templates, pipelines=out, iteration_ms=1)
 
 
 def test_copy_plan_sends_every_missing_layer_from_a_holder_spreading_the_load():
@@ -115,3 +140,25 @@ def test_replan_after_losing_a_node_keeps_the_batch_and_moves_layers():
         me = f"{assignment.node}:{assignment.gpu}"
         after = holdings[me] | {c.layer for c in plan.copies if c.dst_rank == assignment.rank}
         assert set(range(assignment.start, assignment.end)) <= after
+
+
+@pytest.mark.parametrize("peer_applied", [True, False])
+def test_a_pending_rank_decides_itself_when_no_controller_reposts(peer_applied):
+    """The coordinator was lost while node0:0 waited for step 7's decision; nobody re-posts it (the
+    operator cannot read the store). After self_decide_s it posts the verdict the peers' reports imply."""
+    import json
+
+    from oobleck.runtime import coordinator as keys
+
+    with Coordinator() as coordinator:
+        control = ControlStore("127.0.0.1", coordinator.port, FAST)
+        store = coordinator.store()
+        step = 8 if peer_applied else 7  # node1:0 left generation 1 with step 7 applied (8) or not (7)
+        store.set(keys.held_key("node1:0"), json.dumps({"generation": 1, "step": step, "layers": [0], "phase": "left"}))
+        commit = StepCommit(control, threading.Event(), worker="node0:0", poll_s=0.01, self_decide_s=0.2)
+        commit.members = ("node0:0", "node1:0")
+        assert commit._recover(1, 7) is peer_applied
+        assert json.loads(store.get(keys.held_key("node0:0")))["phase"] == "pending"
+        # A decision already posted (by the launcher, or another pending rank) is followed as is.
+        other = StepCommit(control, threading.Event(), worker="node2:0", poll_s=0.01, self_decide_s=0.2)
+        assert other._recover(1, 7) is peer_applied

@@ -47,7 +47,10 @@ class Reason:
     NODES_ADDED = "NodesAdded"
     SCALED = "Scaled"
     RECONFIGURED = "Reconfigured"
-    RESTORING_CHECKPOINT = "RestoringCheckpoint"
+    ROLLING_BACK = "RollingBack"
+    """some layer lost every live replica: the workers restore the newest snapshot or checkpoint step"""
+    GENERATION_RETRIED = "GenerationRetried"
+    """the same nodes start a new generation (the coordinator restarted, or a failure named nobody)"""
     # Degraded
     FEWER_PIPELINES = "FewerThanFPlusOnePipelines"
     FULLY_REDUNDANT = "FullyRedundant"

@@ -819,7 +819,9 @@ class NodeAgent:
         self.gpus_per_node = gpus_per_node
         self.cpu, self.memory, self.max_pods = cpu, memory, max_pods
         self.node_names = [f"{name_prefix}{i}" for i in range(nodes)]
-        self.agent_id = secrets.token_hex(4)
+        # A letter first: a bare hex string such as 8e123456 reads as a number in YAML (kubectl rejects
+        # a manifest whose nodeSelector value is not a string).
+        self.agent_id = f"a{secrets.token_hex(4)}"
         self.labels = dict(labels or {})
         self.extra_env = dict(extra_env or {})
         self.gpu_devices = list(gpu_devices) if gpu_devices else None

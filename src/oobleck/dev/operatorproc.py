@@ -1,0 +1,112 @@
+"""`oobleck operator` as a child process: what the demo and the end-to-end tests run.
+
+A separate process (not a thread) so that it can be SIGKILLed at any moment, as a crashing operator
+would be, and restarted; it dies with its parent (PR_SET_PDEATHSIG) and logs to a file per start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from oobleck.dev.controlplane import free_port
+from oobleck.processes import die_with_parent
+
+
+class OperatorExited(RuntimeError):
+    """The operator process ended when it should be running; the message carries its log's tail."""
+
+
+class OperatorProcess:
+    """`python -m oobleck.cli operator` serving `namespaces` of the cluster behind `kubeconfig`.
+
+    `start(*extra)` waits for the liveness probe (`extra`: arguments for this start only, e.g. a staged
+    crash); `metrics()` reads the Prometheus endpoint (a restarted operator's counters start at zero);
+    `kill()` is a crash (SIGKILL), `stop()` a clean shutdown, `wait_exit()` waits for one the
+    process stages itself. Ports are picked free at every start; `log()` is every start's log.
+    """
+
+    def __init__(self, kubeconfig: str, namespaces: list[str], log_dir: Path, *extra: str) -> None:
+        self.kubeconfig = kubeconfig
+        self.namespaces = list(namespaces)
+        self.log_dir = Path(log_dir)
+        self.extra = list(extra)
+        self.process: subprocess.Popen | None = None
+        self.metrics_port = self.liveness_port = 0
+        self.starts = 0
+
+    def start(self, *extra: str, timeout_s: float = 90.0) -> "OperatorProcess":
+        self.metrics_port, self.liveness_port = free_port(), free_port()
+        self.starts += 1
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "oobleck.cli", "operator", "--kubeconfig", self.kubeconfig,
+                   "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port)]
+        for namespace in self.namespaces:
+            command += ["-n", namespace]
+        with open(self.log_dir / f"operator-{self.starts}.log", "w") as log:
+            self.process = subprocess.Popen(command + self.extra + list(extra), stdout=log, stderr=subprocess.STDOUT,
+                                            preexec_fn=die_with_parent(os.getpid()))
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if time.monotonic() > deadline:
+                self.kill()
+                raise OperatorExited(f"the operator's liveness probe did not answer within {timeout_s:.0f} s:\n"
+                                     f"{self.log()[-3000:]}")
+            time.sleep(0.2)
+        return self
+
+    def healthy(self) -> bool:
+        """Whether the liveness probe answers 200; raises OperatorExited if the process ended."""
+        if self.process is None:
+            return False
+        if self.process.poll() is not None:
+            raise OperatorExited(f"the operator exited with {self.process.returncode}:\n{self.log()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            return response.read().decode()
+
+    def wait_exit(self, timeout_s: float) -> int | None:
+        """Wait for the process to end by itself (e.g. a crash the operator was told to stage); its exit
+        code, or None if it still runs after `timeout_s`."""
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """SIGKILL: the operator crashes wherever it is."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("operator-*.log")))
+
+    def __enter__(self) -> "OperatorProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

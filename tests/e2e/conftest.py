@@ -1,0 +1,313 @@
+"""What the end-to-end tests share: one OobleckJob per test on the module's local nodes, served by the
+operator as a real process (oobleck.dev.operatorproc.OperatorProcess, the one the demo runs), and
+reads of what happened: plan generations, progress annotations, worker and operator /metrics parsed
+with prometheus_client's parser, and the per-step losses the workers logged, checked against the
+single-process reference trainer (runtime/reference.py: a no-failure run of the same job).
+
+Every job here is a tiny GPT (the examples/tiny-gpt.yaml model; device cpu unless a test asks
+otherwise) pinned to the module's local nodes; the `job_run` fixture gives each test a namespace,
+an operator, and cleans up after it (pods gone, nodes uncordoned, GPUs healthy again).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from oobleck.api.job import worker_selector
+from oobleck.api.planmap import PROGRESS_ANNOTATION, read_plan
+from oobleck.dev.operatorproc import OperatorProcess
+from oobleck.dev.poll import wait_until
+from oobleck.operator import render
+
+JOB = "tiny"
+TIMEOUT_S = 150.0
+LOSS_RTOL = 1e-5
+"""The runtime's documented tolerance: every layout's losses match single-process training to 1e-5 relative."""
+EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny-gpt.yaml"
+STEPS = 600
+"""Steps of the failure tests' jobs: long enough that training outlasts a fault and its recovery (and
+an operator restart) on a loaded host; one training section, so one reference run for all of them."""
+MODEL = {"layers": 4, "hiddenSize": 32, "heads": 2, "sequenceLength": 16, "vocabSize": 128}
+"""Smaller than the example's GPT (a quarter of its hidden size, half its sequence): the reference run
+of STEPS steps takes seconds, not a minute, on a loaded host; the plan shapes stay the same."""
+GLOBAL_BATCH = 4
+"""Four microbatches of one sample per GPU of a node: enough for the four pipelines of f = 2 on four nodes."""
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
+    return wait_until(predicate, what, timeout, 0.2, tolerate=(Exception,))
+
+
+def job_spec(node_selector: dict[str, str], steps: int = STEPS, *, nodes: int = 3, gpus_per_node: int = 1, f: int = 1,
+             device: str = "cpu", env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The example's job with the MODEL GPT as `nodes` (min 2) x `gpus_per_node`, tolerating `f`, for
+    `steps` steps of GLOBAL_BATCH samples."""
+    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    spec["model"] = {"gpt": dict(MODEL)}
+    # A stage over g GPUs splits each microbatch g ways (the engine refuses a microbatch it cannot split).
+    spec["training"]["globalBatchSize"] = GLOBAL_BATCH * gpus_per_node
+    spec["training"]["microbatchSize"] = gpus_per_node
+    spec["nodes"] = {"min": 2, "max": nodes}
+    spec["gpusPerNode"] = gpus_per_node  # device cpu: processes per pod, no GPU requested
+    spec["device"] = device
+    spec["f"] = f
+    spec["training"]["steps"] = steps
+    spec["profile"] = {"source": "measure"}
+    # Report progress often (the tests wait on it) and keep heartbeat verdicts lenient on a loaded host.
+    variables = {"WORKER_PROGRESS_INTERVAL_S": "0.2", "WORKER_DEAD_AFTER_S": "5", **(env or {})}
+    spec["pod"] = {"nodeSelector": node_selector, "env": [{"name": k, "value": v} for k, v in variables.items()]}
+    spec["pendingTimeoutSeconds"] = 600
+    # Keep the pods when the job succeeds: workers finish on their own (their last log records, e.g.
+    # `exit`, are then always written), and the teardown deletes them.
+    spec["cleanPodPolicy"] = "None"
+    return spec
+
+
+def manifest(spec: dict[str, Any]) -> str:
+    return yaml.safe_dump({"apiVersion": "oobleck.dev/v1alpha1", "kind": "OobleckJob", "metadata": {"name": JOB}, "spec": spec})
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name: value}; labelled samples also as `name{k="v",...}` (sorted labels)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, sample.value)
+            if sample.labels:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _reference(config_json: str, global_microbatches: int) -> tuple[float, ...]:
+    from oobleck.runtime.config import WorkerConfig
+    from oobleck.runtime.reference import train_reference
+
+    return tuple(train_reference(WorkerConfig.model_validate_json(config_json), global_microbatches).losses)
+
+
+def reference_losses(spec: dict[str, Any]) -> tuple[float, ...]:
+    """Per-step losses of the job trained in one process without failures. Cached by what the losses
+    depend on (model, data, optimizer, steps, seed, global batch), not by the job's shape: tests that
+    share a training section share one reference run."""
+    from oobleck.api.job import parse_spec
+    from oobleck.runtime.pod import worker_config
+
+    parsed = parse_spec(spec)
+    config = worker_config(parsed, JOB, compute_device="cpu")
+    return _reference(config.model_dump_json(), parsed.training.global_microbatches)
+
+
+def logged(path: Path) -> Iterator[dict[str, Any]]:
+    """The JSON-lines records of a worker log (other lines, e.g. c10d's, are skipped)."""
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
+
+
+class JobRun:
+    """One test's job: its namespace on the session cluster, the operator serving it, and reads of its state
+    (the test modules reach this file's helpers through it: conftest is not importable under importlib mode).
+
+    A daemon thread records every worker pod it sees (name -> uid) and every plan generation the
+    ConfigMap holds, so that a test can check that nothing was created twice."""
+
+    def __init__(self, cluster, agent, namespace: str, operator: OperatorProcess) -> None:
+        self.cluster, self.agent, self.ns, self.operator = cluster, agent, namespace, operator
+        self.spec: dict[str, Any] | None = None
+        self.cordoned: set[str] = set()
+        self.gpu_unhealthy: set[str] = set()
+        self.pods_seen: dict[str, set[str]] = {}
+        self.generations_seen: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._record, name="e2e-recorder", daemon=True)
+
+    STEPS = STEPS
+    wait_for = staticmethod(wait_for)
+
+    # -- setup --
+
+    def job_spec(self, steps: int = STEPS, **shape: Any) -> dict[str, Any]:
+        """`job_spec` pinned to this module's local nodes."""
+        return job_spec(self.agent.node_selector, steps, **shape)
+
+    def apply(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.cluster.kubectl("apply", "-n", self.ns, "-f", "-", input=manifest(spec))
+        self._thread.start()
+
+    def _record(self) -> None:
+        while not self._stop.wait(0.3):
+            try:
+                pods = self.cluster.kubectl_json("get", "pods", "-n", self.ns, "-l", worker_selector(JOB))["items"]
+                for pod in pods:
+                    self.pods_seen.setdefault(pod["metadata"]["name"], set()).add(pod["metadata"]["uid"])
+                generation = self.plan().generation
+                if not self.generations_seen or self.generations_seen[-1] != generation:
+                    self.generations_seen.append(generation)
+            except Exception:  # noqa: BLE001 - a poll that fails (job not planned yet, API busy) is retried
+                continue
+
+    # -- reads --
+
+    def job(self) -> dict[str, Any]:
+        return self.cluster.kubectl_json("get", "oobleckjob", JOB, "-n", self.ns)
+
+    def plan(self):
+        return read_plan(self.cluster.kubectl_json("get", "configmap", render.plan_name(JOB), "-n", self.ns))
+
+    def pod(self, name: str) -> dict[str, Any]:
+        return self.cluster.kubectl_json("get", "pod", name, "-n", self.ns)
+
+    def node_of(self, pod: str) -> str:
+        return self.pod(pod)["spec"]["nodeName"]
+
+    def progress(self, pod: str) -> dict[str, Any]:
+        return json.loads(self.pod(pod)["metadata"].get("annotations", {}).get(PROGRESS_ANNOTATION) or "{}")
+
+    def step(self, pod: str) -> int:
+        return self.progress(pod).get("step", 0)
+
+    def scrape(self, pod: str, gpu: int = 0) -> dict[str, float]:
+        """The worker metrics of a pod's local GPU `gpu`, from http://<pod IP>:29500+gpu/metrics, parsed."""
+        ip = self.pod(pod)["status"]["podIP"]
+        with urllib.request.urlopen(f"http://{ip}:{render.WORKER_PORT + gpu}/metrics", timeout=10) as response:
+            return parse_metrics(response.read().decode())
+
+    def operator_metrics(self) -> dict[str, float]:
+        return parse_metrics(self.operator.metrics())
+
+    def succeeded(self) -> dict[str, Any]:
+        body = self.job()
+        if body.get("status", {}).get("phase") == "Failed":
+            raise AssertionError(f"the job failed: {body['status']}")
+        return body if body.get("status", {}).get("phase") == "Succeeded" else {}
+
+    def wait_succeeded(self) -> dict[str, Any]:
+        return wait_until(self.succeeded, "the job to succeed", TIMEOUT_S, 0.5)
+
+    def events(self, reason: str) -> list[str]:
+        """Messages of the namespace's events with `reason` (the operator's NodeLost, Reconfigured, ...)."""
+        items = self.cluster.kubectl_json("get", "events", "-n", self.ns, "--field-selector", f"reason={reason}")["items"]
+        return [item.get("message", "") for item in items]
+
+    def logs(self) -> list[Path]:
+        return sorted((self.agent.workdir / "logs").glob(f"{self.ns}_*.log"))
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        for path in self.logs():
+            yield from logged(path)
+
+    # -- faults --
+
+    def cordon(self, node: str) -> None:
+        """Keep the replacement off `node` (a node under suspicion): it stays Pending, no generation folds it in."""
+        self.cluster.kubectl("cordon", node)
+        self.cordoned.add(node)
+
+    def cordon_spare_nodes(self) -> list[str]:
+        """Cordon the local nodes that hold none of this job's workers: a replacement has nowhere to go."""
+        used = {p["spec"].get("nodeName") for p in self.cluster.kubectl_json("get", "pods", "-n", self.ns, "-l", worker_selector(JOB))["items"]}
+        spare = [node for node in self.agent.node_names if node not in used]
+        for node in spare:
+            self.cordon(node)
+        return spare
+
+    def mark_gpus_unhealthy(self, node: str) -> None:
+        self.gpu_unhealthy.add(node)
+        self.agent.set_gpu_health(node, 0)
+
+    # -- checks --
+
+    def reference(self) -> tuple[float, ...]:
+        """This job's per-step losses without failures (reference_losses)."""
+        assert self.spec is not None, "apply a job first"
+        return reference_losses(self.spec)
+
+    def check_losses(self) -> int:
+        """Every step's loss, as every worker that knew it logged it (replays included), equals the
+        no-failure reference within LOSS_RTOL; returns how many values were compared."""
+        reference = self.reference()
+        seen: dict[int, list[float]] = {}
+        for record in self.records():
+            if record.get("event") == "step" and record.get("loss") is not None:
+                seen.setdefault(int(record["step"]), []).append(float(record["loss"]))
+        assert sorted(seen) == list(range(len(reference))), (
+            f"steps with a logged loss: {len(seen)} of {len(reference)}; missing {sorted(set(range(len(reference))) - set(seen))[:10]}"
+        )
+        for step, values in seen.items():
+            expected = reference[step]
+            for value in values:
+                assert abs(value - expected) <= LOSS_RTOL * abs(expected), f"step {step}: loss {value} vs reference {expected}"
+        return sum(len(v) for v in seen.values())
+
+    def exits(self, workers: int) -> list[dict[str, Any]]:
+        """The `exit` log records once `workers` worker processes wrote theirs (they end just after the
+        final progress report, so a moment after the job turned Succeeded)."""
+        return self.wait_for(lambda: len(e := [r for r in self.records() if r.get("event") == "exit"]) >= workers and e,
+                             f"{workers} workers' exit records", timeout=90)  # fmt: skip
+
+    def adopted_generations(self) -> dict[str, list[int]]:
+        """worker -> the plan generations it adopted, in order (its `generation-ready` log records)."""
+        out: dict[str, list[int]] = {}
+        for record in self.records():
+            if record.get("event") == "generation-ready":
+                out.setdefault(record["worker"], []).append(int(record["generation"]))
+        return out
+
+    def check_generations(self, final: int) -> None:
+        """Generations 0..final, each adopted by some worker, each worker's strictly increasing; the
+        ConfigMap never went back or repeated."""
+        adopted = self.adopted_generations()
+        for worker, generations in adopted.items():
+            assert generations == sorted(set(generations)), f"{worker} adopted {generations}"
+        assert set().union(*adopted.values()) == set(range(final + 1)), f"adopted: {adopted}"
+        assert self.generations_seen == sorted(set(self.generations_seen)), f"configmap: {self.generations_seen}"
+        assert self.generations_seen[-1:] == [final], f"configmap: {self.generations_seen}"
+
+    def check_no_duplicate_pods(self, expected: int) -> None:
+        """Exactly `expected` worker pods existed (originals + replacements), each created once."""
+        assert all(len(uids) == 1 for uids in self.pods_seen.values()), f"a pod name was created twice: {self.pods_seen}"
+        assert len(self.pods_seen) == expected, f"worker pods seen: {sorted(self.pods_seen)}"
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+
+@pytest.fixture
+def job_run(cluster, local_nodes, tmp_path) -> Iterator[JobRun]:
+    namespace = cluster.namespace("e2e")
+    # Resync every 2 s: a missed event costs seconds, not the default 10.
+    operator = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "operator", "--resync", "2").start()
+    run = JobRun(cluster, local_nodes, namespace, operator)
+    try:
+        yield run
+    finally:
+        run.close()
+        for path in run.logs():
+            print(f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}")
+        print(f"--- operator\n{operator.log()[-6000:]}")
+        # The job's pods must be gone before the next test's job starts (they compete for the CPU).
+        cluster.kubectl("delete", "oobleckjob", JOB, "-n", namespace, "--ignore-not-found", "--wait=false", check=False)
+        operator.kill()
+        cluster.kubectl("delete", "pods", "--all", "-n", namespace, "--grace-period=0", "--wait=true", check=False, timeout=120)
+        for node in run.cordoned:
+            cluster.kubectl("uncordon", node, check=False)
+        for node in run.gpu_unhealthy:
+            local_nodes.set_gpu_health(node, local_nodes.gpus_per_node)

@@ -1,0 +1,236 @@
+"""Failures of every kind, end to end: `kubectl apply` -> the operator (a real process) -> worker pods on
+local nodes (real processes) -> a fault -> a new plan generation -> the job Succeeds at the exact step.
+
+Each test checks what issue #6 asks of every fault: the job completes with the exact step count; every
+step's loss, as the workers logged it (replays included), matches a no-failure run of the same job
+(the single-process reference trainer) within the runtime's tolerance; plan generations go 0, 1, ...
+without a gap or a repeat; no pod is created twice; and the operator's and a worker's /metrics,
+scraped over HTTP and parsed, count what happened (pods lost, generations, failure-to-patch
+observations, pods created; the survivors' generation, step, pipelines and reconfigurations).
+
+The faults (test_training.py has one worker SIGKILLed):
+- two workers SIGKILLed at once (f = 2: four one-node pipelines on four nodes) -> one generation;
+- `kubectl delete pod` of a worker -> a generation without it, then one that folds its replacement in
+  (once the replacement's runtime is up and the survivors trained in the generation before);
+- a node's GPUs marked unhealthy (the node agent lowers allocatable nvidia.com/gpu to 0 and sets
+  GPUHealthy=False, as a device plugin would) -> a generation without the node's worker;
+- the operator crashing right after writing the plan that drops a killed worker, before any pod patch,
+  delete or create (its `--crash-after-plan-write`, an os._exit(137) as abrupt as SIGKILL, staged at
+  that exact point), then restarting: the restart finishes that reconfiguration and plans nothing;
+- the operator SIGKILLed together with a worker, then restarting: one generation for the loss.
+Where a generation count must be exact, the victim's node and the spare node are cordoned, so the
+replacement pod stays Pending and no further generation folds it in.
+
+The GPU test runs a `device: cuda` job whose workers compute on the CPU (WORKER_DEVICE=cpu): the
+operator checks GPU health only for jobs that request GPUs (operator/observe.py: a cpu job's pods
+use none, so a node's GPUs going bad must not cost it a node), and the local nodes' nvidia.com/gpu
+are counted resources, not devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from oobleck.api.job import worker_selector
+from oobleck.operator import render
+
+
+# One xdist worker runs every job on local nodes: two jobs at once would compete for the CPU.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs")]
+LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
+
+
+def start(run, spec: dict, warm_steps: int = 10):
+    """Apply `spec`, wait for generation 0 and `warm_steps` trained steps; the plan."""
+    run.apply(spec)
+    first = run.wait_for(run.plan, "generation 0")
+    assert first.generation == 0 and len(first.nodes) == spec["nodes"]["max"]
+    run.wait_for(lambda: run.step(first.nodes[0]) >= warm_steps, f"{warm_steps} steps trained")
+    return first
+
+
+def recovered(run, survivor: str, generation: int, after_step: int) -> dict[str, float]:
+    """The survivor's worker metrics once it trains past `after_step` in `generation`."""
+    return run.wait_for(
+        lambda: (m := run.scrape(survivor))["oobleck_worker_plan_generation"] == generation
+        and m["oobleck_worker_step"] > after_step and m,
+        f"{survivor} training in generation {generation}",
+    )
+
+
+def finished(run, final_generation: int, pods: int) -> dict[str, Any]:
+    """The job Succeeded at the exact step; losses, generations and pods as they must be; the job."""
+    body = run.wait_succeeded()
+    assert body["status"]["progress"]["step"] == run.STEPS
+    final = run.plan()
+    assert final.generation == final_generation, f"expected generation {final_generation}, got {final.generation}: {final.reason}"
+    compared = run.check_losses()
+    print(f"{compared} logged losses match the no-failure reference within 1e-5")
+    run.check_generations(final_generation)
+    run.check_no_duplicate_pods(pods)
+    return body
+
+
+def test_two_workers_killed_at_once_are_one_generation(job_run, local_nodes):
+    run = job_run
+    # The agent reports the two exits one after the other, up to a few hundred ms apart on a loaded
+    # host (seen: 200 ms); a 1 s batch window (default 50 ms) makes "at once" one batch there too.
+    run.operator.kill()
+    run.operator.start("--batch-window", "1")
+    first = start(run, run.job_spec(nodes=4, f=2))
+    assert len(first.pipelines) >= 3, "f = 2 needs three pipelines"
+    survivor, victims = first.nodes[0], first.nodes[2:]
+    for victim in victims:
+        run.cordon(run.node_of(victim))
+    for victim in victims:  # back to back: the operator's batch window makes them one loss
+        assert local_nodes.kill_pod_process(run.ns, victim)
+    at_kill = run.step(survivor)
+    assert at_kill < run.STEPS, "the job finished before the kill: raise STEPS"
+
+    second = run.wait_for(lambda: (p := run.plan()).generation >= 1 and p, "a new generation")
+    assert sorted(second.lost_nodes) == sorted(victims) and sorted(second.nodes) == sorted(first.nodes[:2])
+    metrics = recovered(run, survivor, 1, at_kill)
+    assert metrics["oobleck_worker_pipelines"] == len(second.pipelines) == 2
+    assert metrics["oobleck_worker_reconfigurations_total"] == 1
+
+    body = finished(run, 1, pods=4 + 2)  # two replacements, Pending on the cordoned nodes
+    assert body["status"]["failuresSurvived"] == 2
+    operator = run.operator_metrics()
+    assert operator["oobleck_operator_pods_lost_total"] == 2
+    assert operator["oobleck_operator_plan_generations_total"] == 2
+    assert operator["oobleck_operator_failure_to_patch_seconds_count"] == 1
+    assert operator["oobleck_operator_pods_created_total"] == 4 + 1 + 2  # workers, coordinator, replacements
+    print(f"failure-to-patch: {operator['oobleck_operator_failure_to_patch_seconds_sum']:.3f} s")
+
+
+def test_kubectl_delete_pod_is_a_lost_node(job_run, local_nodes):
+    run = job_run
+    first = start(run, run.job_spec(nodes=3))
+    survivor, victim = first.nodes[0], first.nodes[1]
+    run.cordon_spare_nodes()
+    run.cordon(run.node_of(victim))
+    run.cluster.kubectl("delete", "pod", victim, "-n", run.ns, "--wait=false")
+    at_delete = run.step(survivor)
+    assert at_delete < run.STEPS
+
+    second = run.wait_for(lambda: (p := run.plan()).generation >= 1 and p, "a new generation")
+    assert second.lost_nodes == [victim] and victim not in second.nodes
+    lost = run.wait_for(lambda: run.events("NodeLost"), "a NodeLost event")
+    assert lost == [f"{victim}: pod {victim} deleted"]
+    metrics = recovered(run, survivor, 1, at_delete)
+    assert metrics["oobleck_worker_reconfigurations_total"] == 1
+
+    body = finished(run, 1, pods=3 + 1)
+    assert body["status"]["failuresSurvived"] == 1
+    assert run.operator_metrics()["oobleck_operator_pods_lost_total"] == 1
+
+
+def test_deleted_pods_replacement_is_folded_in(job_run, local_nodes):
+    """No cordon: the replacement pod runs on the spare node (or the victim's, freed) and the next
+    generation folds it in, so the job ends on three nodes again (generations 0, 1 drop, 2 extend)."""
+    run = job_run
+    first = start(run, run.job_spec(nodes=3))
+    survivor, victim = first.nodes[0], first.nodes[1]
+    run.cluster.kubectl("delete", "pod", victim, "-n", run.ns, "--wait=false")
+    at_delete = run.step(survivor)
+    assert at_delete < run.STEPS
+
+    second = run.wait_for(lambda: (p := run.plan()).generation >= 1 and p, "a new generation")
+    assert second.generation == 1 and second.lost_nodes == [victim] and victim not in second.nodes
+    replacement = render.worker_name("tiny", 3)
+    third = run.wait_for(lambda: (p := run.plan()).generation >= 2 and p, "the replacement folded in")
+    assert third.added_nodes == [replacement] and sorted(third.nodes) == sorted([survivor, first.nodes[2], replacement])
+    # The newcomer trains, with every layer copied to it (60 s: a hang is the known failure, see the mark).
+    metrics = run.wait_for(
+        lambda: (m := run.scrape(replacement))["oobleck_worker_plan_generation"] == 2 and m["oobleck_worker_step"] > at_delete and m,
+        "the replacement training in generation 2", timeout=60,
+    )  # fmt: skip
+    assert metrics["oobleck_worker_bytes_copied_total"] > 0
+
+    body = finished(run, 2, pods=3 + 1)
+    assert body["status"]["failuresSurvived"] == 1
+    assert run.operator_metrics()["oobleck_operator_pods_lost_total"] == 1
+
+
+def test_unhealthy_gpus_on_a_node_are_a_lost_node(job_run, local_nodes):
+    run = job_run
+    spec = run.job_spec(nodes=3, device="cuda", env={"WORKER_DEVICE": "cpu"})
+    first = start(run, spec)
+    survivor, victim = first.nodes[0], first.nodes[1]
+    assert run.pod(victim)["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    run.cordon_spare_nodes()  # the replacement must stay Pending: no generation folds it in
+    node = run.node_of(victim)
+    run.mark_gpus_unhealthy(node)  # no cordon: the replacement needs a GPU this node no longer offers
+    at_fault = run.step(survivor)
+    assert at_fault < run.STEPS
+
+    second = run.wait_for(lambda: (p := run.plan()).generation >= 1 and p, "a new generation")
+    assert second.lost_nodes == [victim]
+    lost = run.wait_for(lambda: run.events("NodeLost"), "a NodeLost event")
+    assert len(lost) == 1 and lost[0].startswith(f"{victim}: node {node}: allocatable nvidia.com/gpu 0 < capacity 1"), lost
+    recovered(run, survivor, 1, at_fault)
+    # The replacement waits for a node with a healthy GPU (none left: the victim's has none, the spare
+    # is cordoned, the others hold the job's pods).
+    replacement = render.worker_name("tiny", 3)
+    pending = run.wait_for(lambda: (p := run.pod(replacement))["status"].get("conditions") and p, "the replacement's scheduling verdict")
+    assert pending["status"]["phase"] == "Pending"
+
+    body = finished(run, 1, pods=3 + 1)
+    assert body["status"]["failuresSurvived"] == 1
+    assert run.operator_metrics()["oobleck_operator_pods_lost_total"] == 1
+
+
+def test_operator_crash_mid_reconfiguration_is_finished_by_its_restart(job_run, local_nodes):
+    """The operator dies right after writing the plan that drops a killed worker, before it patches,
+    deletes or creates any pod; its restart finishes that reconfiguration without planning it again."""
+    run = job_run
+    first = start(run, run.job_spec(nodes=3))
+    survivor, victim = first.nodes[0], first.nodes[1]
+    run.operator.kill()
+    run.operator.start("--crash-after-plan-write")  # it exits (137) right after its next plan write
+    run.cordon_spare_nodes()
+    run.cordon(run.node_of(victim))
+    assert local_nodes.kill_pod_process(run.ns, victim)
+    at_kill = run.step(survivor)
+    assert at_kill < run.STEPS
+
+    assert run.operator.wait_exit(90) == 137, "the operator did not crash after the plan write"
+    crashed_at = run.plan()
+    assert crashed_at.generation == 1 and crashed_at.lost_nodes == [victim]
+    names = {p["metadata"]["name"] for p in run.cluster.kubectl_json("get", "pods", "-n", run.ns, "-l", worker_selector("tiny"))["items"]}
+    assert victim in names and render.worker_name("tiny", 3) not in names, f"the crash came after the pod changes: {names}"
+
+    run.operator.start()
+    step_at_restart = run.step(survivor)
+    print(f"killed at step {at_kill}; the operator back at step {step_at_restart}")
+    assert step_at_restart < run.STEPS, "the job finished while the operator was down: raise STEPS"
+    body = finished(run, 1, pods=3 + 1)
+    assert body["status"]["failuresSurvived"] == 1
+    restarted = run.operator_metrics()  # this process's counters: it planned nothing, it finished the rest
+    assert restarted["oobleck_operator_plan_generations_total"] == 0
+    assert restarted["oobleck_operator_pods_created_total"] == 1  # the replacement (Pending: nowhere to go)
+    exits = {r["node"]: r for r in run.exits(2)}
+    assert exits[survivor]["generations"] == [0, 1] and exits[survivor]["steps"] == run.STEPS
+
+
+def test_operator_sigkilled_with_a_worker_is_caught_up_by_its_restart(job_run, local_nodes):
+    """A worker and the operator SIGKILLed together (the operator may not even have seen the loss): the
+    restarted operator plans exactly one generation for it, and nothing is created twice."""
+    run = job_run
+    first = start(run, run.job_spec(nodes=3))
+    survivor, victim = first.nodes[0], first.nodes[1]
+    run.cordon_spare_nodes()
+    run.cordon(run.node_of(victim))
+    assert local_nodes.kill_pod_process(run.ns, victim)
+    run.operator.kill()
+    at_kill = run.step(survivor)
+    run.operator.start()
+    assert run.step(survivor) < run.STEPS, "the job finished while the operator was down: raise STEPS"
+
+    second = run.wait_for(lambda: (p := run.plan()).generation >= 1 and p, "a new generation")
+    assert second.generation == 1 and second.lost_nodes == [victim]
+    recovered(run, survivor, 1, at_kill)
+    body = finished(run, 1, pods=3 + 1)
+    assert body["status"]["failuresSurvived"] == 1

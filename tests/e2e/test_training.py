@@ -1,0 +1,107 @@
+"""The whole loop: `kubectl apply` an OobleckJob -> the operator (a real process) -> worker pods on
+local nodes (real processes running `python -m oobleck.runtime.pod`) train -> the job Succeeds.
+
+Each test applies a tiny GPT job (conftest.job_spec: device cpu; 2 nodes of 2 worker processes, or 3
+nodes of one) in a namespace of its own, waits for the job's phase, and checks the exact step count
+and every step's loss against the single-process reference run of the same job. The second one
+kills one worker pod's process mid-run with the node agent's kill tool and checks that exactly one
+new generation (without the victim) followed and training still ended at the exact step. The
+victim's node is cordoned first, as a node under suspicion would be: the replacement pod the
+operator creates then stays Pending and no second generation folds it in. A worker's /metrics is
+scraped over HTTP at its pod IP and parsed. test_failures.py has the other faults.
+
+Every listener of a pod (gloo, the worker's /metrics, the coordinator's store) binds to its pod IP,
+so jobs on one host do not collide; these tests still run one job at a time, on one xdist worker
+(group "local-node-jobs": other tests that run jobs on local nodes belong there), because
+concurrent jobs would compete for the host's CPU and slow each other past their timeouts.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from oobleck.operator import render
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs")]
+LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
+
+
+def test_job_trains_in_pods_to_the_exact_step(job_run, local_nodes):
+    """2 pods x 2 worker processes each (gpusPerNode 2 on cpu: the pod supervises one child per GPU)."""
+    run, steps = job_run, 100
+    run.apply(run.job_spec(steps, nodes=2, gpus_per_node=2))
+    first = run.wait_for(run.plan, "generation 0")
+    assert len(first.nodes) == 2 and first.generation == 0 and first.world_size == 4
+    pod = first.nodes[1]
+    run.wait_for(lambda: run.step(pod) >= 3, "3 steps trained")
+    for gpu in (0, 1):  # each process serves its own registry at its pod IP
+        metrics = run.scrape(pod, gpu)
+        assert metrics["oobleck_worker_plan_generation"] == 0 and 3 <= metrics["oobleck_worker_step"] <= steps
+        assert metrics["oobleck_worker_rank"] == first.rank_of(pod, gpu)
+        assert metrics["oobleck_worker_iteration_seconds_count"] >= 3
+    # The progress annotation carries the loss and the throughput for status.progress.
+    progress = run.progress(pod)
+    assert progress["generation"] == 0 and progress["step"] >= 3
+    assert progress["samplesPerSecond"] > 0 and progress["loss"] > 0
+    # Bound to the pod IP, not every address: the node's own IP (same host) refuses the port.
+    host_ip = run.pod(pod)["status"]["hostIP"]
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{host_ip}:{render.WORKER_PORT}/metrics", timeout=5)
+    body = run.wait_succeeded()
+    assert body["status"]["progress"]["step"] == steps
+    assert run.plan().generation == 0  # nothing failed: no reconfiguration
+    assert body["status"]["reconfigurations"] == 0
+    run.check_losses()
+    # Every worker ran a snapshot agent (runtime/snapshot.py): one snapshot per 10 steps, pushed to its buddy.
+    exits = run.exits(4)
+    assert len(exits) == 4 and all(r["code"] == 0 and r["steps"] == steps for r in exits)
+    assert all(r["snapshots"]["snapshots"] == steps // 10 and r["snapshots"]["pushed_bytes"] > 0 for r in exits), exits
+    # The annotation's loss is the loss of its last step (step s - 1, 0-based), to 6 significant digits.
+    expected = run.reference()[progress["step"] - 1]
+    assert abs(progress["loss"] - expected) <= 1e-5 * abs(expected), (progress, expected)
+    operator = run.operator_metrics()
+    assert operator["oobleck_operator_plan_generations_total"] == 1 and operator["oobleck_operator_pods_lost_total"] == 0
+    assert operator['oobleck_operator_jobs{phase="Succeeded"}'] == 1
+
+
+def test_killed_worker_is_one_generation_and_the_job_still_succeeds(job_run, local_nodes):
+    run = job_run
+    run.apply(run.job_spec())
+    first = run.wait_for(run.plan, "generation 0")
+    survivor, victim = first.nodes[0], first.nodes[1]
+    run.wait_for(lambda: run.step(survivor) >= 10, "10 steps trained")
+
+    before = run.scrape(survivor)
+    assert before["oobleck_worker_plan_generation"] == 0 and before["oobleck_worker_step"] >= 10
+    assert before["oobleck_worker_pipelines"] == len(first.pipelines)
+
+    run.cordon(run.node_of(victim))  # the replacement must not land here (see the module docstring)
+    assert local_nodes.kill_pod_process(run.ns, victim)
+    at_kill = run.step(survivor)
+    assert at_kill < run.STEPS, "the job finished before the kill: raise STEPS"
+
+    second = run.wait_for(lambda: (p := run.plan()).generation >= 1 and p, "a new generation")
+    assert victim not in second.nodes and second.lost_nodes == [victim]
+    recovered = run.wait_for(
+        lambda: (m := run.scrape(survivor))["oobleck_worker_plan_generation"] == 1
+        and m["oobleck_worker_step"] > at_kill and m, "the survivor training in generation 1",
+    )
+    assert recovered["oobleck_worker_reconfigurations_total"] == 1
+    assert recovered["oobleck_worker_recovery_seconds_count"] == 1
+    print(f"survivor's recovery (generation abandoned -> first step of the next): "
+          f"{recovered['oobleck_worker_recovery_seconds_sum']:.2f} s")
+
+    body = run.wait_succeeded()
+    assert body["status"]["progress"]["step"] == run.STEPS
+    final = run.plan()
+    assert final.generation == 1, f"expected exactly one new generation, got {final.generation}: {final.reason}"
+    assert body["status"]["failuresSurvived"] == 1
+    run.check_losses()
+    run.check_generations(1)
+    run.check_no_duplicate_pods(3 + 1)
+    operator = run.operator_metrics()
+    assert operator["oobleck_operator_pods_lost_total"] == 1
+    assert operator["oobleck_operator_failure_to_patch_seconds_count"] == 1
+    print(f"failure-to-patch: {operator['oobleck_operator_failure_to_patch_seconds_sum']:.3f} s")

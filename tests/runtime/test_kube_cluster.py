@@ -1,0 +1,187 @@
+"""The in-pod client against a real API server, authenticated as the workers' ServiceAccount.
+
+A real OobleckJob (no operator runs: nothing acts on it) owns the rendered worker ServiceAccount,
+Role and RoleBinding; the client uses a token of that ServiceAccount (the TokenRequest API, as a
+kubelet mounts it), so every call here also proves the rendered Role allows exactly what the
+runtime does: watch the plan ConfigMap, read the coordinator pod, annotate its own pod.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from oobleck.api import planmap
+from oobleck.api.job import parse_spec
+from oobleck.api.plan import Plan
+from oobleck.operator import render
+from oobleck.operator.decide import Tuning, cluster_shape, synthetic_profile
+from oobleck.runtime.health import FailureReport
+from oobleck.runtime.kube import KubeApiError, KubeClient, WatchTimeouts
+from oobleck.runtime.plansource import ConfigMapPlanSource
+from oobleck.runtime.pod import CoordinatorAddress, PodFailureReporter, ProgressReporter
+
+pytestmark = [pytest.mark.cluster]
+JOB = "kube"
+SPEC = {
+    "model": {"gpt": {"layers": 2, "hiddenSize": 32, "heads": 2, "sequenceLength": 8, "vocabSize": 64}},
+    "nodes": {"min": 1, "max": 2}, "gpusPerNode": 1, "device": "cpu", "f": 0,
+    "training": {"steps": 10, "globalBatchSize": 4, "microbatchSize": 2},
+}  # fmt: skip
+PROFILE = synthetic_profile(parse_spec(SPEC), Tuning())
+
+
+def make_plan(generation: int, nodes: int = 2) -> Plan:
+    """A real plan of the planner for the spec above, at `generation`."""
+    from oobleck.planner import instantiate
+    from oobleck.planner.templates import generate_templates
+
+    spec = parse_spec(SPEC)
+    templates = generate_templates(PROFILE, cluster_shape(spec, Tuning()), f=0)
+    plan = instantiate(templates, [render.worker_name(JOB, i) for i in range(nodes)], 0,
+                       spec.training.global_microbatches, JOB, gpus_per_node=1)  # fmt: skip
+    return plan.model_copy(update={"generation": generation})
+
+
+@pytest.fixture(scope="module")
+def world(cluster, tmp_path_factory):
+    """Namespace, job, rendered RBAC, a worker pod and the coordinator pod; a worker's token folder."""
+    ns = cluster.namespace("kube")
+    body = {"apiVersion": "oobleck.dev/v1alpha1", "kind": "OobleckJob", "metadata": {"name": JOB}, "spec": SPEC}
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(body))
+    uid = cluster.kubectl_json("get", "oobleckjob", JOB, "-n", ns)["metadata"]["uid"]
+    spec = parse_spec(SPEC)
+    objects = [*render.static_children(JOB, ns, uid),
+               render.worker_pod(JOB, ns, uid, spec, 0, default_image="i", default_command=["c"]),
+               render.worker_pod(JOB, ns, uid, spec, 1, default_image="i", default_command=["c"]),
+               render.coordinator_pod(JOB, ns, uid, spec, default_image="i")]  # fmt: skip
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    folder = tmp_path_factory.mktemp("serviceaccount")
+    token = cluster.kubectl("create", "token", render.rbac_name(JOB), "-n", ns, "--duration=1h").stdout.strip()
+    (folder / "token").write_text(token)
+    (folder / "namespace").write_text(ns)
+    kubeconfig = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]
+    if "certificate-authority-data" in kubeconfig:
+        (folder / "ca.crt").write_bytes(base64.b64decode(kubeconfig["certificate-authority-data"]))
+    else:
+        (folder / "ca.crt").write_bytes(Path(kubeconfig["certificate-authority"]).read_bytes())
+    url = urlparse(cluster.server)
+    env = {"OOBLECK_SERVICEACCOUNT_DIR": str(folder), "KUBERNETES_SERVICE_HOST": url.hostname,
+           "KUBERNETES_SERVICE_PORT": str(url.port or 443)}  # fmt: skip
+    return {"ns": ns, "uid": uid, "spec": spec, "client": KubeClient.in_cluster(env)}
+
+
+def write_plan(cluster, world, plan: Plan, inline_limit: int | None = None) -> None:
+    """The operator's write (render.plan_config_map), as admin; `inline_limit` forces the gzipped form."""
+    body = render.plan_config_map(JOB, world["ns"], world["uid"], plan, PROFILE, world["spec"], 0)
+    if inline_limit is not None:
+        data, binary = planmap.encode_plan(plan, inline_limit)
+        body["data"].update(data)
+        body["binaryData"] = binary
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-n", world["ns"], "-f", "-", input=json.dumps(body))
+
+
+def annotations(cluster, ns: str, pod: str) -> dict[str, str]:
+    return cluster.kubectl_json("get", "pod", pod, "-n", ns)["metadata"].get("annotations", {})
+
+
+def test_configmap_plan_source_sees_each_new_generation_within_a_second(cluster, world):
+    # Short server-side watches: the source must resume (from its resourceVersion) several times.
+    source = ConfigMapPlanSource(world["client"], world["ns"], render.plan_name(JOB), WatchTimeouts(server_s=1))
+    try:
+        source.start()
+        assert source.wait_newer(-1, 0.5) is None  # no ConfigMap yet: no plan
+        write_plan(cluster, world, make_plan(0))
+        first = source.wait_newer(-1, 10.0)
+        assert first is not None and first.generation == 0
+        assert json.loads(source.config_map()["data"][planmap.JOB_KEY])["training"]["steps"] == 10
+        time.sleep(2.5)  # past two server-side watch timeouts
+        for generation, limit in ((1, None), (2, 10)):  # inline, then gzipped
+            write_plan(cluster, world, make_plan(generation), inline_limit=limit)
+            written = time.monotonic()  # the write is done when kubectl returns
+            seen = source.wait_newer(generation - 1, 10.0)
+            latency = time.monotonic() - written
+            assert seen is not None and seen.generation == generation
+            print(f"generation {generation} seen {latency * 1000:.1f} ms after the write returned")
+            assert latency < 1.0, f"generation {generation} seen after {latency:.2f} s"
+        write_plan(cluster, world, make_plan(1))  # a stale writer
+        time.sleep(0.5)
+        assert source.current().generation == 2
+        assert source.last_error is None
+    finally:
+        source.stop()
+
+
+def test_reporters_annotate_their_own_pod_with_the_worker_token(cluster, world):
+    ns, pod = world["ns"], render.worker_name(JOB, 0)
+    report = FailureReport(JOB, 4, f"{pod}:0", "heartbeat", (f"{render.worker_name(JOB, 1)}:0",), "quiet for 3 s")
+    PodFailureReporter(world["client"], ns, pod).report(report)
+    written = json.loads(annotations(cluster, ns, pod)[planmap.FAILURE_ANNOTATION])
+    assert written["dead"] == [render.worker_name(JOB, 1)] and written["generation"] == 4
+
+    progress = ProgressReporter(world["client"], ns, pod, min_interval_s=0.5)
+    try:
+        for step in range(1, 41):
+            progress.update(0, step)
+            time.sleep(0.01)
+        assert progress.flush()
+        assert json.loads(annotations(cluster, ns, pod)[planmap.PROGRESS_ANNOTATION]) == {"generation": 0, "step": 40}
+        assert progress.writes <= 4, f"rate limit: {progress.writes} writes for 40 steps in ~0.5 s"
+    finally:
+        progress.stop()
+
+
+def test_coordinator_address_waits_for_a_running_pod_ip(cluster, world):
+    ns = world["ns"]
+    pod = render.coordinator_name(JOB)
+    address = CoordinatorAddress(world["client"], ns, pod, "fallback.example", render.STORE_PORT, poll_s=0.05)
+    assert address.resolve(0.3) == ("fallback.example", render.STORE_PORT)  # Pending: no IP yet
+    status = {"status": {"phase": "Running", "podIP": "127.16.9.9", "podIPs": [{"ip": "127.16.9.9"}]}}
+
+    def run_it() -> None:
+        time.sleep(0.5)
+        cluster.kubectl("patch", "pod", pod, "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps(status))
+
+    threading.Thread(target=run_it).start()
+    assert address.resolve(30.0) == ("127.16.9.9", render.STORE_PORT)
+
+
+def test_the_worker_token_gets_clear_refusals_beyond_its_role(world):
+    client = world["client"]
+    with pytest.raises(KubeApiError) as refused:
+        client.get(f"/api/v1/namespaces/{world['ns']}/secrets")
+    assert refused.value.status == 403 and "cannot list resource \"secrets\"" in str(refused.value)
+    with pytest.raises(KubeApiError) as other:
+        client.get(f"/api/v1/namespaces/{world['ns']}/configmaps/something-else")
+    assert other.value.status == 403 and str(other.value).startswith("403 Forbidden: GET ")
+
+
+def test_store_connection_follows_the_coordinator_pod_to_a_new_ip(cluster, world):
+    """connect_resolving reads the pod IP again between attempts: a recreated coordinator pod may have a
+    new IP. The store listens on every local address, so the stale IP is one no packet reaches."""
+    from oobleck.dev.controlplane import free_port
+    from oobleck.runtime.coordinator import Coordinator, StoreTimeouts
+    from oobleck.runtime.pod import connect_resolving
+
+    ns, pod = world["ns"], render.coordinator_name(JOB)
+
+    def set_ip(ip: str) -> None:
+        status = {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
+        cluster.kubectl("patch", "pod", pod, "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps(status))
+
+    port = free_port()
+    set_ip("192.0.2.1")  # TEST-NET-1: the old pod's address, gone
+    address = CoordinatorAddress(world["client"], ns, pod, "fallback.invalid", port, poll_s=0.05)
+    with Coordinator("127.0.0.1", port) as coordinator:
+        threading.Timer(1.0, set_ip, ("127.0.0.1",)).start()
+        store, epoch = connect_resolving(address, StoreTimeouts(connect_s=2.0, reconnect_s=60.0))
+        assert address.last == ("127.0.0.1", port)
+        assert epoch == coordinator.epoch
+        del store

@@ -1,0 +1,103 @@
+"""The ConfigMap plan source without a cluster: both encodings decode, generations never go back,
+updates that do not raise the generation are not decoded, an invalid plan is an error naming the key.
+
+Objects are fed to the source's watch callback directly (the watch itself: test_kube.py and
+test_kube_cluster.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from oobleck.api import planmap
+from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
+from oobleck.runtime.plansource import ConfigMapPlanSource, PlanSourceError
+
+
+def plan(generation: int, nodes: int = 2) -> Plan:
+    names = [f"n{i}" for i in range(nodes)]
+    return Plan(
+        job="job", generation=generation, num_layers=2, gpus_per_node=1, f=nodes - 1, global_microbatches=nodes,
+        templates=[Template(nodes=1, stages=[TemplateStage(start=0, end=2, node=0, gpus=1, gpu_offset=0,
+                                                           forward_ms=1, backward_ms=2)], iteration_ms=3, m_ref=1)],
+        pipelines=[Pipeline(index=i, template_nodes=1, nodes=[n], microbatches=1, microbatch_offset=i,
+                            stages=[Stage(start=0, end=2, node=n, gpus=[0], ranks=[i])], iteration_ms=3)
+                   for i, n in enumerate(names)],
+        iteration_ms=3, reason="test",
+    )  # fmt: skip
+
+
+def config_map(p: Plan, inline_limit: int = planmap.PLAN_INLINE_LIMIT, rv: str = "1") -> dict:
+    data, binary = planmap.encode_plan(p, inline_limit)
+    return {
+        "metadata": {"name": "job-plan", "resourceVersion": rv,
+                     "annotations": {planmap.GENERATION_ANNOTATION: str(p.generation)}},
+        "data": {**data, planmap.JOB_KEY: "{}"}, "binaryData": binary,
+    }  # fmt: skip
+
+
+def source() -> ConfigMapPlanSource:
+    # Never started: the test plays the watch.
+    src = ConfigMapPlanSource(client=None, namespace="ns", name="job-plan")
+    src._thread = threading.current_thread()  # type: ignore[assignment]  (start() is then a no-op)
+    return src
+
+
+def test_decodes_inline_and_gzipped_plans():
+    src = source()
+    src._on_object(config_map(plan(0)))
+    assert src.current() == plan(0)
+    gz = config_map(plan(1, nodes=3), inline_limit=10)
+    assert gz["data"][planmap.PLAN_KEY] == "" and planmap.PLAN_GZ_KEY in gz["binaryData"]
+    src._on_object(gz)
+    assert src.current() == plan(1, nodes=3)
+    assert src.config_map() is gz
+
+
+def test_never_returns_an_older_generation():
+    src = source()
+    src._on_object(config_map(plan(3)))
+    src._on_object(config_map(plan(2)))  # a stale event (a replayed watch, a stale writer)
+    assert src.current().generation == 3
+    assert src.wait_newer(3, 0.05) is None
+    assert src.wait_newer(2, 0.05).generation == 3
+
+
+def test_wait_newer_wakes_on_a_new_generation():
+    src = source()
+    src._on_object(config_map(plan(0)))
+    timer = threading.Timer(0.1, lambda: src._on_object(config_map(plan(1))))
+    started = time.monotonic()
+    timer.start()
+    got = src.wait_newer(0, 5.0)
+    assert got is not None and got.generation == 1 and time.monotonic() - started < 2.0
+
+
+def test_wait_newer_stops_on_the_stop_event_and_absent_configmap_is_no_plan():
+    src = source()
+    src._on_object(None)
+    assert src.current() is None
+    stop = threading.Event()
+    threading.Timer(0.1, stop.set).start()
+    started = time.monotonic()
+    assert src.wait_newer(-1, 30.0, stop) is None
+    assert time.monotonic() - started < 5.0
+
+
+def test_invalid_plan_names_the_key():
+    src = source()
+    src._on_object({"metadata": {"name": "job-plan", "annotations": {planmap.GENERATION_ANNOTATION: "0"}},
+                    "data": {planmap.PLAN_KEY: "{}"}})  # fmt: skip
+    with pytest.raises(PlanSourceError, match="job-plan: key plan.json: not a valid plan"):
+        src.current()
+    src._on_object(config_map(plan(0)))  # a valid one clears the error
+    assert src.current() == plan(0)
+
+
+def test_job_spec_key():
+    body = config_map(plan(0))
+    assert planmap.read_job_spec(body) == {}
+    with pytest.raises(ValueError, match="job.json: missing"):
+        planmap.read_job_spec({"metadata": {"name": "x"}, "data": {}})

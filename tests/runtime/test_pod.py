@@ -1,0 +1,209 @@
+"""The worker pod's pure parts: job spec -> WorkerConfig, the env contract, report encodings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from oobleck.api.job import parse_spec
+from oobleck.runtime.config import build_model
+from oobleck.runtime.health import FailureReport
+from oobleck.runtime.optim import learning_rate
+from oobleck.runtime.pod import (
+    METRICS_PORT,
+    PodEnv,
+    coordinator_ip,
+    failure_annotation,
+    progress_annotation,
+    worker_config,
+)
+
+REPO = Path(__file__).parents[2]
+
+
+def example_spec(**overrides):
+    spec = yaml.safe_load((REPO / "examples" / "tiny-gpt.yaml").read_text())["spec"]
+    spec.update(overrides)
+    return parse_spec(spec)
+
+
+def test_tiny_gpt_example_maps_to_the_worker_config():
+    spec = example_spec()
+    config = worker_config(spec, "tiny-gpt")
+    assert config.job == "tiny-gpt"
+    assert config.model.name == "gpt"
+    assert config.model.sizes == {"blocks": 4, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 256}
+    steps = spec.training.steps  # the example's step count changes with the demo; the mapping must not
+    assert (config.steps, config.microbatch_size, config.seed, config.device) == (steps, 2, 1234, "cpu")
+    assert (config.optim.lr, config.optim.warmup_steps, config.optim.decay_steps) == (0.001, 4, steps)
+    assert (config.optim.schedule, config.optim.min_lr_ratio, config.optim.weight_decay) == ("cosine", 0.1, 0.0)
+    assert config.data.kind == "synthetic"
+    assert config.timeouts.connect == 120.0
+    # The model the workers build has the layers the operator's planner planned (blocks + 2).
+    assert build_model(config).num_layers == 4 + 2
+
+
+def test_schedules_end_at_a_tenth_of_the_rate_or_stay_constant():
+    for schedule, last in (("cosine", 1e-4), ("linear", 1e-4), ("constant", 1e-3)):
+        spec = example_spec(training={"steps": 40, "globalBatchSize": 16, "microbatchSize": 2, "learningRate": 0.001,
+                                      "warmupSteps": 4, "schedule": schedule})  # fmt: skip
+        optim = worker_config(spec, "j").optim
+        assert learning_rate(optim, 3) == pytest.approx(1e-3)  # warmup's last step
+        assert learning_rate(optim, 40) == pytest.approx(last)
+    linear = worker_config(example_spec(training={"steps": 40, "globalBatchSize": 16, "microbatchSize": 2,
+                                                  "learningRate": 0.001, "schedule": "linear"}), "j").optim  # fmt: skip
+    assert learning_rate(linear, 20) == pytest.approx(0.00055)
+
+
+def test_token_file_lives_under_the_container_root():
+    spec = example_spec(data={"source": "tokenFile", "path": "/data/train.bin", "claimName": "tokens"})
+    assert worker_config(spec, "j").data.path == "/data/train.bin"
+    config = worker_config(spec, "j", container_root="/var/pods/x/root/")
+    assert (config.data.kind, config.data.path) == ("file", "/var/pods/x/root/data/train.bin")
+
+
+def test_checkpoint_spec_maps_under_the_container_root_and_snapshots_stay_on():
+    assert worker_config(example_spec(), "j").checkpoint.path is None  # no spec.checkpoint: no directory
+    spec = example_spec(checkpoint={"path": "/ckpt", "claimName": "c", "intervalSteps": 7, "keep": 3})
+    config = worker_config(spec, "j", container_root="/var/pods/x/root")
+    assert (config.checkpoint.path, config.checkpoint.interval_steps, config.checkpoint.keep) == ("/var/pods/x/root/ckpt", 7, 3)
+    assert worker_config(spec, "j").checkpoint.path == "/ckpt"
+    # In-memory snapshots are on by default: a pod gets a snapshot agent (snapshot.snapshotter_for).
+    assert config.snapshot.interval_steps > 0
+
+
+def test_worker_device_runs_a_cuda_spec_on_the_cpu():
+    cuda = example_spec(device="cuda")
+    assert worker_config(cuda, "j").device == "cuda"
+    assert worker_config(cuda, "j", compute_device="cpu").device == "cpu"
+    assert PodEnv.from_env({**ENV, "OOBLECK_DEVICE": "cuda", "WORKER_DEVICE": "cpu"}).compute_device == "cpu"
+    assert PodEnv.from_env(ENV).compute_device is None
+    with pytest.raises(ValueError, match="WORKER_DEVICE: expected cpu"):
+        PodEnv.from_env({**ENV, "WORKER_DEVICE": "tpu"})
+
+
+def test_progress_annotation_carries_loss_and_throughput_when_known():
+    assert json.loads(progress_annotation(2, 17)) == {"generation": 2, "step": 17}
+    body = json.loads(progress_annotation(2, 17, 5.123456789, 1234.56789))
+    assert body == {"generation": 2, "step": 17, "loss": 5.12346, "samplesPerSecond": 1234.568}
+    # A NaN loss is not JSON (json.dumps would write NaN, which the operator's parser rejects): left out.
+    assert "loss" not in json.loads(progress_annotation(0, 1, float("nan"), None))
+
+
+def test_entry_point_and_unsupported_mlp_width():
+    spec = example_spec(model={"entryPoint": "mypkg.models:build"})
+    assert worker_config(spec, "j").model.name == "mypkg.models:build"
+    wide = example_spec(model={"gpt": {"layers": 2, "hiddenSize": 64, "heads": 4, "sequenceLength": 8,
+                                       "vocabSize": 32, "ffnHiddenSize": 100}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"ffnHiddenSize: the built-in GPT's MLP is 4 \* hiddenSize = 256, got 100"):
+        worker_config(wide, "j")
+
+
+ENV = {
+    "OOBLECK_JOB": "tiny", "OOBLECK_NAMESPACE": "ns", "OOBLECK_NODE": "tiny-worker-2",
+    "OOBLECK_PLAN_CONFIGMAP": "tiny-plan", "OOBLECK_STORE": "tiny-coordinator.tiny-workers.ns.svc:29400",
+    "OOBLECK_GPUS_PER_NODE": "2", "OOBLECK_DEVICE": "cpu", "OOBLECK_POD_IP": "127.16.0.5",
+}  # fmt: skip
+
+
+def test_env_contract_parses_what_the_operator_renders():
+    from oobleck.api.job import parse_spec as parse
+    from oobleck.operator import render
+
+    spec = parse({**example_spec().to_kubernetes(), "gpusPerNode": 2})
+    pod = render.worker_pod("tiny", "ns", "uid", spec, 2, default_image="i", default_command=["c"])
+    rendered = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    env = PodEnv.from_env({**rendered, "OOBLECK_POD_IP": "127.16.0.5"})
+    assert (env.job, env.namespace, env.node, env.plan_config_map) == ("tiny", "ns", "tiny-worker-2", "tiny-plan")
+    assert (env.store_port, env.gpus_per_node, env.device, env.pod_ip) == (render.STORE_PORT, 2, "cpu", "127.16.0.5")
+    assert env.coordinator_pod == render.coordinator_name("tiny")
+    assert METRICS_PORT == render.WORKER_PORT
+
+
+def test_env_errors_name_the_variable():
+    with pytest.raises(ValueError, match="OOBLECK_NODE: not set"):
+        PodEnv.from_env({k: v for k, v in ENV.items() if k != "OOBLECK_NODE"})
+    with pytest.raises(ValueError, match="OOBLECK_STORE: expected HOST:PORT"):
+        PodEnv.from_env({**ENV, "OOBLECK_STORE": "nohost"})
+    with pytest.raises(ValueError, match="WORKER_DEAD_AFTER_S: expected a float"):
+        PodEnv.from_env({**ENV, "WORKER_DEAD_AFTER_S": "soon"})
+    assert PodEnv.from_env({**ENV, "WORKER_DEAD_AFTER_S": "7.5"}).dead_after_s == 7.5
+
+
+def test_failure_annotation_names_plan_nodes():
+    report = FailureReport("tiny", 3, "tiny-worker-0:0", "heartbeat", ("tiny-worker-1:0", "tiny-worker-1:1"), "quiet")
+    body = json.loads(failure_annotation(report))
+    assert body["dead"] == ["tiny-worker-1"]
+    assert (body["job"], body["generation"], body["reporter"], body["kind"]) == ("tiny", 3, "tiny-worker-0:0", "heartbeat")
+
+
+def test_coordinator_ip_only_of_a_running_pod():
+    running = {"metadata": {}, "status": {"phase": "Running", "podIP": "127.16.0.9"}}
+    assert coordinator_ip(running) == "127.16.0.9"
+    assert coordinator_ip({"status": {"phase": "Pending", "podIP": "127.16.0.9"}}) is None
+    assert coordinator_ip({"metadata": {"deletionTimestamp": "x"}, "status": running["status"]}) is None
+    assert coordinator_ip(None) is None
+
+
+def test_operator_default_command_is_the_pod_entry_point():
+    from oobleck.operator.settings import DEFAULT_COMMAND
+
+    assert DEFAULT_COMMAND == ("python", "-m", "oobleck.runtime.pod")
+
+
+def test_supervisor_takes_the_pod_down_with_its_first_failed_gpu_worker():
+    import sys
+    import time
+
+    from oobleck.runtime.pod import supervise
+
+    env = PodEnv.from_env(ENV)  # 2 GPUs per node
+    # Child `--gpu 0` fails at once with 7; `--gpu 1` would run for a minute unless terminated.
+    script = "import sys, time; gpu = int(sys.argv[2]); sys.exit(7) if gpu == 0 else time.sleep(60)"
+    started = time.monotonic()
+    assert supervise(env, [sys.executable, "-c", script]) == 7
+    assert time.monotonic() - started < 30
+    assert supervise(env, [sys.executable, "-c", "import sys"]) == 0  # every child done: the pod is done
+
+
+def test_gloo_groups_listen_on_the_bound_address():
+    """groups.bind_to(pod IP): gloo's pairs listen on that address (pods share a host on local nodes)."""
+    import datetime
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from oobleck.runtime import groups
+
+    address = "127.0.7.3"
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    made: dict[int, object] = {}
+
+    def make(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=30), wait_for_workers=False)
+        made[rank] = groups._backend(dist.PrefixStore("bind/", client), rank, 2, torch.device("cpu"), datetime.timedelta(seconds=30))
+
+    groups.bind_to(address)
+    try:
+        threads = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        groups.bind_to(None)
+    tensors = [torch.ones(2), torch.full((2,), 2.0)]
+    works = [made[rank].allreduce([tensors[rank]]) for rank in (0, 1)]
+    for work in works:
+        work.wait()
+    assert tensors[0].tolist() == [3.0, 3.0]
+    # /proc/net/tcp: local addresses as little-endian hex; gloo's connected pairs sit on the bound IP.
+    hexed = "".join(f"{int(part):02X}" for part in reversed(address.split(".")))
+    with open("/proc/net/tcp") as table:
+        local = [line.split()[1].split(":")[0] for line in table.readlines()[1:]]
+    assert hexed in local
+    groups.GRAVEYARD.append(made)  # gloo groups are never destroyed mid-test (see groups.GRAVEYARD)

@@ -1,0 +1,279 @@
+"""Snapshots beyond f failures (runtime/snapshot.py): the pure choices, the host store, the buddy
+transport over real sockets, the checkpoint directory, and a capture that restores bit for bit.
+
+Plans come from the real planner on tiny-gpt's measured state bytes with uniform layer times, so the
+layouts are the ones the launcher tests run: 4 nodes -> node0-node1 and node2-node3, stages [0, 3)
+[3, 6); 5 nodes -> node0-node1-node2 [0, 2) [2, 4) [4, 6) and node3-node4 [0, 3) [3, 6).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from oobleck.api.profile import ClusterShape, ModelProfile
+from oobleck.planner.instantiate import plan_job
+from oobleck.runtime.config import WorkerConfig, build_model
+from oobleck.runtime.optim import LayerAdamW
+from oobleck.runtime.snapshot import (
+    SnapshotServer,
+    SnapshotStore,
+    buddy_of,
+    checkpoint_holdings,
+    prune_checkpoints,
+    push,
+    read_checkpoint_layer,
+    restore_copies,
+    restore_point,
+    rollback_plan,
+    write_checkpoint_layer,
+)
+from oobleck.runtime.state import capture, flatten, unflatten
+
+PIPELINED_MEMORY = 1_400_000
+
+
+@pytest.fixture(scope="module")
+def profile(uniform_profile_model):
+    return uniform_profile_model
+
+
+def plan_for(profile: ModelProfile, nodes: int):
+    cluster = ClusterShape(nodes=nodes, gpus_per_node=1, gpu_memory_bytes=PIPELINED_MEMORY,
+                           intra_node_bandwidth=100e9, inter_node_bandwidth=10e9)
+    return plan_job(profile, cluster, 1, 8, "test", nodes=[f"node{i}" for i in range(nodes)])
+
+
+def ranges(plan) -> dict[str, tuple[int, int]]:
+    return {f"{a.node}:{a.gpu}": (a.start, a.end) for a in plan.ranks}
+
+
+# -- placement -----------------------------------------------------------------------------------
+
+
+def test_a_buddy_is_on_another_node_and_holds_none_of_the_owners_layers(profile):
+    for nodes in (4, 5):
+        plan = plan_for(profile, nodes)
+        held = ranges(plan)
+        for a in plan.ranks:
+            node, gpu = buddy_of(plan, a.node, a.gpu)
+            start, end = held[f"{node}:{gpu}"]
+            assert node != a.node
+            assert end <= a.start or a.end <= start, f"{a.node} [{a.start}, {a.end}) -> {node} [{start}, {end})"
+    plan = plan_for(profile, 4)
+    # Ring-wise in plan order: the next disjoint node.
+    assert [buddy_of(plan, f"node{i}", 0) for i in range(4)] == [("node1", 0), ("node2", 0), ("node3", 0), ("node0", 0)]
+
+
+def test_losing_every_replica_of_a_layer_leaves_its_snapshots_on_survivors(profile):
+    """The property the placement exists for: kill all holders of any one layer, its snapshot survives."""
+    for nodes in (4, 5):
+        plan = plan_for(profile, nodes)
+        for layer in range(plan.num_layers):
+            holders = {plan.ranks[r].node for r in plan.holders(layer)}
+            buddies = {buddy_of(plan, plan.ranks[r].node, plan.ranks[r].gpu)[0] for r in plan.holders(layer)}
+            assert buddies - holders, f"{nodes} nodes, layer {layer}: every buddy is a holder too"
+
+
+# -- the restore choice --------------------------------------------------------------------------
+
+
+def test_the_restore_point_is_the_newest_step_every_layer_is_held_at():
+    memory = {"a:0": {0: {0, 1, 2, 3}, 4: {0, 1}}, "b:0": {4: {2, 3}, 8: {2, 3}}}
+    assert restore_point(memory, {}, 4) == 4
+    assert restore_point(memory, {}, 5) is None, "layer 4 is nowhere"
+    assert restore_point(memory, {8: {0, 1}}, 4) == 8, "memory and directory complete each other"
+    assert restore_point(memory, {8: {0, 1}}, 4, latest=6) == 4, "a step past the job's is an older run's"
+    assert restore_point({}, {6: {0, 1, 2, 3}, 9: {0}}, 4) == 6
+    assert restore_point({}, {}, 4) is None
+
+
+def test_restore_copies_take_own_memory_then_the_least_loaded_peer_then_the_directory(profile):
+    plan = plan_for(profile, 4)  # node0 [0,3) node1 [3,6) | node2 [0,3) node3 [3,6)
+    sizes = [layer.state_bytes for layer in profile.layers]
+    memory = {"node1:0": {0, 1, 2, 3, 4}, "node3:0": {0, 1, 2, 3, 4}, "node0:0": {0}}
+    copies = restore_copies(plan, memory, {5}, sizes)
+    by = {(c.dst_node, c.layer): c for c in copies}
+    assert sorted(by) == sorted((a.node, layer) for a in plan.ranks for layer in range(a.start, a.end)), \
+        "one source for every (rank, layer)"
+    assert by[("node0", 0)].src_node == "node0" and by[("node0", 0)].source_kind == "snapshot"
+    assert by[("node1", 3)].src_node == "node1", "own memory first"
+    assert by[("node1", 5)].source_kind == "checkpoint" and by[("node1", 5)].src_node == "node1"
+    peers = [c for c in copies if c.src_rank != c.dst_rank]
+    assert {c.src_node for c in peers if c.dst_node == "node0"} == {"node1", "node3"}, "load spread over holders"
+    with pytest.raises(ValueError, match="layer 5"):
+        restore_copies(plan, memory, set(), sizes)
+
+
+def test_rollback_plan_restores_the_newest_step_on_the_survivors(profile):
+    previous = plan_for(profile, 4)
+    # node0 and node2 (every replica of layers 0-2) are gone; their buddies node1, node3 hold them.
+    memory = {"node1:0": {0: {0, 1, 2, 3, 4, 5}, 4: {0, 1, 2, 3, 4, 5}, 8: {3, 4, 5}},
+              "node3:0": {0: {0, 1, 2, 3, 4, 5}, 4: {0, 1, 2, 3, 4, 5}}}
+    plan = rollback_plan(previous, profile, ["node0", "node2"], [], memory, {}, bandwidth=10e9)
+    assert plan.generation == 1 and plan.restore_step == 4 and plan.lost_nodes == ["node0", "node2"]
+    assert sorted(plan.nodes) == ["node1", "node3"]
+    assert all(c.source_kind == "snapshot" for c in plan.copies)
+    assert all(c.src_rank == c.dst_rank for c in plan.copies), "each survivor holds its new layers in memory"
+    assert len(plan.copies) == sum(a.end - a.start for a in plan.ranks)
+    type(plan).model_validate_json(plan.to_json())  # a valid document the workers can read
+    # Nothing in memory at any one step: the directory's step 6 is the restore point.
+    plan = rollback_plan(previous, profile, ["node0", "node2"], [], {"node1:0": {4: {3, 4, 5}}},
+                         {6: set(range(6))}, bandwidth=10e9)
+    assert plan.restore_step == 6 and {c.source_kind for c in plan.copies} == {"checkpoint"}
+    assert rollback_plan(previous, profile, ["node0", "node2"], [], {"node1:0": {4: {3, 4, 5}}}, {},
+                         bandwidth=10e9) is None
+
+
+# -- host memory and transport ----------------------------------------------------------------------
+
+
+def test_the_store_keeps_the_newest_complete_step_and_the_one_being_built():
+    store = SnapshotStore()
+    for step in (0, 4, 8):
+        store.put(step, 0, torch.zeros(1, dtype=torch.uint8))
+    store.prune()
+    assert store.steps() == [4, 8], "nothing known complete: the two newest"
+    store.mark_complete(4)
+    store.put(12, 0, torch.zeros(1, dtype=torch.uint8))
+    store.freeze()
+    store.prune()
+    assert store.steps() == [4, 8, 12], "frozen: a reported step must stay until the next plan"
+    store.thaw()
+    store.prune()
+    assert store.steps() == [4, 12]
+    store.mark_complete(12)
+    store.prune()
+    assert store.steps() == [12]
+    assert store.holdings() == {"12": [0]}
+
+
+def test_a_push_lands_in_the_buddys_store_and_a_broken_one_does_not():
+    store = SnapshotStore()
+    server = SnapshotServer(store, "127.0.0.1").start()
+    try:
+        layers = {1: torch.arange(10, dtype=torch.uint8), 2: torch.arange(300_000, dtype=torch.int32).view(torch.uint8)}
+        push(f"127.0.0.1:{server.port}", 8, layers)
+        assert store.holdings() == {"8": [1, 2]}
+        assert torch.equal(store.get(8, 2), layers[2])
+        # An owner that dies mid-push: nothing of that push is reported.
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            from oobleck.runtime.snapshot import _send_message
+
+            _send_message(sock, {"kind": "layer", "step": 12, "layer": 1, "nbytes": 1000}, torch.zeros(10, dtype=torch.uint8))
+        threading.Event().wait(0.2)
+        assert store.holdings() == {"8": [1, 2]}
+    finally:
+        server.close()
+
+
+# -- state bytes and the directory -----------------------------------------------------------------
+
+
+def test_a_capture_is_a_copy_that_restores_the_layer_exactly():
+    model = build_model(WorkerConfig())
+    optimizer = LayerAdamW(WorkerConfig().optim)
+    module = model.build_layer(1)
+    optimizer.ensure_layer(1, module)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step([(1, module)], lr=0.1)
+    taken = capture(1, module, optimizer)
+    before = flatten(1, module, optimizer).clone()
+    optimizer.step([(1, module)], lr=0.1)  # the next update must not change the capture
+    assert torch.equal(taken, before) and not torch.equal(taken, flatten(1, module, optimizer))
+    fresh, fresh_optimizer = model.build_layer(1), LayerAdamW(WorkerConfig().optim)
+    unflatten(taken, 1, fresh, fresh_optimizer)
+    assert torch.equal(flatten(1, fresh, fresh_optimizer), before)
+    assert int(fresh_optimizer.state[(1, "qkv.weight")].step) == 1
+
+
+def test_checkpoint_files_are_whole_and_old_steps_are_pruned(tmp_path):
+    data = torch.arange(1000, dtype=torch.int32).view(torch.uint8)
+    for step in (3, 6, 9):
+        for layer in range(3):
+            write_checkpoint_layer(tmp_path, step, layer, data)
+    write_checkpoint_layer(tmp_path, 12, 0, data)  # a step being written
+    assert not list(tmp_path.glob("**/*.tmp")), "temporary files are renamed into place"
+    assert torch.equal(read_checkpoint_layer(tmp_path, 6, 2), data)
+    prune_checkpoints(tmp_path, num_layers=3, keep=2)
+    assert checkpoint_holdings(tmp_path) == {6: {0, 1, 2}, 9: {0, 1, 2}, 12: {0}}
+    assert checkpoint_holdings(tmp_path / "absent") == {}
+
+
+# -- a worker's rollback, in process ---------------------------------------------------------------
+
+
+def test_workers_roll_back_from_own_and_peer_snapshots_and_replay_exactly(profile):
+    """Two real Workers (threads, gloo): snapshots every 2 steps pushed to each other, 4 steps, then a
+    rollback generation to step 2 whose copies send layers from the *peer's* host snapshots over the
+    generation's links (node0 gets layers 1-2 from node1's memory, node1 layer 3 from node0's), and
+    steps 2-5 are trained again: every loss equals the reference's, the replayed ones bit for bit."""
+    import json
+
+    from torch.distributed import TCPStore
+
+    from oobleck.api.plan import LayerCopy
+    from oobleck.runtime.coordinator import held_key
+    from oobleck.runtime.reference import train_reference
+    from oobleck.runtime.snapshot import Snapshotter
+    from oobleck.runtime.worker import Worker
+
+    config = WorkerConfig(job="rollback", microbatch_size=2, steps=6, device="cpu")
+    first = plan_job(profile, ClusterShape(nodes=2, gpus_per_node=1, gpu_memory_bytes=PIPELINED_MEMORY,
+                                           intra_node_bandwidth=100e9, inter_node_bandwidth=10e9),
+                     0, 4, "rollback", nodes=["node0", "node1"])
+    assert [(a.node, a.start, a.end) for a in first.ranks] == [("node0", 0, 3), ("node1", 3, 6)]
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = lambda: TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)  # noqa: E731
+    workers = {}
+    for node in ("node0", "node1"):
+        worker = Worker(config, client(), node, 0)
+        worker.snapshots = Snapshotter(f"{node}:0", 2, client)
+        master.set(held_key(f"{node}:0"), json.dumps({"snapshot_address": worker.snapshots.address}))
+        workers[node] = worker
+
+    def run(plan, until) -> dict[str, list]:
+        losses, errors = {}, []
+
+        def one(node):
+            try:
+                worker = workers[node]
+                worker.abandon()
+                worker.adopt(plan)
+                losses[node] = [worker.train_step().loss for _ in range(worker.step, until)]
+            except BaseException as error:  # noqa: BLE001 - handed to the test thread
+                errors.append(error)
+
+        threads = [threading.Thread(target=one, args=(n,)) for n in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        return losses
+
+    before = run(first, 4)["node1"]
+    for worker in workers.values():
+        assert worker.snapshots.wait_idle(30)
+    assert workers["node0"].snapshots.store.holdings()["2"] == [0, 1, 2, 3, 4, 5], "own [0, 3) + node1's [3, 6)"
+    sizes = [layer.state_bytes for layer in profile.layers]
+
+    def source(layer, src, dst):
+        s, d = first.ranks[src], first.ranks[dst]
+        return LayerCopy(layer=layer, src_node=s.node, src_gpu=0, src_rank=src, dst_node=d.node, dst_gpu=0,
+                         dst_rank=dst, bytes=sizes[layer], source_kind="snapshot")
+
+    copies = [source(0, 0, 0), source(1, 1, 0), source(2, 1, 0), source(3, 0, 1), source(4, 1, 1), source(5, 1, 1)]
+    rollback = first.model_copy(update={"generation": 1, "restore_step": 2, "copies": copies, "reason": "rollback"})
+    rollback = type(first).model_validate_json(rollback.to_json())
+    after = run(rollback, 6)["node1"]
+    reference = train_reference(config, 4).losses
+    assert after[:2] == before[2:4], "the replay is exact"
+    assert [abs(a - b) / b for a, b in zip(before + after[2:], reference)] == pytest.approx([0.0] * 6, abs=1e-5)
+    assert all(int(s.step) == 6 for w in workers.values() for s in w.optimizer.state.values())
+    for worker in workers.values():
+        worker.snapshots.server.close()
