@@ -142,7 +142,8 @@ def run(args: argparse.Namespace, cluster: Cluster, workdir: Path) -> dict:
     metrics_port = free_port()
     operator = subprocess.Popen(
         [sys.executable, *(["-m", "cProfile", "-o", args.profile] if args.profile else []), "-m", "oobleck.cli", "operator", "-n", ns, "--kubeconfig", cluster.kubeconfig,
-         "--metrics-port", str(metrics_port), "--liveness-port", str(free_port())],
+         "--metrics-port", str(metrics_port), "--liveness-port", str(free_port()),
+         "--measure-timeout", "0"],  # kwok pods run no runtime: plan with the synthetic estimate
         stdout=log_file, stderr=subprocess.STDOUT,
     )  # fmt: skip
     follow = OperatorLog(log_path)

@@ -267,7 +267,7 @@ async def apply_decision(
     job: str,
     uid: str,
     spec: OobleckJobSpec,
-    profile: ModelProfile,
+    profile: ModelProfile | None,
     decision: Decision,
     plan_version: str | None,
     default_image: str,

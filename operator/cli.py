@@ -27,6 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-window", type=float, default=0.05, help="seconds to collect simultaneous events")
     parser.add_argument("--resync", type=float, default=10.0, help="seconds between reconciles without events")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory the planner assumes")
+    parser.add_argument("--measure-timeout", type=float, default=120.0,
+                        help="seconds the workers of a `profile: measure` job may take to report their measured "
+                             "profile before the first plan uses the synthetic estimate (0: do not wait)")
     parser.add_argument("--inter-node-gbps", type=float, default=200.0, help="inter-node bandwidth (Gbit/s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="also log every handler call")
     parser.add_argument("--crash-after-plan-write", action="store_true", help=argparse.SUPPRESS)  # restart tests
@@ -70,11 +73,13 @@ def run(args: argparse.Namespace) -> int:
                         ("--gpu-memory-gib", args.gpu_memory_gib), ("--inter-node-gbps", args.inter_node_gbps)):
         _positive(flag, value)
     _positive("--peering-lifetime", args.peering_lifetime)
-    if args.batch_window < 0:
-        print(f"oobleck operator: --batch-window must be >= 0, got {args.batch_window}", file=sys.stderr)
-        return 2
+    for flag, value in (("--batch-window", args.batch_window), ("--measure-timeout", args.measure_timeout)):
+        if value < 0:
+            print(f"oobleck operator: {flag} must be >= 0, got {value}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tuning = Tuning(gpu_memory_bytes=int(args.gpu_memory_gib * (1 << 30)), inter_node_bandwidth=args.inter_node_gbps * 1e9 / 8)
+    tuning = Tuning(gpu_memory_bytes=int(args.gpu_memory_gib * (1 << 30)), inter_node_bandwidth=args.inter_node_gbps * 1e9 / 8,
+                    measure_timeout_s=args.measure_timeout)
     config = OperatorConfig(
         namespaces=tuple(args.namespace), kubeconfig=args.kubeconfig, default_image=args.image or DEFAULT_IMAGE,
         tuning=tuning, write_concurrency=args.write_concurrency, batch_window_s=args.batch_window, resync_s=args.resync,

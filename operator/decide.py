@@ -58,6 +58,9 @@ class Tuning:
     hbm_bandwidth: float = 2e12
     horizon: int = 100
     gpu_failure_conditions: tuple[str, ...] = ("GPUUnhealthy", "GpuUnhealthy", "NVIDIAGPUUnhealthy")
+    measure_timeout_s: float = 120.0
+    """`profile: measure`: how long the running workers may take to report their measurement before
+    generation 0 is planned with the synthetic estimate of the model instead (with a warning event)"""
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class Decision:
     events: tuple[Event, ...] = ()
     lost: tuple[str, ...] = ()  # members lost in this decision (for metrics)
     planner_seconds: float = 0.0
+    profile: ModelProfile | None = None  # the profile generation 0 was planned with (stored beside the plan)
 
 
 def cluster_shape(spec: OobleckJobSpec, tuning: Tuning) -> ClusterShape:
@@ -279,11 +283,12 @@ def decide(
     ctx: JobContext,
     obs: JobObservation,
     current: CurrentPlan | None,
-    profile: ModelProfile,
+    profile: ModelProfile | None,
     tuning: Tuning,
     now: datetime,
 ) -> Decision:
-    """The next actions for a job (see the module docstring)."""
+    """The next actions for a job (see the module docstring). `profile` is None only before the first
+    plan of a `profile: measure` job whose workers have not reported their measurement yet."""
     spec = ctx.spec
     status = _Status(ctx, now, (obs.loss, obs.samples_per_second))
     conditions = ctx.status.conditions
@@ -472,16 +477,18 @@ def decide(
 def _first_plan(
     ctx: JobContext,
     obs: JobObservation,
-    profile: ModelProfile,
+    profile: ModelProfile | None,
     tuning: Tuning,
     status: _Status,
     delete: list[tuple[str, str]],
     create_coordinator: bool,
     wall: float,
 ) -> Decision:
-    """Before generation 0: validate, create worker pods, and plan once enough of them run."""
+    """Before generation 0: validate, create worker pods, and plan once enough of them run (and, for
+    `profile: measure`, once a worker has reported the profile it measured; until then the spec is
+    checked against the synthetic estimate of its model)."""
     spec = ctx.spec
-    problem = check_spec(spec, profile, tuning)
+    problem = check_spec(spec, profile if profile is not None else synthetic_profile(spec, tuning), tuning)
     if problem is not None:
         return _fail(ctx, obs, None, status, Reason.INVALID_SPEC, f"the planner cannot serve this spec: {problem}")
     wanted = spec.nodes.wanted
@@ -500,7 +507,16 @@ def _first_plan(
     plan = None
     planner_s = 0.0
     events: list[Event] = []
-    if running and (len(running) == wanted or (timed_out and len(running) >= spec.nodes.min)):
+    enough = bool(running) and (len(running) == wanted or (timed_out and len(running) >= spec.nodes.min))
+    started = max((w.created for w in running if w.created is not None), default=wall)
+    if enough and profile is None and wall - started >= tuning.measure_timeout_s:
+        profile = synthetic_profile(spec, tuning)
+        events.append(Event("Warning", Reason.PROFILE_NOT_MEASURED,
+                            f"no worker reported a measured profile within {tuning.measure_timeout_s:.0f} s of "
+                            "running; planning with the synthetic estimate of the model"))
+    if enough and profile is None:
+        waiting = f"{len(running)} worker pods running; waiting for the profile they measure on their devices"
+    elif enough:
         began = time.perf_counter()
         try:
             templates = generate_templates(profile, cluster_shape(spec, tuning), f=spec.f)
@@ -516,7 +532,8 @@ def _first_plan(
         if not running or len(running) < wanted:
             why = next((w.reason for w in pending if w.reason), "")
             waiting = f"{len(running)} of {wanted} worker pods running" + (f"; {why}" if why else "")
-        status.set(ConditionType.RUNNING, "False", Reason.WAITING_FOR_NODES, waiting)
+        profiling = enough and profile is None
+        status.set(ConditionType.RUNNING, "False", Reason.PROFILING if profiling else Reason.WAITING_FOR_NODES, waiting)
         _pending_condition(status, pending, spec.pending_timeout_seconds, wall)
         return Decision(
             status=status.render(None, 0, 0), delete=tuple(dict(delete).items()), create=create,
@@ -537,5 +554,6 @@ def _first_plan(
     return Decision(
         status=status.render(plan, 0, 0), plan=plan, patches=patches, delete=tuple(dict(delete).items()),
         create=create, create_coordinator=create_coordinator, events=tuple(events), planner_seconds=planner_s,
+        profile=profile,
     )  # fmt: skip
 

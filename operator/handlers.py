@@ -257,9 +257,20 @@ async def _fail_invalid(api: Api, namespace: str, name: str, uid: str, body: kop
     return new.phase.value
 
 
-async def _profile(api: Api, runner: JobRunner, spec: OobleckJobSpec, namespace: str, config: OperatorConfig) -> ModelProfile:
-    """The profile to plan with: stored beside the plan, from the spec's ConfigMap, or synthetic."""
+async def _profile(
+    api: Api, runner: JobRunner, spec: OobleckJobSpec, namespace: str, config: OperatorConfig, measured: str | None
+) -> ModelProfile | None:
+    """The profile to plan with: stored beside the plan, from the spec's ConfigMap, or measured by a worker
+    (`measured`: its annotation); None while a `measure` job's workers are still profiling."""
     if runner.profile is not None:
+        return runner.profile
+    if spec.profile.source == "measure" and runner.current is None:
+        if not measured:
+            return None
+        try:
+            runner.profile = ModelProfile.model_validate_json(measured)
+        except ValidationError as error:
+            raise PlanningError(f"profile: the workers' measured profile is not valid: {error}") from error
         return runner.profile
     if spec.profile.source == "configMap":
         ref = spec.profile.config_map
@@ -273,6 +284,8 @@ async def _profile(api: Api, runner: JobRunner, spec: OobleckJobSpec, namespace:
         except ValidationError as error:
             raise PlanningError(f"profile.configMap: {ref.name}/{ref.key} is not a valid profile: {error}") from error
     else:
+        # A plan stored without its profile (an older operator wrote it): price later generations with
+        # the synthetic estimate of the spec's model.
         runner.profile = synthetic_profile(spec, config.tuning)
     return runner.profile
 
@@ -311,17 +324,17 @@ async def reconcile(
         else:
             runner.current = runner.plan_version = None
         runner.loaded = True
-    try:
-        profile = await _profile(api, runner, spec, namespace, config)
-    except (PlanningError, ValueError) as error:
-        runner.phase = await _fail_invalid(api, namespace, name, runner.uid, body, str(error))
-        return
     nodes = {node: next(iter(store)) for node, store in node_health.items()}
     gpu = spec.gpu_resource_name if spec.device == "cuda" else None
     obs = observe.observe(
         name, runner.uid, job_pods.get(runner.key, ()), nodes, runner.current.plan if runner.current else None,
         gpu_resource=gpu, gpu_conditions=config.tuning.gpu_failure_conditions,
     )  # fmt: skip
+    try:
+        profile = await _profile(api, runner, spec, namespace, config, obs.measured_profile)
+    except (PlanningError, ValueError) as error:
+        runner.phase = await _fail_invalid(api, namespace, name, runner.uid, body, str(error))
+        return
     # Node events wake the jobs with pods on that node.
     on_nodes = frozenset(w.node_name for w in obs.workers if w.node_name)
     for node in runner.nodes - on_nodes:
@@ -333,6 +346,8 @@ async def reconcile(
     ctx = JobContext(name, namespace, runner.uid, int(body.metadata.get("generation") or 0), spec, status)
     with GcPause() as pause:  # no collector pause between a failure and the patches (apply.GcPause)
         decision = decide(ctx, obs, runner.current, profile, config.tuning, _now())
+        if decision.profile is not None:
+            profile = runner.profile = decision.profile  # generation 0's: stored beside the plan
         if decision.plan is None:
             pause.end()
         if obs.foreign:

@@ -33,6 +33,7 @@ from oobleck.operator.render import (
     COORDINATOR_ROLE,
     FAILURE_ANNOTATION,
     GENERATION_ANNOTATION,
+    MEASURED_PROFILE_ANNOTATION,
     PROGRESS_ANNOTATION,
     RANKS_ANNOTATION,
     ROLE_LABEL,
@@ -73,6 +74,7 @@ class PodSummary:
     failure_report: str | None = None
     progress: str | None = None
     owner_uid: str | None = None
+    measured_profile: str | None = None  # MEASURED_PROFILE_ANNOTATION (profile: measure, before the first plan)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ def summarize_pod(body: Mapping[str, Any]) -> PodSummary:
         failure_report=annotations.get(FAILURE_ANNOTATION),
         progress=annotations.get(PROGRESS_ANNOTATION),
         owner_uid=owner,
+        measured_profile=annotations.get(MEASURED_PROFILE_ANNOTATION),
     )
 
 
@@ -226,6 +229,7 @@ class JobObservation:
     retry: str = ""  # why the current generation must be redone on the same nodes now (coordinator restart)
     stalled_since: float | None = None  # earliest report of a failure that names no dead worker (wall time)
     generation_trained: bool | None = None  # a member reported a step in the current generation (None: no reports)
+    measured_profile: str | None = None  # the lowest-indexed live worker's measured profile JSON, if any
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {w.name: w for w in self.workers})
@@ -347,7 +351,10 @@ def observe(
                     workers[target] = Worker(**{**peer.__dict__, "status": "lost", "reason": why})
                     accepted.append(f"{target}: {why}")
     ordered = tuple(sorted(workers.values(), key=lambda w: w.index))
+    measured = next((summaries[w.name].measured_profile for w in ordered
+                     if w.status in ("running", "succeeded") and summaries[w.name].measured_profile), None)
     return JobObservation(
+        measured_profile=measured,
         workers=ordered, coordinator=coordinator, step=step, foreign=tuple(sorted(foreign)), reports=tuple(accepted),
         loss=latest[0], samples_per_second=latest[1], unrecoverable=unrecoverable, retry=retry,
         stalled_since=stalled_since, generation_trained=generation_trained,

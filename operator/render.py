@@ -14,7 +14,8 @@ The contract with the runtime (what a worker pod may rely on):
 - Environment of the worker container:
   OOBLECK_JOB (job name), OOBLECK_NAMESPACE, OOBLECK_NODE (this pod's name: the plan's node id),
   OOBLECK_PLAN_CONFIGMAP (`<job>-plan`), OOBLECK_STORE (`<job>-coordinator.<job>-workers.<ns>.svc:29400`,
-  the coordinator's TCPStore), OOBLECK_GPUS_PER_NODE, OOBLECK_DEVICE (cuda or cpu). The worker
+  the coordinator's TCPStore), OOBLECK_GPUS_PER_NODE, OOBLECK_DEVICE (cuda or cpu), OOBLECK_JOB_SPEC
+  (the job's spec as JSON, camelCase). The worker
   (`python -m oobleck.runtime.pod`) connects to the coordinator pod's status.podIP, read through the
   API (the first label of OOBLECK_STORE is that pod's name), and uses the DNS name only when it cannot
   read it: the Service's names do not resolve on local nodes.
@@ -32,6 +33,9 @@ The contract with the runtime (what a worker pod may rely on):
   renumbers about one node). A worker takes the current generation from the ConfigMap, never from
   its pod. `annotations_current` says whether a pod's annotations match a plan.
 - Annotations on worker pods, written by the worker about itself (RBAC allows it to patch pods):
+  MEASURED_PROFILE_ANNOTATION: for a `profile: measure` job with no plan yet, the ModelProfile JSON the
+  pod's first worker measured on its device; the operator plans generation 0 with the lowest-indexed
+  worker's, and stores it in the plan ConfigMap (`profile.json`) for every later generation.
   FAILURE_ANNOTATION: a oobleck.runtime.health.FailureReport as JSON (`job`, `generation`,
   `reporter`, `kind`, `dead` (plan node ids), `detail`); kind "gpu" with `dead` empty or naming the
   reporter marks the reporter's own GPU unhealthy; kind "unrecoverable" (some layer's state is gone
@@ -67,6 +71,7 @@ from oobleck.api.planmap import (  # noqa: F401  (re-exported: the operator's mo
     FAILURES_SURVIVED_ANNOTATION,
     GENERATION_ANNOTATION,
     JOB_KEY,
+    MEASURED_PROFILE_ANNOTATION,
     PLAN_GZ_KEY,
     PLAN_INLINE_LIMIT,
     PLAN_KEY,
@@ -194,6 +199,9 @@ def worker_pod(
         {"name": "OOBLECK_STORE", "value": store_address(job, namespace)},
         {"name": "OOBLECK_GPUS_PER_NODE", "value": str(spec.gpus_per_node)},
         {"name": "OOBLECK_DEVICE", "value": spec.device},
+        # The model to profile before the first plan exists (`profile: measure`); afterwards the plan
+        # ConfigMap's job.json is what the worker reads.
+        {"name": "OOBLECK_JOB_SPEC", "value": json.dumps(spec.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True)},
         *({"name": e.name, "value": e.value} for e in spec.pod.env),
     ]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]

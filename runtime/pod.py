@@ -84,6 +84,8 @@ class PodEnv:
     progress_interval_s: float = 1.0
     compute_device: str | None = None
     """WORKER_DEVICE: "cpu" overrides a cuda spec's compute device (see the module docstring)"""
+    job_spec: str | None = None
+    """OOBLECK_JOB_SPEC: the job's spec as JSON (what to profile before any plan exists)"""
 
     @property
     def coordinator_pod(self) -> str:
@@ -130,6 +132,7 @@ class PodEnv:
             dead_after_s=number("WORKER_DEAD_AFTER_S", 3.0), heartbeat_period_s=number("WORKER_HEARTBEAT_PERIOD_S", 0.1),
             metrics_port=number("WORKER_METRICS_PORT", METRICS_PORT, int),
             progress_interval_s=number("WORKER_PROGRESS_INTERVAL_S", 1.0), compute_device=compute,
+            job_spec=env.get("OOBLECK_JOB_SPEC") or None,
         )  # fmt: skip
 
 
@@ -461,6 +464,34 @@ class PodFailure(RuntimeError):
         self.code = code
 
 
+def measure_profile(env: PodEnv, client: KubeClient, source) -> bool:
+    """For a `profile: measure` job without a plan yet: profile the model on this pod's device and put
+    the result on the pod (MEASURED_PROFILE_ANNOTATION), which the operator plans generation 0 with.
+    Returns whether it measured."""
+    import torch
+
+    from oobleck.api.job import parse_spec
+    from oobleck.runtime.config import build_model
+    from oobleck.runtime.profiler import profile_model
+    from oobleck.runtime.worker import choose_device
+
+    if env.job_spec is None or source.current() is not None:
+        return False
+    try:
+        spec = parse_spec(json.loads(env.job_spec))
+        config = worker_config(spec, env.job, container_root=env.container_root, compute_device=env.compute_device)
+    except ValueError as error:
+        raise PodFailure(EXIT_CONFIG, f"OOBLECK_JOB_SPEC: {error}") from error
+    if spec.profile.source != "measure":
+        return False
+    torch.set_num_threads(config.threads)
+    began = time.monotonic()
+    profile = profile_model(build_model(config), config.microbatch_size, choose_device(config, 0), 1, 3)
+    _annotate(client, env.namespace, env.node, {planmap.MEASURED_PROFILE_ANNOTATION: profile.model_dump_json()})
+    _log("profiled", env, layers=len(profile.layers), seconds=round(time.monotonic() - began, 3))
+    return True
+
+
 def first_config_map(source, env: PodEnv, timeout_s: float) -> dict[str, Any]:
     """The plan ConfigMap once it holds a plan (the operator writes it when enough pods run)."""
     if source.wait_newer(-1, timeout_s) is None:
@@ -489,6 +520,8 @@ def run_worker(env: PodEnv, gpu: int, client: KubeClient | None = None, first_pl
     groups.bind_to(env.pod_ip)
     client = client or KubeClient.in_cluster()
     source = ConfigMapPlanSource(client, env.namespace, env.plan_config_map).start()
+    if gpu == 0:
+        measure_profile(env, client, source)
     body = first_config_map(source, env, first_plan_s)
     try:
         spec = parse_spec(planmap.read_job_spec(body))

@@ -374,3 +374,26 @@ def test_a_microbatch_too_small_to_split_over_a_stages_gpus_is_an_invalid_spec(h
     world = World(h, spec, n_nodes=4)
     failed = cond(world.step().status, "Failed")
     assert failed.reason == "InvalidSpec" and "microbatchSize: 1 sample(s) cannot be split over the 2 GPUs" in failed.message
+
+
+def test_a_measure_job_plans_with_the_workers_profile_or_after_the_timeout_with_the_estimate(h):
+    world = World(h, h.spec(), n_nodes=4)  # profile: measure (the default)
+    ctx = h.context(world.spec)
+    gpu = "nvidia.com/gpu"
+    d = decide(ctx, observe(h.JOB, h.UID, [], world.nodes, None, gpu_resource=gpu), None, None, TUNING, world.now)
+    assert d.plan is None and d.create  # pods are created before anything is measured
+    world.apply(d)
+    pods = list(world.pods.values())
+
+    def first(measured=None, now=world.now):
+        obs = observe(h.JOB, h.UID, pods, world.nodes, None, gpu_resource=gpu)
+        return decide(replace(ctx, status=world.status), obs, None, measured, TUNING, now)
+
+    waiting = first()
+    assert waiting.plan is None and cond(waiting.status, "Running").reason == "Profiling"
+    measured = synthetic_profile(world.spec, TUNING).model_copy(update={"device": "measured on tiny-worker-0"})
+    planned = first(measured)
+    assert planned.plan is not None and planned.profile is measured
+    late = first(now=world.now + timedelta(seconds=TUNING.measure_timeout_s + 1))
+    assert late.plan is not None and late.profile == synthetic_profile(world.spec, TUNING)
+    assert [e.reason for e in late.events if e.type == "Warning"] == ["ProfileNotMeasured"]

@@ -53,7 +53,8 @@ class Operator:
         log = open(self.log_dir / f"operator-{self.starts}.log", "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "oobleck.cli", "operator", "-n", self.namespace, "--kubeconfig", self.cluster.kubeconfig,
-             "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), "--resync", "2", *extra],
+             "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), "--resync", "2",
+             "--measure-timeout", "0", *extra],  # kwok pods run no runtime: plan with the estimate
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         wait_for(self.healthy, "the operator's liveness probe", timeout=90)

@@ -41,6 +41,7 @@ class Reason:
     # Running
     WAITING_FOR_NODES = "WaitingForNodes"
     PROFILING = "Profiling"
+    PROFILE_NOT_MEASURED = "ProfileNotMeasured"
     TRAINING = "Training"
     # Reconfiguring
     NODE_LOST = "NodeLost"

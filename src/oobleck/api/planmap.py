@@ -28,6 +28,9 @@ RANKS_ANNOTATION = f"{GROUP}/ranks"
 FAILURE_ANNOTATION = f"{GROUP}/failure-report"
 PROGRESS_ANNOTATION = f"{GROUP}/progress"
 FAILURES_SURVIVED_ANNOTATION = f"{GROUP}/failures-survived"
+MEASURED_PROFILE_ANNOTATION = f"{GROUP}/measured-profile"
+"""On a worker pod, by its runtime, before the first plan of a `profile: measure` job: the ModelProfile
+JSON it measured on its own device (the operator plans generation 0 with it)"""
 
 PLAN_KEY = "plan.json"
 PLAN_GZ_KEY = "plan.json.gz"
