@@ -471,7 +471,10 @@ class Launcher:
                 continue
             if not any(c.code is None for c in self.children.values()):
                 raise JobFailed("every worker exited before the job finished")
-            time.sleep(0.005)
+            # Each pass costs the coordinator ~5 store round trips, which the workers' steps feel
+            # (measured: +4.7 % per step at a 5 ms period). Poll finely only while a fault is to be
+            # injected at a precise moment; the workers themselves detect failures without us.
+            time.sleep(0.005 if faults or restart_at is not None or spares else 0.02)
 
     def _last_error(self, worker: str) -> str:
         """The error a worker logged last (its "unrecoverable" event), for the job's failure message."""

@@ -1,4 +1,8 @@
-"""The file plan source: atomic replacement, new generations noticed within ~50 ms, never going back."""
+"""Plan sources: the file (atomic replacement, new generations noticed promptly, never going back) and
+the ConfigMap (both encodings decode, generations never go back, updates that do not raise the
+generation are not decoded, an invalid plan is an error naming the key). The ConfigMap source's
+objects are fed to its watch callback directly here (the watch itself: test_kube.py and
+test_kube_cluster.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +12,9 @@ import time
 
 import pytest
 
+from oobleck.api import planmap
 from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
-from oobleck.runtime.plansource import FilePlanSource, PlanSourceError, PlanWatcher, write_plan
+from oobleck.runtime.plansource import ConfigMapPlanSource, FilePlanSource, PlanSourceError, PlanWatcher, write_plan
 
 # A functional bound, not a benchmark: the watcher polls every few ms, but a loaded 2-core machine
 # can hold a thread off the CPU for a tenth of a second (measured: 160 ms once under load 9).
@@ -110,3 +115,80 @@ def test_watcher_flags_newer_generations_only(tmp_path):
 def test_poll_interval_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="poll_s"):
         FilePlanSource(tmp_path / "p.json", poll_s=0)
+
+
+# -- the ConfigMap source -------------------------------------------------------------------------
+
+
+def config_map(p: Plan, inline_limit: int = planmap.PLAN_INLINE_LIMIT, rv: str = "1") -> dict:
+    data, binary = planmap.encode_plan(p, inline_limit)
+    return {
+        "metadata": {"name": "job-plan", "resourceVersion": rv,
+                     "annotations": {planmap.GENERATION_ANNOTATION: str(p.generation)}},
+        "data": {**data, planmap.JOB_KEY: "{}"}, "binaryData": binary,
+    }  # fmt: skip
+
+
+def source() -> ConfigMapPlanSource:
+    # Never started: the test plays the watch.
+    src = ConfigMapPlanSource(client=None, namespace="ns", name="job-plan")
+    src._thread = threading.current_thread()  # type: ignore[assignment]  (start() is then a no-op)
+    return src
+
+
+def test_decodes_inline_and_gzipped_plans():
+    src = source()
+    src._on_object(config_map(plan(0)))
+    assert src.current() == plan(0)
+    gz = config_map(plan(1, nodes=3), inline_limit=10)
+    assert gz["data"][planmap.PLAN_KEY] == "" and planmap.PLAN_GZ_KEY in gz["binaryData"]
+    src._on_object(gz)
+    assert src.current() == plan(1, nodes=3)
+    assert src.config_map() is gz
+
+
+def test_never_returns_an_older_generation():
+    src = source()
+    src._on_object(config_map(plan(3)))
+    src._on_object(config_map(plan(2)))  # a stale event (a replayed watch, a stale writer)
+    assert src.current().generation == 3
+    assert src.wait_newer(3, 0.05) is None
+    assert src.wait_newer(2, 0.05).generation == 3
+
+
+def test_wait_newer_wakes_on_a_new_generation():
+    src = source()
+    src._on_object(config_map(plan(0)))
+    timer = threading.Timer(0.1, lambda: src._on_object(config_map(plan(1))))
+    started = time.monotonic()
+    timer.start()
+    got = src.wait_newer(0, 5.0)
+    assert got is not None and got.generation == 1 and time.monotonic() - started < 2.0
+
+
+def test_wait_newer_stops_on_the_stop_event_and_absent_configmap_is_no_plan():
+    src = source()
+    src._on_object(None)
+    assert src.current() is None
+    stop = threading.Event()
+    threading.Timer(0.1, stop.set).start()
+    started = time.monotonic()
+    assert src.wait_newer(-1, 30.0, stop) is None
+    assert time.monotonic() - started < 5.0
+
+
+def test_invalid_plan_names_the_key():
+    src = source()
+    src._on_object({"metadata": {"name": "job-plan", "annotations": {planmap.GENERATION_ANNOTATION: "0"}},
+                    "data": {planmap.PLAN_KEY: "{}"}})  # fmt: skip
+    with pytest.raises(PlanSourceError, match="job-plan: key plan.json: not a valid plan"):
+        src.current()
+    src._on_object(config_map(plan(0)))  # a valid one clears the error
+    assert src.current() == plan(0)
+
+
+def test_job_spec_key():
+    body = config_map(plan(0))
+    assert planmap.read_job_spec(body) == {}
+    with pytest.raises(ValueError, match="job.json: missing"):
+        planmap.read_job_spec({"metadata": {"name": "x"}, "data": {}})
