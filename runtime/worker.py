@@ -117,7 +117,11 @@ class Worker:
         generation breaks (the control side may set an earlier one, e.g. the kill it detected)"""
         self.losses_path = Path(losses_path) if losses_path else None
         self.metrics = metrics or WorkerMetrics(config.job, node, gpu)
-        self._state_bytes: list[int] | None = None
+        # Sized now, at start-up, not on the first reconfiguration's critical path (runtime/resolve.py
+        # needs them): the first meta-device build takes ~1 s of lazy set-up. Not on a thread: layer
+        # builders reseed the global RNG, which a training step running beside them would feel.
+        with torch.device("meta"):
+            self._state_bytes = [state_nbytes(self.model.build_layer(i)) for i in range(self.model.num_layers)]
 
     # -- generations -------------------------------------------------------------------------------
 
@@ -216,11 +220,7 @@ class Worker:
 
     def layer_state_bytes(self) -> list[int]:
         """Every layer's full state in bytes (`state.flatten`'s size): what a copy of it moves.
-
-        Built once on the meta device: sizes without allocating the whole model."""
-        if self._state_bytes is None:
-            with torch.device("meta"):
-                self._state_bytes = [state_nbytes(self.model.build_layer(i)) for i in range(self.model.num_layers)]
+        Measured at start-up on the meta device: sizes without allocating the whole model."""
         return self._state_bytes
 
     def _step_from_state(self) -> int:
