@@ -135,31 +135,29 @@ class Api:
 
     # -- writes --
 
-    async def patch_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> bool:
-        """Merge annotations into a pod; False if the pod is gone."""
+    async def _unless_gone(self, *call: Any, **kwargs: Any) -> bool:
+        """`_call(*call, **kwargs)`; False if the object is gone (404), True otherwise."""
         try:
-            await self._call(
-                "patch", f"pod {namespace}/{name}", self.core.patch_namespaced_pod, name, namespace,
-                {"metadata": {"annotations": annotations}}, _content_type=MERGE,
-            )  # fmt: skip
+            await self._call(*call, **kwargs)
             return True
         except ApiError as error:
             if error.status == 404:
                 return False
             raise
 
+    async def patch_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> bool:
+        """Merge annotations into a pod; False if the pod is gone."""
+        return await self._unless_gone(
+            "patch", f"pod {namespace}/{name}", self.core.patch_namespaced_pod, name, namespace,
+            {"metadata": {"annotations": annotations}}, _content_type=MERGE,
+        )  # fmt: skip
+
     async def delete_pod(self, namespace: str, name: str) -> bool:
         """Delete a pod at once (grace 0: its node may be gone); False if already gone."""
-        try:
-            await self._call(
-                "delete", f"pod {namespace}/{name}", self.core.delete_namespaced_pod, name, namespace,
-                grace_period_seconds=0,
-            )  # fmt: skip
-            return True
-        except ApiError as error:
-            if error.status == 404:
-                return False
-            raise
+        return await self._unless_gone(
+            "delete", f"pod {namespace}/{name}", self.core.delete_namespaced_pod, name, namespace,
+            grace_period_seconds=0,
+        )  # fmt: skip
 
     async def write_plan(self, body: dict[str, Any], owner_uid: str, resource_version: str | None) -> str:
         """Create the plan ConfigMap (generation 0, `resource_version` None) or replace its content with
