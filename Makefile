@@ -18,19 +18,19 @@ k8s-tools:
 # The CRD YAML is generated from the pydantic models; the helm chart carries a copy of it.
 crds: venv
 	$(PY) -m oobleck.cli crds --write crds/
-	$(PY) -m oobleck.dev.chart --write
+	$(PY) -m oobleck_dev.chart --write
 
 test: venv k8s-tools
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 demo: venv k8s-tools
-	$(PY) -m oobleck.cli demo
+	$(PY) -m oobleck_dev demo
 
 dev-up: venv k8s-tools
-	$(PY) -m oobleck.cli dev up
+	$(PY) -m oobleck_dev up
 
 dev-down: venv
-	$(PY) -m oobleck.cli dev down
+	$(PY) -m oobleck_dev down
 
 # Benchmarks print figures (ratios against a baseline measured in the same run); see README.
 bench: venv

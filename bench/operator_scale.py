@@ -29,10 +29,10 @@ from pathlib import Path
 
 import yaml
 
-from oobleck.dev.controlplane import Cluster, ControlPlane, free_port
-from oobleck.dev.kwok import FAKE_NODE_LABEL
-from oobleck.dev.tools import find_tools
 from oobleck.operator import render
+from oobleck_dev.controlplane import Cluster, ControlPlane, free_port
+from oobleck_dev.kwok import FAKE_NODE_LABEL
+from oobleck_dev.tools import find_tools
 
 POOL_LABEL = "oobleck-bench/pool"
 LINE = re.compile(
@@ -112,7 +112,9 @@ def inject(cluster: Cluster, ns: str, pod: str, kind: str) -> None:
         cluster.kubectl("delete", "pod", pod, "-n", ns, "--wait=false")
         return
     if kind == "pod-failed":
-        cluster.kubectl("patch", "pod", pod, "-n", ns, "--subresource=status", "--type=merge", "-p", '{"status":{"phase":"Failed"}}')
+        cluster.kubectl(
+            "patch", "pod", pod, "-n", ns, "--subresource=status", "--type=merge", "-p", '{"status":{"phase":"Failed"}}'
+        )
         return
     node = cluster.kubectl("get", "pod", pod, "-n", ns, "-o", "jsonpath={.spec.nodeName}").stdout.strip()
     cluster.kubectl("label", "node", node, f"{FAKE_NODE_LABEL}-")  # kwok would re-ready it
@@ -141,11 +143,26 @@ def run(args: argparse.Namespace, cluster: Cluster, workdir: Path) -> dict:
     log_file = open(log_path, "w")
     metrics_port = free_port()
     operator = subprocess.Popen(
-        [sys.executable, *(["-m", "cProfile", "-o", args.profile] if args.profile else []), "-m", "oobleck.cli", "operator", "-n", ns, "--kubeconfig", cluster.kubeconfig,
-         "--metrics-port", str(metrics_port), "--liveness-port", str(free_port()),
-         "--measure-timeout", "0"],  # kwok pods run no runtime: plan with the synthetic estimate
-        stdout=log_file, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            *(["-m", "cProfile", "-o", args.profile] if args.profile else []),
+            "-m",
+            "oobleck.cli",
+            "operator",
+            "-n",
+            ns,
+            "--kubeconfig",
+            cluster.kubeconfig,
+            "--metrics-port",
+            str(metrics_port),
+            "--liveness-port",
+            str(free_port()),
+            "--measure-timeout",
+            "0",
+        ],  # kwok pods run no runtime: plan with the synthetic estimate
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+    )
     follow = OperatorLog(log_path)
     try:
         jobs = {"big": (args.nodes, True)}
@@ -162,11 +179,16 @@ def run(args: argparse.Namespace, cluster: Cluster, workdir: Path) -> dict:
                 states = cluster.kubectl_json("get", "oobleckjobs", "-n", ns)["items"]
                 failed = [j for j in states if j.get("status", {}).get("phase") == "Failed"]
                 if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"jobs not at generation 0: {[(j['metadata']['name'], j.get('status', {}).get('conditions')) for j in failed or states if j['metadata']['name'] in pending]}") from None
+                    raise RuntimeError(
+                        f"jobs not at generation 0: {[(j['metadata']['name'], j.get('status', {}).get('conditions')) for j in failed or states if j['metadata']['name'] in pending]}"
+                    ) from None
                 continue
             pending.discard(line["job"])
         startup_s = time.monotonic() - began
-        print(f"all {len(jobs)} jobs at generation 0 in {startup_s:.1f} s (pods scheduled by kube-scheduler, run by kwok)", flush=True)
+        print(
+            f"all {len(jobs)} jobs at generation 0 in {startup_s:.1f} s (pods scheduled by kube-scheduler, run by kwok)",
+            flush=True,
+        )
         cpu0, _, _ = proc_usage(operator.pid)
         kinds = ["pod-deleted", "pod-failed", "node-not-ready", "gpu-allocatable"]
         results: list[dict] = []
@@ -175,7 +197,11 @@ def run(args: argparse.Namespace, cluster: Cluster, workdir: Path) -> dict:
             count = args.simultaneous if round_ == args.rounds - 1 else 1
             big_members = members(cluster, ns, "big")
             victims = rng.sample(big_members, count)
-            small_victims = {f"small-{i}": rng.choice(members(cluster, ns, f"small-{i}")) for i in range(args.small_jobs)} if round_ == 0 else {}
+            small_victims = (
+                {f"small-{i}": rng.choice(members(cluster, ns, f"small-{i}")) for i in range(args.small_jobs)}
+                if round_ == 0
+                else {}
+            )
             follow.poll()
             mark = len(follow.lines)
             if count > 1:  # one API client call after another, as fast as kubectl goes
@@ -183,34 +209,65 @@ def run(args: argparse.Namespace, cluster: Cluster, workdir: Path) -> dict:
                 cluster.kubectl("delete", "pod", *victims, "-n", ns, "--wait=false")
             else:
                 inject(cluster, ns, victims[0], kind)
-            for job, victim in small_victims.items():
+            for victim in small_victims.values():
                 inject(cluster, ns, victim, "pod-deleted")
-            line = follow.wait(lambda l: l["job"] == "big" and int(l["lost"]) > 0, f"round {round_} ({kind})", args.timeout, mark)
-            results.append({"round": round_, "kind": kind, "lost": int(line["lost"]), "latency_s": float(line["latency"] or "nan"),
-                            "planner_s": float(line["planner"]), "patched": int(line["patched"]), "generation": int(line["gen"])})  # fmt: skip
+            line = follow.wait(
+                lambda l: l["job"] == "big" and int(l["lost"]) > 0, f"round {round_} ({kind})", args.timeout, mark
+            )
+            results.append(
+                {
+                    "round": round_,
+                    "kind": kind,
+                    "lost": int(line["lost"]),
+                    "latency_s": float(line["latency"] or "nan"),
+                    "planner_s": float(line["planner"]),
+                    "patched": int(line["patched"]),
+                    "generation": int(line["gen"]),
+                }
+            )
             for job in small_victims:
-                small = follow.wait(lambda l, j=job: l["job"] == j and int(l["lost"]) > 0, f"{job} lost", args.timeout, mark)
-                results.append({"round": round_, "kind": "small-pod-deleted", "job": job, "lost": 1,
-                                "latency_s": float(small["latency"] or "nan"), "planner_s": float(small["planner"]),
-                                "patched": int(small["patched"]), "generation": int(small["gen"])})  # fmt: skip
-            print(f"round {round_}: {kind} x{count}: generation {line['gen']}, failure-to-patch {line['latency']} s, "
-                  f"planner {line['planner']} s, {line['patched']} pods patched", flush=True)  # fmt: skip
+                small = follow.wait(
+                    lambda l, j=job: l["job"] == j and int(l["lost"]) > 0, f"{job} lost", args.timeout, mark
+                )
+                results.append(
+                    {
+                        "round": round_,
+                        "kind": "small-pod-deleted",
+                        "job": job,
+                        "lost": 1,
+                        "latency_s": float(small["latency"] or "nan"),
+                        "planner_s": float(small["planner"]),
+                        "patched": int(small["patched"]),
+                        "generation": int(small["gen"]),
+                    }
+                )
+            print(
+                f"round {round_}: {kind} x{count}: generation {line['gen']}, failure-to-patch {line['latency']} s, "
+                f"planner {line['planner']} s, {line['patched']} pods patched",
+                flush=True,
+            )
             # Let the replacement (if it can be scheduled) fold in before the next failure.
             time.sleep(args.pause)
         cpu1, rss, peak = proc_usage(operator.pid)
         big = [r["latency_s"] for r in results if r["kind"] != "small-pod-deleted"]
         small = [r["latency_s"] for r in results if r["kind"] == "small-pod-deleted"]
         summary = {
-            "nodes": total, "big_job_nodes": args.nodes, "small_jobs": args.small_jobs, "startup_s": round(startup_s, 2),
-            "big_p50_s": round(statistics.median(big), 4), "big_p99_s": round(percentile(big, 0.99), 4),
+            "nodes": total,
+            "big_job_nodes": args.nodes,
+            "small_jobs": args.small_jobs,
+            "startup_s": round(startup_s, 2),
+            "big_p50_s": round(statistics.median(big), 4),
+            "big_p99_s": round(percentile(big, 0.99), 4),
             "big_max_s": round(max(big), 4),
             "big_pods_patched_max": max(r["patched"] for r in results if r["kind"] != "small-pod-deleted"),
             "small_p50_s": round(statistics.median(small), 4) if small else None,
             "small_p99_s": round(percentile(small, 0.99), 4) if small else None,
-            "operator_cpu_s_during_failures": round(cpu1 - cpu0, 2), "operator_cpu_s_total": round(cpu1, 2),
-            "operator_rss_mib": round(rss / 2**20, 1), "operator_peak_rss_mib": round(peak / 2**20, 1),
+            "operator_cpu_s_during_failures": round(cpu1 - cpu0, 2),
+            "operator_cpu_s_total": round(cpu1, 2),
+            "operator_rss_mib": round(rss / 2**20, 1),
+            "operator_peak_rss_mib": round(peak / 2**20, 1),
             "rounds": results,
-        }  # fmt: skip
+        }
         return summary
     finally:
         operator.send_signal(signal.SIGTERM)

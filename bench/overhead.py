@@ -56,14 +56,34 @@ def two_stage_plan(num_layers: int, microbatches: int, split: int):
 
     stages = [(0, split), (split, num_layers)]
     return Plan(
-        job="overhead", generation=0, num_layers=num_layers, gpus_per_node=1, f=0,
+        job="overhead",
+        generation=0,
+        num_layers=num_layers,
+        gpus_per_node=1,
+        f=0,
         global_microbatches=microbatches,
-        templates=[Template(nodes=2, stages=[TemplateStage(start=a, end=b, node=i, gpus=1, gpu_offset=0, forward_ms=0,
-                                                           backward_ms=0) for i, (a, b) in enumerate(stages)],
-                            iteration_ms=0, m_ref=microbatches)],
-        pipelines=[Pipeline(index=0, template_nodes=2, nodes=["n0", "n1"], microbatches=microbatches, microbatch_offset=0,
-                            stages=[Stage(start=a, end=b, node=f"n{i}", gpus=[0], ranks=[i]) for i, (a, b) in enumerate(stages)],
-                            iteration_ms=0)],
+        templates=[
+            Template(
+                nodes=2,
+                stages=[
+                    TemplateStage(start=a, end=b, node=i, gpus=1, gpu_offset=0, forward_ms=0, backward_ms=0)
+                    for i, (a, b) in enumerate(stages)
+                ],
+                iteration_ms=0,
+                m_ref=microbatches,
+            )
+        ],
+        pipelines=[
+            Pipeline(
+                index=0,
+                template_nodes=2,
+                nodes=["n0", "n1"],
+                microbatches=microbatches,
+                microbatch_offset=0,
+                stages=[Stage(start=a, end=b, node=f"n{i}", gpus=[0], ranks=[i]) for i, (a, b) in enumerate(stages)],
+                iteration_ms=0,
+            )
+        ],
         iteration_ms=0,
     )
 
@@ -105,11 +125,30 @@ def run_variant(variant: str, config, plan, folder: Path) -> list[float]:
     if variant == "off":
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         (folder / "plan.json").write_text(plan.to_json())
-        commands = [[sys.executable, "-m", "oobleck.runtime", "worker", "--config", str(folder / "config.json"),
-                     "--plan", str(folder / "plan.json"), "--store", f"127.0.0.1:{store.port}", "--node", a.node,
-                     "--gpu", "0", "--losses", str(losses)] for a in plan.ranks]
-        processes = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
-                     for c in commands]
+        commands = [
+            [
+                sys.executable,
+                "-m",
+                "oobleck.runtime",
+                "worker",
+                "--config",
+                str(folder / "config.json"),
+                "--plan",
+                str(folder / "plan.json"),
+                "--store",
+                f"127.0.0.1:{store.port}",
+                "--node",
+                a.node,
+                "--gpu",
+                "0",
+                "--losses",
+                str(losses),
+            ]
+            for a in plan.ranks
+        ]
+        processes = [
+            subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True) for c in commands
+        ]
         _communicate(processes)
         return step_intervals(losses, logger)
     coordinator = Coordinator("127.0.0.1").start()
@@ -119,13 +158,32 @@ def run_variant(variant: str, config, plan, folder: Path) -> list[float]:
     try:
         plan_path = folder / "plan.json"
         write_plan(plan_path, plan)
-        entry = ([sys.executable, "-m", "oobleck.runtime.reconfig"] if without in (None, "waits", "snapshots")
-                 else [sys.executable, __file__, "_worker", "--without", without])
-        commands = [entry + ["--config", str(folder / "config.json"), "--plan-file", str(plan_path),
-                             "--store", f"127.0.0.1:{coordinator.port}", "--node", a.node, "--gpu", "0",
-                             "--losses", str(losses)] for a in plan.ranks]
-        processes = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
-                     for c in commands]
+        entry = (
+            [sys.executable, "-m", "oobleck.runtime.reconfig"]
+            if without in (None, "waits", "snapshots")
+            else [sys.executable, __file__, "_worker", "--without", without]
+        )
+        commands = [
+            entry
+            + [
+                "--config",
+                str(folder / "config.json"),
+                "--plan-file",
+                str(plan_path),
+                "--store",
+                f"127.0.0.1:{coordinator.port}",
+                "--node",
+                a.node,
+                "--gpu",
+                "0",
+                "--losses",
+                str(losses),
+            ]
+            for a in plan.ranks
+        ]
+        processes = [
+            subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True) for c in commands
+        ]
         _communicate(processes)
     finally:
         stop.set()
@@ -204,15 +262,25 @@ def _worker(argv: list[str]) -> int:
     port = int(port)
     timeouts = StoreTimeouts()
     me = worker_id(args.node, args.gpu)
-    detector = (_NoDetector() if args.without == "detector"
-                else FailureDetector(config.job, me, host, port, store_timeouts=timeouts).start())
+    detector = (
+        _NoDetector()
+        if args.without == "detector"
+        else FailureDetector(config.job, me, host, port, store_timeouts=timeouts).start()
+    )
     control = reconfig.ControlStore(host, port, timeouts)
-    worker = Worker(config, dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store), args.node, args.gpu,
-                    failed=detector.failure, losses_path=args.losses)
+    worker = Worker(
+        config,
+        dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store),
+        args.node,
+        args.gpu,
+        failed=detector.failure,
+        losses_path=args.losses,
+    )
     worker._epoch = control.epoch
     if args.without != "commit":
         worker.optimizer = reconfig.CommittingOptimizer(
-            worker.optimizer, worker, reconfig.StepCommit(control, detector.failure, worker=me))
+            worker.optimizer, worker, reconfig.StepCommit(control, detector.failure, worker=me)
+        )
     worker.snapshots = snapshotter_for(config, me, lambda: connect(host, port, timeouts)[0], host)
     profiler = None
     if os.environ.get("OVERHEAD_PROFILE"):
@@ -221,8 +289,9 @@ def _worker(argv: list[str]) -> int:
         profiler = cProfile.Profile()
         profiler.enable()
     try:
-        result = reconfig.run_elastic(worker, FilePlanSource(args.plan_file), detector, control, config.steps,
-                                      progress=args.without != "progress")
+        result = reconfig.run_elastic(
+            worker, FilePlanSource(args.plan_file), detector, control, config.steps, progress=args.without != "progress"
+        )
     finally:
         detector.stop()
         if profiler is not None:
@@ -252,12 +321,15 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    config = WorkerConfig(job="overhead", model=MODEL, microbatch_size=args.microbatch_size, steps=args.steps, device="cpu")
+    config = WorkerConfig(
+        job="overhead", model=MODEL, microbatch_size=args.microbatch_size, steps=args.steps, device="cpu"
+    )
     model = build_model(config)
     torch.set_num_threads(config.threads)
     # Per layer, the fastest of three profiles: a busy machine only ever makes a layer look slower.
-    profiles = [profile_model(model, args.microbatch_size, torch.device("cpu"), warmup=2, iterations=5)
-                for _ in range(3)]
+    profiles = [
+        profile_model(model, args.microbatch_size, torch.device("cpu"), warmup=2, iterations=5) for _ in range(3)
+    ]
     costs = [min(p.layers[i].forward_ms + p.layers[i].backward_ms for p in profiles) for i in range(model.num_layers)]
     # Split where the two stages' costs are closest.
     split = min(range(1, model.num_layers), key=lambda k: abs(sum(costs[:k]) - sum(costs[k:])))
@@ -265,15 +337,18 @@ def main() -> int:
     stage_ms = [sum(costs[:split]), sum(costs[split:])]
     bound_ms = sum(stage_ms) + (args.microbatches - 1) * max(stage_ms)
 
-    variants = (args.variants.split(",") if args.variants
-                else ["on", "off"] + (["on+poll"] + [f"no-{p}" for p in PIECES] if args.pieces else []))
+    variants = (
+        args.variants.split(",")
+        if args.variants
+        else ["on", "off"] + (["on+poll"] + [f"no-{p}" for p in PIECES] if args.pieces else [])
+    )
     stats = ("median", "p10", "mean")
     runs: dict[str, dict[str, list[float]]] = {v: {k: [] for k in stats} for v in variants}
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.repeats):
             for variant in variants:
-                seconds = sorted(run_variant(variant, config, plan, Path(tmp))[args.warmup:])
+                seconds = sorted(run_variant(variant, config, plan, Path(tmp))[args.warmup :])
                 runs[variant]["median"].append(statistics.median(seconds) * 1e3)
                 runs[variant]["p10"].append(seconds[len(seconds) // 10] * 1e3)
                 runs[variant]["mean"].append(statistics.mean(seconds) * 1e3)
@@ -281,11 +356,18 @@ def main() -> int:
     # Per statistic: the median over runs of each run's figure.
     step_ms = {k: {v: statistics.median(runs[v][k]) for v in variants} for k in stats}
     result: dict = {
-        "model": MODEL, "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
-        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+        "model": MODEL,
+        "microbatch_size": args.microbatch_size,
+        "microbatches": args.microbatches,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
         "snapshot_interval_steps": config.snapshot.interval_steps,
-        "stages": [[0, split], [split, model.num_layers]], "stage_ms": stage_ms, "bound_1f1b_ms": bound_ms,
-        "step_ms": step_ms, "runs_ms": runs,
+        "stages": [[0, split], [split, model.num_layers]],
+        "stage_ms": stage_ms,
+        "bound_1f1b_ms": bound_ms,
+        "step_ms": step_ms,
+        "runs_ms": runs,
         "efficiency": {v: bound_ms / ms for v, ms in step_ms["median"].items()},
     }
     if "on" in variants and "off" in variants:
@@ -294,12 +376,17 @@ def main() -> int:
         result["overhead_on_vs_off"] = {k: step_ms[k]["on"] / step_ms[k]["off"] - 1 for k in stats}
     if "on" in variants:
         # A piece's cost: how much faster `on` runs without it.
-        result["piece_cost_ms"] = {k: {v.removeprefix("no-"): step_ms[k]["on"] - ms for v, ms in step_ms[k].items()
-                                       if v.startswith("no-")} for k in stats}
+        result["piece_cost_ms"] = {
+            k: {v.removeprefix("no-"): step_ms[k]["on"] - ms for v, ms in step_ms[k].items() if v.startswith("no-")}
+            for k in stats
+        }
     if "on" in variants and "on+poll" in variants:
         result["launcher_poll_cost_ms"] = {k: step_ms[k]["on+poll"] - step_ms[k]["on"] for k in stats}
-    result |= {"cpu_count": os.cpu_count(), "load_1min": {"min": min(load), "max": max(load)},
-               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    result |= {
+        "cpu_count": os.cpu_count(),
+        "load_1min": {"min": min(load), "max": max(load)},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

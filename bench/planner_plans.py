@@ -57,13 +57,22 @@ def main() -> None:
     args = parser.parse_args()
 
     profile = gpt_profile(GPT3[args.model], seq_len=2048, microbatch_size=1, gpu_flops=400e12, hbm_bandwidth=3.35e12)
-    cluster = ClusterShape(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=80 << 30,
-                           intra_node_bandwidth=450e9, inter_node_bandwidth=50e9)
+    cluster = ClusterShape(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory_bytes=80 << 30,
+        intra_node_bandwidth=450e9,
+        inter_node_bandwidth=50e9,
+    )
     start = time.perf_counter()
     templates = generate_templates(profile, cluster, f=args.f, m_ref=args.m_ref)
-    print(f"{args.model}: {len(profile.layers)} layers; N = {args.nodes} nodes x {args.gpus_per_node} GPUs; "
-          f"f = {args.f}; B = {args.microbatches} microbatches")
-    print(f"templates of {[t.nodes for t in templates]} nodes ({(time.perf_counter() - start) * 1e3:.0f} ms, not timed below)")
+    print(
+        f"{args.model}: {len(profile.layers)} layers; N = {args.nodes} nodes x {args.gpus_per_node} GPUs; "
+        f"f = {args.f}; B = {args.microbatches} microbatches"
+    )
+    print(
+        f"templates of {[t.nodes for t in templates]} nodes ({(time.perf_counter() - start) * 1e3:.0f} ms, not timed below)"
+    )
 
     nodes = [str(i) for i in range(args.nodes)]
     ordered = sorted(templates, key=lambda t: -t.nodes)
@@ -80,28 +89,42 @@ def main() -> None:
     plan = instantiate(templates, nodes, args.f, args.microbatches, "bench")
     print(f"plan: {len(plan.pipelines)} pipelines, {plan.world_size} ranks, iteration {plan.iteration_ms:.1f} ms")
     rows: list[tuple[str, Timing, Timing | None]] = [
-        ("instantiation + batch distribution",
-         measure(planning("compiled"), args.repeat), measure(planning("reference"), args.reference_repeat)),
-        ("  + Plan document (validated pydantic model)",
-         measure(lambda: instantiate(templates, nodes, args.f, args.microbatches, "bench"), args.repeat), None),
+        (
+            "instantiation + batch distribution",
+            measure(planning("compiled"), args.repeat),
+            measure(planning("reference"), args.reference_repeat),
+        ),
+        (
+            "  + Plan document (validated pydantic model)",
+            measure(lambda: instantiate(templates, nodes, args.f, args.microbatches, "bench"), args.repeat),
+            None,
+        ),
     ]
     for count in (1, 8):
         lost = [plan.pipelines[(k * len(plan.pipelines)) // count].nodes[-1] for k in range(count)]
         layout = next_layout(plan, templates, profile, lost=lost, bandwidth=cluster.inter_node_bandwidth)
         chosen = layout.considered[layout.chosen]
-        print(f"lose {count}: {chosen.reason}, {chosen.pipelines} pipelines, {len(layout.copies)} copies "
-              f"({chosen.copy_bytes / 2**30:.1f} GiB), iteration {chosen.iteration_ms:.1f} ms; "
-              f"candidates {[c.reason for c in layout.considered]}")
+        print(
+            f"lose {count}: {chosen.reason}, {chosen.pipelines} pipelines, {len(layout.copies)} copies "
+            f"({chosen.copy_bytes / 2**30:.1f} GiB), iteration {chosen.iteration_ms:.1f} ms; "
+            f"candidates {[c.reason for c in layout.considered]}"
+        )
 
         def again(engine: str, lost: list[str] = lost) -> Callable[[], object]:
-            return lambda: next_layout(plan, templates, profile, lost=lost,
-                                       bandwidth=cluster.inter_node_bandwidth, engine=engine)
+            return lambda: next_layout(
+                plan, templates, profile, lost=lost, bandwidth=cluster.inter_node_bandwidth, engine=engine
+            )
 
         def whole(lost: list[str] = lost) -> object:
             return reconfigure(plan, templates, profile, lost=lost, bandwidth=cluster.inter_node_bandwidth)
 
-        rows.append((f"reconfiguration, {count} of {args.nodes} nodes lost",
-                     measure(again("compiled"), args.repeat), measure(again("reference"), args.reference_repeat)))
+        rows.append(
+            (
+                f"reconfiguration, {count} of {args.nodes} nodes lost",
+                measure(again("compiled"), args.repeat),
+                measure(again("reference"), args.reference_repeat),
+            )
+        )
         rows.append((f"  + Plan document ({count} lost)", measure(whole, args.repeat), None))
 
     print()

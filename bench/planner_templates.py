@@ -41,7 +41,9 @@ def timed(fn, repeat: int) -> tuple[float, object]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs per figure; the best is printed")
-    parser.add_argument("--m-ref", type=int, default=T.DEFAULT_M_REF, help="microbatches the templates are optimised for")
+    parser.add_argument(
+        "--m-ref", type=int, default=T.DEFAULT_M_REF, help="microbatches the templates are optimised for"
+    )
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -49,7 +51,9 @@ def main() -> int:
     print(f"model: {len(profile.layers)} layers ({profile.model}), m_ref = {args.m_ref}, one core")
 
     def cluster(G: int, N: int) -> ClusterShape:
-        return ClusterShape(nodes=N, gpus_per_node=G, gpu_memory_bytes=MEMORY, intra_node_bandwidth=NVLINK, inter_node_bandwidth=NETWORK)
+        return ClusterShape(
+            nodes=N, gpus_per_node=G, gpu_memory_bytes=MEMORY, intra_node_bandwidth=NVLINK, inter_node_bandwidth=NETWORK
+        )
 
     for G, N, target in ((1, 64, 100), (8, 128, 1000)):
         shape = cluster(G, N)

@@ -45,11 +45,18 @@ def _events(workdir: Path) -> list[dict]:
 
 
 def run_oobleck(workdir: Path, steps: int, kill_step: int, heartbeats_only: bool) -> dict:
-    from oobleck.runtime.launcher import Fault, LaunchOptions, Launcher
+    from oobleck.runtime.launcher import Fault, Launcher, LaunchOptions
 
     options = LaunchOptions(
-        nodes=4, f=1, steps=steps, microbatches=8, gpu_memory=PIPELINED_MEMORY, workdir=workdir, timeout_s=300,
-        faults=(Fault(at_step=kill_step, ranks=(1,), delay_s=0.01),), detect_exits=not heartbeats_only,
+        nodes=4,
+        f=1,
+        steps=steps,
+        microbatches=8,
+        gpu_memory=PIPELINED_MEMORY,
+        workdir=workdir,
+        timeout_s=300,
+        faults=(Fault(at_step=kill_step, ranks=(1,), delay_s=0.01),),
+        detect_exits=not heartbeats_only,
     )
     summary = Launcher(options).run()
     if not summary.ok:
@@ -57,7 +64,8 @@ def run_oobleck(workdir: Path, steps: int, kill_step: int, heartbeats_only: bool
     [reconfiguration] = summary.reconfigurations
     kill = reconfiguration.kill_at
     ready = [
-        e for e in _events(workdir)
+        e
+        for e in _events(workdir)
         if e.get("event") == "generation-ready" and e["generation"] == reconfiguration.generation
     ]
     adopted = max(e["time"] for e in ready)
@@ -74,17 +82,26 @@ def run_oobleck(workdir: Path, steps: int, kill_step: int, heartbeats_only: bool
 
 
 def run_oobleck_rollback(workdir: Path, steps: int, kill_step: int, snapshot_every: int) -> dict:
-    from oobleck.runtime.launcher import Fault, LaunchOptions, Launcher
+    from oobleck.runtime.launcher import Fault, Launcher, LaunchOptions
 
     options = LaunchOptions(
-        nodes=4, f=1, steps=steps, microbatches=8, gpu_memory=PIPELINED_MEMORY, workdir=workdir, timeout_s=300,
-        faults=(Fault(at_step=kill_step, nodes=("node0", "node2"), delay_s=0.01),), snapshot_interval=snapshot_every,
+        nodes=4,
+        f=1,
+        steps=steps,
+        microbatches=8,
+        gpu_memory=PIPELINED_MEMORY,
+        workdir=workdir,
+        timeout_s=300,
+        faults=(Fault(at_step=kill_step, nodes=("node0", "node2"), delay_s=0.01),),
+        snapshot_interval=snapshot_every,
     )
     summary = Launcher(options).run()
     if not summary.ok:
         raise SystemExit(f"oobleck rollback run failed: {summary.error} (logs in {workdir})")
     [reconfiguration] = summary.reconfigurations
-    records = [json.loads(line) for path in workdir.glob("*.losses.jsonl") for line in path.read_text().splitlines() if line]
+    records = [
+        json.loads(line) for path in workdir.glob("*.losses.jsonl") for line in path.read_text().splitlines() if line
+    ]
     again = min(r["time"] for r in records if r["generation"] == reconfiguration.generation and r["step"] == kill_step)
     return {
         "total_s": reconfiguration.first_step_at - reconfiguration.kill_at,
@@ -120,9 +137,28 @@ def run_baseline(workdir: Path, steps: int, kill_step: int, ckpt_every: int) -> 
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
     log = open(workdir / "torchrun.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "3", __file__,
-         "--baseline-worker", "--dir", str(workdir), "--steps", str(steps), "--ckpt-every", str(ckpt_every)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "--max-restarts",
+            "3",
+            __file__,
+            "--baseline-worker",
+            "--dir",
+            str(workdir),
+            "--steps",
+            str(steps),
+            "--ckpt-every",
+            str(ckpt_every),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
     )
     records = workdir / "steps.jsonl"
     kill_at = None
@@ -233,26 +269,34 @@ def main() -> int:
     results = {
         "oobleck": run_oobleck(root / "oobleck", args.steps, args.kill_step, heartbeats_only=False),
         "oobleck_heartbeats_only": run_oobleck(root / "oobleck-hb", args.steps, args.kill_step, heartbeats_only=True),
-        "oobleck_rollback": run_oobleck_rollback(root / "oobleck-rollback", args.steps, args.kill_step,
-                                                 args.snapshot_every),
+        "oobleck_rollback": run_oobleck_rollback(
+            root / "oobleck-rollback", args.steps, args.kill_step, args.snapshot_every
+        ),
         "baseline": run_baseline(root / "baseline", args.steps, args.kill_step, args.ckpt_every),
     }
     results["ratio"] = results["baseline"]["total_s"] / results["oobleck"]["total_s"]
     results["ratio_heartbeats_only"] = results["baseline"]["total_s"] / results["oobleck_heartbeats_only"]["total_s"]
     for name in ("oobleck", "oobleck_heartbeats_only"):
         r = results[name]
-        print(f"{name:25s} recovery {r['total_s']:.3f} s = detection {r['detection_s']:.3f} + plan {r['plan_s']:.3f}"
-              f" + rendezvous/copy {r['rendezvous_copy_s']:.3f} + redo {r['redo_s']:.3f}"
-              f"  ({r['copies']} layer copies, {r['copy_bytes']} bytes)")
+        print(
+            f"{name:25s} recovery {r['total_s']:.3f} s = detection {r['detection_s']:.3f} + plan {r['plan_s']:.3f}"
+            f" + rendezvous/copy {r['rendezvous_copy_s']:.3f} + redo {r['redo_s']:.3f}"
+            f"  ({r['copies']} layer copies, {r['copy_bytes']} bytes)"
+        )
     r = results["oobleck_rollback"]
-    print(f"{'oobleck rollback (> f)':25s} recovery {r['total_s']:.3f} s (rolled back to step {r['restore_step']} "
-          f"from in-memory snapshots {r['sources']}; kill -> killed step done again {r['regained_s']:.3f} s, "
-          f"{r['replayed_steps']} steps replayed)")
+    print(
+        f"{'oobleck rollback (> f)':25s} recovery {r['total_s']:.3f} s (rolled back to step {r['restore_step']} "
+        f"from in-memory snapshots {r['sources']}; kill -> killed step done again {r['regained_s']:.3f} s, "
+        f"{r['replayed_steps']} steps replayed)"
+    )
     b = results["baseline"]
-    print(f"{'torchrun restart':25s} recovery {b['total_s']:.3f} s (first step after restart "
-          f"{b['first_step_after_restart_s']:.3f} s, {b['replayed_steps']} steps replayed from the checkpoint)")
-    print(f"ratio baseline / oobleck: {results['ratio']:.1f}x "
-          f"(heartbeats only: {results['ratio_heartbeats_only']:.1f}x)")
+    print(
+        f"{'torchrun restart':25s} recovery {b['total_s']:.3f} s (first step after restart "
+        f"{b['first_step_after_restart_s']:.3f} s, {b['replayed_steps']} steps replayed from the checkpoint)"
+    )
+    print(
+        f"ratio baseline / oobleck: {results['ratio']:.1f}x (heartbeats only: {results['ratio_heartbeats_only']:.1f}x)"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

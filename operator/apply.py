@@ -15,10 +15,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes_asyncio import client, config as kube_config
+from kubernetes_asyncio import client
+from kubernetes_asyncio import config as kube_config
 
 from oobleck.api.job import API_VERSION, GROUP, KIND, PLURAL, VERSION, OobleckJobSpec
 from oobleck.api.plan import Plan
@@ -63,7 +64,7 @@ class Api:
         self.limit = asyncio.Semaphore(self.concurrency)
 
     @classmethod
-    async def connect(cls, kubeconfig: str | None, metrics: Metrics, concurrency: int, timeout_s: float) -> "Api":
+    async def connect(cls, kubeconfig: str | None, metrics: Metrics, concurrency: int, timeout_s: float) -> Api:
         """A client from `kubeconfig`, the in-cluster account, or the default kubeconfig, in that order."""
         configuration = client.Configuration()
         if kubeconfig:
@@ -79,12 +80,14 @@ class Api:
     async def close(self) -> None:
         await self.api.close()
 
-    async def _call(self, verb: str, what: str, method: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def _call(
+        self, verb: str, what: str, method: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
         async with self.limit:
             try:
                 response = await method(*args, _preload_content=False, _request_timeout=self.timeout_s, **kwargs)
                 body = await response.read()
-            except (asyncio.TimeoutError, OSError) as error:
+            except (TimeoutError, OSError) as error:
                 self.metrics.api_errors.labels(verb=verb).inc()
                 raise ApiError(verb, what, 0, f"{type(error).__name__}: {error}") from error
             except client.ApiException as error:  # raised for some transport-level answers
@@ -100,7 +103,9 @@ class Api:
 
     async def read_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return await self._call("get", f"configmap {namespace}/{name}", self.core.read_namespaced_config_map, name, namespace)
+            return await self._call(
+                "get", f"configmap {namespace}/{name}", self.core.read_namespaced_config_map, name, namespace
+            )
         except ApiError as error:
             if error.status == 404:
                 return None
@@ -148,16 +153,25 @@ class Api:
     async def patch_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> bool:
         """Merge annotations into a pod; False if the pod is gone."""
         return await self._unless_gone(
-            "patch", f"pod {namespace}/{name}", self.core.patch_namespaced_pod, name, namespace,
-            {"metadata": {"annotations": annotations}}, _content_type=MERGE,
-        )  # fmt: skip
+            "patch",
+            f"pod {namespace}/{name}",
+            self.core.patch_namespaced_pod,
+            name,
+            namespace,
+            {"metadata": {"annotations": annotations}},
+            _content_type=MERGE,
+        )
 
     async def delete_pod(self, namespace: str, name: str) -> bool:
         """Delete a pod at once (grace 0: its node may be gone); False if already gone."""
         return await self._unless_gone(
-            "delete", f"pod {namespace}/{name}", self.core.delete_namespaced_pod, name, namespace,
+            "delete",
+            f"pod {namespace}/{name}",
+            self.core.delete_namespaced_pod,
+            name,
+            namespace,
             grace_period_seconds=0,
-        )  # fmt: skip
+        )
 
     async def write_plan(self, body: dict[str, Any], owner_uid: str, resource_version: str | None) -> str:
         """Create the plan ConfigMap (generation 0, `resource_version` None) or replace its content with
@@ -171,23 +185,43 @@ class Api:
         patch = render.plan_patch(body)
         patch["metadata"]["resourceVersion"] = resource_version
         patched = await self._call(
-            "patch", what, self.core.patch_namespaced_config_map, meta["name"], meta["namespace"], patch, _content_type=MERGE,
-        )  # fmt: skip
+            "patch",
+            what,
+            self.core.patch_namespaced_config_map,
+            meta["name"],
+            meta["namespace"],
+            patch,
+            _content_type=MERGE,
+        )
         return patched["metadata"]["resourceVersion"]
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         await self._call(
-            "patch", f"{PLURAL} {namespace}/{name} status", self.custom.patch_namespaced_custom_object_status,
-            GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _content_type=MERGE,
-        )  # fmt: skip
+            "patch",
+            f"{PLURAL} {namespace}/{name} status",
+            self.custom.patch_namespaced_custom_object_status,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            {"status": status},
+            _content_type=MERGE,
+        )
 
     async def post_event(self, namespace: str, job: str, uid: str, event: Event) -> None:
-        now = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+        now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
         body = {
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": {"generateName": f"{job}.", "namespace": namespace},
-            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": job, "namespace": namespace, "uid": uid},
+            "involvedObject": {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": job,
+                "namespace": namespace,
+                "uid": uid,
+            },
             "type": event.type,
             "reason": event.reason,
             "message": event.message[:1024],
@@ -219,7 +253,7 @@ class GcPause:
     def __init__(self) -> None:
         self._open = False
 
-    def __enter__(self) -> "GcPause":
+    def __enter__(self) -> GcPause:
         if GcPause._depth == 0:
             GcPause._restore = gc.isenabled()
             gc.disable()
@@ -295,14 +329,16 @@ async def apply_decision(
         patched_at = done[0]
     deletions = [api.delete_pod(namespace, name) for name, _ in decision.delete]
     pods = [
-        render.worker_pod(job, namespace, uid, spec, index, default_image=default_image, default_command=default_command)
+        render.worker_pod(
+            job, namespace, uid, spec, index, default_image=default_image, default_command=default_command
+        )
         for index in decision.create
     ]
     if decision.create_coordinator:
         pods.append(render.coordinator_pod(job, namespace, uid, spec, default_image=default_image))
     results = await gather_all([*deletions, *(api.create_owned(pod, uid) for pod in pods)])
     deleted = sum(1 for r in results[: len(deletions)] if r)
-    created = sum(1 for r in results[len(deletions):] if r)
+    created = sum(1 for r in results[len(deletions) :] if r)
     if decision.status != status_before:
         await api.patch_status(namespace, job, decision.status)
     await gather_all(api.post_event(namespace, job, uid, event) for event in decision.events)
@@ -320,6 +356,8 @@ def read_current(config_map: dict[str, Any] | None) -> tuple[Plan, int, ModelPro
     if config_map is None:
         return None
     return (
-        render.read_plan(config_map), render.read_failures_survived(config_map), render.read_profile(config_map),
+        render.read_plan(config_map),
+        render.read_failures_survived(config_map),
+        render.read_profile(config_map),
         config_map["metadata"]["resourceVersion"],
-    )  # fmt: skip
+    )

@@ -17,19 +17,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--image", default=None, help="default worker image for jobs without spec.image")
     parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (0: any, -1: off)")
     parser.add_argument("--liveness-port", type=int, default=8080, help="liveness probe port, /healthz (-1: off)")
-    parser.add_argument("--peering", default=None, metavar="NAME", help="enable HA peering under this name (needs kopf's peering CRDs)")
     parser.add_argument(
-        "--priority", type=_priority, default=0,
+        "--peering", default=None, metavar="NAME", help="enable HA peering under this name (needs kopf's peering CRDs)"
+    )
+    parser.add_argument(
+        "--priority",
+        type=_priority,
+        default=0,
         help="peering priority, the highest replica acts; 'auto': derived from the pod name (POD_ID), distinct per replica",
-    )  # fmt: skip
-    parser.add_argument("--peering-lifetime", type=int, default=15, help="seconds a silent peer counts as alive (failover time)")
+    )
+    parser.add_argument(
+        "--peering-lifetime", type=int, default=15, help="seconds a silent peer counts as alive (failover time)"
+    )
     parser.add_argument("--write-concurrency", type=int, default=128, help="concurrent API writes per job")
     parser.add_argument("--batch-window", type=float, default=0.05, help="seconds to collect simultaneous events")
     parser.add_argument("--resync", type=float, default=10.0, help="seconds between reconciles without events")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory the planner assumes")
-    parser.add_argument("--measure-timeout", type=float, default=120.0,
-                        help="seconds the workers of a `profile: measure` job may take to report their measured "
-                             "profile before the first plan uses the synthetic estimate (0: do not wait)")
+    parser.add_argument(
+        "--measure-timeout",
+        type=float,
+        default=120.0,
+        help="seconds the workers of a `profile: measure` job may take to report their measured "
+        "profile before the first plan uses the synthetic estimate (0: do not wait)",
+    )
     parser.add_argument("--inter-node-gbps", type=float, default=200.0, help="inter-node bandwidth (Gbit/s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="also log every handler call")
     parser.add_argument("--crash-after-plan-write", action="store_true", help=argparse.SUPPRESS)  # restart tests
@@ -69,30 +79,52 @@ def run(args: argparse.Namespace) -> int:
     if args.namespace and args.all_namespaces:
         print("oobleck operator: --namespace and --all-namespaces exclude each other", file=sys.stderr)
         return 2
-    for flag, value in (("--write-concurrency", args.write_concurrency), ("--resync", args.resync),
-                        ("--gpu-memory-gib", args.gpu_memory_gib), ("--inter-node-gbps", args.inter_node_gbps)):
+    for flag, value in (
+        ("--write-concurrency", args.write_concurrency),
+        ("--resync", args.resync),
+        ("--gpu-memory-gib", args.gpu_memory_gib),
+        ("--inter-node-gbps", args.inter_node_gbps),
+    ):
         _positive(flag, value)
     _positive("--peering-lifetime", args.peering_lifetime)
     for flag, value in (("--batch-window", args.batch_window), ("--measure-timeout", args.measure_timeout)):
         if value < 0:
             print(f"oobleck operator: {flag} must be >= 0, got {value}", file=sys.stderr)
             return 2
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tuning = Tuning(gpu_memory_bytes=int(args.gpu_memory_gib * (1 << 30)), inter_node_bandwidth=args.inter_node_gbps * 1e9 / 8,
-                    measure_timeout_s=args.measure_timeout)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    tuning = Tuning(
+        gpu_memory_bytes=int(args.gpu_memory_gib * (1 << 30)),
+        inter_node_bandwidth=args.inter_node_gbps * 1e9 / 8,
+        measure_timeout_s=args.measure_timeout,
+    )
     config = OperatorConfig(
-        namespaces=tuple(args.namespace), kubeconfig=args.kubeconfig, default_image=args.image or DEFAULT_IMAGE,
-        tuning=tuning, write_concurrency=args.write_concurrency, batch_window_s=args.batch_window, resync_s=args.resync,
-        metrics_port=args.metrics_port, liveness_port=args.liveness_port, standalone=args.peering is None,
-        peering_name=args.peering or "oobleck-operator", priority=args.priority,
-        crash_after_plan_write=args.crash_after_plan_write, peering_lifetime_s=args.peering_lifetime,
-    )  # fmt: skip
+        namespaces=tuple(args.namespace),
+        kubeconfig=args.kubeconfig,
+        default_image=args.image or DEFAULT_IMAGE,
+        tuning=tuning,
+        write_concurrency=args.write_concurrency,
+        batch_window_s=args.batch_window,
+        resync_s=args.resync,
+        metrics_port=args.metrics_port,
+        liveness_port=args.liveness_port,
+        standalone=args.peering is None,
+        peering_name=args.peering or "oobleck-operator",
+        priority=args.priority,
+        crash_after_plan_write=args.crash_after_plan_write,
+        peering_lifetime_s=args.peering_lifetime,
+    )
     if not args.verbose:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per handler call otherwise
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port >= 0 else None
     kopf.run(
-        clusterwide=args.all_namespaces, namespaces=config.namespaces, standalone=config.standalone,
-        peering_name=config.peering_name if not config.standalone else None, priority=config.priority,
-        liveness_endpoint=liveness, memo=kopf.Memo(config=config),
-    )  # fmt: skip
+        clusterwide=args.all_namespaces,
+        namespaces=config.namespaces,
+        standalone=config.standalone,
+        peering_name=config.peering_name if not config.standalone else None,
+        priority=config.priority,
+        liveness_endpoint=liveness,
+        memo=kopf.Memo(config=config),
+    )
     return 0

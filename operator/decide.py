@@ -38,13 +38,12 @@ from oobleck.api.job import (
 )
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ClusterShape, ModelProfile
+from oobleck.operator.observe import JobObservation, Worker
+from oobleck.operator.render import ranks_table, worker_annotations, worker_index
 from oobleck.planner import LostLayersError, instantiate, reconfigure
 from oobleck.planner.errors import PlanningError
 from oobleck.planner.synthetic import GPTShape, gpt_profile
 from oobleck.planner.templates import generate_templates
-
-from oobleck.operator.observe import JobObservation, Worker
-from oobleck.operator.render import ranks_table, worker_annotations, worker_index
 
 
 @dataclass(frozen=True)
@@ -111,9 +110,12 @@ class Decision:
 def cluster_shape(spec: OobleckJobSpec, tuning: Tuning) -> ClusterShape:
     """The machines the job plans for: nodes.max nodes of gpusPerNode GPUs."""
     return ClusterShape(
-        nodes=spec.nodes.max, gpus_per_node=spec.gpus_per_node, gpu_memory_bytes=tuning.gpu_memory_bytes,
-        intra_node_bandwidth=tuning.intra_node_bandwidth, inter_node_bandwidth=tuning.inter_node_bandwidth,
-    )  # fmt: skip
+        nodes=spec.nodes.max,
+        gpus_per_node=spec.gpus_per_node,
+        gpu_memory_bytes=tuning.gpu_memory_bytes,
+        intra_node_bandwidth=tuning.intra_node_bandwidth,
+        inter_node_bandwidth=tuning.inter_node_bandwidth,
+    )
 
 
 def synthetic_profile(spec: OobleckJobSpec, tuning: Tuning) -> ModelProfile:
@@ -127,9 +129,13 @@ def synthetic_profile(spec: OobleckJobSpec, tuning: Tuning) -> ModelProfile:
         )
     shape = GPTShape(blocks=gpt.layers, hidden=gpt.hidden_size, heads=gpt.heads, vocab=gpt.vocab_size)
     return gpt_profile(
-        shape, seq_len=gpt.sequence_length, microbatch_size=spec.training.microbatch_size,
-        gpu_flops=tuning.gpu_flops, hbm_bandwidth=tuning.hbm_bandwidth, name=f"gpt-{gpt.layers}x{gpt.hidden_size}",
-    )  # fmt: skip
+        shape,
+        seq_len=gpt.sequence_length,
+        microbatch_size=spec.training.microbatch_size,
+        gpu_flops=tuning.gpu_flops,
+        hbm_bandwidth=tuning.hbm_bandwidth,
+        name=f"gpt-{gpt.layers}x{gpt.hidden_size}",
+    )
 
 
 def check_spec(spec: OobleckJobSpec, profile: ModelProfile, tuning: Tuning) -> str | None:
@@ -148,14 +154,23 @@ def _check_spec(spec_json: str, profile_json: str, tuning: Tuning) -> str | None
         # A stage of g GPUs splits every microbatch in g parts: each needs at least one sample.
         split = max((stage.gpus for t in templates for stage in t.stages), default=1)
         if split > spec.training.microbatch_size:
-            return (f"training.microbatchSize: {spec.training.microbatch_size} sample(s) cannot be split over the "
-                    f"{split} GPUs of a pipeline stage the planner needs; use a microbatchSize of at least {split}")
+            return (
+                f"training.microbatchSize: {spec.training.microbatch_size} sample(s) cannot be split over the "
+                f"{split} GPUs of a pipeline stage the planner needs; use a microbatchSize of at least {split}"
+            )
         mb = spec.training.global_microbatches
-        instantiate(templates, [str(i) for i in range(spec.nodes.wanted)], spec.f, mb, "check", gpus_per_node=spec.gpus_per_node)
         instantiate(
-            templates, [str(i) for i in range(spec.nodes.min)], spec.f, mb, "check",
-            gpus_per_node=spec.gpus_per_node, allow_degraded=True,
-        )  # fmt: skip
+            templates, [str(i) for i in range(spec.nodes.wanted)], spec.f, mb, "check", gpus_per_node=spec.gpus_per_node
+        )
+        instantiate(
+            templates,
+            [str(i) for i in range(spec.nodes.min)],
+            spec.f,
+            mb,
+            "check",
+            gpus_per_node=spec.gpus_per_node,
+            allow_degraded=True,
+        )
     except PlanningError as error:
         return str(error)
     return None
@@ -176,7 +191,9 @@ def next_indices(obs: JobObservation, plan: Plan | None, count: int) -> tuple[in
 class _Status:
     """Builds the next status from the previous one (conditions keep their transition times)."""
 
-    def __init__(self, ctx: JobContext, now: datetime, measured: tuple[float | None, float | None] | None = None) -> None:
+    def __init__(
+        self, ctx: JobContext, now: datetime, measured: tuple[float | None, float | None] | None = None
+    ) -> None:
         self.ctx, self.now = ctx, now
         self.conditions: list[Condition] = list(ctx.status.conditions)
         self.measured = measured
@@ -193,18 +210,27 @@ class _Status:
             for pipeline in plan.pipelines:
                 uses[pipeline.template_nodes] = uses.get(pipeline.template_nodes, 0) + 1
             summary = PlanSummary(
-                generation=plan.generation, config_map=f"{self.ctx.name}-plan",
-                templates=[TemplateUse(nodes=n, pipelines=uses.get(n, 0)) for n in sorted({t.nodes for t in plan.templates})],
-                pipelines=len(plan.pipelines), nodes=len(plan.nodes), degraded=plan.degraded,
+                generation=plan.generation,
+                config_map=f"{self.ctx.name}-plan",
+                templates=[
+                    TemplateUse(nodes=n, pipelines=uses.get(n, 0)) for n in sorted({t.nodes for t in plan.templates})
+                ],
+                pipelines=len(plan.pipelines),
+                nodes=len(plan.nodes),
+                degraded=plan.degraded,
                 iteration_ms=round(plan.iteration_ms, 3),
-            )  # fmt: skip
+            )
         progress = prior.progress
         if step and (progress is None or progress.step != step):
             progress = Progress(step=step) if progress is None else progress.model_copy(update={"step": step})
         if progress is not None and self.measured is not None:
             loss, rate = self.measured
-            progress = progress.model_copy(update={"loss": loss if loss is not None else progress.loss,
-                                                   "samples_per_second": rate if rate is not None else progress.samples_per_second})
+            progress = progress.model_copy(
+                update={
+                    "loss": loss if loss is not None else progress.loss,
+                    "samples_per_second": rate if rate is not None else progress.samples_per_second,
+                }
+            )
         status = OobleckJobStatus(
             phase=phase_of(self.conditions),
             conditions=self.conditions,
@@ -230,14 +256,18 @@ def _cleanup(spec: OobleckJobSpec, obs: JobObservation) -> tuple[tuple[str, str]
         if spec.clean_pod_policy == "All" or worker.status in ("running", "pending"):
             doomed.append((worker.name, f"cleanPodPolicy {spec.clean_pod_policy}"))
     coordinator = obs.coordinator
-    if coordinator is not None and not coordinator.deleting and (
-        spec.clean_pod_policy == "All" or coordinator.phase in ("Running", "Pending")
+    if (
+        coordinator is not None
+        and not coordinator.deleting
+        and (spec.clean_pod_policy == "All" or coordinator.phase in ("Running", "Pending"))
     ):
         doomed.append((coordinator.name, f"cleanPodPolicy {spec.clean_pod_policy}"))
     return tuple(doomed)
 
 
-def _finished(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: _Status, events: list[Event]) -> Decision:
+def _finished(
+    ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: _Status, events: list[Event]
+) -> Decision:
     plan = current.plan if current else None
     failures = current.failures_survived if current else 0
     return Decision(
@@ -247,7 +277,9 @@ def _finished(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None,
     )
 
 
-def _fail(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: _Status, reason: str, message: str) -> Decision:
+def _fail(
+    ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: _Status, reason: str, message: str
+) -> Decision:
     status.set(ConditionType.FAILED, "True", reason, message)
     status.set(ConditionType.RUNNING, "False", Reason.NOT_APPLICABLE, "the job failed")
     status.set(ConditionType.RECONFIGURING, "False", Reason.NOT_APPLICABLE, "the job failed")
@@ -272,9 +304,11 @@ def _pending_condition(status: _Status, pending: Sequence[Worker], timeout_s: in
     if stuck:
         why = stuck[0].reason or "not scheduled"
         status.set(
-            ConditionType.WORKERS_PENDING, "True", Reason.UNSCHEDULABLE,
+            ConditionType.WORKERS_PENDING,
+            "True",
+            Reason.UNSCHEDULABLE,
             f"{len(stuck)} worker pod(s) unschedulable for over {timeout_s} s (e.g. {stuck[0].name}: {why})",
-        )  # fmt: skip
+        )
     elif any(c.type == ConditionType.WORKERS_PENDING for c in status.conditions):
         status.set(ConditionType.WORKERS_PENDING, "False", Reason.ALL_SCHEDULED, "no worker pod is stuck unschedulable")
 
@@ -299,15 +333,25 @@ def decide(
     wall = now.timestamp()
 
     if plan is not None and obs.step >= spec.training.steps:
-        status.set(ConditionType.SUCCEEDED, "True", Reason.STEPS_COMPLETED, f"{obs.step} of {spec.training.steps} steps done")
+        status.set(
+            ConditionType.SUCCEEDED, "True", Reason.STEPS_COMPLETED, f"{obs.step} of {spec.training.steps} steps done"
+        )
         status.set(ConditionType.RUNNING, "False", Reason.NOT_APPLICABLE, "the job succeeded")
         status.set(ConditionType.RECONFIGURING, "False", Reason.NOT_APPLICABLE, "the job succeeded")
-        return _finished(ctx, obs, current, status, [Event("Normal", Reason.STEPS_COMPLETED, f"all {spec.training.steps} steps done")])
+        return _finished(
+            ctx,
+            obs,
+            current,
+            status,
+            [Event("Normal", Reason.STEPS_COMPLETED, f"all {spec.training.steps} steps done")],
+        )
 
     if plan is not None and obs.unrecoverable:
         return _fail(ctx, obs, current, status, Reason.LAYERS_LOST, obs.unrecoverable)
 
-    status.set(ConditionType.CREATED, "True", Reason.OBJECTS_CREATED, "service, RBAC, coordinator and worker pods created")
+    status.set(
+        ConditionType.CREATED, "True", Reason.OBJECTS_CREATED, "service, RBAC, coordinator and worker pods created"
+    )
     create_coordinator = obs.coordinator is None
     delete: list[tuple[str, str]] = []
     if obs.coordinator is not None and not obs.coordinator.deleting and obs.coordinator.phase == "Failed":
@@ -337,8 +381,11 @@ def decide(
     # Pods whose runtime reports nothing (no member ever did) are folded in as soon as they run.
     reporting = obs.generation_trained is not None
     newcomers = [
-        w for w in obs.workers
-        if w.name not in member_set and w.status == "running" and w.name not in dropped
+        w
+        for w in obs.workers
+        if w.name not in member_set
+        and w.status == "running"
+        and w.name not in dropped
         and (not reporting or (w.reported and obs.generation_trained))
     ]
     added = [w.name for w in newcomers[: max(room, 0)]]
@@ -360,16 +407,25 @@ def decide(
     if lost or scaled or added:
         if len(survivors) - len(scaled) + len(added) < spec.nodes.min:
             return _fail(
-                ctx, obs, current, status, Reason.TOO_FEW_NODES,
+                ctx,
+                obs,
+                current,
+                status,
+                Reason.TOO_FEW_NODES,
                 f"{len(survivors) + len(added)} nodes left after losing {sorted(lost)}; nodes.min is {spec.nodes.min}",
-            )  # fmt: skip
+            )
         began = time.perf_counter()
         restore = False
         try:
             new_plan = reconfigure(
-                plan, plan.templates, profile, [*lost, *scaled], added,
-                bandwidth=tuning.inter_node_bandwidth, horizon=tuning.horizon,
-            )  # fmt: skip
+                plan,
+                plan.templates,
+                profile,
+                [*lost, *scaled],
+                added,
+                bandwidth=tuning.inter_node_bandwidth,
+                horizon=tuning.horizon,
+            )
         except LostLayersError:
             # Every live replica of some layer is gone: a fresh layout on the survivors, and the
             # workers restore the newest step their snapshots or the checkpoint directory hold in
@@ -377,15 +433,24 @@ def decide(
             restore = True
             try:
                 fresh = instantiate(
-                    plan.templates, [*[m for m in survivors if m not in scaled], *added], spec.f,
-                    spec.training.global_microbatches, ctx.name, gpus_per_node=spec.gpus_per_node, allow_degraded=True,
-                )  # fmt: skip
+                    plan.templates,
+                    [*[m for m in survivors if m not in scaled], *added],
+                    spec.f,
+                    spec.training.global_microbatches,
+                    ctx.name,
+                    gpus_per_node=spec.gpus_per_node,
+                    allow_degraded=True,
+                )
             except PlanningError as again:
                 return _fail(ctx, obs, current, status, Reason.TOO_FEW_NODES, str(again))
             new_plan = fresh.model_copy(
-                update={"generation": plan.generation + 1, "lost_nodes": [m for m in members if m in lost or m in scaled],
-                        "added_nodes": added, "reason": "rollback"}
-            )  # fmt: skip
+                update={
+                    "generation": plan.generation + 1,
+                    "lost_nodes": [m for m in members if m in lost or m in scaled],
+                    "added_nodes": added,
+                    "reason": "rollback",
+                }
+            )
         except PlanningError as error:
             return _fail(ctx, obs, current, status, Reason.TOO_FEW_NODES, str(error))
         planner_s = time.perf_counter() - began
@@ -407,11 +472,15 @@ def decide(
         if restore:
             summary += "; every replica of some layer was lost: rolling back to the newest snapshot or checkpoint"
         events.append(Event("Normal", Reason.RECONFIGURED, summary))
-        reason = Reason.ROLLING_BACK if restore else (
-            Reason.NODE_LOST if lost else Reason.SCALED if scaled else Reason.NODES_ADDED
-        )  # fmt: skip
+        reason = (
+            Reason.ROLLING_BACK
+            if restore
+            else (Reason.NODE_LOST if lost else Reason.SCALED if scaled else Reason.NODES_ADDED)
+        )
         status.set(ConditionType.RECONFIGURING, "True", reason, summary)
-        status.set(ConditionType.RUNNING, "True", Reason.TRAINING, f"generation {plan.generation} until the survivors switch")
+        status.set(
+            ConditionType.RUNNING, "True", Reason.TRAINING, f"generation {plan.generation} until the survivors switch"
+        )
         during = status.render(plan, failures, obs.step)
         status.set(ConditionType.RECONFIGURING, "False", Reason.RECONFIGURED, summary)
         for name, why in lost.items():
@@ -422,8 +491,15 @@ def decide(
     elif why := _retry_reason(obs, wall):
         # Nobody is lost, but the generation cannot go on (its store is gone, or a failure named nobody
         # and no pod or node explains it): the same nodes start the next generation.
-        new_plan = plan.model_copy(update={"generation": plan.generation + 1, "copies": [], "lost_nodes": [],
-                                           "added_nodes": [], "reason": "retry"})
+        new_plan = plan.model_copy(
+            update={
+                "generation": plan.generation + 1,
+                "copies": [],
+                "lost_nodes": [],
+                "added_nodes": [],
+                "reason": "retry",
+            }
+        )
         summary = f"generation {new_plan.generation}: the same {len(plan.nodes)} nodes again ({why})"
         events.append(Event("Normal", Reason.GENERATION_RETRIED, summary))
         status.set(ConditionType.RECONFIGURING, "True", Reason.GENERATION_RETRIED, summary)
@@ -440,16 +516,25 @@ def decide(
         if worker is not None and worker.status == "running" and worker.ranks != table.get(name, ""):
             patches.append((name, worker_annotations(in_force, name, table)))
     status.set(
-        ConditionType.RUNNING, "True", Reason.TRAINING,
+        ConditionType.RUNNING,
+        "True",
+        Reason.TRAINING,
         f"generation {in_force.generation}: {len(in_force.pipelines)} pipelines on {len(in_force.nodes)} nodes",
-    )  # fmt: skip
+    )
     if in_force.degraded:
         status.set(
-            ConditionType.DEGRADED, "True", Reason.FEWER_PIPELINES,
+            ConditionType.DEGRADED,
+            "True",
+            Reason.FEWER_PIPELINES,
             f"{len(in_force.pipelines)} pipelines, fewer than f + 1 = {spec.f + 1}: another failure may need a checkpoint",
-        )  # fmt: skip
+        )
     else:
-        status.set(ConditionType.DEGRADED, "False", Reason.FULLY_REDUNDANT, f"{len(in_force.pipelines)} pipelines >= f + 1 = {spec.f + 1}")
+        status.set(
+            ConditionType.DEGRADED,
+            "False",
+            Reason.FULLY_REDUNDANT,
+            f"{len(in_force.pipelines)} pipelines >= f + 1 = {spec.f + 1}",
+        )
     in_force_set = set(in_force.nodes)
     # Pods on their way in: pending, or running but not folded in yet (still starting, see above).
     pending = [w for w in obs.workers if w.status in ("pending", "running") and w.name not in in_force_set]
@@ -511,9 +596,14 @@ def _first_plan(
     started = max((w.created for w in running if w.created is not None), default=wall)
     if enough and profile is None and wall - started >= tuning.measure_timeout_s:
         profile = synthetic_profile(spec, tuning)
-        events.append(Event("Warning", Reason.PROFILE_NOT_MEASURED,
-                            f"no worker reported a measured profile within {tuning.measure_timeout_s:.0f} s of "
-                            "running; planning with the synthetic estimate of the model"))
+        events.append(
+            Event(
+                "Warning",
+                Reason.PROFILE_NOT_MEASURED,
+                f"no worker reported a measured profile within {tuning.measure_timeout_s:.0f} s of "
+                "running; planning with the synthetic estimate of the model",
+            )
+        )
     if enough and profile is None:
         waiting = f"{len(running)} worker pods running; waiting for the profile they measure on their devices"
     elif enough:
@@ -521,9 +611,14 @@ def _first_plan(
         try:
             templates = generate_templates(profile, cluster_shape(spec, tuning), f=spec.f)
             plan = instantiate(
-                templates, [w.name for w in running], spec.f, spec.training.global_microbatches, ctx.name,
-                gpus_per_node=spec.gpus_per_node, allow_degraded=True,
-            )  # fmt: skip
+                templates,
+                [w.name for w in running],
+                spec.f,
+                spec.training.global_microbatches,
+                ctx.name,
+                gpus_per_node=spec.gpus_per_node,
+                allow_degraded=True,
+            )
         except PlanningError as error:
             waiting = f"{len(running)} running worker pods cannot be planned yet: {error}"
             plan = None
@@ -536,24 +631,44 @@ def _first_plan(
         status.set(ConditionType.RUNNING, "False", Reason.PROFILING if profiling else Reason.WAITING_FOR_NODES, waiting)
         _pending_condition(status, pending, spec.pending_timeout_seconds, wall)
         return Decision(
-            status=status.render(None, 0, 0), delete=tuple(dict(delete).items()), create=create,
-            create_coordinator=create_coordinator, planner_seconds=planner_s,
-        )  # fmt: skip
+            status=status.render(None, 0, 0),
+            delete=tuple(dict(delete).items()),
+            create=create,
+            create_coordinator=create_coordinator,
+            planner_seconds=planner_s,
+        )
     message = f"generation 0: {len(plan.pipelines)} pipelines on {len(plan.nodes)} nodes"
     events.append(Event("Normal", "Planned", f"{message}, estimated {plan.iteration_ms:.1f} ms per step"))
     status.set(ConditionType.RUNNING, "True", Reason.TRAINING, message)
     if plan.degraded:
-        status.set(ConditionType.DEGRADED, "True", Reason.FEWER_PIPELINES, f"{len(plan.pipelines)} pipelines, fewer than f + 1 = {spec.f + 1}")
+        status.set(
+            ConditionType.DEGRADED,
+            "True",
+            Reason.FEWER_PIPELINES,
+            f"{len(plan.pipelines)} pipelines, fewer than f + 1 = {spec.f + 1}",
+        )
     else:
-        status.set(ConditionType.DEGRADED, "False", Reason.FULLY_REDUNDANT, f"{len(plan.pipelines)} pipelines >= f + 1 = {spec.f + 1}")
+        status.set(
+            ConditionType.DEGRADED,
+            "False",
+            Reason.FULLY_REDUNDANT,
+            f"{len(plan.pipelines)} pipelines >= f + 1 = {spec.f + 1}",
+        )
     if any(c.type == ConditionType.WORKERS_PENDING for c in status.conditions):
         status.set(ConditionType.WORKERS_PENDING, "False", Reason.ALL_SCHEDULED, "no worker pod is stuck unschedulable")
     table = ranks_table(plan)
-    patches = tuple((w.name, worker_annotations(plan, w.name, table)) for w in running if w.ranks != table.get(w.name, ""))
+    patches = tuple(
+        (w.name, worker_annotations(plan, w.name, table)) for w in running if w.ranks != table.get(w.name, "")
+    )
     # Pods still pending stay: once they run they are folded into the next generation.
     return Decision(
-        status=status.render(plan, 0, 0), plan=plan, patches=patches, delete=tuple(dict(delete).items()),
-        create=create, create_coordinator=create_coordinator, events=tuple(events), planner_seconds=planner_s,
+        status=status.render(plan, 0, 0),
+        plan=plan,
+        patches=patches,
+        delete=tuple(dict(delete).items()),
+        create=create,
+        create_coordinator=create_coordinator,
+        events=tuple(events),
+        planner_seconds=planner_s,
         profile=profile,
-    )  # fmt: skip
-
+    )

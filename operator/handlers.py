@@ -14,18 +14,27 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
-from kubernetes_asyncio import client, config as kube_config
+from kubernetes_asyncio import client
+from kubernetes_asyncio import config as kube_config
 from pydantic import ValidationError
 
 from oobleck.api.conditions import ConditionType, Reason, is_true, phase_of, set_condition
 from oobleck.api.job import GROUP, JOB_LABEL, PLURAL, VERSION, OobleckJobSpec, parse_spec, parse_status
 from oobleck.api.profile import ModelProfile
 from oobleck.operator import observe
-from oobleck.operator.apply import Api, ApiError, ForeignObject, GcPause, apply_decision, ensure_static_children, read_current
+from oobleck.operator.apply import (
+    Api,
+    ApiError,
+    ForeignObject,
+    GcPause,
+    apply_decision,
+    ensure_static_children,
+    read_current,
+)
 from oobleck.operator.decide import CurrentPlan, Event, JobContext, decide, synthetic_profile
 from oobleck.operator.metrics import Metrics
 from oobleck.operator.settings import OperatorConfig, configure_kopf
@@ -104,11 +113,16 @@ async def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     header = configuration.get_api_key_with_prefix("BearerToken")
     if asyncio.iscoroutine(header):
         header = await header
-    scheme, token = (header.split(" ", 1) if header and " " in header else (None, header or None))
+    scheme, token = header.split(" ", 1) if header and " " in header else (None, header or None)
     return kopf.ConnectionInfo(
-        server=configuration.host, ca_path=configuration.ssl_ca_cert, insecure=not configuration.verify_ssl,
-        scheme=scheme, token=token, certificate_path=configuration.cert_file, private_key_path=configuration.key_file,
-    )  # fmt: skip
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        scheme=scheme,
+        token=token,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+    )
 
 
 @kopf.on.cleanup()
@@ -133,7 +147,9 @@ def _health(summary: observe.PodSummary | None) -> observe.PodSummary | None:
 
 
 @kopf.index("pods", labels={JOB_LABEL: kopf.PRESENT})
-def job_pods(namespace: str, name: str, labels: kopf.Labels, body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[JobKey, observe.PodSummary]:
+def job_pods(
+    namespace: str, name: str, labels: kopf.Labels, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> dict[JobKey, observe.PodSummary]:
     """Index the job's pods by (namespace, job) and wake the job when something it cares about changed.
 
     Waking here rather than in an event handler keeps the per-event cost low: every patch the
@@ -211,7 +227,7 @@ async def job_daemon(
                 await asyncio.wait_for(waker.event.wait(), timeout=config.resync_s)
                 # Let the other losses of a simultaneous failure arrive, and the index settle.
                 await asyncio.sleep(config.batch_window_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             if stopped:
                 break
@@ -220,7 +236,7 @@ async def job_daemon(
             began = time.perf_counter()
             try:
                 await reconcile(runner, body, memo, job_pods, node_health, first_at, logger)
-            except (ApiError, ForeignObject, OSError, asyncio.TimeoutError) as error:
+            except (TimeoutError, ApiError, ForeignObject, OSError) as error:
                 logger.warning(f"reconcile failed, retrying in {config.error_backoff_s} s: {error}")
                 runner.loaded = False  # re-read the truth (e.g. a plan written before a failed patch)
                 waker.wake(first_at or time.monotonic())
@@ -241,7 +257,7 @@ def _crash() -> None:
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc).replace(microsecond=0)
+    return datetime.now(UTC).replace(microsecond=0)
 
 
 async def _fail_invalid(api: Api, namespace: str, name: str, uid: str, body: kopf.Body, message: str) -> str:
@@ -250,8 +266,17 @@ async def _fail_invalid(api: Api, namespace: str, name: str, uid: str, body: kop
     if is_true(status.conditions, ConditionType.FAILED):
         return status.phase.value
     generation = body.metadata.get("generation")
-    conditions = set_condition(status.conditions, ConditionType.FAILED, "True", Reason.INVALID_SPEC, message, generation, _now())
-    new = status.model_copy(update={"conditions": conditions, "phase": phase_of(conditions), "observed_generation": generation, "completion_time": _now()})
+    conditions = set_condition(
+        status.conditions, ConditionType.FAILED, "True", Reason.INVALID_SPEC, message, generation, _now()
+    )
+    new = status.model_copy(
+        update={
+            "conditions": conditions,
+            "phase": phase_of(conditions),
+            "observed_generation": generation,
+            "completion_time": _now(),
+        }
+    )
     await api.patch_status(namespace, name, new.to_kubernetes())
     await api.post_event(namespace, name, uid, Event("Warning", Reason.INVALID_SPEC, message))
     return new.phase.value
@@ -315,7 +340,9 @@ async def reconcile(
         config_map = await api.read_config_map(namespace, f"{name}-plan")
         owners = {o.get("uid") for o in ((config_map or {}).get("metadata") or {}).get("ownerReferences") or []}
         if config_map is not None and runner.uid not in owners:
-            raise ForeignObject(f"configmap {namespace}/{name}-plan belongs to another owner (a deleted job's?); waiting for it to go")
+            raise ForeignObject(
+                f"configmap {namespace}/{name}-plan belongs to another owner (a deleted job's?); waiting for it to go"
+            )
         current = read_current(config_map)
         if current is not None:
             plan, failures, stored_profile, runner.plan_version = current
@@ -327,9 +354,14 @@ async def reconcile(
     nodes = {node: next(iter(store)) for node, store in node_health.items()}
     gpu = spec.gpu_resource_name if spec.device == "cuda" else None
     obs = observe.observe(
-        name, runner.uid, job_pods.get(runner.key, ()), nodes, runner.current.plan if runner.current else None,
-        gpu_resource=gpu, gpu_conditions=config.tuning.gpu_failure_conditions,
-    )  # fmt: skip
+        name,
+        runner.uid,
+        job_pods.get(runner.key, ()),
+        nodes,
+        runner.current.plan if runner.current else None,
+        gpu_resource=gpu,
+        gpu_conditions=config.tuning.gpu_failure_conditions,
+    )
     try:
         profile = await _profile(api, runner, spec, namespace, config, obs.measured_profile)
     except (PlanningError, ValueError) as error:
@@ -353,11 +385,19 @@ async def reconcile(
         if obs.foreign:
             logger.warning(f"pods {list(obs.foreign)} carry this job's label but another owner; ignored")
         applied = await apply_decision(
-            api, namespace=namespace, job=name, uid=runner.uid, spec=spec, profile=profile, decision=decision,
-            plan_version=runner.plan_version, default_image=config.default_image,
-            default_command=list(config.default_command), status_before=parse_status(raw_status).to_kubernetes(),
+            api,
+            namespace=namespace,
+            job=name,
+            uid=runner.uid,
+            spec=spec,
+            profile=profile,
+            decision=decision,
+            plan_version=runner.plan_version,
+            default_image=config.default_image,
+            default_command=list(config.default_command),
+            status_before=parse_status(raw_status).to_kubernetes(),
             after_plan_write=_crash if config.crash_after_plan_write else None,
-        )  # fmt: skip
+        )
     latency = None
     if decision.lost:
         metrics.pods_lost.inc(len(decision.lost))

@@ -21,19 +21,24 @@ class Metrics:
         r = self.registry
         self.jobs = Gauge(f"{PREFIX}jobs", "OobleckJobs by phase", ["phase"], registry=r)
         self.reconcile_seconds = Histogram(
-            f"{PREFIX}reconcile_duration_seconds", "One reconcile pass of a job (observe, plan, apply)",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            f"{PREFIX}reconcile_duration_seconds",
+            "One reconcile pass of a job (observe, plan, apply)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.planner_seconds = Histogram(
             f"{PREFIX}planner_seconds", "Planner time per new plan generation", buckets=LATENCY_BUCKETS, registry=r
         )
         self.failure_to_patch_seconds = Histogram(
             f"{PREFIX}failure_to_patch_seconds",
             "From the operator observing a failure to every survivor patched with the new generation",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.pods_created = Counter(f"{PREFIX}pods_created_total", "Worker and coordinator pods created", registry=r)
-        self.pods_lost = Counter(f"{PREFIX}pods_lost_total", "Worker pods lost (dropped from a plan by a failure)", registry=r)
+        self.pods_lost = Counter(
+            f"{PREFIX}pods_lost_total", "Worker pods lost (dropped from a plan by a failure)", registry=r
+        )
         self.plan_generations = Counter(f"{PREFIX}plan_generations_total", "Plan generations written", registry=r)
         self.api_errors = Counter(f"{PREFIX}api_errors_total", "Failed Kubernetes API calls", ["verb"], registry=r)
         for phase in Phase:

@@ -28,7 +28,6 @@ from datetime import datetime
 from typing import Any, Literal
 
 from oobleck.api.plan import Plan
-
 from oobleck.operator.render import (
     COORDINATOR_ROLE,
     FAILURE_ANNOTATION,
@@ -148,7 +147,13 @@ def summarize_node(body: Mapping[str, Any]) -> NodeSummary:
         elif condition.get("status") == "True":
             true_conditions.append(condition.get("type") or "")
     taints = tuple(
-        sorted({t.get("key", "") for t in (body.get("spec") or {}).get("taints") or [] if t.get("key") in UNREACHABLE_TAINTS})
+        sorted(
+            {
+                t.get("key", "")
+                for t in (body.get("spec") or {}).get("taints") or []
+                if t.get("key") in UNREACHABLE_TAINTS
+            }
+        )
     )
     return NodeSummary(
         name=(body.get("metadata") or {}).get("name", ""),
@@ -161,7 +166,9 @@ def summarize_node(body: Mapping[str, Any]) -> NodeSummary:
     )
 
 
-def node_problem(node: NodeSummary | None, name: str, gpu_resource: str | None, gpu_conditions: Iterable[str]) -> str | None:
+def node_problem(
+    node: NodeSummary | None, name: str, gpu_resource: str | None, gpu_conditions: Iterable[str]
+) -> str | None:
     """Why a worker on this node is lost, or None when the node is healthy. gpu_resource None: no GPU check."""
     if node is None:
         return f"node {name} deleted"
@@ -287,7 +294,10 @@ def observe(
         if progress is not None and isinstance(progress.get("step"), int) and progress["step"] >= step:
             step = progress["step"]
             loss, rate = progress.get("loss"), progress.get("samplesPerSecond")
-            latest = (loss if isinstance(loss, (int, float)) else None, rate if isinstance(rate, (int, float)) else None)
+            latest = (
+                loss if isinstance(loss, (int, float)) else None,
+                rate if isinstance(rate, (int, float)) else None,
+            )
         problem = pod_problem(pod)
         if problem is None and pod.node_name is not None and pod.phase != "Succeeded":
             problem = node_problem(nodes.get(pod.node_name), pod.node_name, gpu_resource, gpu_conditions)
@@ -301,10 +311,18 @@ def observe(
             status = "pending"
             problem = pod.unschedulable or ""
         workers[pod.name] = Worker(
-            name=pod.name, index=index, status=status, reason=problem or "", node_name=pod.node_name,
-            generation=pod.generation, ranks=pod.ranks, created=pod.created, scheduled=pod.node_name is not None, deleting=pod.deleting,
+            name=pod.name,
+            index=index,
+            status=status,
+            reason=problem or "",
+            node_name=pod.node_name,
+            generation=pod.generation,
+            ranks=pod.ranks,
+            created=pod.created,
+            scheduled=pod.node_name is not None,
+            deleting=pod.deleting,
             reported=progress is not None,
-        )  # fmt: skip
+        )
 
     accepted = []
     unrecoverable = retry = ""
@@ -351,11 +369,25 @@ def observe(
                     workers[target] = Worker(**{**peer.__dict__, "status": "lost", "reason": why})
                     accepted.append(f"{target}: {why}")
     ordered = tuple(sorted(workers.values(), key=lambda w: w.index))
-    measured = next((summaries[w.name].measured_profile for w in ordered
-                     if w.status in ("running", "succeeded") and summaries[w.name].measured_profile), None)
+    measured = next(
+        (
+            summaries[w.name].measured_profile
+            for w in ordered
+            if w.status in ("running", "succeeded") and summaries[w.name].measured_profile
+        ),
+        None,
+    )
     return JobObservation(
         measured_profile=measured,
-        workers=ordered, coordinator=coordinator, step=step, foreign=tuple(sorted(foreign)), reports=tuple(accepted),
-        loss=latest[0], samples_per_second=latest[1], unrecoverable=unrecoverable, retry=retry,
-        stalled_since=stalled_since, generation_trained=generation_trained,
+        workers=ordered,
+        coordinator=coordinator,
+        step=step,
+        foreign=tuple(sorted(foreign)),
+        reports=tuple(accepted),
+        loss=latest[0],
+        samples_per_second=latest[1],
+        unrecoverable=unrecoverable,
+        retry=retry,
+        stalled_since=stalled_since,
+        generation_trained=generation_trained,
     )

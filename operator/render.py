@@ -117,7 +117,7 @@ def rbac_name(job: str) -> str:
 def worker_index(job: str, pod_name: str) -> int | None:
     """The index in `<job>-worker-<index>`, or None if the name is not a worker's of this job."""
     prefix = f"{job}-worker-"
-    tail = pod_name[len(prefix):] if pod_name.startswith(prefix) else ""
+    tail = pod_name[len(prefix) :] if pod_name.startswith(prefix) else ""
     return int(tail) if tail.isdigit() and str(int(tail)) == tail else None
 
 
@@ -127,7 +127,14 @@ def store_address(job: str, namespace: str) -> str:
 
 def owner_reference(job: str, uid: str) -> dict[str, Any]:
     """The controller ownerReference every child carries (garbage collection on job deletion)."""
-    return {"apiVersion": API_VERSION, "kind": KIND, "name": job, "uid": uid, "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def _meta(name: str, namespace: str, job: str, uid: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
@@ -167,7 +174,9 @@ def worker_annotations(plan: Plan, node: str, table: dict[str, str] | None = Non
     return {GENERATION_ANNOTATION: str(plan.generation), RANKS_ANNOTATION: ranks}
 
 
-def annotations_current(plan: Plan, node: str, annotations: dict[str, str] | None, table: dict[str, str] | None = None) -> bool:
+def annotations_current(
+    plan: Plan, node: str, annotations: dict[str, str] | None, table: dict[str, str] | None = None
+) -> bool:
     """Whether a pod's annotations are up to date with `plan`: its RANKS_ANNOTATION is the plan's. The
     operator patches exactly the running member pods for which this is False (decide.py)."""
     ranks = table.get(node, "") if table is not None else ranks_value(plan, node, plan.gpus_per_node)
@@ -181,7 +190,14 @@ def _security() -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def worker_pod(
-    job: str, namespace: str, uid: str, spec: OobleckJobSpec, index: int, *, default_image: str, default_command: list[str]
+    job: str,
+    namespace: str,
+    uid: str,
+    spec: OobleckJobSpec,
+    index: int,
+    *,
+    default_image: str,
+    default_command: list[str],
 ) -> dict[str, Any]:
     """The worker Pod `<job>-worker-<index>`: one per node, `gpusPerNode` GPUs, never restarted in place
     (a dead worker is a lost node: the operator re-plans without it and creates a replacement)."""
@@ -201,7 +217,10 @@ def worker_pod(
         {"name": "OOBLECK_DEVICE", "value": spec.device},
         # The model to profile before the first plan exists (`profile: measure`); afterwards the plan
         # ConfigMap's job.json is what the worker reads.
-        {"name": "OOBLECK_JOB_SPEC", "value": json.dumps(spec.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True)},
+        {
+            "name": "OOBLECK_JOB_SPEC",
+            "value": json.dumps(spec.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True),
+        },
         *({"name": e.name, "value": e.value} for e in spec.pod.env),
     ]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
@@ -250,7 +269,9 @@ def worker_pod(
     if spec.pod.node_selector:
         pod_spec["nodeSelector"] = dict(spec.pod.node_selector)
     if spec.pod.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(mode="json", exclude_none=True, by_alias=True) for t in spec.pod.tolerations]
+        pod_spec["tolerations"] = [
+            t.model_dump(mode="json", exclude_none=True, by_alias=True) for t in spec.pod.tolerations
+        ]
     if spec.pod.priority_class_name:
         pod_spec["priorityClassName"] = spec.pod.priority_class_name
     metadata = _meta(name, namespace, job, uid, {**spec.pod.labels, ROLE_LABEL: WORKER_ROLE, INDEX_LABEL: str(index)})
@@ -282,7 +303,9 @@ def coordinator_pod(job: str, namespace: str, uid: str, spec: OobleckJobSpec, *,
     if spec.pod.node_selector:
         pod_spec["nodeSelector"] = dict(spec.pod.node_selector)
     if spec.pod.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(mode="json", exclude_none=True, by_alias=True) for t in spec.pod.tolerations]
+        pod_spec["tolerations"] = [
+            t.model_dump(mode="json", exclude_none=True, by_alias=True) for t in spec.pod.tolerations
+        ]
     metadata = _meta(coordinator_name(job), namespace, job, uid, {ROLE_LABEL: COORDINATOR_ROLE})
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
@@ -317,7 +340,12 @@ def worker_role(job: str, namespace: str, uid: str) -> dict[str, Any]:
         "kind": "Role",
         "metadata": _meta(rbac_name(job), namespace, job, uid),
         "rules": [
-            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [plan_name(job)], "verbs": ["get", "list", "watch"]},
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [plan_name(job)],
+                "verbs": ["get", "list", "watch"],
+            },
             # A worker writes FAILURE_ANNOTATION / PROGRESS_ANNOTATION on its own pod (RBAC cannot name
             # pods created later, so the rule covers the namespace's pods; no create or delete).
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
@@ -350,7 +378,11 @@ def plan_config_map(
 ) -> dict[str, Any]:
     """The plan ConfigMap for one generation (see the module docstring for its keys)."""
     data = {PROFILE_KEY: profile.model_dump_json(), JOB_KEY: json.dumps(spec.to_kubernetes(), sort_keys=True)}
-    body: dict[str, Any] = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(plan_name(job), namespace, job, uid)}
+    body: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(plan_name(job), namespace, job, uid),
+    }
     body["metadata"]["annotations"] = {
         GENERATION_ANNOTATION: str(plan.generation),
         FAILURES_SURVIVED_ANNOTATION: str(failures_survived),

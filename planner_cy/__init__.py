@@ -36,7 +36,7 @@ def _load_compiled() -> None:
             raise ImportError(
                 f"the compiled planner ({__name__}.{name}) is missing: build it with `make build`; cause: {error}"
             ) from error
-        if expected is not None and module.SOURCE_HASH != expected:
+        if expected is not None and expected != module.SOURCE_HASH:
             raise ImportError(
                 f"the compiled planner ({__name__}.{name}) is stale: its Cython sources changed since it "
                 "was built; rebuild it with `make build`"
@@ -48,3 +48,5 @@ _load_compiled()
 # Instantiation, batch distribution and reconfiguration (after the compiled-module check on purpose).
 from .instantiate import instantiate, plan_job  # noqa: E402
 from .reconfigure import LostLayersError, reconfigure  # noqa: E402
+
+__all__ = ["COMPILED_MODULES", "LostLayersError", "instantiate", "plan_job", "reconfigure"]

@@ -16,8 +16,19 @@ import sys
 from pathlib import Path
 
 _UNITS = {
-    "": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "k": 1e3,
+    "m": 1e6,
+    "g": 1e9,
+    "t": 1e12,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 
 
@@ -50,8 +61,10 @@ def node_list(text: str, flag: str) -> list[str]:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `plan` subcommand."""
     parser = subparsers.add_parser(
-        "plan", help="plan a job: templates, pipelines, batch split (and preview a reconfiguration)",
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        "plan",
+        help="plan a job: templates, pipelines, batch split (and preview a reconfiguration)",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("profile", type=Path, help="model profile JSON (oobleck.api.profile.ModelProfile)")
     parser.add_argument("--nodes", type=int, required=True, help="N: nodes of the job")
@@ -125,11 +138,17 @@ def _plan_text(args: argparse.Namespace) -> str:
     horizon = DEFAULT_HORIZON if args.horizon is None else args.horizon
     if horizon < 0:
         raise InputError(f"--horizon: must be >= 0, got {horizon}")
-    flags = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "gpu_memory_bytes": "--gpu-memory",
-             "intra_node_bandwidth": "--intra-bandwidth", "inter_node_bandwidth": "--inter-bandwidth"}
+    flags = {
+        "nodes": "--nodes",
+        "gpus_per_node": "--gpus-per-node",
+        "gpu_memory_bytes": "--gpu-memory",
+        "intra_node_bandwidth": "--intra-bandwidth",
+        "inter_node_bandwidth": "--inter-bandwidth",
+    }
     try:
         cluster = ClusterShape(
-            nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
             gpu_memory_bytes=int(quantity(args.gpu_memory, "--gpu-memory")),
             intra_node_bandwidth=quantity(args.intra_bandwidth, "--intra-bandwidth"),
             inter_node_bandwidth=quantity(args.inter_bandwidth, "--inter-bandwidth"),
@@ -144,8 +163,15 @@ def _plan_text(args: argparse.Namespace) -> str:
         plan = instantiate(templates, nodes, args.f, args.microbatches, args.job, gpus_per_node=cluster.gpus_per_node)
         after = chosen = None
         if lost or added:
-            chosen = next_layout(plan, templates, profile, lost=lost, added=added,
-                                 bandwidth=cluster.inter_node_bandwidth, horizon=horizon)
+            chosen = next_layout(
+                plan,
+                templates,
+                profile,
+                lost=lost,
+                added=added,
+                bandwidth=cluster.inter_node_bandwidth,
+                horizon=horizon,
+            )
             after = to_plan(plan, templates, chosen)
     except LostLayersError as error:
         raise _Lost(str(error)) from None
@@ -156,20 +182,29 @@ def _plan_text(args: argparse.Namespace) -> str:
     parts = [describe(plan, profile)]
     if after is not None:
         parts.append(describe(after, profile))
-        rows = [f"candidates (cost = copy bytes / {cluster.inter_node_bandwidth:.3g} B/s + {horizon} x iteration):",
-                f"  {'reason':<22} {'pipelines':>9} {'copy GiB':>10} {'iteration ms':>12} {'cost ms':>12}"]
+        rows = [
+            f"candidates (cost = copy bytes / {cluster.inter_node_bandwidth:.3g} B/s + {horizon} x iteration):",
+            f"  {'reason':<22} {'pipelines':>9} {'copy GiB':>10} {'iteration ms':>12} {'cost ms':>12}",
+        ]
         for index, c in enumerate(chosen.considered):
             mark = "  <- chosen" if index == chosen.chosen else ""
-            rows.append(f"  {c.reason + (' (degraded)' if c.degraded else ''):<22} {c.pipelines:>9} "
-                        f"{c.copy_bytes / 2**30:>10.2f} {c.iteration_ms:>12.2f} {c.cost_ms:>12.1f}{mark}")
+            rows.append(
+                f"  {c.reason + (' (degraded)' if c.degraded else ''):<22} {c.pipelines:>9} "
+                f"{c.copy_bytes / 2**30:>10.2f} {c.iteration_ms:>12.2f} {c.cost_ms:>12.1f}{mark}"
+            )
         parts.append("\n".join(rows))
     return "\n\n".join(parts)
 
 
 def _flag_names(message: str) -> str:
     """Planner messages start with a field name; show the matching flag too."""
-    for field, flag in (("global_microbatches", "--microbatches"), ("nodes", "--nodes"), ("f", "--f"),
-                        ("lost", "--lost"), ("added", "--added")):
+    for field, flag in (
+        ("global_microbatches", "--microbatches"),
+        ("nodes", "--nodes"),
+        ("f", "--f"),
+        ("lost", "--lost"),
+        ("added", "--added"),
+    ):
         if message.startswith(field + ":") or message.startswith(field + " "):
             return f"{flag} ({message})"
     if message.startswith("N = "):
@@ -191,24 +226,38 @@ def describe(plan, profile) -> str:
     ]
     if plan.lost_nodes or plan.added_nodes:
         lines.append(f"lost {','.join(plan.lost_nodes) or '-'}  added {','.join(plan.added_nodes) or '-'}")
-    lines += ["", "templates:", f"  {'nodes':>5} {'stages':>6} {'T(1) ms':>10} {'slowest ms':>10} {'m_ref':>5}  layers per stage (GPUs)"]
+    lines += [
+        "",
+        "templates:",
+        f"  {'nodes':>5} {'stages':>6} {'T(1) ms':>10} {'slowest ms':>10} {'m_ref':>5}  layers per stage (GPUs)",
+    ]
     for template in plan.templates:
         cost = template_cost(template)
         layout = " ".join(f"{s.end - s.start}({s.gpus})" for s in template.stages)
-        lines.append(f"  {template.nodes:>5} {len(template.stages):>6} {cost.base_ms:>10.2f} {cost.slope_ms:>10.2f} "
-                     f"{template.m_ref:>5}  {layout}")
-    lines += ["", f"pipelines ({len(plan.pipelines)}):",
-              f"  {'#':>3} {'nodes':>5} {'microbatches':>12} {'offset':>6} {'iteration ms':>12}  node ids"]
+        lines.append(
+            f"  {template.nodes:>5} {len(template.stages):>6} {cost.base_ms:>10.2f} {cost.slope_ms:>10.2f} "
+            f"{template.m_ref:>5}  {layout}"
+        )
+    lines += [
+        "",
+        f"pipelines ({len(plan.pipelines)}):",
+        f"  {'#':>3} {'nodes':>5} {'microbatches':>12} {'offset':>6} {'iteration ms':>12}  node ids",
+    ]
     for p in plan.pipelines:
         ids = ",".join(p.nodes)
-        lines.append(f"  {p.index:>3} {p.template_nodes:>5} {p.microbatches:>12} {p.microbatch_offset:>6} "
-                     f"{p.iteration_ms:>12.2f}  {ids if len(ids) <= 60 else ids[:57] + '...'}")
+        lines.append(
+            f"  {p.index:>3} {p.template_nodes:>5} {p.microbatches:>12} {p.microbatch_offset:>6} "
+            f"{p.iteration_ms:>12.2f}  {ids if len(ids) <= 60 else ids[:57] + '...'}"
+        )
     if plan.generation > 0:
         total = sum(c.bytes for c in plan.copies)
         sources = {}
         for c in plan.copies:
             sources[c.src_rank] = sources.get(c.src_rank, 0) + c.bytes
         busiest = max(sources.values(), default=0)
-        lines += ["", f"copies: {len(plan.copies)} layer copies, {total / 2**30:.2f} GiB from {len(sources)} source GPUs "
-                      f"(busiest sends {busiest / 2**30:.2f} GiB)"]
+        lines += [
+            "",
+            f"copies: {len(plan.copies)} layer copies, {total / 2**30:.2f} GiB from {len(sources)} source GPUs "
+            f"(busiest sends {busiest / 2**30:.2f} GiB)",
+        ]
     return "\n".join(lines)

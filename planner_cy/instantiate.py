@@ -99,8 +99,10 @@ def check_templates(templates: Sequence[Template], gpus_per_node: int | None = N
     num_layers = templates[0].stages[-1].end
     for t in templates:
         where = f"templates[nodes={t.nodes}]"
-        if t.stages[0].start != 0 or t.stages[-1].end != num_layers or any(
-            a.end != b.start for a, b in zip(t.stages, t.stages[1:])
+        if (
+            t.stages[0].start != 0
+            or t.stages[-1].end != num_layers
+            or any(a.end != b.start for a, b in zip(t.stages, t.stages[1:]))
         ):
             raise PlanningError(f"{where}: stages must cover layers 0..{num_layers} contiguously")
         used: dict[int, int] = {}  # node -> bitmask of the GPUs its stages use
@@ -244,15 +246,31 @@ def build_plan(
         stages = []
         for stage in template.stages:
             gpus = list(range(stage.gpu_offset, stage.gpu_offset + stage.gpus))
-            numbers = range(position, position + stage.gpus) if ranks is None else ranks[position : position + stage.gpus]
-            stages.append({"start": stage.start, "end": stage.end, "node": nodes[stage.node], "gpus": gpus,
-                           "ranks": [int(r) for r in numbers]})  # fmt: skip
+            numbers = (
+                range(position, position + stage.gpus) if ranks is None else ranks[position : position + stage.gpus]
+            )
+            stages.append(
+                {
+                    "start": stage.start,
+                    "end": stage.end,
+                    "node": nodes[stage.node],
+                    "gpus": gpus,
+                    "ranks": [int(r) for r in numbers],
+                }
+            )
             position += stage.gpus
         ms = template_cost(template).at(nb)
         slowest = max(slowest, ms)
         out_pipelines.append(
-            {"index": index, "template_nodes": template.nodes, "nodes": list(nodes), "microbatches": nb,
-             "microbatch_offset": offset, "stages": stages, "iteration_ms": ms}
+            {
+                "index": index,
+                "template_nodes": template.nodes,
+                "nodes": list(nodes),
+                "microbatches": nb,
+                "microbatch_offset": offset,
+                "stages": stages,
+                "iteration_ms": ms,
+            }
         )
         offset += nb
     return Plan.model_validate(
@@ -304,8 +322,14 @@ def instantiate(
             taken += template.nodes
     nb = split_batch([template_cost(t) for t, _ in pipelines], global_microbatches, engine=engine)
     return build_plan(
-        job=job, generation=0, templates=templates, gpus_per_node=gpus_per_node, f=f,
-        pipelines=pipelines, microbatches=nb, reason="initial",
+        job=job,
+        generation=0,
+        templates=templates,
+        gpus_per_node=gpus_per_node,
+        f=f,
+        pipelines=pipelines,
+        microbatches=nb,
+        reason="initial",
     )
 
 
@@ -334,7 +358,12 @@ def plan_job(
         raise PlanningError(f"nodes: {len(nodes)} node ids given, cluster.nodes is {cluster.nodes}")
     templates = generate_templates(profile, cluster, f=f, m_ref=DEFAULT_M_REF if m_ref is None else m_ref)
     return instantiate(
-        templates, list(nodes), f, global_microbatches, job,
-        gpus_per_node=cluster.gpus_per_node, allow_degraded=allow_degraded, engine=engine,
+        templates,
+        list(nodes),
+        f,
+        global_microbatches,
+        job,
+        gpus_per_node=cluster.gpus_per_node,
+        allow_degraded=allow_degraded,
+        engine=engine,
     )
-

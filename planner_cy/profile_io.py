@@ -28,7 +28,8 @@ def parse_profile(text: str, source: str = "profile") -> ModelProfile:
         return ModelProfile.model_validate(data)
     except ValidationError as error:
         problems = "; ".join(
-            f"{'.'.join(str(part) for part in problem['loc']) or '(top level)'}: {problem['msg']}" for problem in error.errors()
+            f"{'.'.join(str(part) for part in problem['loc']) or '(top level)'}: {problem['msg']}"
+            for problem in error.errors()
         )
         raise ProfileError(f"{source}: {problems}") from error
 

@@ -164,7 +164,9 @@ def _repair(
             # Too few added nodes for a pipeline of their own: grow existing pipelines one node at a time.
             for node in pool:
                 target = min(
-                    (j for j in range(len(work)) if len(work[j]) + 1 in fits), key=lambda j: (len(work[j]), j), default=None
+                    (j for j in range(len(work)) if len(work[j]) + 1 in fits),
+                    key=lambda j: (len(work[j]), j),
+                    default=None,
                 )
                 if target is None:
                     return None
@@ -178,9 +180,7 @@ def _repair(
     return work, moves
 
 
-def _fresh(
-    groups: list[list[str]], intact: list[bool], added: list[str], needed: list[int]
-) -> list[list[str]]:
+def _fresh(groups: list[list[str]], intact: list[bool], added: list[str], needed: list[int]) -> list[list[str]]:
     """Lay an instantiation's pipeline sizes over the survivors, keeping whole groups where sizes allow."""
     needed = sorted(needed, reverse=True)
     kept: list[list[str]] = []
@@ -253,17 +253,27 @@ def reconfigure(
     Raises LostLayersError when a layer has no surviving replica, PlanningError for bad input or
     when the remaining nodes cannot form any pipeline.
     """
-    chosen = next_layout(plan, templates, profile, lost, added, bandwidth=bandwidth, horizon=horizon, engine=engine,
-                         holdings=holdings)
+    chosen = next_layout(
+        plan, templates, profile, lost, added, bandwidth=bandwidth, horizon=horizon, engine=engine, holdings=holdings
+    )
     return to_plan(plan, templates, chosen)
 
 
 def to_plan(plan: Plan, templates: Sequence[Template], chosen: NextLayout) -> Plan:
     """The Plan of a chosen next layout: generation + 1 of `plan`."""
     return build_plan(
-        job=plan.job, generation=plan.generation + 1, templates=templates, gpus_per_node=chosen.gpus_per_node,
-        f=plan.f, pipelines=chosen.pipelines, microbatches=chosen.microbatches, copies=chosen.copies,
-        lost=chosen.lost, added=chosen.added, reason=chosen.reason, ranks=chosen.ranks,
+        job=plan.job,
+        generation=plan.generation + 1,
+        templates=templates,
+        gpus_per_node=chosen.gpus_per_node,
+        f=plan.f,
+        pipelines=chosen.pipelines,
+        microbatches=chosen.microbatches,
+        copies=chosen.copies,
+        lost=chosen.lost,
+        added=chosen.added,
+        reason=chosen.reason,
+        ranks=chosen.ranks,
     )
 
 
@@ -335,8 +345,9 @@ def next_layout(
             candidates.append(Candidate(reason, tuple((len(g), tuple(g)) for g in work)))
     ordered = sorted(sizes, reverse=True)
     try:
-        choice = choose([costs[n] for n in ordered], survivors, plan.f, plan.global_microbatches,
-                        allow_degraded=True, engine=engine)
+        choice = choose(
+            [costs[n] for n in ordered], survivors, plan.f, plan.global_microbatches, allow_degraded=True, engine=engine
+        )
     except PlanningError:
         choice = None  # the repairs may still find a layout; if not, the error below names the numbers
     if choice is not None:
@@ -428,7 +439,9 @@ def _gpus_of(plan: Plan, index: Mapping[str, int]) -> _GpuTable:
             starts += [stage.start] * width
             ends += [stage.end] * width
     key = np.array(nodes, dtype=np.int64) * plan.gpus_per_node + np.array(gpus, dtype=np.int64)
-    return _GpuTable(key, np.array(ranks, dtype=np.int64), np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
+    return _GpuTable(
+        key, np.array(ranks, dtype=np.int64), np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
+    )
 
 
 Holdings = Mapping[tuple[str, int], Iterable[int]]
@@ -490,13 +503,18 @@ def layout_copies(plan: Plan, holdings: Holdings, state_bytes: Sequence[int]) ->
 def _gpu_table(template: Template) -> np.ndarray:
     """Per GPU of a template, in rank order: (node within the pipeline, local GPU, start, end)."""
     return np.array(
-        [(st.node, gpu, st.start, st.end) for st in template.stages
-         for gpu in range(st.gpu_offset, st.gpu_offset + st.gpus)],
+        [
+            (st.node, gpu, st.start, st.end)
+            for st in template.stages
+            for gpu in range(st.gpu_offset, st.gpu_offset + st.gpus)
+        ],
         dtype=np.int64,
     )
 
 
-def _places(groups: Sequence[tuple[int, tuple[str, ...]]], per_gpu: dict[int, np.ndarray], index: dict[str, int]) -> np.ndarray:
+def _places(
+    groups: Sequence[tuple[int, tuple[str, ...]]], per_gpu: dict[int, np.ndarray], index: dict[str, int]
+) -> np.ndarray:
     """Every GPU of a layout in new rank order: rows (node index, local GPU, start, end)."""
     parts = []
     for n, nodes in groups:
@@ -516,8 +534,15 @@ class _Held:
     the range it does not hold.
     """
 
-    def __init__(self, names: list[str], gpus_per_node: int, state: np.ndarray, start: np.ndarray,
-                 end: np.ndarray, gaps: tuple[list[int], list[int]] = ([], [])) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        gpus_per_node: int,
+        state: np.ndarray,
+        start: np.ndarray,
+        end: np.ndarray,
+        gaps: tuple[list[int], list[int]] = ([], []),
+    ) -> None:
         self.names = names
         self.index = {name: i for i, name in enumerate(names)}
         self.gpus = gpus_per_node
@@ -526,7 +551,9 @@ class _Held:
         self.gaps = tuple(np.array(a, dtype=np.int64) for a in gaps)
 
     @classmethod
-    def from_plan(cls, table: _GpuTable, gone: set[str], names: list[str], gpus_per_node: int, state: np.ndarray) -> _Held:
+    def from_plan(
+        cls, table: _GpuTable, gone: set[str], names: list[str], gpus_per_node: int, state: np.ndarray
+    ) -> _Held:
         """What the surviving GPUs hold according to the plan whose GPUs are `table`: each its [start, end) range."""
         index = {name: i for i, name in enumerate(names)}
         start = np.full(len(names) * gpus_per_node, -1, dtype=np.int64)
@@ -538,8 +565,9 @@ class _Held:
         return cls(names, gpus_per_node, state, start, end)
 
     @classmethod
-    def from_holdings(cls, held: dict[tuple[str, int], frozenset[int]], names: list[str], gpus_per_node: int,
-                      state: np.ndarray) -> _Held:
+    def from_holdings(
+        cls, held: dict[tuple[str, int], frozenset[int]], names: list[str], gpus_per_node: int, state: np.ndarray
+    ) -> _Held:
         """Reported holdings: each GPU's range spans its lowest to highest layer, less its gaps."""
         index = {name: i for i, name in enumerate(names)}
         start = np.full(len(names) * gpus_per_node, -1, dtype=np.int64)
@@ -611,8 +639,11 @@ class _Held:
         wanted = []  # (rank, layer) to fill, in rank then layer order
         for rank in changed:
             low, high, less = int(old_start[rank]), int(old_end[rank]), gaps.get(rank, ())
-            wanted.extend((rank, layer) for layer in range(places[rank, 2], places[rank, 3])
-                          if not (low <= layer < high and layer not in less))
+            wanted.extend(
+                (rank, layer)
+                for layer in range(places[rank, 2], places[rank, 3])
+                if not (low <= layer < high and layer not in less)
+            )
         if not wanted:
             return []
         survivor = np.flatnonzero(old_start >= 0)  # new ranks of the GPUs that hold state, ascending
@@ -645,8 +676,15 @@ class _Held:
             sent[source] = load + state[layer]
             heapq.heappush(heap, (sent[source], source))
             copies.append(
-                {"layer": layer, "src_node": self.names[places[source, 0]], "src_gpu": int(places[source, 1]),
-                 "src_rank": source, "dst_node": self.names[places[rank, 0]], "dst_gpu": int(places[rank, 1]),
-                 "dst_rank": rank, "bytes": state[layer]}
+                {
+                    "layer": layer,
+                    "src_node": self.names[places[source, 0]],
+                    "src_gpu": int(places[source, 1]),
+                    "src_rank": source,
+                    "dst_node": self.names[places[rank, 0]],
+                    "dst_gpu": int(places[rank, 1]),
+                    "dst_rank": rank,
+                    "bytes": state[layer],
+                }
             )
         return copies

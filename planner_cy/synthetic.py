@@ -57,7 +57,9 @@ def _positive(**values: float) -> None:
             raise ValueError(f"{name}: must be > 0, got {value}")
 
 
-def _layer(name: str, flops: float, params: int, activation: int, output: int, gpu_flops: float, hbm: float) -> LayerProfile:
+def _layer(
+    name: str, flops: float, params: int, activation: int, output: int, gpu_flops: float, hbm: float
+) -> LayerProfile:
     weights = 2 * params  # fp16 copy read by the forward
     forward_s = max(flops / gpu_flops, (weights + activation) / hbm)
     backward_s = max(2 * flops / gpu_flops, 2 * (weights + activation) / hbm)
@@ -86,7 +88,14 @@ def gpt_profile(
     memory bandwidth in bytes/s. Raises ValueError naming the first invalid argument.
     """
     h, a, V, s, b = shape.hidden, shape.heads, shape.vocab, seq_len, microbatch_size
-    named = (("blocks", shape.blocks), ("hidden", h), ("heads", a), ("vocab", V), ("seq_len", s), ("microbatch_size", b))
+    named = (
+        ("blocks", shape.blocks),
+        ("hidden", h),
+        ("heads", a),
+        ("vocab", V),
+        ("seq_len", s),
+        ("microbatch_size", b),
+    )
     for field, value in named:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{field}: must be a positive integer, got {value!r}")

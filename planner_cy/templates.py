@@ -147,12 +147,28 @@ def search_layouts(tables: CostTables, max_nodes: int) -> dict[int, Layout]:
     ends = np.zeros((max_nodes + 1, L), dtype=np.int32)
     gpus = np.zeros((max_nodes + 1, L), dtype=np.int32)
     _templates.search(
-        tables.time_pf, tables.state_pf, tables.act_pf, tables.comm_intra, tables.comm_inter,
-        tables.gpus, max_nodes, tables.m_ref, tables.memory, objective, peak, stages, ends, gpus,
-    )  # fmt: skip
+        tables.time_pf,
+        tables.state_pf,
+        tables.act_pf,
+        tables.comm_intra,
+        tables.comm_inter,
+        tables.gpus,
+        max_nodes,
+        tables.m_ref,
+        tables.memory,
+        objective,
+        peak,
+        stages,
+        ends,
+        gpus,
+    )
     return {
         n: Layout(
-            n, int(objective[n]), int(peak[n]), tuple(ends[n, : stages[n]].tolist()), tuple(gpus[n, : stages[n]].tolist())
+            n,
+            int(objective[n]),
+            int(peak[n]),
+            tuple(ends[n, : stages[n]].tolist()),
+            tuple(gpus[n, : stages[n]].tolist()),
         )
         for n in range(1, max_nodes + 1)
         if stages[n] > 0
@@ -168,14 +184,21 @@ def to_template(tables: CostTables, layout: Layout) -> Template:
         backward = int(tables.backward_pf[end] - tables.backward_pf[start])
         stages.append(
             TemplateStage(
-                start=start, end=end, node=node, gpus=g, gpu_offset=offset,
-                forward_ms=forward / g / TICKS_PER_MS, backward_ms=backward / g / TICKS_PER_MS,
-            )  # fmt: skip
+                start=start,
+                end=end,
+                node=node,
+                gpus=g,
+                gpu_offset=offset,
+                forward_ms=forward / g / TICKS_PER_MS,
+                backward_ms=backward / g / TICKS_PER_MS,
+            )
         )
         start, offset = end, offset + g
         if offset == tables.gpus:
             node, offset = node + 1, 0
-    return Template(nodes=layout.nodes, stages=stages, iteration_ms=tables.units_to_ms(layout.objective), m_ref=tables.m_ref)
+    return Template(
+        nodes=layout.nodes, stages=stages, iteration_ms=tables.units_to_ms(layout.objective), m_ref=tables.m_ref
+    )
 
 
 def _no_fit(profile: ModelProfile, cluster: ClusterShape, m_ref: int) -> PlanningError:
@@ -260,7 +283,9 @@ def uncovered_counts(sizes: Iterable[int], f: int, max_nodes: int) -> list[int]:
     return [n for n in range((f + 1) * sizes[0], max_nodes + 1) if most[n] < f + 1]
 
 
-def generate_templates(profile: ModelProfile, cluster: ClusterShape, f: int, m_ref: int = DEFAULT_M_REF) -> list[Template]:
+def generate_templates(
+    profile: ModelProfile, cluster: ClusterShape, f: int, m_ref: int = DEFAULT_M_REF
+) -> list[Template]:
     """Templates for the covering sizes (see covering_sizes), sorted by node count.
 
     cluster.nodes is N, the most nodes the job will have. Raises PlanningError, with the numbers, when

@@ -25,16 +25,25 @@ def _store_address(value: str) -> tuple[str, int]:
 def add_worker_parser(subparsers) -> None:
     parser = subparsers.add_parser("worker", help="run one training worker for a static plan")
     parser.add_argument(
-        "--config", default=os.environ.get("OOBLECK_CONFIG"),
+        "--config",
+        default=os.environ.get("OOBLECK_CONFIG"),
         help="worker config, JSON or YAML (env OOBLECK_CONFIG; default: the built-in defaults)",
     )
     parser.add_argument("--plan", default=os.environ.get("OOBLECK_PLAN"), help="plan JSON file (env OOBLECK_PLAN)")
     parser.add_argument(
-        "--store", type=_store_address, default=os.environ.get("OOBLECK_STORE"),
+        "--store",
+        type=_store_address,
+        default=os.environ.get("OOBLECK_STORE"),
         help="rendezvous TCPStore HOST:PORT (env OOBLECK_STORE)",
     )
-    parser.add_argument("--node", default=os.environ.get("OOBLECK_NODE", socket.gethostname()), help="this node's name (env OOBLECK_NODE)")
-    parser.add_argument("--gpu", type=int, default=int(os.environ.get("OOBLECK_GPU", "0")), help="local GPU index (env OOBLECK_GPU)")
+    parser.add_argument(
+        "--node",
+        default=os.environ.get("OOBLECK_NODE", socket.gethostname()),
+        help="this node's name (env OOBLECK_NODE)",
+    )
+    parser.add_argument(
+        "--gpu", type=int, default=int(os.environ.get("OOBLECK_GPU", "0")), help="local GPU index (env OOBLECK_GPU)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="override config.steps")
     parser.add_argument("--losses", default=None, help="append per-step global losses here (JSON lines)")
     parser.add_argument("--dump", default=None, help="write the final parameters of held layers here (torch.save)")
@@ -55,8 +64,11 @@ def run_worker(args: argparse.Namespace) -> int:
         print("oobleck worker: --store HOST:PORT (or OOBLECK_STORE) is required", file=sys.stderr)
         return 2
     if args.plan is None:
-        print("oobleck worker: --plan FILE (or OOBLECK_PLAN) is required: this worker runs one static plan "
-              "(the elastic loop is `python -m oobleck.runtime.reconfig`)", file=sys.stderr)
+        print(
+            "oobleck worker: --plan FILE (or OOBLECK_PLAN) is required: this worker runs one static plan "
+            "(the elastic loop is `python -m oobleck.runtime.reconfig`)",
+            file=sys.stderr,
+        )
         return 2
     try:
         config = load_config(args.config) if args.config else WorkerConfig()
@@ -104,8 +116,11 @@ def run_profile(args: argparse.Namespace) -> int:
             updates["microbatch_size"] = args.microbatch_size
         if args.device:
             updates["device"] = args.device
-        config = WorkerConfig.model_validate(config.model_dump() | {k: v for k, v in updates.items() if not isinstance(v, ModelConfig)}
-                                             | ({"model": updates["model"].model_dump()} if "model" in updates else {}))
+        config = WorkerConfig.model_validate(
+            config.model_dump()
+            | {k: v for k, v in updates.items() if not isinstance(v, ModelConfig)}
+            | ({"model": updates["model"].model_dump()} if "model" in updates else {})
+        )
         model = build_model(config)
     except (OSError, ValueError) as error:
         print(f"oobleck profile: {error}", file=sys.stderr)

@@ -30,7 +30,7 @@ class DataConfig(_Strict):
     noise: float = Field(default=0.1, ge=0, le=1, description="synthetic: probability of a random token")
 
     @model_validator(mode="after")
-    def _path_for_file(self) -> "DataConfig":
+    def _path_for_file(self) -> DataConfig:
         if self.kind == "file" and not self.path:
             raise ValueError("path: required when kind is 'file'")
         return self
@@ -64,7 +64,8 @@ class SnapshotConfig(_Strict):
     """In-memory snapshots on a peer (runtime/snapshot.py): what survives losing every replica of a layer."""
 
     interval_steps: int = Field(
-        default=10, ge=0,
+        default=10,
+        ge=0,
         description="snapshot every this many steps into host memory, own and a buddy's on another node "
         "(costs 2 x (own + buddy's) layer state of host memory); 0 disables",
     )
@@ -111,7 +112,9 @@ def load_config(path: str | Path) -> WorkerConfig:
     try:
         raw = (yaml.safe_load(text) or {}) if path.suffix in (".yaml", ".yml") else json.loads(text)
     except (yaml.YAMLError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {error}") from error
+        raise ValueError(
+            f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {error}"
+        ) from error
     try:
         return WorkerConfig.model_validate(raw)
     except ValidationError as error:
@@ -134,6 +137,8 @@ def build_dataset(config: WorkerConfig, model):
     vocab = getattr(getattr(model, "sizes", None), "vocab", None)
     if config.data.kind == "synthetic":
         if vocab is None:
-            raise ValueError("data.kind: synthetic data needs a model with sizes.vocab (use kind=file for custom models)")
+            raise ValueError(
+                "data.kind: synthetic data needs a model with sizes.vocab (use kind=file for custom models)"
+            )
         return SyntheticTokens(vocab, seq_len, config.microbatch_size, seed=config.seed, noise=config.data.noise)
     return TokenFile(config.data.path, seq_len, config.microbatch_size, seed=config.seed, vocab=vocab)

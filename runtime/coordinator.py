@@ -159,7 +159,7 @@ class Coordinator:
         self._server: dist.TCPStore | None = None
         self.epoch = ""
 
-    def start(self) -> "Coordinator":
+    def start(self) -> Coordinator:
         """Start (or restart, on the same port) the server and stamp a new epoch."""
         if self._server is not None:
             raise RuntimeError("coordinator: already started")
@@ -212,7 +212,7 @@ class Coordinator:
         # Dropping the last reference to the master store shuts the server down.
         del server
 
-    def __enter__(self) -> "Coordinator":
+    def __enter__(self) -> Coordinator:
         return self.start() if self._server is None else self
 
     def __exit__(self, *exc: object) -> None:
@@ -240,9 +240,7 @@ def connect(host: str, port: int, timeouts: StoreTimeouts = StoreTimeouts()) -> 
         except (RuntimeError, OSError) as error:  # DistNetworkError / DistStoreError are RuntimeErrors
             last_error = error
             time.sleep(timeouts.retry_s)
-    raise StoreUnavailable(
-        f"coordinator {host}:{port} unreachable for {timeouts.reconnect_s:.1f} s: {last_error}"
-    )
+    raise StoreUnavailable(f"coordinator {host}:{port} unreachable for {timeouts.reconnect_s:.1f} s: {last_error}")
 
 
 def is_store_loss(error: BaseException) -> bool:
@@ -315,8 +313,11 @@ def get_progress(store: dist.Store, workers: list[str]) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m oobleck.runtime.coordinator`: host the store until SIGTERM / SIGINT."""
     parser = argparse.ArgumentParser(prog="python -m oobleck.runtime.coordinator", description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default=os.environ.get("OOBLECK_POD_IP") or "0.0.0.0",
-                        help="address to listen on (default: $OOBLECK_POD_IP, else every address)")
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("OOBLECK_POD_IP") or "0.0.0.0",
+        help="address to listen on (default: $OOBLECK_POD_IP, else every address)",
+    )
     parser.add_argument("--port", type=int, default=29400, help="port to listen on (0: any free port)")
     parser.add_argument("--op-timeout", type=float, default=5.0, help="server-side default op timeout, seconds")
     args = parser.parse_args(argv)

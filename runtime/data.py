@@ -71,12 +71,16 @@ class SyntheticTokens:
 class TokenFile:
     """Windows of `seq_len + 1` tokens at offsets drawn from (seed, step, index, sample)."""
 
-    def __init__(self, path: str | Path, seq_len: int, microbatch_size: int, seed: int = 0, vocab: int | None = None) -> None:
+    def __init__(
+        self, path: str | Path, seq_len: int, microbatch_size: int, seed: int = 0, vocab: int | None = None
+    ) -> None:
         self.path = Path(path)
         self.seq_len, self.microbatch_size, self.seed = seq_len, microbatch_size, seed
         self.tokens = load_tokens(self.path)
         if len(self.tokens) < seq_len + 1:
-            raise ValueError(f"data.path: {self.path} holds {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+            raise ValueError(
+                f"data.path: {self.path} holds {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+            )
         top = int(self.tokens.max())
         if vocab is not None and top >= vocab:
             raise ValueError(f"data.path: {self.path} has token id {top}, outside the model's vocabulary of {vocab}")

@@ -37,7 +37,15 @@ from oobleck.api.plan import Plan
 from oobleck.runtime.config import Timeouts, WorkerConfig
 from oobleck.runtime.data import Dataset
 from oobleck.runtime.groups import (
-    CommError, GenerationGroups, Interrupted, Layout, layout, overlap, rows, wait, wait_all,
+    CommError,
+    GenerationGroups,
+    Interrupted,
+    Layout,
+    layout,
+    overlap,
+    rows,
+    wait,
+    wait_all,
 )
 from oobleck.runtime.models import LayeredModel, layer_seed, output_spec
 from oobleck.runtime.optim import LayerAdamW, learning_rate

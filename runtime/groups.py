@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
-from oobleck.api.plan import Plan, Pipeline, RankAssignment, Stage
+from oobleck.api.plan import Pipeline, Plan, RankAssignment, Stage
 
 log = logging.getLogger("oobleck.runtime.groups")
 
@@ -200,7 +200,10 @@ class GenerationGroups:
             try:
                 for spec in mine:
                     self._groups[spec.key] = _backend(
-                        PrefixStore(spec.name + "/", base), spec.members.index(rank), len(spec.members), device,
+                        PrefixStore(spec.name + "/", base),
+                        spec.members.index(rank),
+                        len(spec.members),
+                        device,
                         timedelta(seconds=timeout),
                     )
                     self._members[spec.key] = spec.members
@@ -270,8 +273,9 @@ def wait(work, failed: threading.Event | None, poll: float, timeout: float, what
     _waiter().wait([(work, what)], failed, poll, timeout)
 
 
-def wait_all(works: list[tuple[object, str]], failed: threading.Event | None, poll: float, timeout: float,
-             cuda: bool = False) -> None:
+def wait_all(
+    works: list[tuple[object, str]], failed: threading.Event | None, poll: float, timeout: float, cuda: bool = False
+) -> None:
     """`wait` for each (work, what) in turn, with one hand-off to the helper thread for all of them.
 
     A hand-off costs two thread wake-ups (~50 us on a loaded 2-core machine); a step's sends are
@@ -321,8 +325,9 @@ class _Waiter:
             finally:
                 done.set()
 
-    def wait(self, works: list[tuple[object, str]], failed: threading.Event | None, poll: float,
-             timeout: float) -> None:
+    def wait(
+        self, works: list[tuple[object, str]], failed: threading.Event | None, poll: float, timeout: float
+    ) -> None:
         """Wait for every (work, what) in `works`, in order, in the helper thread."""
         done, progress, error = threading.Event(), [0], []
         self._queue.put((works, done, progress, error))

@@ -26,8 +26,9 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -88,7 +89,7 @@ class FailureReport:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "FailureReport":
+    def from_dict(cls, data: dict) -> FailureReport:
         return cls(**{**data, "dead": tuple(data.get("dead", ()))})
 
 
@@ -204,7 +205,10 @@ def _probe_nvidia_smi() -> list[GpuHealth]:
     try:
         out = subprocess.run(
             [binary, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout
     except (subprocess.SubprocessError, OSError) as error:
         # nvidia-smi present but failing: the driver or a GPU is in trouble.
@@ -261,7 +265,7 @@ class FailureDetector:
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
-    def start(self) -> "FailureDetector":
+    def start(self) -> FailureDetector:
         self._trigger_store, self.epoch = connect(*self._address, self._store_timeouts)
         for name, target in (
             ("oobleck-heartbeat", self._heartbeat_loop),
@@ -456,7 +460,8 @@ class FailureDetector:
             # the controller (process or pod status); a peer that never beats at all is dead after
             # startup_grace_s.
             dead = tuple(
-                p for p in peers
+                p
+                for p in peers
                 if (p in armed and now - last_change.get(p, now) > self.timeouts.dead_after_s)
                 or (p not in seen and now - last_change.get(p, now) > self.timeouts.startup_grace_s)
             )

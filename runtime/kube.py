@@ -72,7 +72,7 @@ class KubeConfig:
     """Timeout of one non-watch call (connect + answer)."""
 
     @classmethod
-    def in_cluster(cls, env: Mapping[str, str] | None = None, request_timeout_s: float = 15.0) -> "KubeConfig":
+    def in_cluster(cls, env: Mapping[str, str] | None = None, request_timeout_s: float = 15.0) -> KubeConfig:
         """From a pod's environment: the service-account folder and KUBERNETES_SERVICE_HOST/PORT."""
         env = os.environ if env is None else env
         folder = Path(env.get(SERVICEACCOUNT_DIR_ENV) or SERVICEACCOUNT_DIR)
@@ -118,7 +118,7 @@ class KubeClient:
         self._token_lock = threading.Lock()
 
     @classmethod
-    def in_cluster(cls, env: Mapping[str, str] | None = None) -> "KubeClient":
+    def in_cluster(cls, env: Mapping[str, str] | None = None) -> KubeClient:
         return cls(KubeConfig.in_cluster(env))
 
     @property
@@ -150,7 +150,11 @@ class KubeClient:
         return headers
 
     def request(
-        self, method: str, path: str, body: Any = None, query: Mapping[str, Any] | None = None,
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
         content_type: str = "application/json",
     ) -> dict[str, Any]:
         """One call; the decoded JSON answer. Raises KubeApiError (the server refused) or KubeError."""
@@ -192,7 +196,10 @@ class KubeClient:
         return self.request("PATCH", path, patch, content_type=MERGE_PATCH)
 
     def watch(
-        self, path: str, query: Mapping[str, Any] | None = None, timeout_s: float = 60.0,
+        self,
+        path: str,
+        query: Mapping[str, Any] | None = None,
+        timeout_s: float = 60.0,
         stop: threading.Event | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Stream (type, object) events of a collection watch until the server ends it.
@@ -201,7 +208,12 @@ class KubeClient:
         fieldSelector and resourceVersion. The server ends the stream after `timeout_s`; `stop`
         ends it from another thread (the socket is shut down). An ERROR event is raised as
         KubeApiError (Gone for 410)."""
-        params = {**(query or {}), "watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": str(max(1, int(timeout_s)))}
+        params = {
+            **(query or {}),
+            "watch": "1",
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(max(1, int(timeout_s))),
+        }
         url = f"{path}?{urlencode(params)}"
         connection = self._connect(self.config.request_timeout_s)
         watcher = None
@@ -218,7 +230,9 @@ class KubeClient:
             if connection.sock is not None:
                 connection.sock.settimeout(timeout_s + 30)
             if stop is not None:
-                watcher = threading.Thread(target=_close_on, args=(stop, connection), daemon=True, name="oobleck-kube-watch-stop")
+                watcher = threading.Thread(
+                    target=_close_on, args=(stop, connection), daemon=True, name="oobleck-kube-watch-stop"
+                )
                 watcher.start()
             while stop is None or not stop.is_set():
                 try:

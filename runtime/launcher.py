@@ -62,8 +62,11 @@ def _worker_holdings(holdings: dict[str, set[int]]) -> dict[tuple[str, int], fro
 def _no_holder(error) -> str:
     """A LostLayersError in the launcher's words: which layers no surviving worker holds."""
     layers = error.layers
-    named = f"layer {layers[0]}: no surviving worker holds it" if len(layers) == 1 else \
-        f"layers {layers}: no surviving worker holds them"
+    named = (
+        f"layer {layers[0]}: no surviving worker holds it"
+        if len(layers) == 1
+        else f"layers {layers}: no surviving worker holds them"
+    )
     return f"{named} (more than f failures; restore from a checkpoint)"
 
 
@@ -82,9 +85,17 @@ def copy_plan(plan, holdings: dict[str, set[int]], state_bytes: list[int]):
         raise PlanningError(_no_holder(error)) from error
 
 
-def replan(previous, nodes: list[str], holdings: dict[str, set[int]], profile,
-           *, lost: list[str] = (), added: list[str] = (), reason: str,
-           bandwidth: float = DEFAULT_COPY_BANDWIDTH):
+def replan(
+    previous,
+    nodes: list[str],
+    holdings: dict[str, set[int]],
+    profile,
+    *,
+    lost: list[str] = (),
+    added: list[str] = (),
+    reason: str,
+    bandwidth: float = DEFAULT_COPY_BANDWIDTH,
+):
     """The generation after `previous` on `nodes` (its nodes less `lost`, plus `added`), with its copies.
 
     The planner's reconfiguration (minimal-movement moves or a re-instantiation of the same templates,
@@ -102,8 +113,9 @@ def replan(previous, nodes: list[str], holdings: dict[str, set[int]], profile,
     if sorted(nodes) != sorted(expected):
         raise PlanningError(f"nodes: {sorted(nodes)} is not the previous nodes less {list(lost)} plus {list(added)}")
     try:
-        plan = reconfigure(previous, previous.templates, profile, lost, added, bandwidth=bandwidth,
-                           holdings=_worker_holdings(holdings))
+        plan = reconfigure(
+            previous, previous.templates, profile, lost, added, bandwidth=bandwidth, holdings=_worker_holdings(holdings)
+        )
     except LostLayersError as error:
         raise PlanningError(_no_holder(error)) from error
     if not lost and not added:
@@ -268,10 +280,15 @@ class Summary:
 
     def as_dict(self) -> dict:
         return {
-            "ok": self.ok, "steps": self.steps, "target_steps": self.target_steps, "generations": self.generations,
+            "ok": self.ok,
+            "steps": self.steps,
+            "target_steps": self.target_steps,
+            "generations": self.generations,
             "losses": {str(k): v for k, v in sorted(self.losses.items())},
             "reconfigurations": [r.as_dict() for r in self.reconfigurations],
-            "exit_codes": self.exit_codes, "failure_reports": self.failure_reports, "error": self.error,
+            "exit_codes": self.exit_codes,
+            "failure_reports": self.failure_reports,
+            "error": self.error,
             "seconds": round(self.seconds, 3),
             "workdir": self.workdir,
         }
@@ -336,9 +353,13 @@ class Launcher:
         from oobleck.planner.instantiate import plan_job
 
         o = self.options
-        cluster = ClusterShape(nodes=len(nodes), gpus_per_node=o.gpus_per_node, gpu_memory_bytes=o.gpu_memory,
-                               intra_node_bandwidth=100e9,
-                               inter_node_bandwidth=o.copy_bandwidth)
+        cluster = ClusterShape(
+            nodes=len(nodes),
+            gpus_per_node=o.gpus_per_node,
+            gpu_memory_bytes=o.gpu_memory,
+            intra_node_bandwidth=100e9,
+            inter_node_bandwidth=o.copy_bandwidth,
+        )
         return plan_job(profile, cluster, o.f, o.microbatches, o.job, nodes=nodes)
 
     def _spawn(self, node: str, gpu: int) -> Child:
@@ -348,14 +369,37 @@ class Launcher:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
         o = self.options
         command = [
-            sys.executable, "-m", "oobleck.runtime.reconfig", "--config", str(self.workdir / "config.json"),
-            "--plan-file", str(self.plan_path), "--store", f"127.0.0.1:{self.coordinator.port}",
-            "--node", node, "--gpu", str(gpu), "--losses", str(losses), "--dump", str(dump),
-            "--heartbeat-period", str(o.heartbeat_period_s), "--dead-after", str(o.dead_after_s),
+            sys.executable,
+            "-m",
+            "oobleck.runtime.reconfig",
+            "--config",
+            str(self.workdir / "config.json"),
+            "--plan-file",
+            str(self.plan_path),
+            "--store",
+            f"127.0.0.1:{self.coordinator.port}",
+            "--node",
+            node,
+            "--gpu",
+            str(gpu),
+            "--losses",
+            str(losses),
+            "--dump",
+            str(dump),
+            "--heartbeat-period",
+            str(o.heartbeat_period_s),
+            "--dead-after",
+            str(o.dead_after_s),
         ]
         with open(log_path, "ab") as out:
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       preexec_fn=die_with_parent(os.getpid()), process_group=0)
+            process = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=die_with_parent(os.getpid()),
+                process_group=0,
+            )
         child = Child(worker, node, gpu, process, log_path, losses, dump)
         self.children[worker] = child
         return child
@@ -371,8 +415,14 @@ class Launcher:
             # aborted for all (the commit decision is common), then redone under the new plan.
             keys.post_abort(self.store, self.plan.generation, {"kind": "new-generation", "generation": plan.generation})
         self.plan = plan
-        log.info("published generation %d (%s): %d pipelines %s, %d copies", plan.generation, plan.reason,
-                 len(plan.pipelines), [[(s.start, s.end) for s in p.stages] for p in plan.pipelines], len(plan.copies))
+        log.info(
+            "published generation %d (%s): %d pipelines %s, %d copies",
+            plan.generation,
+            plan.reason,
+            len(plan.pipelines),
+            [[(s.start, s.end) for s in p.stages] for p in plan.pipelines],
+            len(plan.copies),
+        )
 
     # -- run ---------------------------------------------------------------------------------------
 
@@ -463,8 +513,10 @@ class Launcher:
                 restart_at = None
                 self._restart_coordinator()
                 continue
-            if spares and step >= additions[0] and self.store.check(
-                [keys.heartbeat_key(f"{spares[0]}:{g}") for g in range(o.gpus_per_node)]
+            if (
+                spares
+                and step >= additions[0]
+                and self.store.check([keys.heartbeat_key(f"{spares[0]}:{g}") for g in range(o.gpus_per_node)])
             ):
                 additions.pop(0)
                 self._reconfigure(lost=[], added=[spares.pop(0)], reason="add")
@@ -586,11 +638,13 @@ class Launcher:
         for worker in dead:  # fence: a worker declared dead must not come back
             self.children[worker].kill()
         kill_at = min((t for t, w in self.kills if w in dead), default=None)
-        detected = min([r.detected_at for r in reports if set(r.dead) & dead] + ([exit_seen] if exit_seen else []),
-                       default=None)
+        detected = min(
+            [r.detected_at for r in reports if set(r.dead) & dead] + ([exit_seen] if exit_seen else []), default=None
+        )
         lost_nodes = sorted({w.split(":")[0] for w in dead})
-        self._reconfigure(lost=lost_nodes, added=[], reason="lost" if dead else "retry",
-                          kill_at=kill_at, detected_at=detected)
+        self._reconfigure(
+            lost=lost_nodes, added=[], reason="lost" if dead else "retry", kill_at=kill_at, detected_at=detected
+        )
 
     def _confirm_silent(self, suspects: set[str]) -> set[str]:
         """Those of `suspects` (workers a peer found silent) that are really dead.
@@ -665,8 +719,10 @@ class Launcher:
         left = {w: r for w, r in reports.items() if r["phase"] == "left"}
         fallback = self._newest_holdings([w for w in survivors if w not in reports])
         layout = layout_holdings(self.plan)
-        holdings = {w: set(left[w]["layers"]) if w in left else layout.get(w, set()) if w in reports else fallback[w]
-                    for w in survivors}
+        holdings = {
+            w: set(left[w]["layers"]) if w in left else layout.get(w, set()) if w in reports else fallback[w]
+            for w in survivors
+        }
         steps = {reports[w]["step"] for w in reports if holdings[w]}
         if len(steps) > 1:
             raise StepsDisagree(f"survivors disagree on the step they hold: {sorted(steps)}")
@@ -689,11 +745,20 @@ class Launcher:
                 newest[worker] = json.loads(self.store.get(keys.held_key(worker)))
         layout = layout_holdings(self.plan)
         untrained = not any(c.losses_path.exists() and c.losses_path.stat().st_size for c in self.children.values())
-        return {w: set(newest[w]["layers"]) if w in newest else (layout.get(w, set()) if untrained else set())
-                for w in workers}
+        return {
+            w: set(newest[w]["layers"]) if w in newest else (layout.get(w, set()) if untrained else set())
+            for w in workers
+        }
 
-    def _reconfigure(self, *, lost: list[str], added: list[str], reason: str,
-                     kill_at: float | None = None, detected_at: float | None = None) -> None:
+    def _reconfigure(
+        self,
+        *,
+        lost: list[str],
+        added: list[str],
+        reason: str,
+        kill_at: float | None = None,
+        detected_at: float | None = None,
+    ) -> None:
         from oobleck.planner.errors import PlanningError
         from oobleck.planner.reconfigure import LostLayersError
 
@@ -701,16 +766,30 @@ class Launcher:
         nodes = [n for n in previous.nodes if n not in lost] + [n for n in added if n not in previous.nodes]
         survivors = [f"{a.node}:{a.gpu}" for a in previous.ranks if a.node not in lost]
         if self.options.controller == "layouts":
-            self._record(self._layout_plan(previous, nodes, survivors, lost, added, reason), reason, lost, added,
-                         kill_at, detected_at)
+            self._record(
+                self._layout_plan(previous, nodes, survivors, lost, added, reason),
+                reason,
+                lost,
+                added,
+                kill_at,
+                detected_at,
+            )
             return
         try:
             if reason == "add":  # nobody leaves the generation before the new plan: use what they adopted
                 holdings = self._newest_holdings(survivors)
             else:
                 holdings = self._holdings(survivors, previous.generation, wait_s=3.0)
-            plan = replan(previous, nodes, holdings, self.profile, lost=lost, added=added, reason=reason,
-                          bandwidth=self.options.copy_bandwidth)
+            plan = replan(
+                previous,
+                nodes,
+                holdings,
+                self.profile,
+                lost=lost,
+                added=added,
+                reason=reason,
+                bandwidth=self.options.copy_bandwidth,
+            )
         except (PlanningError, StepsDisagree) as error:
             # Some layer has no live replica (or the survivors' live states differ): roll back to
             # the newest step that snapshots or the checkpoint directory still hold entirely.
@@ -718,12 +797,15 @@ class Launcher:
                 raise JobFailed(f"cannot plan generation {previous.generation + 1}: {error}") from error
             plan = self._rollback_plan(previous, survivors, lost, added)
             if plan is None:
-                raise JobFailed(f"cannot plan generation {previous.generation + 1}: {error}; no in-memory "
-                                f"snapshot or checkpoint holds every layer at one step") from error
+                raise JobFailed(
+                    f"cannot plan generation {previous.generation + 1}: {error}; no in-memory "
+                    f"snapshot or checkpoint holds every layer at one step"
+                ) from error
         self._record(plan, reason, lost, added, kill_at, detected_at)
 
-    def _layout_plan(self, previous, nodes: list[str], survivors: list[str], lost: list[str], added: list[str],
-                     reason: str):
+    def _layout_plan(
+        self, previous, nodes: list[str], survivors: list[str], lost: list[str], added: list[str], reason: str
+    ):
         """The next generation as a controller that sees only plans proposes it (the operator's view).
 
         Survivors are taken to hold their layout of `previous`; when that leaves a layer without a
@@ -734,31 +816,64 @@ class Launcher:
 
         layout = layout_holdings(previous)
         try:
-            return replan(previous, nodes, {w: layout.get(w, set()) for w in survivors}, self.profile, lost=lost,
-                          added=added, reason=reason, bandwidth=self.options.copy_bandwidth)
+            return replan(
+                previous,
+                nodes,
+                {w: layout.get(w, set()) for w in survivors},
+                self.profile,
+                lost=lost,
+                added=added,
+                reason=reason,
+                bandwidth=self.options.copy_bandwidth,
+            )
         except PlanningError as error:
             if not isinstance(error.__cause__, LostLayersError):
                 raise JobFailed(f"cannot plan generation {previous.generation + 1}: {error}") from error
         everything = set(range(previous.num_layers))
-        return replan(previous, nodes, {w: everything for w in survivors}, self.profile, lost=lost, added=added,
-                      reason=reason, bandwidth=self.options.copy_bandwidth)
+        return replan(
+            previous,
+            nodes,
+            {w: everything for w in survivors},
+            self.profile,
+            lost=lost,
+            added=added,
+            reason=reason,
+            bandwidth=self.options.copy_bandwidth,
+        )
 
-    def _record(self, plan, reason: str, lost: list[str], added: list[str], kill_at: float | None,
-                detected_at: float | None) -> None:
+    def _record(
+        self, plan, reason: str, lost: list[str], added: list[str], kill_at: float | None, detected_at: float | None
+    ) -> None:
         """Publish `plan` and note the reconfiguration for the summary."""
         self._publish(plan)
         sources: dict[str, int] = {}
         if plan.restore_step is not None:
             for c in plan.copies:
-                kind = "checkpoint" if c.source_kind == "checkpoint" else \
-                    "own-snapshot" if c.src_rank == c.dst_rank else "peer-snapshot"
+                kind = (
+                    "checkpoint"
+                    if c.source_kind == "checkpoint"
+                    else "own-snapshot"
+                    if c.src_rank == c.dst_rank
+                    else "peer-snapshot"
+                )
                 sources[kind] = sources.get(kind, 0) + 1
         moved = [c for c in plan.copies if c.src_rank != c.dst_rank]  # a rollback also lists local restores
-        self.reconfigurations.append(Reconfiguration(
-            generation=plan.generation, reason=reason, moves=plan.reason, lost=lost, added=added, copies=len(moved),
-            copy_bytes=sum(c.bytes for c in moved), kill_at=kill_at, detected_at=detected_at,
-            published_at=time.time(), restore_step=plan.restore_step, restore_sources=sources,
-        ))
+        self.reconfigurations.append(
+            Reconfiguration(
+                generation=plan.generation,
+                reason=reason,
+                moves=plan.reason,
+                lost=lost,
+                added=added,
+                copies=len(moved),
+                copy_bytes=sum(c.bytes for c in moved),
+                kill_at=kill_at,
+                detected_at=detected_at,
+                published_at=time.time(),
+                restore_step=plan.restore_step,
+                restore_sources=sources,
+            )
+        )
 
     def _rollback_plan(self, previous, survivors: list[str], lost: list[str], added: list[str]):
         """The rollback generation from the survivors' snapshot reports and the checkpoint directory, or None."""
@@ -778,8 +893,9 @@ class Launcher:
                 latest = max(latest or 0, report["step"])
         disk = checkpoint_holdings(self.worker_config.checkpoint.path)
         try:
-            plan = rollback_plan(previous, self.profile, lost, added, memory, disk, bandwidth=self.options.copy_bandwidth,
-                                 latest=latest)
+            plan = rollback_plan(
+                previous, self.profile, lost, added, memory, disk, bandwidth=self.options.copy_bandwidth, latest=latest
+            )
         except PlanningError as error:
             raise JobFailed(f"cannot plan the rollback generation {previous.generation + 1}: {error}") from error
         if plan is not None:
@@ -810,11 +926,16 @@ class Launcher:
             bad = {w: self.children[w].code for w in final if self.children[w].code != 0}
             error = f"workers of the final generation failed: {bad}"
         return Summary(
-            ok=not error, steps=steps, target_steps=self.options.steps,
-            generations=(self.plan.generation + 1) if self.plan else 0, losses=losses,
+            ok=not error,
+            steps=steps,
+            target_steps=self.options.steps,
+            generations=(self.plan.generation + 1) if self.plan else 0,
+            losses=losses,
             reconfigurations=self.reconfigurations,
-            exit_codes={w: c.code for w, c in self.children.items()}, failure_reports=self.failure_log,
-            error=error, seconds=seconds,
+            exit_codes={w: c.code for w, c in self.children.items()},
+            failure_reports=self.failure_log,
+            error=error,
+            seconds=seconds,
             workdir=str(self.workdir),
         )
 
@@ -835,30 +956,57 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     parser.add_argument("--config", type=Path, default=None, help="base worker config (JSON or YAML)")
     parser.add_argument("--gpu-memory", type=int, default=80 << 30, help="bytes per GPU for the planner")
-    parser.add_argument("--copy-bandwidth", type=float, default=DEFAULT_COPY_BANDWIDTH,
-                        help="bytes/s between nodes: prices layer copies when re-planning")
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="model profile JSON (from `oobleck profile`); default: measure at start")
+    parser.add_argument(
+        "--copy-bandwidth",
+        type=float,
+        default=DEFAULT_COPY_BANDWIDTH,
+        help="bytes/s between nodes: prices layer copies when re-planning",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="model profile JSON (from `oobleck profile`); default: measure at start",
+    )
     parser.add_argument("--kill-rank", type=int, action="append", default=[], help="SIGKILL this rank (repeatable)")
     parser.add_argument("--kill-node", action="append", default=[], help="SIGKILL this node's workers (repeatable)")
     parser.add_argument("--at-step", type=int, default=None, help="... when it starts this step (all kills at once)")
     parser.add_argument("--kill-delay", type=float, default=0.0, help="... this many seconds into the step")
     parser.add_argument("--add-node-at-step", type=int, action="append", default=[], help="add a node at this step")
-    parser.add_argument("--restart-coordinator-at-step", type=int, default=None,
-                        help="lose the coordinator (store) at this step and recreate it")
+    parser.add_argument(
+        "--restart-coordinator-at-step",
+        type=int,
+        default=None,
+        help="lose the coordinator (store) at this step and recreate it",
+    )
     parser.add_argument("--workdir", type=Path, default=Path("oobleck-launch"), help="logs, plan, losses, dumps")
     parser.add_argument("--timeout", type=float, default=600.0, help="fail the job after this many seconds")
-    parser.add_argument("--dead-after", type=float, default=1.5,
-                        help="heartbeat silence that means dead, seconds (margin for a loaded machine)")
-    parser.add_argument("--heartbeats-only", action="store_true",
-                        help="detect failures only through the workers' heartbeats, not process exits")
-    parser.add_argument("--snapshot-interval", type=int, default=None,
-                        help="in-memory peer snapshots every this many steps (0: off; default: the config's)")
+    parser.add_argument(
+        "--dead-after",
+        type=float,
+        default=1.5,
+        help="heartbeat silence that means dead, seconds (margin for a loaded machine)",
+    )
+    parser.add_argument(
+        "--heartbeats-only",
+        action="store_true",
+        help="detect failures only through the workers' heartbeats, not process exits",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=int,
+        default=None,
+        help="in-memory peer snapshots every this many steps (0: off; default: the config's)",
+    )
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="write checkpoints to this directory")
     parser.add_argument("--checkpoint-interval", type=int, default=None, help="... every this many steps")
-    parser.add_argument("--controller", choices=["reports", "layouts"], default="reports",
-                        help="base copies on the workers' reported holdings, or on plans alone as the operator "
-                             "does (the workers then settle the sources among themselves)")
+    parser.add_argument(
+        "--controller",
+        choices=["reports", "layouts"],
+        default="reports",
+        help="base copies on the workers' reported holdings, or on plans alone as the operator "
+        "does (the workers then settle the sources among themselves)",
+    )
     parser.add_argument("--summary", type=Path, default=None, help="also write the summary here (JSON)")
     parser.set_defaults(func=run_launch)
 
@@ -868,19 +1016,38 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if args.kill_rank or args.kill_node:
         if args.at_step is None:
             raise ValueError("--at-step: required with --kill-rank / --kill-node")
-        faults = (Fault(at_step=args.at_step, ranks=tuple(args.kill_rank), nodes=tuple(args.kill_node),
-                        delay_s=args.kill_delay),)
+        faults = (
+            Fault(
+                at_step=args.at_step, ranks=tuple(args.kill_rank), nodes=tuple(args.kill_node), delay_s=args.kill_delay
+            ),
+        )
     elif args.at_step is not None:
         raise ValueError("--at-step: given without --kill-rank or --kill-node")
     return LaunchOptions(
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node, f=args.f, steps=args.steps, model=args.model,
-        microbatch_size=args.microbatch_size, microbatches=args.microbatches, seed=args.seed, device=args.device,
-        config=args.config, profile=args.profile, gpu_memory=args.gpu_memory,
-        copy_bandwidth=args.copy_bandwidth, faults=faults,
-        add_node_at_step=tuple(args.add_node_at_step), restart_coordinator_at_step=args.restart_coordinator_at_step,
-        workdir=args.workdir, timeout_s=args.timeout, dead_after_s=args.dead_after, controller=args.controller,
-        detect_exits=not args.heartbeats_only, snapshot_interval=args.snapshot_interval,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_interval=args.checkpoint_interval,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        f=args.f,
+        steps=args.steps,
+        model=args.model,
+        microbatch_size=args.microbatch_size,
+        microbatches=args.microbatches,
+        seed=args.seed,
+        device=args.device,
+        config=args.config,
+        profile=args.profile,
+        gpu_memory=args.gpu_memory,
+        copy_bandwidth=args.copy_bandwidth,
+        faults=faults,
+        add_node_at_step=tuple(args.add_node_at_step),
+        restart_coordinator_at_step=args.restart_coordinator_at_step,
+        workdir=args.workdir,
+        timeout_s=args.timeout,
+        dead_after_s=args.dead_after,
+        controller=args.controller,
+        detect_exits=not args.heartbeats_only,
+        snapshot_interval=args.snapshot_interval,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_interval=args.checkpoint_interval,
     )
 
 
@@ -901,8 +1068,10 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 def format_summary(summary: Summary) -> str:
-    lines = [f"job {'finished' if summary.ok else 'FAILED'}: {summary.steps}/{summary.target_steps} steps, "
-             f"{summary.generations} generation(s), {summary.seconds:.1f} s"]
+    lines = [
+        f"job {'finished' if summary.ok else 'FAILED'}: {summary.steps}/{summary.target_steps} steps, "
+        f"{summary.generations} generation(s), {summary.seconds:.1f} s"
+    ]
     if summary.losses:
         first, last = min(summary.losses), max(summary.losses)
         lines.append(f"loss: step {first} {summary.losses[first]:.5f} -> step {last} {summary.losses[last]:.5f}")
@@ -917,9 +1086,14 @@ def format_summary(summary: Summary) -> str:
             parts.append(f"rolled back to step {r.restore_step} from {r.restore_sources}")
         timing = r.as_dict()
         if r.kill_at is not None:
-            parts.append("after the kill: " + ", ".join(
-                f"{name[:-2]} {timing[name]:.3f} s" for name in ("detected_s", "published_s", "first_step_s")
-                if timing.get(name) is not None))
+            parts.append(
+                "after the kill: "
+                + ", ".join(
+                    f"{name[:-2]} {timing[name]:.3f} s"
+                    for name in ("detected_s", "published_s", "first_step_s")
+                    if timing.get(name) is not None
+                )
+            )
         lines.append("  " + "; ".join(parts))
     if summary.error:
         lines.append(f"error: {summary.error}")

@@ -29,7 +29,10 @@ class WorkerMetrics:
         self.samples_per_second = gauge("samples_per_second", "Global samples per second of the last step")
         self.tokens_per_second = gauge("tokens_per_second", "Global tokens per second of the last step")
         self.iteration_seconds = Histogram(
-            "oobleck_worker_iteration_seconds", "Seconds per global step", names, buckets=ITERATION_BUCKETS,
+            "oobleck_worker_iteration_seconds",
+            "Seconds per global step",
+            names,
+            buckets=ITERATION_BUCKETS,
             registry=self.registry,
         ).labels(**labels)
         self.step = gauge("step", "Global steps completed")
@@ -38,8 +41,11 @@ class WorkerMetrics:
         self.rank = gauge("rank", "This worker's rank in the current plan")
         self.reconfigurations = counter("reconfigurations", "Plan generations adopted after the first")
         self.recovery_seconds = Histogram(
-            "oobleck_worker_recovery_seconds", "Seconds from a failure to the first step completed after it", names,
-            buckets=RECOVERY_BUCKETS, registry=self.registry,
+            "oobleck_worker_recovery_seconds",
+            "Seconds from a failure to the first step completed after it",
+            names,
+            buckets=RECOVERY_BUCKETS,
+            registry=self.registry,
         ).labels(**labels)
         self.bytes_copied = counter("bytes_copied", "Layer-state bytes sent and received by layer copies")
         self.loss = gauge("loss", "Global mean loss of the last step (ranks holding the last layer)")

@@ -123,7 +123,7 @@ class GPTSizes(BaseModel):
     dropout: float = Field(default=0.0, ge=0, lt=1, description="residual dropout in every block")
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "GPTSizes":
+    def _heads_divide(self) -> GPTSizes:
         if self.hidden % self.heads:
             raise ValueError(f"heads: must divide hidden: {self.hidden} % {self.heads} = {self.hidden % self.heads}")
         return self
@@ -265,7 +265,9 @@ def _load_entry_point(entry: str, seed: int, kwargs: dict[str, float]) -> Layere
         try:
             factory = getattr(factory, part)
         except AttributeError as error:
-            raise ValueError(f"model.name: entry point {entry!r}: {module_name!r} has no attribute {attribute!r}") from error
+            raise ValueError(
+                f"model.name: entry point {entry!r}: {module_name!r} has no attribute {attribute!r}"
+            ) from error
     if not callable(factory):
         raise ValueError(f"model.name: entry point {entry!r} is not callable")
     model = factory(seed=seed, **kwargs)

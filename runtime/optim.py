@@ -48,7 +48,7 @@ class ParamState:
     step: torch.Tensor
 
     @classmethod
-    def zeros_like(cls, parameter: torch.Tensor) -> "ParamState":
+    def zeros_like(cls, parameter: torch.Tensor) -> ParamState:
         return cls(
             exp_avg=torch.zeros_like(parameter, memory_format=torch.preserve_format),
             exp_avg_sq=torch.zeros_like(parameter, memory_format=torch.preserve_format),
@@ -85,9 +85,20 @@ class LayerAdamW:
                     continue
                 state = self.state[(layer, name)]
                 adamw(
-                    [parameter], [parameter.grad], [state.exp_avg], [state.exp_avg_sq], [], [state.step],
-                    foreach=False, amsgrad=False, beta1=c.beta1, beta2=c.beta2, lr=lr,
-                    weight_decay=c.weight_decay if decays(parameter) else 0.0, eps=c.eps, maximize=False,
+                    [parameter],
+                    [parameter.grad],
+                    [state.exp_avg],
+                    [state.exp_avg_sq],
+                    [],
+                    [state.step],
+                    foreach=False,
+                    amsgrad=False,
+                    beta1=c.beta1,
+                    beta2=c.beta2,
+                    lr=lr,
+                    weight_decay=c.weight_decay if decays(parameter) else 0.0,
+                    eps=c.eps,
+                    maximize=False,
                 )
 
 
@@ -98,5 +109,9 @@ def torch_adamw(parameters: list[torch.nn.Parameter], config: OptimConfig) -> to
         {"params": [p for p in parameters if not decays(p)], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, foreach=False
+        [g for g in groups if g["params"]],
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        foreach=False,
     )

@@ -145,7 +145,7 @@ class ConfigMapPlanSource:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "ConfigMapPlanSource":
+    def start(self) -> ConfigMapPlanSource:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="oobleck-plan-configmap", daemon=True)
             self._thread.start()
@@ -233,7 +233,7 @@ class PlanWatcher:
         self._thread = threading.Thread(target=self._loop, name="oobleck-plan-watch", daemon=True)
         self.error: BaseException | None = None
 
-    def start(self) -> "PlanWatcher":
+    def start(self) -> PlanWatcher:
         self._thread.start()
         return self
 

@@ -93,7 +93,7 @@ class PodEnv:
         return self.store_host.split(".", 1)[0]
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> "PodEnv":
+    def from_env(cls, env: Mapping[str, str]) -> PodEnv:
         """Parse the environment; ValueError names the variable that is missing or malformed."""
 
         def need(name: str) -> str:
@@ -125,19 +125,31 @@ class PodEnv:
         if compute not in (None, "cpu"):
             raise ValueError(f"WORKER_DEVICE: expected cpu (or unset), got {compute!r}")
         return cls(
-            job=need("OOBLECK_JOB"), namespace=need("OOBLECK_NAMESPACE"), node=need("OOBLECK_NODE"),
-            plan_config_map=need("OOBLECK_PLAN_CONFIGMAP"), store_host=host, store_port=int(port),
-            gpus_per_node=gpus, device=device, pod_ip=env.get("OOBLECK_POD_IP") or None,
+            job=need("OOBLECK_JOB"),
+            namespace=need("OOBLECK_NAMESPACE"),
+            node=need("OOBLECK_NODE"),
+            plan_config_map=need("OOBLECK_PLAN_CONFIGMAP"),
+            store_host=host,
+            store_port=int(port),
+            gpus_per_node=gpus,
+            device=device,
+            pod_ip=env.get("OOBLECK_POD_IP") or None,
             container_root=env.get("OOBLECK_CONTAINER_ROOT") or None,
-            dead_after_s=number("WORKER_DEAD_AFTER_S", 3.0), heartbeat_period_s=number("WORKER_HEARTBEAT_PERIOD_S", 0.1),
+            dead_after_s=number("WORKER_DEAD_AFTER_S", 3.0),
+            heartbeat_period_s=number("WORKER_HEARTBEAT_PERIOD_S", 0.1),
             metrics_port=number("WORKER_METRICS_PORT", METRICS_PORT, int),
-            progress_interval_s=number("WORKER_PROGRESS_INTERVAL_S", 1.0), compute_device=compute,
+            progress_interval_s=number("WORKER_PROGRESS_INTERVAL_S", 1.0),
+            compute_device=compute,
             job_spec=env.get("OOBLECK_JOB_SPEC") or None,
-        )  # fmt: skip
+        )
 
 
 def worker_config(
-    spec: OobleckJobSpec, job: str, *, container_root: str | None = None, connect_timeout_s: float = 120.0,
+    spec: OobleckJobSpec,
+    job: str,
+    *,
+    container_root: str | None = None,
+    connect_timeout_s: float = 120.0,
     compute_device: str | None = None,
 ) -> WorkerConfig:
     """The runtime's WorkerConfig for a job spec: model, training, data, seed, device, timeouts, checkpoints.
@@ -159,17 +171,26 @@ def worker_config(
             )
         model = ModelConfig(
             name="gpt",
-            sizes={"blocks": gpt.layers, "hidden": gpt.hidden_size, "heads": gpt.heads,
-                   "seq_len": gpt.sequence_length, "vocab": gpt.vocab_size},
-        )  # fmt: skip
+            sizes={
+                "blocks": gpt.layers,
+                "hidden": gpt.hidden_size,
+                "heads": gpt.heads,
+                "seq_len": gpt.sequence_length,
+                "vocab": gpt.vocab_size,
+            },
+        )
     else:
         model = ModelConfig(name=str(spec.model.entry_point))
     training = spec.training
     optim = OptimConfig(
-        lr=training.learning_rate, warmup_steps=training.warmup_steps, weight_decay=training.weight_decay,
+        lr=training.learning_rate,
+        warmup_steps=training.warmup_steps,
+        weight_decay=training.weight_decay,
         # The spec's schedule decays to 10 % of the learning rate at the last step.
-        decay_steps=training.steps, min_lr_ratio=0.1, schedule=training.schedule,
-    )  # fmt: skip
+        decay_steps=training.steps,
+        min_lr_ratio=0.1,
+        schedule=training.schedule,
+    )
     if spec.data.source == "tokenFile":
         path = str(spec.data.path)
         data = DataConfig(kind="file", path=in_container(path))
@@ -177,14 +198,25 @@ def worker_config(
         data = DataConfig(kind="synthetic")
     checkpoint = CheckpointConfig()
     if spec.checkpoint is not None:
-        checkpoint = CheckpointConfig(path=in_container(spec.checkpoint.path), interval_steps=spec.checkpoint.interval_steps,
-                                      keep=spec.checkpoint.keep)  # fmt: skip
+        checkpoint = CheckpointConfig(
+            path=in_container(spec.checkpoint.path),
+            interval_steps=spec.checkpoint.interval_steps,
+            keep=spec.checkpoint.keep,
+        )
     device = "cpu" if compute_device == "cpu" else spec.device
     return WorkerConfig(
-        job=job, model=model, data=data, optim=optim, microbatch_size=training.microbatch_size,
-        steps=training.steps, seed=training.seed, device=device, threads=1,
-        timeouts=Timeouts(connect=connect_timeout_s), checkpoint=checkpoint,
-    )  # fmt: skip
+        job=job,
+        model=model,
+        data=data,
+        optim=optim,
+        microbatch_size=training.microbatch_size,
+        steps=training.steps,
+        seed=training.seed,
+        device=device,
+        threads=1,
+        timeouts=Timeouts(connect=connect_timeout_s),
+        checkpoint=checkpoint,
+    )
 
 
 # -- reporters: annotations on the worker's own pod -----------------------------------------------------
@@ -229,8 +261,9 @@ class PodFailureReporter:
         _annotate(self.client, self.namespace, self.pod, {planmap.FAILURE_ANNOTATION: failure_annotation(report)})
 
 
-def progress_annotation(generation: int, step: int, loss: float | None = None,
-                        samples_per_second: float | None = None) -> str:
+def progress_annotation(
+    generation: int, step: int, loss: float | None = None, samples_per_second: float | None = None
+) -> str:
     """PROGRESS_ANNOTATION's value: `{"generation", "step"}` and, when known, `"loss"` (the global mean
     loss of the newest step whose loss this worker saw) and `"samplesPerSecond"` (global throughput of
     the last step), rounded to what a status line needs."""
@@ -266,12 +299,17 @@ class ProgressReporter:
         self._thread = threading.Thread(target=self._loop, name="oobleck-progress", daemon=True)
         self._thread.start()
 
-    def update(self, generation: int, step: int, loss: float | None = None, samples_per_second: float | None = None) -> None:
+    def update(
+        self, generation: int, step: int, loss: float | None = None, samples_per_second: float | None = None
+    ) -> None:
         """The newest progress; a None loss or throughput keeps the last known one."""
         with self._cond:
             self._latest = (generation, step)
             last_loss, last_rate = self._extra
-            self._extra = (last_loss if loss is None else loss, last_rate if samples_per_second is None else samples_per_second)
+            self._extra = (
+                last_loss if loss is None else loss,
+                last_rate if samples_per_second is None else samples_per_second,
+            )
             self._cond.notify_all()
 
     def _write_if_newer(self, value: tuple[int, int], extra: tuple[float | None, float | None]) -> None:
@@ -351,8 +389,9 @@ class CoordinatorAddress:
     real cluster). `resolve` is called again on every reconnect: a recreated coordinator pod may
     have a new IP."""
 
-    def __init__(self, client: KubeClient | None, namespace: str, pod: str, fallback_host: str, port: int,
-                 poll_s: float = 0.25) -> None:  # fmt: skip
+    def __init__(
+        self, client: KubeClient | None, namespace: str, pod: str, fallback_host: str, port: int, poll_s: float = 0.25
+    ) -> None:
         self.client, self.namespace, self.pod = client, namespace, pod
         self.fallback = (fallback_host, port)
         self.port, self.poll_s = port, poll_s
@@ -496,7 +535,9 @@ def first_config_map(source, env: PodEnv, timeout_s: float) -> dict[str, Any]:
     """The plan ConfigMap once it holds a plan (the operator writes it when enough pods run)."""
     if source.wait_newer(-1, timeout_s) is None:
         detail = f" (last API error: {source.last_error})" if source.last_error else ""
-        raise PodFailure(EXIT_NO_PLAN, f"configmap {env.namespace}/{env.plan_config_map}: no plan after {timeout_s:.0f} s{detail}")
+        raise PodFailure(
+            EXIT_NO_PLAN, f"configmap {env.namespace}/{env.plan_config_map}: no plan after {timeout_s:.0f} s{detail}"
+        )
     body = source.config_map()
     assert body is not None
     return body
@@ -536,24 +577,41 @@ def run_worker(env: PodEnv, gpu: int, client: KubeClient | None = None, first_pl
     control = PodControlStore(address, store_timeouts)
     _log("coordinator", env, gpu=gpu, address=f"{control.address[0]}:{control.address[1]}", epoch=control.epoch)
     reporter = PodFailureReporter(client, env.namespace, env.node)
-    detector = PodFailureDetector(config.job, me, address, store_timeouts=store_timeouts, reporter=reporter,
-                                  timeouts=health).start()  # fmt: skip
+    detector = PodFailureDetector(
+        config.job, me, address, store_timeouts=store_timeouts, reporter=reporter, timeouts=health
+    ).start()
     progress = ProgressReporter(client, env.namespace, env.node, env.progress_interval_s) if gpu == 0 else None
     try:
-        worker = PodWorker(config, dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store), env.node, gpu,
-                           failed=detector.failure)  # fmt: skip
+        worker = PodWorker(
+            config,
+            dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store),
+            env.node,
+            gpu,
+            failed=detector.failure,
+        )
         worker.progress = progress
         worker._epoch = control.epoch
-        worker.optimizer = CommittingOptimizer(worker.optimizer, worker, StepCommit(control, detector.failure, worker=me))
+        worker.optimizer = CommittingOptimizer(
+            worker.optimizer, worker, StepCommit(control, detector.failure, worker=me)
+        )
         # As reconfig.py's main(): the agent has its own store connection (resolved like the others),
         # and advertises the pod IP (local_address reads OOBLECK_POD_IP, else the route to the coordinator).
-        worker.snapshots = snapshotter_for(config, me, lambda: connect_resolving(address, store_timeouts)[0],
-                                           control.address[0])  # fmt: skip
+        worker.snapshots = snapshotter_for(
+            config, me, lambda: connect_resolving(address, store_timeouts)[0], control.address[0]
+        )
         if worker.snapshots is not None:
-            _log("snapshots", env, gpu=gpu, address=worker.snapshots.address, interval=config.snapshot.interval_steps,
-                 checkpoint=config.checkpoint.path)  # fmt: skip
+            _log(
+                "snapshots",
+                env,
+                gpu=gpu,
+                address=worker.snapshots.address,
+                interval=config.snapshot.interval_steps,
+                checkpoint=config.checkpoint.path,
+            )
         if env.metrics_port >= 0:
-            port = worker.metrics.serve(env.metrics_port + gpu if env.metrics_port else 0, address=env.pod_ip or "0.0.0.0")
+            port = worker.metrics.serve(
+                env.metrics_port + gpu if env.metrics_port else 0, address=env.pod_ip or "0.0.0.0"
+            )
             _log("metrics", env, gpu=gpu, url=f"http://{env.pod_ip or '0.0.0.0'}:{port}/metrics")
         if progress is not None:
             # "Up and waiting for a plan": the operator folds a replacement in only after this, so the
@@ -561,8 +619,9 @@ def run_worker(env: PodEnv, gpu: int, client: KubeClient | None = None, first_pl
             progress.update(-1, 0)
             progress.flush(10.0)
         try:
-            result = run_elastic(worker, source, detector, control, config.steps,
-                                 ElasticTimeouts(first_plan_s=first_plan_s))  # fmt: skip
+            result = run_elastic(
+                worker, source, detector, control, config.steps, ElasticTimeouts(first_plan_s=first_plan_s)
+            )
         except Unrecoverable as error:
             # The operator fails the job with these words (FailureReport kind "unrecoverable").
             detector.trigger("unrecoverable", (), str(error))
@@ -575,9 +634,16 @@ def run_worker(env: PodEnv, gpu: int, client: KubeClient | None = None, first_pl
             # After the final report (completion must not wait on the agent): the last checkpoint files.
             # A push to a buddy that finished already fails at once.
             worker.snapshots.wait_idle(30.0)
-        _log("exit", env, gpu=gpu, steps=result.steps, generations=result.generations,
-             interruptions=result.interruptions, code=result.exit_code,
-             snapshots=worker.snapshots.stats if worker.snapshots is not None else None)  # fmt: skip
+        _log(
+            "exit",
+            env,
+            gpu=gpu,
+            steps=result.steps,
+            generations=result.generations,
+            interruptions=result.interruptions,
+            code=result.exit_code,
+            snapshots=worker.snapshots.stats if worker.snapshots is not None else None,
+        )
         if result.exit_code == EXIT_DROPPED:
             raise PodFailure(EXIT_DROPPED, f"{me}: a newer plan left this worker out (declared dead or scaled in)")
         if result.exit_code == EXIT_NO_PLAN:
@@ -654,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     except KubeError as error:
         print(f"oobleck pod {env.node} gpu {gpu}: Kubernetes API: {error}", file=sys.stderr)
         return EXIT_ERROR
-    except Exception:  # noqa: BLE001 - the pod's last words: what failed, then a clear exit code
+    except Exception:
         log.exception(json.dumps({"event": "crashed", "job": env.job, "node": env.node, "gpu": gpu}))
         return EXIT_ERROR
 

@@ -106,5 +106,7 @@ def profile_model(
         layer, x = profile_layer(module, x, device, warmup, iterations, model.layer_name(index))
         layers.append(layer)
         del module
-    described = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads"
+    described = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads"
+    )
     return ModelProfile(model=model.name, microbatch_size=microbatch_size, device=described, layers=layers)

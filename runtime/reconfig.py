@@ -83,8 +83,15 @@ class StepCommit:
     next generation's members see the disagreement and roll back (runtime/resolve.py), never mix.
     """
 
-    def __init__(self, control: ControlStore, failed, worker: str = "", poll_s: float = 0.05,
-                 recover_timeout_s: float = 300.0, self_decide_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        control: ControlStore,
+        failed,
+        worker: str = "",
+        poll_s: float = 0.05,
+        recover_timeout_s: float = 300.0,
+        self_decide_s: float = 10.0,
+    ) -> None:
         self.control = control
         self.failed = failed
         self.worker = worker
@@ -142,12 +149,15 @@ class StepCommit:
         store.delete_key(old + "decision")
 
     def _recover(self, generation: int, step: int) -> bool:
-        log.warning(json.dumps({"event": "commit-pending", "worker": self.worker, "generation": generation,
-                                "step": step}))
+        log.warning(
+            json.dumps({"event": "commit-pending", "worker": self.worker, "generation": generation, "step": step})
+        )
         self.control.reconnect()
         store = self.control.store
-        store.set(keys.held_key(self.worker), json.dumps(
-            {"generation": generation, "step": step, "layers": [], "phase": "pending"}))
+        store.set(
+            keys.held_key(self.worker),
+            json.dumps({"generation": generation, "step": step, "layers": [], "phase": "pending"}),
+        )
         decision = keys.commit_prefix(generation, step) + "decision"
         began = time.monotonic()
         while not store.check([decision]):
@@ -155,7 +165,9 @@ class StepCommit:
             if waited > self.recover_timeout_s:
                 raise RuntimeError(f"commit of step {step}: no decision within {self.recover_timeout_s:.0f} s")
             if waited > self.self_decide_s:
-                store.compare_set(decision, "", "commit" if self._applied_by_a_peer(store, generation, step) else "abort")
+                store.compare_set(
+                    decision, "", "commit" if self._applied_by_a_peer(store, generation, step) else "abort"
+                )
             else:
                 time.sleep(self.poll_s)
         return store.get(decision).decode() == "commit"
@@ -165,8 +177,11 @@ class StepCommit:
         for member in self.members:
             if member != self.worker and store.check([keys.held_key(member)]):
                 report = json.loads(store.get(keys.held_key(member)))
-                if report.get("generation") == generation and report.get("phase") == "left" \
-                        and report.get("step") == step + 1:
+                if (
+                    report.get("generation") == generation
+                    and report.get("phase") == "left"
+                    and report.get("step") == step + 1
+                ):
                     return True
         return False
 
@@ -253,8 +268,18 @@ def run_elastic(
                 plan = _settle_sources(plan, worker, control, me, detector)
                 worker.adopt(plan)
                 # Timestamped (wall clock) so that recovery can be split into its parts across processes.
-                log.info(json.dumps({"event": "generation-ready", "worker": me, "generation": plan.generation,
-                                     "step": worker.step, "adopt_started": adopt_started, "time": time.time()}))
+                log.info(
+                    json.dumps(
+                        {
+                            "event": "generation-ready",
+                            "worker": me,
+                            "generation": plan.generation,
+                            "step": worker.step,
+                            "adopt_started": adopt_started,
+                            "time": time.time(),
+                        }
+                    )
+                )
                 _publish_held(control, me, worker)
                 detector.ready()
                 while worker.step < steps:
@@ -274,8 +299,17 @@ def run_elastic(
                     detector.signal(error.__cause__ or error)
                     if not detector.failure.is_set():  # not a peer loss: still a failure of this generation
                         detector.trigger("collective", (), str(error))
-                log.warning(json.dumps({"event": "interrupted", "worker": me, "generation": plan.generation,
-                                        "step": worker.step, "error": str(error)[:300]}))
+                log.warning(
+                    json.dumps(
+                        {
+                            "event": "interrupted",
+                            "worker": me,
+                            "generation": plan.generation,
+                            "step": worker.step,
+                            "error": str(error)[:300],
+                        }
+                    )
+                )
             result.steps = worker.step
             if worker.step >= steps and not interrupted:
                 _quietly(control, lambda store: keys.set_progress(store, me, plan.generation, worker.step, "done"))
@@ -302,7 +336,9 @@ def _settle_sources(plan: Plan, worker, control: ControlStore, me: str, detector
 
     snapshots = getattr(worker, "snapshots", None)
     mine = Holding(
-        step=worker.step, layers=tuple(sorted(worker.layers)), started=worker.started,
+        step=worker.step,
+        layers=tuple(sorted(worker.layers)),
+        started=worker.started,
         snapshots={int(k): tuple(v) for k, v in snapshots.store.holdings().items()} if snapshots is not None else {},
         checkpoint={k: tuple(sorted(v)) for k, v in checkpoint_holdings(worker.config.checkpoint.path).items()},
     )
@@ -315,8 +351,17 @@ def _settle_sources(plan: Plan, worker, control: ControlStore, me: str, detector
         raise RuntimeError(str(error)) from error
     settled = resolve(plan, holdings, worker.layer_state_bytes())  # Unrecoverable ends the worker
     if settled is not plan:
-        log.warning(json.dumps({"event": "sources-resolved", "worker": me, "generation": plan.generation,
-                                "restore_step": settled.restore_step, "copies": len(settled.copies)}))
+        log.warning(
+            json.dumps(
+                {
+                    "event": "sources-resolved",
+                    "worker": me,
+                    "generation": plan.generation,
+                    "restore_step": settled.restore_step,
+                    "copies": len(settled.copies),
+                }
+            )
+        )
     return settled
 
 
@@ -422,8 +467,14 @@ def main(argv: list[str] | None = None) -> int:
     me = worker_id(args.node, args.gpu)
     detector = FailureDetector(config.job, me, host, port, timeouts=health, store_timeouts=store_timeouts).start()
     control = ControlStore(host, port, store_timeouts)
-    worker = Worker(config, dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store), args.node, args.gpu,
-                    failed=detector.failure, losses_path=args.losses)
+    worker = Worker(
+        config,
+        dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store),
+        args.node,
+        args.gpu,
+        failed=detector.failure,
+        losses_path=args.losses,
+    )
     worker._epoch = control.epoch
     worker.optimizer = CommittingOptimizer(worker.optimizer, worker, StepCommit(control, detector.failure, worker=me))
     from oobleck.runtime.snapshot import snapshotter_for
@@ -432,8 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     from oobleck.runtime.resolve import Unrecoverable
 
     try:
-        result = run_elastic(worker, FilePlanSource(args.plan_file), detector, control,
-                             config.steps if args.steps is None else args.steps)
+        result = run_elastic(
+            worker,
+            FilePlanSource(args.plan_file),
+            detector,
+            control,
+            config.steps if args.steps is None else args.steps,
+        )
     except Unrecoverable as error:
         log.error(json.dumps({"event": "unrecoverable", "worker": me, "error": str(error)}))
         detector.trigger("unrecoverable", (), str(error))
@@ -444,9 +500,19 @@ def main(argv: list[str] | None = None) -> int:
         worker.snapshots.wait_idle(60.0)  # the last checkpoint files (a push to a buddy gone already just fails)
     if args.dump and result.exit_code == EXIT_DONE:
         torch.save(worker.layer_state(), args.dump)
-    log.info(json.dumps({"event": "exit", "worker": me, "steps": result.steps, "generations": result.generations,
-                         "interruptions": result.interruptions, "code": result.exit_code,
-                         "snapshots": worker.snapshots.stats if worker.snapshots is not None else None}))
+    log.info(
+        json.dumps(
+            {
+                "event": "exit",
+                "worker": me,
+                "steps": result.steps,
+                "generations": result.generations,
+                "interruptions": result.interruptions,
+                "code": result.exit_code,
+                "snapshots": worker.snapshots.stats if worker.snapshots is not None else None,
+            }
+        )
+    )
     return result.exit_code
 
 

@@ -51,16 +51,26 @@ class Holding:
     """step -> layers complete in the checkpoint directory, as this member reads it"""
 
     def to_json(self) -> str:
-        return json.dumps({"step": self.step, "layers": list(self.layers), "started": self.started,
-                           "snapshots": {str(k): list(v) for k, v in self.snapshots.items()},
-                           "checkpoint": {str(k): list(v) for k, v in self.checkpoint.items()}})
+        return json.dumps(
+            {
+                "step": self.step,
+                "layers": list(self.layers),
+                "started": self.started,
+                "snapshots": {str(k): list(v) for k, v in self.snapshots.items()},
+                "checkpoint": {str(k): list(v) for k, v in self.checkpoint.items()},
+            }
+        )
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Holding":
+    def from_json(cls, text: str | bytes) -> Holding:
         data = json.loads(text)
-        return cls(step=int(data["step"]), layers=tuple(data["layers"]), started=bool(data["started"]),
-                   snapshots={int(k): tuple(v) for k, v in data.get("snapshots", {}).items()},
-                   checkpoint={int(k): tuple(v) for k, v in data.get("checkpoint", {}).items()})
+        return cls(
+            step=int(data["step"]),
+            layers=tuple(data["layers"]),
+            started=bool(data["started"]),
+            snapshots={int(k): tuple(v) for k, v in data.get("snapshots", {}).items()},
+            checkpoint={int(k): tuple(v) for k, v in data.get("checkpoint", {}).items()},
+        )
 
 
 def holding_key(generation: int, worker: str) -> str:
@@ -100,8 +110,9 @@ def resolve(plan: Plan, holdings: Mapping[str, Holding], state_bytes: list[int])
             return plan
         keyed = {(w.rpartition(":")[0], int(w.rpartition(":")[2])): frozenset(layers) for w, layers in live.items()}
         try:
-            return plan.model_copy(update={"copies": layout_copies(plan, keyed, state_bytes),
-                                           "reason": f"{plan.reason}+resolved"})
+            return plan.model_copy(
+                update={"copies": layout_copies(plan, keyed, state_bytes), "reason": f"{plan.reason}+resolved"}
+            )
         except LostLayersError:
             pass  # some layer has no live holder: roll back
     # Roll back: the newest step covered by the members' snapshots and the directory.
@@ -121,8 +132,9 @@ def resolve(plan: Plan, holdings: Mapping[str, Holding], state_bytes: list[int])
     return plan.model_copy(update={"copies": copies, "restore_step": step, "reason": f"{plan.reason}+rollback"})
 
 
-def exchange(store, plan: Plan, me: str, mine: Holding, failed, timeout_s: float, poll_s: float = 0.05
-             ) -> dict[str, Holding]:
+def exchange(
+    store, plan: Plan, me: str, mine: Holding, failed, timeout_s: float, poll_s: float = 0.05
+) -> dict[str, Holding]:
     """Post `mine` for `plan`'s generation and collect every member's (all or a timeout / failure).
 
     Raises TimeoutError, or InterruptedError when `failed` (the failure Event) is set while waiting."""
@@ -145,5 +157,7 @@ def exchange(store, plan: Plan, me: str, mine: Holding, failed, timeout_s: float
                 raise
         if time.monotonic() > deadline:
             absent = [w for w, n in zip(members, names) if not store.check([n])]
-            raise TimeoutError(f"holdings of generation {plan.generation}: no record from {absent} in {timeout_s:.0f} s")
+            raise TimeoutError(
+                f"holdings of generation {plan.generation}: no record from {absent} in {timeout_s:.0f} s"
+            )
     return {w: Holding.from_json(v) for w, v in zip(members, store.multi_get(names))}

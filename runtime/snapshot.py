@@ -87,15 +87,17 @@ def buddy_of(plan: Plan, node: str, gpu: int) -> tuple[str, int] | None:
         raise ValueError(f"buddy_of: ({node!r}, {gpu}) has no rank in plan generation {plan.generation}")
     nodes = plan.nodes
     at = nodes.index(node)
-    others = nodes[at + 1:] + nodes[:at]
+    others = nodes[at + 1 :] + nodes[:at]
     if not others:
         return None
     by_node: dict[str, list] = {}
     for a in ranks:
         by_node.setdefault(a.node, []).append(a)
     for candidate in others:
-        disjoint = sorted((a for a in by_node[candidate] if a.end <= mine.start or mine.end <= a.start),
-                          key=lambda a: (a.gpu != gpu, a.gpu))
+        disjoint = sorted(
+            (a for a in by_node[candidate] if a.end <= mine.start or mine.end <= a.start),
+            key=lambda a: (a.gpu != gpu, a.gpu),
+        )
         if disjoint:
             return disjoint[0].node, disjoint[0].gpu
     first = min(by_node[others[0]], key=lambda a: a.gpu)
@@ -103,7 +105,9 @@ def buddy_of(plan: Plan, node: str, gpu: int) -> tuple[str, int] | None:
 
 
 def restore_point(
-    memory: Mapping[str, Mapping[int, Iterable[int]]], checkpoint: Mapping[int, Iterable[int]], num_layers: int,
+    memory: Mapping[str, Mapping[int, Iterable[int]]],
+    checkpoint: Mapping[int, Iterable[int]],
+    num_layers: int,
     latest: int | None = None,
 ) -> int | None:
     """The newest step whose every layer is in a survivor's memory (`memory`: worker -> step -> layers)
@@ -153,8 +157,19 @@ def restore_copies(
                 src, kind = a, "checkpoint"
             else:
                 raise ValueError(f"restore: layer {layer} is neither in a survivor's snapshots nor in the checkpoint")
-            copies.append(LayerCopy(layer=layer, src_node=src.node, src_gpu=src.gpu, src_rank=src.rank,
-                                    dst_node=a.node, dst_gpu=a.gpu, dst_rank=a.rank, bytes=size, source_kind=kind))
+            copies.append(
+                LayerCopy(
+                    layer=layer,
+                    src_node=src.node,
+                    src_gpu=src.gpu,
+                    src_rank=src.rank,
+                    dst_node=a.node,
+                    dst_gpu=a.gpu,
+                    dst_rank=a.rank,
+                    bytes=size,
+                    source_kind=kind,
+                )
+            )
     return copies
 
 
@@ -164,9 +179,17 @@ def snapshots_at(reports: Mapping[str, Mapping[int, Iterable[int]]], step: int) 
     return {w: layers for w, layers in out.items() if layers}
 
 
-def rollback_plan(previous: Plan, profile, nodes_lost: list[str], nodes_added: list[str],
-                  memory: Mapping[str, Mapping[int, Iterable[int]]], checkpoint: Mapping[int, Iterable[int]],
-                  *, bandwidth: float, latest: int | None = None) -> Plan | None:
+def rollback_plan(
+    previous: Plan,
+    profile,
+    nodes_lost: list[str],
+    nodes_added: list[str],
+    memory: Mapping[str, Mapping[int, Iterable[int]]],
+    checkpoint: Mapping[int, Iterable[int]],
+    *,
+    bandwidth: float,
+    latest: int | None = None,
+) -> Plan | None:
     """The generation after `previous` that restores the newest restorable step, or None if none is.
 
     `memory`: survivor -> step -> layers of its snapshots; `checkpoint`: step -> layers on disk. The
@@ -187,8 +210,9 @@ def rollback_plan(previous: Plan, profile, nodes_lost: list[str], nodes_added: l
     for worker in survivors:
         node, _, gpu = worker.rpartition(":")
         holdings[(node, int(gpu))] = frozenset(at.get(worker, set()) | only_disk)
-    plan = reconfigure(previous, previous.templates, profile, nodes_lost, nodes_added, bandwidth=bandwidth,
-                       holdings=holdings)
+    plan = reconfigure(
+        previous, previous.templates, profile, nodes_lost, nodes_added, bandwidth=bandwidth, holdings=holdings
+    )
     state_bytes = [layer.state_bytes for layer in profile.layers] if hasattr(profile, "layers") else list(profile)
     copies = restore_copies(plan, at, disk, state_bytes)
     return plan.model_copy(update={"copies": copies, "restore_step": step, "reason": f"rollback+{plan.reason}"})
@@ -277,8 +301,9 @@ class SnapshotStore:
             try:
                 return self._steps[step][layer]
             except KeyError:
-                raise KeyError(f"snapshot of layer {layer} at step {step}: not held here "
-                               f"(held: {self._holdings_locked()})") from None
+                raise KeyError(
+                    f"snapshot of layer {layer} at step {step}: not held here (held: {self._holdings_locked()})"
+                ) from None
 
     def steps(self) -> list[int]:
         with self._lock:
@@ -368,7 +393,7 @@ class SnapshotServer:
         self.port = self._listener.getsockname()[1]
         self._closed = False
 
-    def start(self) -> "SnapshotServer":
+    def start(self) -> SnapshotServer:
         threading.Thread(target=self._accept, name="snapshot-server", daemon=True).start()
         return self
 
@@ -452,9 +477,19 @@ class Snapshotter:
     with commits); it is called again after a lost coordinator.
     """
 
-    def __init__(self, worker: str, interval: int, connect_store: Callable[[], object], *,
-                 checkpoint_dir: str | None = None, checkpoint_interval: int = 0, checkpoint_keep: int = 2,
-                 num_layers: int = 0, advertise: str = "127.0.0.1", push_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        worker: str,
+        interval: int,
+        connect_store: Callable[[], object],
+        *,
+        checkpoint_dir: str | None = None,
+        checkpoint_interval: int = 0,
+        checkpoint_keep: int = 2,
+        num_layers: int = 0,
+        advertise: str = "127.0.0.1",
+        push_timeout_s: float = 60.0,
+    ) -> None:
         self.worker = worker
         self.interval = interval
         self.checkpoint_dir = checkpoint_dir
@@ -485,8 +520,10 @@ class Snapshotter:
     def due(self, generation: int, step: int) -> bool:
         if (generation, step) in self._begun:
             return False
-        return bool((self.interval and step % self.interval == 0)
-                    or (self.checkpoint_interval and step % self.checkpoint_interval == 0))
+        return bool(
+            (self.interval and step % self.interval == 0)
+            or (self.checkpoint_interval and step % self.checkpoint_interval == 0)
+        )
 
     def begin(self, plan: Plan, rank: int, step: int, layers: dict[int, nn.Module], optimizer) -> None:
         """Start the snapshot of `step` (the state before it runs); returns at once."""
@@ -500,9 +537,18 @@ class Snapshotter:
         self._captured.clear()
         with self._quiet:
             self._outstanding += 1
-        self._captures.put(_Job(plan.generation, plan.world_size, step, sorted(layers.items()), optimizer,
-                            push=bool(self.interval and step % self.interval == 0),
-                            buddy=None if buddy is None else f"{buddy[0]}:{buddy[1]}", write=write))
+        self._captures.put(
+            _Job(
+                plan.generation,
+                plan.world_size,
+                step,
+                sorted(layers.items()),
+                optimizer,
+                push=bool(self.interval and step % self.interval == 0),
+                buddy=None if buddy is None else f"{buddy[0]}:{buddy[1]}",
+                write=write,
+            )
+        )
 
     def fence(self) -> None:
         """Block until the capture in flight (if any) is done: state may be modified after this."""
@@ -527,7 +573,7 @@ class Snapshotter:
                 self.stats["capture_s"] += time.perf_counter() - started
                 for layer, data in captured.items():
                     self.store.put(job.step, layer, data)
-            except Exception as error:  # noqa: BLE001 - a failed snapshot must not end training; it is reported
+            except Exception as error:
                 self._failed(job, error)
             finally:
                 self._captured.set()
@@ -539,7 +585,7 @@ class Snapshotter:
             try:
                 if captured is not None:
                     self._ship(job, captured)
-            except Exception as error:  # noqa: BLE001 - as above
+            except Exception as error:
                 self._failed(job, error)
             finally:
                 with self._quiet:
@@ -547,8 +593,16 @@ class Snapshotter:
                     self._quiet.notify_all()
 
     def _failed(self, job: _Job, error: Exception) -> None:
-        log.warning(json.dumps({"event": "snapshot-failed", "worker": self.worker, "step": job.step,
-                                "error": f"{type(error).__name__}: {error}"[:300]}))
+        log.warning(
+            json.dumps(
+                {
+                    "event": "snapshot-failed",
+                    "worker": self.worker,
+                    "step": job.step,
+                    "error": f"{type(error).__name__}: {error}"[:300],
+                }
+            )
+        )
 
     def _ship(self, job: _Job, captured: dict[int, torch.Tensor]) -> None:
         """Push to the buddy, write the checkpoint files, count the step done, prune."""
@@ -562,8 +616,17 @@ class Snapshotter:
                 self.stats["pushed_bytes"] += sum(t.numel() for t in captured.values())
             except (OSError, ConnectionError, TimeoutError, RuntimeError) as error:
                 pushed, began = False, time.perf_counter()
-                log.warning(json.dumps({"event": "snapshot-push-failed", "worker": self.worker, "step": job.step,
-                                        "buddy": job.buddy, "error": str(error)[:200]}))
+                log.warning(
+                    json.dumps(
+                        {
+                            "event": "snapshot-push-failed",
+                            "worker": self.worker,
+                            "step": job.step,
+                            "buddy": job.buddy,
+                            "error": str(error)[:200],
+                        }
+                    )
+                )
             self.stats["push_s"] += time.perf_counter() - began
         if job.write:
             began = time.perf_counter()
@@ -581,10 +644,22 @@ class Snapshotter:
                 self.store.mark_complete(step)
         self.store.prune()
         self.stats["snapshots"] += 1
-        log.info(json.dumps({"event": "snapshot", "worker": self.worker, "step": job.step, "generation": job.generation,
-                             "layers": sorted(captured), "buddy": job.buddy if job.push else None,
-                             "pushed": pushed if job.push and job.buddy else None,
-                             "written": job.write, "held": self.store.holdings(), "seconds": round(time.perf_counter() - started, 4)}))
+        log.info(
+            json.dumps(
+                {
+                    "event": "snapshot",
+                    "worker": self.worker,
+                    "step": job.step,
+                    "generation": job.generation,
+                    "layers": sorted(captured),
+                    "buddy": job.buddy if job.push else None,
+                    "pushed": pushed if job.push and job.buddy else None,
+                    "written": job.write,
+                    "held": self.store.holdings(),
+                    "seconds": round(time.perf_counter() - started, 4),
+                }
+            )
+        )
 
     def _buddy_address(self, buddy: str, timeout_s: float = 30.0) -> str:
         """The buddy's server address from its `held/{worker}` report (it may not have published it yet)."""
@@ -619,7 +694,12 @@ def snapshotter_for(config, worker: str, connect_store: Callable[[], object], st
     from oobleck.runtime.config import build_model
 
     return Snapshotter(
-        worker, config.snapshot.interval_steps, connect_store, checkpoint_dir=config.checkpoint.path,
-        checkpoint_interval=config.checkpoint.interval_steps, checkpoint_keep=config.checkpoint.keep,
-        num_layers=build_model(config).num_layers, advertise=local_address(store_host),
+        worker,
+        config.snapshot.interval_steps,
+        connect_store,
+        checkpoint_dir=config.checkpoint.path,
+        checkpoint_interval=config.checkpoint.interval_steps,
+        checkpoint_keep=config.checkpoint.keep,
+        num_layers=build_model(config).num_layers,
+        advertise=local_address(store_host),
     )

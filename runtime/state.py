@@ -41,7 +41,9 @@ def state_nbytes(module: nn.Module) -> int:
 
 def flatten(layer: int, module: nn.Module, optimizer: LayerAdamW) -> torch.Tensor:
     """The layer's full state as one uint8 tensor on the module's device."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in _tensors(layer, module, optimizer)])
+    return torch.cat(
+        [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in _tensors(layer, module, optimizer)]
+    )
 
 
 def capture(layer: int, module: nn.Module, optimizer: LayerAdamW) -> torch.Tensor:
@@ -108,7 +110,9 @@ def transfer(
                     raise ValueError(f"copies[{index}]: layer {copy.layer} from a snapshot, but rank {rank} keeps none")
                 flat = snapshot(copy.layer).to(device)
             elif copy.layer not in layers:
-                raise ValueError(f"copies[{index}]: rank {rank} is the source of layer {copy.layer} but does not hold it")
+                raise ValueError(
+                    f"copies[{index}]: rank {rank} is the source of layer {copy.layer} but does not hold it"
+                )
             else:
                 flat = flatten(copy.layer, layers[copy.layer], optimizer)
             sends.append((backend.send([flat], peer, tag), flat, copy))
@@ -121,10 +125,19 @@ def transfer(
             backend, peer = groups.link(copy.src_rank, rank)
             receives.append((backend.recv([flat], peer, tag), flat, module, copy))
     for work, flat, module, copy in receives:
-        wait(work, failed, poll, timeout, f"layer {copy.layer} state from rank {copy.src_rank}", cuda=device.type == "cuda")
+        wait(
+            work,
+            failed,
+            poll,
+            timeout,
+            f"layer {copy.layer} state from rank {copy.src_rank}",
+            cuda=device.type == "cuda",
+        )
         unflatten(flat, copy.layer, module, optimizer)
         layers[copy.layer] = module
         moved += flat.numel()
     for work, _, copy in sends:
-        wait(work, failed, poll, timeout, f"layer {copy.layer} state to rank {copy.dst_rank}", cuda=device.type == "cuda")
+        wait(
+            work, failed, poll, timeout, f"layer {copy.layer} state to rank {copy.dst_rank}", cuda=device.type == "cuda"
+        )
     return moved

@@ -54,7 +54,7 @@ class _FencedOptimizer:
     """The worker's optimizer: `step` first waits for a snapshot capture in flight (it reads the state
     this update overwrites); everything else passes through."""
 
-    def __init__(self, inner: LayerAdamW, worker: "Worker") -> None:
+    def __init__(self, inner: LayerAdamW, worker: Worker) -> None:
         self._inner = inner
         self._worker = worker
 
@@ -131,7 +131,9 @@ class Worker:
         if rank is None:
             raise NotInPlan(f"plan generation {plan.generation} has no rank for node {self.node!r} gpu {self.gpu}")
         if plan.num_layers != self.model.num_layers:
-            raise ValueError(f"num_layers: plan has {plan.num_layers}, model {self.model.name!r} has {self.model.num_layers}")
+            raise ValueError(
+                f"num_layers: plan has {plan.num_layers}, model {self.model.name!r} has {self.model.num_layers}"
+            )
         reconfiguring = self.plan is not None
         mine = layout(plan, rank)
         if self.snapshots is not None:
@@ -142,7 +144,14 @@ class Worker:
             self._restore_local(plan, rank)
         timeout = max(self.config.timeouts.connect, self.config.timeouts.step)
         self.groups = GenerationGroups(
-            self.store, plan, rank, self.config.microbatch_size, self.device, timeout, self.failed, self.config.timeouts.poll
+            self.store,
+            plan,
+            rank,
+            self.config.microbatch_size,
+            self.device,
+            timeout,
+            self.failed,
+            self.config.timeouts.poll,
         )
         incoming = {c.layer for c in plan.copies if c.dst_rank == rank and c.src_rank != rank}
         for layer in mine.layers:
@@ -158,8 +167,17 @@ class Worker:
             self.optimizer.ensure_layer(layer, module)
             self.layers[layer] = module
         moved = transfer(
-            plan.copies, rank, self.groups, self.model, self.layers, self.optimizer, self.device, self.failed,
-            self.config.timeouts.poll, self.config.timeouts.step, snapshot=self._snapshot_source(plan),
+            plan.copies,
+            rank,
+            self.groups,
+            self.model,
+            self.layers,
+            self.optimizer,
+            self.device,
+            self.failed,
+            self.config.timeouts.poll,
+            self.config.timeouts.step,
+            snapshot=self._snapshot_source(plan),
         )
         self.metrics.bytes_copied.inc(moved)
         for layer in [layer for layer in self.layers if layer not in mine.layers]:
@@ -171,7 +189,16 @@ class Worker:
         self.started = True
         self.plan, self.rank = plan, rank
         self.engine = Engine(
-            self.config, self.model, self.data, self.optimizer, self.layers, plan, rank, self.groups, self.device, self.failed
+            self.config,
+            self.model,
+            self.data,
+            self.optimizer,
+            self.layers,
+            plan,
+            rank,
+            self.groups,
+            self.device,
+            self.failed,
         )
         self.metrics.generation.set(plan.generation)
         self.metrics.pipelines.set(len(plan.pipelines))
@@ -234,7 +261,8 @@ class Worker:
         """Every held layer must have taken exactly `self.step` optimizer steps (a copy from a replica
         that is a step ahead or behind would silently fork the model)."""
         behind = {
-            layer for (layer, _), state in self.optimizer.state.items()
+            layer
+            for (layer, _), state in self.optimizer.state.items()
             if layer in self.layers and int(state.step.item()) != self.step
         }
         if behind:
@@ -325,8 +353,17 @@ class Worker:
         generation = self.plan.generation if self.plan is not None else None
         log.info(
             json.dumps(
-                {"event": event, "job": self.config.job, "node": self.node, "gpu": self.gpu, "rank": self.rank,
-                 "generation": generation, "step": self.step, "pid": os.getpid(), **fields}
+                {
+                    "event": event,
+                    "job": self.config.job,
+                    "node": self.node,
+                    "gpu": self.gpu,
+                    "rank": self.rank,
+                    "generation": generation,
+                    "step": self.step,
+                    "pid": os.getpid(),
+                    **fields,
+                }
             )
         )
 

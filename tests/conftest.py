@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from oobleck.dev.controlplane import Cluster
-    from oobleck.dev.nodeagent import NodeAgent
+    from oobleck_dev.controlplane import Cluster
+    from oobleck_dev.nodeagent import NodeAgent
 
 USE_EXISTING = "OOBLECK_USE_EXISTING_CLUSTER"
 
@@ -35,7 +35,7 @@ def cluster() -> Iterator[Cluster]:
 
     Interface (stable; other folders' tests rely on it):
     - `.kubeconfig` (str): an admin kubeconfig path. `.server` (str): the API server URL.
-    - `.bin`: `oobleck.dev.tools.K8sTools` (`.bin.kubectl`, `.bin.helm`, ...), never PATH's kubectl.
+    - `.bin`: `oobleck_dev.tools.K8sTools` (`.bin.kubectl`, `.bin.helm`, ...), never PATH's kubectl.
     - `.kubectl(*args, input=None, check=True, timeout=None) -> subprocess.CompletedProcess`:
       text mode, stdout/stderr captured, raises `KubectlError` (stderr in the message) if `check`.
       `.kubectl_json(*args)` adds `-o json` and parses.
@@ -52,8 +52,8 @@ def cluster() -> Iterator[Cluster]:
     On an existing cluster the namespaces and nodes created are deleted at the end of the session.
     """
     # Imported here so that test folders which never use the cluster do not import it.
-    from oobleck.dev.controlplane import Cluster, ControlPlane
-    from oobleck.dev.tools import ToolsNotFound, find_tools
+    from oobleck_dev.controlplane import Cluster, ControlPlane
+    from oobleck_dev.tools import ToolsNotFound, find_tools
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     owner = f"{worker}-{secrets.token_hex(2)}".lower()
@@ -90,9 +90,9 @@ def local_nodes(
     Nodes are named `local-<owner>-<random>-<i>`; pin pods to them with `nodeSelector:
     agent.node_selector` (kwok nodes of the same session also offer GPUs). Container logs and pod
     folders stay in a pytest temp folder (`agent.workdir`). Stopped at the end of the module: no
-    process is left and the nodes are deleted. See `oobleck.dev.nodeagent.NodeAgent`.
+    process is left and the nodes are deleted. See `oobleck_dev.nodeagent.NodeAgent`.
     """
-    from oobleck.dev.nodeagent import NodeAgent
+    from oobleck_dev.nodeagent import NodeAgent
 
     options = {"nodes": 2, "gpus_per_node": 2, **getattr(request.module, "LOCAL_NODES", {})}
     agent = NodeAgent(

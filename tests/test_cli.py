@@ -43,11 +43,14 @@ def test_planner_commands_do_not_import_torch_or_kopf() -> None:
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["operator", "-n", "x", "--measure-timeout", "-1"], "--measure-timeout must be >= 0, got -1.0"),
-    (["operator", "-n", "x", "--batch-window", "-0.5"], "--batch-window must be >= 0, got -0.5"),
-    (["launch", "--nodes", "2", "--controller", "guess"], "invalid choice: 'guess'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["operator", "-n", "x", "--measure-timeout", "-1"], "--measure-timeout must be >= 0, got -1.0"),
+        (["operator", "-n", "x", "--batch-window", "-0.5"], "--batch-window must be >= 0, got -0.5"),
+        (["launch", "--nodes", "2", "--controller", "guess"], "invalid choice: 'guess'"),
+    ],
+)
 def test_bad_flags_of_new_options_exit_2_naming_the_flag(args: list[str], message: str) -> None:
     result = subprocess.run([sys.executable, "-m", "oobleck.cli", *args], capture_output=True, text=True)
     assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oobleck.demo import EXAMPLE, Observation, Timeline, observe, steps_per_second, summarize
+from oobleck_dev.demo import EXAMPLE, Observation, Timeline, observe, steps_per_second, summarize
 
 
 @pytest.mark.slow
@@ -23,9 +23,21 @@ def test_demo_trains_survives_a_kill_and_cleans_up(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(manifest))
     result = subprocess.run(
-        [sys.executable, "-m", "oobleck.cli", "demo", "--job", str(job), "--kill-at-step", "60",
-         "--workdir", str(tmp_path / "demo")],
-        capture_output=True, text=True, timeout=420,
+        [
+            sys.executable,
+            "-m",
+            "oobleck_dev",
+            "demo",
+            "--job",
+            str(job),
+            "--kill-at-step",
+            "60",
+            "--workdir",
+            str(tmp_path / "demo"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=420,
     )
     out = result.stdout
     assert result.returncode == 0, out[-5000:] + result.stderr[-3000:]
@@ -49,30 +61,59 @@ def test_demo_rejects_bad_arguments(tmp_path: Path) -> None:
         (["--nodes", "0"], "--nodes: must be >= 1"),
         (["--kill-at-step", "999"], "--kill-at-step: must be in 1..599"),
     ):
-        result = subprocess.run([sys.executable, "-m", "oobleck.cli", "demo", *args], capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-m", "oobleck_dev", "demo", *args], capture_output=True, text=True)
         assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
 def _seen(at: float, step: int, generation: int = 0, phase: str = "Running") -> Observation:
-    return Observation(at=at, phase=phase, step=step, generation=generation, pipelines=2, nodes=4, loss=None,
-                       samples_per_second=None)
+    return Observation(
+        at=at, phase=phase, step=step, generation=generation, pipelines=2, nodes=4, loss=None, samples_per_second=None
+    )
 
 
 def test_observe_reads_the_status_a_user_sees() -> None:
-    job = {"status": {"phase": "Running", "nodes": 4, "plan": {"generation": 2, "pipelines": 2},
-                      "progress": {"step": 7, "loss": 5.25, "samplesPerSecond": 120.0}}}
+    job = {
+        "status": {
+            "phase": "Running",
+            "nodes": 4,
+            "plan": {"generation": 2, "pipelines": 2},
+            "progress": {"step": 7, "loss": 5.25, "samplesPerSecond": 120.0},
+        }
+    }
     seen = observe(job)
-    assert (seen.phase, seen.step, seen.generation, seen.pipelines, seen.nodes, seen.loss, seen.samples_per_second) == \
-        ("Running", 7, 2, 2, 4, 5.25, 120.0)
-    failed = observe({"status": {"phase": "Failed", "conditions": [
-        {"type": "Failed", "status": "True", "message": "layer 3: no surviving worker holds it"}]}})
+    assert (seen.phase, seen.step, seen.generation, seen.pipelines, seen.nodes, seen.loss, seen.samples_per_second) == (
+        "Running",
+        7,
+        2,
+        2,
+        4,
+        5.25,
+        120.0,
+    )
+    failed = observe(
+        {
+            "status": {
+                "phase": "Failed",
+                "conditions": [
+                    {"type": "Failed", "status": "True", "message": "layer 3: no surviving worker holds it"}
+                ],
+            }
+        }
+    )
     assert failed.step == 0 and failed.generation is None and "layer 3" in failed.reason
 
 
 def test_summary_measures_recovery_and_throughput_around_the_kill() -> None:
     timeline = Timeline()
-    for at, step, generation in ((0.0, 0, 0), (1.0, 2, 0), (2.0, 4, 0), (2.5, 4, 1), (4.0, 5, 1), (5.0, 9, 1),
-                                 (5.5, 10, 1)):
+    for at, step, generation in (
+        (0.0, 0, 0),
+        (1.0, 2, 0),
+        (2.0, 4, 0),
+        (2.5, 4, 1),
+        (4.0, 5, 1),
+        (5.0, 9, 1),
+        (5.5, 10, 1),
+    ):
         timeline.add(_seen(at, step, generation))
     timeline.kill_at, timeline.kill_step, timeline.killed_pod = 2.1, 4, "tiny-gpt-worker-1"
     timeline.add(_seen(6.0, 10, 1, "Succeeded"))

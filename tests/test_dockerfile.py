@@ -123,7 +123,9 @@ def ignored(path: str) -> bool:
         for candidate in candidates:
             if fnmatch.fnmatchcase(candidate, pattern):
                 return True
-            if pattern.startswith("**/") and any(fnmatch.fnmatchcase("/".join(candidates[-1].split("/")[i:]), pattern[3:]) for i in range(len(parts))):
+            if pattern.startswith("**/") and any(
+                fnmatch.fnmatchcase("/".join(candidates[-1].split("/")[i:]), pattern[3:]) for i in range(len(parts))
+            ):
                 return True
     return False
 
@@ -148,12 +150,19 @@ def test_every_copied_source_exists_and_is_not_ignored() -> None:
     for source, instruction in copies:
         matches = list(REPO.glob(source.rstrip("/")))
         assert matches, f"Dockerfile line {instruction.line}: COPY {source}: no such file in the repository"
-        assert not ignored(source.rstrip("/")), f"Dockerfile line {instruction.line}: {source} is excluded by .dockerignore"
+        assert not ignored(source.rstrip("/")), (
+            f"Dockerfile line {instruction.line}: {source} is excluded by .dockerignore"
+        )
 
 
 def test_what_pyproject_builds_from_is_copied() -> None:
     copied = {source.rstrip("/") for source, _ in context_copies()}
-    needed = {"pyproject.toml", "setup.py", PYPROJECT["project"]["readme"], *PYPROJECT["tool"]["setuptools"]["package-dir"].values()}
+    needed = {
+        "pyproject.toml",
+        "setup.py",
+        PYPROJECT["project"]["readme"],
+        *PYPROJECT["tool"]["setuptools"]["package-dir"].values(),
+    }
     needed.discard("")
     assert needed <= copied, f"not copied into the image: {sorted(needed - copied)}"
     # Every source file of those packages survives .dockerignore (e.g. the planner's .pyx/.pxd).
@@ -165,8 +174,15 @@ def test_what_pyproject_builds_from_is_copied() -> None:
 
 
 def test_build_outputs_are_not_sent_into_the_build() -> None:
-    for artifact in ("planner_cy/_templates.c", "planner_cy/_source_hash.pxi", "planner_cy/_x.cpython-311-x86_64-linux-gnu.so",
-                     ".venv", "build", ".git", "runtime/__pycache__/x.pyc"):  # fmt: skip
+    for artifact in (
+        "planner_cy/_templates.c",
+        "planner_cy/_source_hash.pxi",
+        "planner_cy/_x.cpython-311-x86_64-linux-gnu.so",
+        ".venv",
+        "build",
+        ".git",
+        "runtime/__pycache__/x.pyc",
+    ):
         assert ignored(artifact), f".dockerignore should drop {artifact}"
 
 
@@ -185,7 +201,9 @@ def test_base_images_are_pinned_and_python_is_new_enough() -> None:
     assert default_base.startswith("python:"), default_base
     version = tuple(int(x) for x in re.match(r"python:(\d+)\.(\d+)", default_base).groups())
     required = tuple(int(x) for x in re.match(r">=\s*(\d+)\.(\d+)", PYPROJECT["project"]["requires-python"]).groups())
-    assert version >= required, f"{default_base} is older than requires-python {PYPROJECT['project']['requires-python']}"
+    assert version >= required, (
+        f"{default_base} is older than requires-python {PYPROJECT['project']['requires-python']}"
+    )
 
 
 def test_multi_stage_build_compiles_and_the_runtime_gets_only_the_environment() -> None:
@@ -196,7 +214,9 @@ def test_multi_stage_build_compiles_and_the_runtime_gets_only_the_environment() 
     build_runs = " ".join(i.args for i in build.all("RUN"))
     assert "gcc" in build_runs and "pip wheel" in build_runs and "import oobleck.planner" in build_runs
     runtime_runs = " ".join(i.args for i in runtime.all("RUN"))
-    assert not re.search(r"\b(gcc|g\+\+|build-essential|python3-dev)\b", runtime_runs), "no compiler in the runtime stage"
+    assert not re.search(r"\b(gcc|g\+\+|build-essential|python3-dev)\b", runtime_runs), (
+        "no compiler in the runtime stage"
+    )
     from_build = [copy_parts(i) for i in runtime.all("COPY")]
     assert [(flags.get("from"), sources) for flags, sources, _ in from_build] == [("build", ["/opt/oobleck"])]
     torch_arg = [i for i in build.all("ARG") if i.args.startswith("TORCH_INDEX_URL=")]
@@ -213,15 +233,21 @@ def test_hadolint_basics() -> None:
             pytest.fail(f"line {instruction.line}: use COPY instead of ADD")
         for instruction in stage.all("RUN"):
             if "apt-get install" in instruction.args:
-                assert "--no-install-recommends" in instruction.args, f"line {instruction.line}: apt-get install --no-install-recommends"
-                assert "rm -rf /var/lib/apt/lists/*" in instruction.args, f"line {instruction.line}: clean the apt lists"
+                assert "--no-install-recommends" in instruction.args, (
+                    f"line {instruction.line}: apt-get install --no-install-recommends"
+                )
+                assert "rm -rf /var/lib/apt/lists/*" in instruction.args, (
+                    f"line {instruction.line}: clean the apt lists"
+                )
             assert not re.search(r"\bsudo\b|\bcurl\b.*\|\s*(ba)?sh", instruction.args), f"line {instruction.line}"
             assert not re.search(r"(^|\s)cd\s", instruction.args), f"line {instruction.line}: use WORKDIR, not cd"
     users = FINAL.all("USER")
     assert users, "the runtime stage sets no USER (it would run as root)"
     uid, _, gid = users[-1].args.partition(":")
     assert uid.isdigit() and int(uid) != 0, "USER must be a numeric non-root uid (runAsNonRoot can verify only numbers)"
-    assert FINAL.all("ENTRYPOINT") and FINAL.all("ENTRYPOINT")[-1].args.startswith("["), "exec-form ENTRYPOINT (signals reach the process)"
+    assert FINAL.all("ENTRYPOINT") and FINAL.all("ENTRYPOINT")[-1].args.startswith("["), (
+        "exec-form ENTRYPOINT (signals reach the process)"
+    )
 
 
 # -- agreement with the chart and the operator --------------------------------------------------------
@@ -250,7 +276,9 @@ def image_commands() -> dict[str, list[str]]:
 
     spec = parse_spec(yaml.safe_load((REPO / "examples" / "tiny-gpt.yaml").read_text())["spec"])
     coordinator = render.coordinator_pod("tiny-gpt", "ns", "uid", spec, default_image="image")["spec"]["containers"][0]
-    worker = render.worker_pod("tiny-gpt", "ns", "uid", spec, 0, default_image="image", default_command=list(DEFAULT_COMMAND))
+    worker = render.worker_pod(
+        "tiny-gpt", "ns", "uid", spec, 0, default_image="image", default_command=list(DEFAULT_COMMAND)
+    )
     return {
         "image ENTRYPOINT + CMD": entrypoint + cmd,
         "chart Deployment": container["command"] + container["args"],
@@ -266,7 +294,9 @@ def test_entrypoint_is_the_installed_console_script() -> None:
     assert (BIN / "oobleck").is_file(), f"{BIN / 'oobleck'}: the console script is not installed (run scripts/venv)"
 
 
-@pytest.mark.parametrize("who", ["image ENTRYPOINT + CMD", "chart Deployment", "operator's worker pods", "operator's coordinator pod"])
+@pytest.mark.parametrize(
+    "who", ["image ENTRYPOINT + CMD", "chart Deployment", "operator's worker pods", "operator's coordinator pod"]
+)
 def test_every_command_the_image_runs_exists(who: str) -> None:
     command = image_commands()[who]
     program = command[0]
@@ -306,15 +336,31 @@ def test_wheel_built_from_the_copied_files_installs_a_working_oobleck(tmp_path: 
     assert not list(context.rglob("*.so")) and not list(context.rglob("*.c")), "build outputs leaked into the context"
     # Offline and without build isolation: this environment already has setuptools and Cython.
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "--wheel-dir", str(wheels), "."],
-        cwd=context, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--wheel-dir",
+            str(wheels),
+            ".",
+        ],
+        cwd=context,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     (wheel,) = wheels.glob("oobleck_operator-*.whl")
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stderr[-3000:]
     entry_points = next(site.glob("oobleck_operator-*.dist-info")) / "entry_points.txt"
     assert "oobleck = oobleck.cli:main" in entry_points.read_text()
@@ -334,13 +380,21 @@ def test_wheel_built_from_the_copied_files_installs_a_working_oobleck(tmp_path: 
         "print('ok', oobleck.planner.COMPILED_MODULES)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", check],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "_instantiate" in result.stdout and "_templates" in result.stdout
     coordinator = subprocess.run(
-        [sys.executable, "-m", "oobleck.runtime.coordinator", "--help"], cwd=tmp_path, capture_output=True, text=True,
-        timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"},
-    )  # fmt: skip
+        [sys.executable, "-m", "oobleck.runtime.coordinator", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"},
+    )
     assert coordinator.returncode == 0, coordinator.stderr[-2000:]

@@ -33,9 +33,7 @@ def test_operator_folder_does_not_shadow_the_standard_library() -> None:
 
 
 def test_components_import_under_the_oobleck_namespace() -> None:
-    result = run_python(
-        "import oobleck.planner, oobleck.runtime, oobleck.api.plan, oobleck.cli; print('ok')", cwd=REPO
-    )
+    result = run_python("import oobleck.planner, oobleck.runtime, oobleck.api.plan, oobleck.cli; print('ok')", cwd=REPO)
     assert result.returncode == 0, result.stderr
 
 

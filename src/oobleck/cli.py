@@ -16,12 +16,10 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("oobleck.planner.cli", "plan templates, instantiation and batch split; preview a reconfiguration"),
     "crds": ("oobleck.api.cli", "print, write or check the CRD YAML generated from the API models"),
-    "dev": ("oobleck.dev.cli", "local Kubernetes control plane, kwok and local nodes for development"),
     "worker": ("oobleck.runtime.cli", "run one training worker"),
     "profile": ("oobleck.runtime.cli", "measure every layer and write the planner's profile JSON"),
     "launch": ("oobleck.runtime.launcher", "run an elastic job locally: coordinator, plan controller, workers"),
     "operator": ("oobleck.operator.cli", "run the OobleckJob operator (kopf)"),
-    "demo": ("oobleck.demo", "run the example job on a local control plane"),
 }
 
 

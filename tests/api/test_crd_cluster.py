@@ -88,11 +88,24 @@ def test_get_shows_the_printer_columns(cluster: Any) -> None:
         "plan": {"generation": 1, "pipelines": 2, "nodes": 4, "templates": [{"nodes": 2, "pipelines": 2}]},
         "progress": {"step": 17, "samplesPerSecond": 123.5},
         "conditions": [
-            {"type": "Running", "status": "True", "reason": "Training", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+            {
+                "type": "Running",
+                "status": "True",
+                "reason": "Training",
+                "message": "",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+            }
         ],
     }
     cluster.kubectl(
-        "patch", "-n", namespace, "oj/tiny-gpt", "--subresource=status", "--type=merge", "-p", json.dumps({"status": status})
+        "patch",
+        "-n",
+        namespace,
+        "oj/tiny-gpt",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": status}),
     )
     header, row = cluster.kubectl("get", "-n", namespace, "oj").stdout.splitlines()
     assert header.split() == ["NAME", "PHASE", "NODES", "PIPELINES", "STEP", "AGE"]
@@ -105,22 +118,33 @@ def test_scale_sets_the_target_within_min_and_max(cluster: Any) -> None:
     namespace = cluster.namespace("oj-scale")
     cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
     cluster.kubectl(
-        "patch", "-n", namespace, "oj/tiny-gpt", "--subresource=status", "--type=merge",
-        "-p", json.dumps({"status": {"nodes": 4, "selector": worker_selector("tiny-gpt")}}),
-    )  # fmt: skip
+        "patch",
+        "-n",
+        namespace,
+        "oj/tiny-gpt",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"nodes": 4, "selector": worker_selector("tiny-gpt")}}),
+    )
     result = cluster.kubectl("scale", "-n", namespace, "oj/tiny-gpt", "--replicas=3")
     assert "scaled" in result.stdout
     job = _get(cluster, namespace)
     assert job["spec"]["nodes"]["target"] == 3
     assert parse_spec(job["spec"]).nodes.wanted == 3
-    scale = json.loads(cluster.kubectl("get", "-n", namespace, "oj/tiny-gpt", "--subresource=scale", "-o", "json").stdout)
+    scale = json.loads(
+        cluster.kubectl("get", "-n", namespace, "oj/tiny-gpt", "--subresource=scale", "-o", "json").stdout
+    )
     assert scale["kind"] == "Scale"
     assert scale["spec"]["replicas"] == 3
     assert scale["status"] == {"replicas": 4, "selector": "oobleck.dev/job=tiny-gpt,oobleck.dev/role=worker"}
     for replicas in (9, 1):  # above nodes.max, below nodes.min
         refused = cluster.kubectl("scale", "-n", namespace, "oj/tiny-gpt", f"--replicas={replicas}", check=False)
         assert refused.returncode != 0
-        assert f"spec.nodes.target: Invalid value: nodes.target ({replicas}) must be between nodes.min (2) and nodes.max (4)" in refused.stderr
+        assert (
+            f"spec.nodes.target: Invalid value: nodes.target ({replicas}) must be between nodes.min (2) and nodes.max (4)"
+            in refused.stderr
+        )
     assert _get(cluster, namespace)["spec"]["nodes"]["target"] == 3
 
 
@@ -140,7 +164,9 @@ def test_explain_shows_the_model_descriptions(cluster: Any) -> None:
     assert "kubectl scale oj/NAME --replicas=N" in nodes
 
 
-def test_invalid_manifest_is_rejected_naming_the_field(cluster: Any, rejections: str, invalid_case: dict[str, Any]) -> None:
+def test_invalid_manifest_is_rejected_naming_the_field(
+    cluster: Any, rejections: str, invalid_case: dict[str, Any]
+) -> None:
     expected = invalid_case["apiserver"]
     result = _apply(cluster, rejections, invalid_case["manifest"])
     assert result.returncode != 0, f"accepted: {result.stdout}"
@@ -157,13 +183,19 @@ def test_invalid_manifest_is_rejected_naming_the_field(cluster: Any, rejections:
     [
         ("model.gpt.layers", 6, "spec.model: Forbidden: model is immutable"),
         ("training.microbatchSize", 4, "spec.training.microbatchSize: Forbidden: training.microbatchSize is immutable"),
-        ("training.globalBatchSize", 32, "spec.training.globalBatchSize: Forbidden: training.globalBatchSize is immutable"),
+        (
+            "training.globalBatchSize",
+            32,
+            "spec.training.globalBatchSize: Forbidden: training.globalBatchSize is immutable",
+        ),
         ("gpusPerNode", 2, "spec.gpusPerNode: Forbidden: gpusPerNode is immutable"),
         ("device", "cuda", "spec.device: Forbidden: device is immutable"),
         ("gpuResourceName", "amd.com/gpu", "spec.gpuResourceName: Forbidden: gpuResourceName is immutable"),
     ],
 )
-def test_immutable_fields_cannot_change(cluster: Any, example: dict[str, Any], path: str, value: Any, field: str) -> None:
+def test_immutable_fields_cannot_change(
+    cluster: Any, example: dict[str, Any], path: str, value: Any, field: str
+) -> None:
     namespace = cluster.namespace("oj-immutable")
     _apply(cluster, namespace, example, check=True)
     changed = json.loads(json.dumps(example))
@@ -201,17 +233,45 @@ def test_status_is_written_through_the_status_subresource_only(cluster: Any) -> 
     cluster.kubectl("patch", "-n", namespace, "oj/tiny-gpt", "--type=merge", "-p", '{"status": {"phase": "Failed"}}')
     assert "status" not in _get(cluster, namespace)
     cluster.kubectl(
-        "patch", "-n", namespace, "oj/tiny-gpt", "--subresource=status", "--type=merge",
-        "-p", json.dumps({"spec": {"f": 0}, "status": {"phase": "Succeeded", "observedGeneration": 1, "failuresSurvived": 2}}),
-    )  # fmt: skip
+        "patch",
+        "-n",
+        namespace,
+        "oj/tiny-gpt",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(
+            {"spec": {"f": 0}, "status": {"phase": "Succeeded", "observedGeneration": 1, "failuresSurvived": 2}}
+        ),
+    )
     job = _get(cluster, namespace)
     assert job["spec"]["f"] == 1
     status = parse_status(job["status"])
     assert (status.phase, status.observed_generation, status.failures_survived) == ("Succeeded", 1, 2)
     # The status schema is enforced too.
-    bad = {"status": {"conditions": [{"type": "Running", "status": "Maybe", "reason": "Training", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}}
+    bad = {
+        "status": {
+            "conditions": [
+                {
+                    "type": "Running",
+                    "status": "Maybe",
+                    "reason": "Training",
+                    "message": "",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }
+            ]
+        }
+    }
     refused = cluster.kubectl(
-        "patch", "-n", namespace, "oj/tiny-gpt", "--subresource=status", "--type=merge", "-p", json.dumps(bad), check=False
+        "patch",
+        "-n",
+        namespace,
+        "oj/tiny-gpt",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(bad),
+        check=False,
     )
     assert refused.returncode != 0
     assert 'status.conditions[0].status: Unsupported value: "Maybe"' in refused.stderr

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +111,10 @@ def test_every_rule_names_a_field_of_its_model() -> None:
 
 def test_python_messages_show_the_arithmetic() -> None:
     errors = _errors({**MINIMAL, "training": {"steps": 5, "globalBatchSize": 10, "microbatchSize": 4}})
-    assert ("training", "Value error, globalBatchSize (10) must be a multiple of microbatchSize (4): remainder 2") in errors
+    assert (
+        "training",
+        "Value error, globalBatchSize (10) must be a multiple of microbatchSize (4): remainder 2",
+    ) in errors
 
 
 def test_status_round_trips_with_kubernetes_timestamps() -> None:
@@ -122,7 +125,13 @@ def test_status_round_trips_with_kubernetes_timestamps() -> None:
             "nodes": 4,
             "selector": "oobleck.dev/job=tiny-gpt",
             "conditions": [
-                {"type": "Running", "status": "True", "reason": "Training", "message": "", "lastTransitionTime": "2026-01-02T03:04:05Z"}
+                {
+                    "type": "Running",
+                    "status": "True",
+                    "reason": "Training",
+                    "message": "",
+                    "lastTransitionTime": "2026-01-02T03:04:05Z",
+                }
             ],
             "plan": {"generation": 2, "pipelines": 2, "nodes": 4, "templates": [{"nodes": 2, "pipelines": 2}]},
             "progress": {"step": 17, "samplesPerSecond": 250.5},
@@ -131,7 +140,7 @@ def test_status_round_trips_with_kubernetes_timestamps() -> None:
         }
     )
     assert status.phase is Phase.RUNNING
-    assert status.conditions[0].last_transition_time == datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    assert status.conditions[0].last_transition_time == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     dumped = status.to_kubernetes()
     assert dumped["conditions"][0]["lastTransitionTime"] == "2026-01-02T03:04:05Z"
     assert dumped["plan"]["templates"] == [{"nodes": 2, "pipelines": 2}]
@@ -142,12 +151,21 @@ def test_status_round_trips_with_kubernetes_timestamps() -> None:
 def test_condition_status_must_be_true_false_or_unknown() -> None:
     with pytest.raises(ValidationError) as caught:
         parse_status(
-            {"conditions": [{"type": "Running", "status": "Yes", "reason": "Training", "lastTransitionTime": "2026-01-02T03:04:05Z"}]}
+            {
+                "conditions": [
+                    {
+                        "type": "Running",
+                        "status": "Yes",
+                        "reason": "Training",
+                        "lastTransitionTime": "2026-01-02T03:04:05Z",
+                    }
+                ]
+            }
         )
     assert caught.value.errors()[0]["loc"] == ("conditions", 0, "status")
 
 
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def test_set_condition_adds_then_keeps_transition_time_while_status_holds() -> None:

@@ -11,31 +11,64 @@ from oobleck.api.plan import PLAN_API_VERSION, LayerCopy, Pipeline, Plan, RankAs
 
 
 def template(nodes: int, gpus: int = 2) -> Template:
-    stages = [TemplateStage(start=i, end=i + 1, node=i // gpus, gpus=1, gpu_offset=i % gpus, forward_ms=1, backward_ms=2)
-              for i in range(nodes * gpus)]  # fmt: skip
+    stages = [
+        TemplateStage(start=i, end=i + 1, node=i // gpus, gpus=1, gpu_offset=i % gpus, forward_ms=1, backward_ms=2)
+        for i in range(nodes * gpus)
+    ]
     return Template(nodes=nodes, stages=stages, iteration_ms=3 * len(stages), m_ref=4)
 
 
 def plan_dict() -> dict:
     """Two pipelines on 2 + 1 nodes of 2 GPUs, 4 layers; ranks deliberately not in layout order."""
     return {
-        "job": "j", "generation": 2, "num_layers": 4, "gpus_per_node": 2, "f": 1, "global_microbatches": 5,
+        "job": "j",
+        "generation": 2,
+        "num_layers": 4,
+        "gpus_per_node": 2,
+        "f": 1,
+        "global_microbatches": 5,
         "templates": [template(1, 4).model_dump(), template(2).model_dump()],
         "pipelines": [
-            {"index": 0, "template_nodes": 2, "nodes": ["a", "b"], "microbatches": 3, "microbatch_offset": 0,
-             "iteration_ms": 9, "stages": [
-                 {"start": 0, "end": 2, "node": "a", "gpus": [0, 1], "ranks": [0, 1]},
-                 {"start": 2, "end": 3, "node": "b", "gpus": [0], "ranks": [5]},
-                 {"start": 3, "end": 4, "node": "b", "gpus": [1], "ranks": [3]}]},
-            {"index": 1, "template_nodes": 1, "nodes": ["c"], "microbatches": 2, "microbatch_offset": 3,
-             "iteration_ms": 9, "stages": [
-                 {"start": 0, "end": 1, "node": "c", "gpus": [1], "ranks": [2]},
-                 {"start": 1, "end": 4, "node": "c", "gpus": [0], "ranks": [4]}]},
+            {
+                "index": 0,
+                "template_nodes": 2,
+                "nodes": ["a", "b"],
+                "microbatches": 3,
+                "microbatch_offset": 0,
+                "iteration_ms": 9,
+                "stages": [
+                    {"start": 0, "end": 2, "node": "a", "gpus": [0, 1], "ranks": [0, 1]},
+                    {"start": 2, "end": 3, "node": "b", "gpus": [0], "ranks": [5]},
+                    {"start": 3, "end": 4, "node": "b", "gpus": [1], "ranks": [3]},
+                ],
+            },
+            {
+                "index": 1,
+                "template_nodes": 1,
+                "nodes": ["c"],
+                "microbatches": 2,
+                "microbatch_offset": 3,
+                "iteration_ms": 9,
+                "stages": [
+                    {"start": 0, "end": 1, "node": "c", "gpus": [1], "ranks": [2]},
+                    {"start": 1, "end": 4, "node": "c", "gpus": [0], "ranks": [4]},
+                ],
+            },
         ],
-        "copies": [{"layer": 3, "src_node": "b", "src_gpu": 1, "src_rank": 3, "dst_node": "c", "dst_gpu": 0,
-                    "dst_rank": 4, "bytes": 10}],
+        "copies": [
+            {
+                "layer": 3,
+                "src_node": "b",
+                "src_gpu": 1,
+                "src_rank": 3,
+                "dst_node": "c",
+                "dst_gpu": 0,
+                "dst_rank": 4,
+                "bytes": 10,
+            }
+        ],
         "iteration_ms": 9,
-    }  # fmt: skip
+    }
 
 
 def test_derived_views_follow_the_stages():
@@ -52,7 +85,7 @@ def test_derived_views_follow_the_stages():
 
 def test_json_round_trip_is_canonical_and_has_no_per_rank_list():
     plan = Plan.model_validate(plan_dict())
-    plan.ranks  # a cached view must not leak into the document or into equality
+    _ = plan.ranks  # a cached view must not leak into the document or into equality
     text = plan.to_json()
     assert "rank_index" not in text and "rank_list" not in text and '"ranks":[' in text
     assert set(json.loads(text)) == set(Plan.model_fields)
@@ -87,7 +120,10 @@ def _stage(data: dict, pipeline: int, stage: int) -> dict:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        (lambda d: _stage(d, 1, 1).update(ranks=[1]), r"ranks: must be 0..5, each on one GPU; listed twice \[1\], missing \[4\]"),
+        (
+            lambda d: _stage(d, 1, 1).update(ranks=[1]),
+            r"ranks: must be 0..5, each on one GPU; listed twice \[1\], missing \[4\]",
+        ),
         (lambda d: _stage(d, 1, 1).update(ranks=[6]), r"ranks: must be 0..5.*missing \[4\]"),
         (lambda d: _stage(d, 1, 1).update(gpus=[1]), r"GPU 1 of 'c' runs two ranks"),
         (lambda d: _stage(d, 0, 2).update(gpus=[0], ranks=[5]), r"GPU 0 of 'b' runs two ranks"),
@@ -116,8 +152,18 @@ def _as_v1(plan: Plan) -> dict:
     for pipeline in data["pipelines"]:
         for stage in pipeline["stages"]:
             del stage["node"], stage["gpus"]
-    data["ranks"] = [{"rank": a.rank, "node": a.node, "gpu": a.gpu, "pipeline": a.pipeline, "stage": a.stage,
-                      "start": a.start, "end": a.end} for a in plan.ranks]  # fmt: skip
+    data["ranks"] = [
+        {
+            "rank": a.rank,
+            "node": a.node,
+            "gpu": a.gpu,
+            "pipeline": a.pipeline,
+            "stage": a.stage,
+            "start": a.start,
+            "end": a.end,
+        }
+        for a in plan.ranks
+    ]
     return data
 
 
@@ -139,22 +185,49 @@ def test_a_1024_node_plan_is_compact():
     nodes = [f"big-worker-{i}" for i in range(1024)]
     pipelines = []
     for p in range(64):
-        names = nodes[16 * p: 16 * p + 16]
-        pipelines.append({
-            "index": p, "template_nodes": 16, "nodes": names, "microbatches": 1, "microbatch_offset": p, "iteration_ms": 1,
-            "stages": [{"start": 8 * k + g, "end": 8 * k + g + 1, "node": names[k], "gpus": [g], "ranks": [128 * p + 8 * k + g]}
-                       for k in range(16) for g in range(8)],
-        })  # fmt: skip
+        names = nodes[16 * p : 16 * p + 16]
+        pipelines.append(
+            {
+                "index": p,
+                "template_nodes": 16,
+                "nodes": names,
+                "microbatches": 1,
+                "microbatch_offset": p,
+                "iteration_ms": 1,
+                "stages": [
+                    {
+                        "start": 8 * k + g,
+                        "end": 8 * k + g + 1,
+                        "node": names[k],
+                        "gpus": [g],
+                        "ranks": [128 * p + 8 * k + g],
+                    }
+                    for k in range(16)
+                    for g in range(8)
+                ],
+            }
+        )
     one = TemplateStage(start=0, end=128, node=0, gpus=8, gpu_offset=0, forward_ms=1, backward_ms=1)
-    plan = Plan.model_validate({
-        "job": "big", "generation": 0, "num_layers": 128, "gpus_per_node": 8, "f": 3, "global_microbatches": 64,
-        "templates": [Template(nodes=1, stages=[one], iteration_ms=2, m_ref=1)], "pipelines": pipelines, "iteration_ms": 1,
-    })  # fmt: skip
+    plan = Plan.model_validate(
+        {
+            "job": "big",
+            "generation": 0,
+            "num_layers": 128,
+            "gpus_per_node": 8,
+            "f": 3,
+            "global_microbatches": 64,
+            "templates": [Template(nodes=1, stages=[one], iteration_ms=2, m_ref=1)],
+            "pipelines": pipelines,
+            "iteration_ms": 1,
+        }
+    )
     assert plan.world_size == 8192 and plan.rank_of("big-worker-1023", 7) == 8191
     assert len(plan.to_json()) < 8192 * 80  # ~75 bytes per single-GPU stage (a v1 rank entry alone took ~100 more)
 
 
 def test_stage_parts():
     assert Stage(start=0, end=1, node="a", gpus=[1, 0], ranks=[3, 4]).ranks == [3, 4]
-    assert LayerCopy(layer=0, src_node="a", src_gpu=0, src_rank=0, dst_node="b", dst_gpu=0, dst_rank=1, bytes=1).bytes == 1
+    assert (
+        LayerCopy(layer=0, src_node="a", src_gpu=0, src_rank=0, dst_node="b", dst_gpu=0, dst_rank=1, bytes=1).bytes == 1
+    )
     assert Pipeline.model_fields["stages"].is_required()

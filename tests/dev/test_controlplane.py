@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oobleck.dev import controlplane, kwok, poll
-from oobleck.dev.controlplane import Cluster, ControlPlane, port_in_use, process_start_time, reap_stale_workdirs
-from oobleck.dev.tools import find_tools
+from oobleck_dev import controlplane, kwok, poll
+from oobleck_dev.controlplane import Cluster, ControlPlane, port_in_use, process_start_time, reap_stale_workdirs
+from oobleck_dev.tools import find_tools
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_CRDS = Path(__file__).with_name("data") / "crds"
@@ -88,7 +88,9 @@ def test_rbac_denies_an_unprivileged_service_account(cluster: Cluster, tmp_path:
                 "kind": "Config",
                 "clusters": admin["clusters"],
                 "users": [{"name": "nobody", "user": {"token": token}}],
-                "contexts": [{"name": "nobody", "context": {"cluster": admin["clusters"][0]["name"], "user": "nobody"}}],
+                "contexts": [
+                    {"name": "nobody", "context": {"cluster": admin["clusters"][0]["name"], "user": "nobody"}}
+                ],
                 "current-context": "nobody",
             }
         )
@@ -104,9 +106,14 @@ def test_rbac_denies_an_unprivileged_service_account(cluster: Cluster, tmp_path:
     # The same token works once RBAC grants it: the token was fine, RBAC said no.
     cluster.kubectl("create", "role", "read-secrets", "--verb=list", "--resource=secrets", "-n", namespace)
     cluster.kubectl(
-        "create", "rolebinding", "read-secrets", "--role=read-secrets",
-        f"--serviceaccount={namespace}:nobody", "-n", namespace,
-    )  # fmt: skip
+        "create",
+        "rolebinding",
+        "read-secrets",
+        "--role=read-secrets",
+        f"--serviceaccount={namespace}:nobody",
+        "-n",
+        namespace,
+    )
     wait_until(lambda: nobody("get", "secrets").returncode == 0, "the RoleBinding to take effect", 30)
 
 
@@ -131,14 +138,23 @@ def test_gpu_pod_runs_on_a_kwok_node(cluster: Cluster) -> None:
         namespace = cluster.namespace("kwok")
 
         def pod(name: str, gpus: int) -> str:
-            return json.dumps({
-                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
-                "spec": {
-                    "nodeSelector": {kwok.FAKE_GROUP_LABEL: group},
-                    "containers": [{"name": "main", "image": "example.invalid/trainer",
-                                    "resources": {"limits": {kwok.GPU_RESOURCE: str(gpus)}}}],
-                },
-            })  # fmt: skip
+            return json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": name, "namespace": namespace},
+                    "spec": {
+                        "nodeSelector": {kwok.FAKE_GROUP_LABEL: group},
+                        "containers": [
+                            {
+                                "name": "main",
+                                "image": "example.invalid/trainer",
+                                "resources": {"limits": {kwok.GPU_RESOURCE: str(gpus)}},
+                            }
+                        ],
+                    },
+                }
+            )
 
         cluster.kubectl("apply", "-f", "-", input=pod("fits", 8))
         cluster.kubectl("apply", "-f", "-", input=pod("too-big", 16))
@@ -149,15 +165,19 @@ def test_gpu_pod_runs_on_a_kwok_node(cluster: Cluster) -> None:
 
         status = wait_until(running, "the pod to run on a kwok node")
         assert status["spec"]["nodeName"] in names
+
         # 16 GPUs fit on no node: the scheduler counted nvidia.com/gpu.
         def unschedulable() -> bool:
             conditions = cluster.kubectl_json("get", "pod", "too-big", "-n", namespace)["status"].get("conditions", [])
             return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conditions)
 
         wait_until(unschedulable, "the 16-GPU pod to be reported Unschedulable")
-        assert "Insufficient nvidia.com/gpu" in cluster.kubectl(
-            "get", "pod", "too-big", "-n", namespace, "-o", "jsonpath={.status.conditions[0].message}"
-        ).stdout
+        assert (
+            "Insufficient nvidia.com/gpu"
+            in cluster.kubectl(
+                "get", "pod", "too-big", "-n", namespace, "-o", "jsonpath={.status.conditions[0].message}"
+            ).stdout
+        )
     finally:
         cluster.delete_kwok_nodes(names)
 
@@ -174,9 +194,10 @@ def test_a_thousand_kwok_nodes_register_with_gpus(cluster: Cluster) -> None:
         def ready_nodes() -> list[dict]:
             items = cluster.kubectl_json("get", "nodes", "-l", f"{kwok.FAKE_GROUP_LABEL}={group}")["items"]
             ready = [
-                node for node in items
+                node
+                for node in items
                 if any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
-            ]  # fmt: skip
+            ]
             return ready if len(ready) == n else []
 
         nodes = wait_until(ready_nodes, f"{n} kwok nodes to be Ready", timeout=300)
@@ -268,7 +289,7 @@ def test_failed_start_cleans_up(tmp_path: Path) -> None:
 OWNER_SCRIPT = textwrap.dedent(
     """
     import json, sys, time
-    from oobleck.dev.controlplane import ControlPlane
+    from oobleck_dev.controlplane import ControlPlane
     plane = ControlPlane(crds_dir=None).start()
     plane.start_kwok()
     print(json.dumps({"pids": plane.pids(), "workdir": str(plane.workdir)}), flush=True)
@@ -303,47 +324,53 @@ def test_sigkill_of_the_owner_leaves_no_orphans() -> None:
 
 def oobleck(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "oobleck.cli", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env,
-    )  # fmt: skip
+        [sys.executable, "-m", "oobleck_dev", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
 
 
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_dev_up_status_down(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    up = oobleck("dev", "up", "--state-dir", str(state), "--kwok-nodes", "3", "--gpus-per-node", "4")
+    up = oobleck("up", "--state-dir", str(state), "--kwok-nodes", "3", "--gpus-per-node", "4")
     try:
         assert up.returncode == 0, up.stderr
         kubeconfig = state / "kubeconfig"
         assert f"export KUBECONFIG={kubeconfig}" in up.stdout
         record = json.loads((state / "state.json").read_text())
 
-        status = oobleck("dev", "status", "--state-dir", str(state))
+        status = oobleck("status", "--state-dir", str(state))
         assert status.returncode == 0, status.stdout + status.stderr
         assert "readyz:     ok" in status.stdout
 
-        again = oobleck("dev", "up", "--state-dir", str(state))
+        again = oobleck("up", "--state-dir", str(state))
         assert again.returncode == 0 and "already up" in again.stdout
 
         nodes = json.loads(
             subprocess.run(
                 [str(find_tools().kubectl), "--kubeconfig", str(kubeconfig), "get", "nodes", "-o", "json"],
-                capture_output=True, text=True, check=True,
+                capture_output=True,
+                text=True,
+                check=True,
             ).stdout
-        )["items"]  # fmt: skip
+        )["items"]
         assert len(nodes) == 3
         assert {node["status"]["allocatable"][kwok.GPU_RESOURCE] for node in nodes} == {"4"}
     finally:
-        down = oobleck("dev", "down", "--state-dir", str(state))
+        down = oobleck("down", "--state-dir", str(state))
     assert down.returncode == 0 and "down" in down.stdout, down.stdout + down.stderr
     stamps = [record["supervisor"], *record["processes"].values()]
     assert not [stamp for stamp in stamps if process_start_time(int(stamp.split()[0])) == stamp.split()[1]]
     assert not [port for port in record["ports"].values() if port_in_use(port)]
     assert not Path(record["workdir"]).exists()
     assert not state.exists()
-    assert oobleck("dev", "status", "--state-dir", str(state)).returncode == 3
-    second = oobleck("dev", "down", "--state-dir", str(state))
+    assert oobleck("status", "--state-dir", str(state)).returncode == 3
+    second = oobleck("down", "--state-dir", str(state))
     assert second.returncode == 0 and "not running" in second.stdout
 
 
@@ -351,20 +378,22 @@ def test_dev_up_status_down(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_dev_down_after_the_supervisor_was_killed(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    up = oobleck("dev", "up", "--state-dir", str(state))
+    up = oobleck("up", "--state-dir", str(state))
     assert up.returncode == 0, up.stderr
     record = json.loads((state / "state.json").read_text())
     os.kill(int(record["supervisor"].split()[0]), signal.SIGKILL)
     pids = [int(stamp.split()[0]) for stamp in record["processes"].values()]
-    wait_until(lambda: not [pid for pid in pids if pid_running(pid)], "the control plane to die with its supervisor", 30)
-    assert oobleck("dev", "status", "--state-dir", str(state)).returncode == 3
-    down = oobleck("dev", "down", "--state-dir", str(state))
+    wait_until(
+        lambda: not [pid for pid in pids if pid_running(pid)], "the control plane to die with its supervisor", 30
+    )
+    assert oobleck("status", "--state-dir", str(state)).returncode == 3
+    down = oobleck("down", "--state-dir", str(state))
     assert down.returncode == 0 and "removed stale state" in down.stdout
     assert not state.exists() and not Path(record["workdir"]).exists()
 
 
 def test_dev_rejects_bad_arguments() -> None:
-    result = oobleck("dev", "up", "--kwok-nodes", "-1")
+    result = oobleck("up", "--kwok-nodes", "-1")
     assert result.returncode == 2
     assert "--kwok-nodes" in result.stderr and "must be >= 0" in result.stderr
 
@@ -372,7 +401,7 @@ def test_dev_rejects_bad_arguments() -> None:
 def test_dev_up_without_tools_says_how_to_get_them(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("KUBEBUILDER_ASSETS", "OOBLECK_K8S_TOOLS_FROM_PATH")}
     env["OOBLECK_CACHE"] = str(tmp_path / "empty-cache")  # where scripts/k8s-tools/build looks
-    result = oobleck("dev", "up", "--state-dir", str(tmp_path / "state"), env=env)
+    result = oobleck("up", "--state-dir", str(tmp_path / "state"), env=env)
     assert result.returncode == 1
     assert "missing etcd" in result.stderr and "scripts/k8s-tools/build" in result.stderr
     assert not (tmp_path / "state").exists()

@@ -14,13 +14,14 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from datetime import UTC
 from pathlib import Path
 
 import pytest
 
-from oobleck.dev import podenv, poll
-from oobleck.dev.controlplane import Cluster
-from oobleck.dev.nodeagent import (
+from oobleck_dev import podenv, poll
+from oobleck_dev.controlplane import Cluster
+from oobleck_dev.nodeagent import (
     AGENT_LABEL,
     GPU_CONDITION,
     GPU_RESOURCE,
@@ -30,7 +31,7 @@ from oobleck.dev.nodeagent import (
     IpBlock,
     NodeAgent,
 )
-from oobleck.dev.podrunner import ContainerRun, exit_code, pod_phase, should_restart
+from oobleck_dev.podrunner import ContainerRun, exit_code, pod_phase, should_restart
 
 # Quick restarts, so the restartPolicy test needs no 10 s CrashLoopBackOff.
 LOCAL_NODES = {"nodes": 2, "gpus_per_node": 2, "timeouts": AgentTimeouts(restart_backoff=0.5)}
@@ -67,12 +68,15 @@ def python_pod(
     spec: dict = {
         "restartPolicy": restart,
         "nodeSelector": selector,
-        "containers": [{
-            "name": "main", "image": "python:3.11",
-            "command": ["python", "-c", textwrap.dedent(code)],
-            **({"resources": {"limits": {GPU_RESOURCE: str(gpus)}}} if gpus else {}),
-            **container,
-        }],  # fmt: skip
+        "containers": [
+            {
+                "name": "main",
+                "image": "python:3.11",
+                "command": ["python", "-c", textwrap.dedent(code)],
+                **({"resources": {"limits": {GPU_RESOURCE: str(gpus)}}} if gpus else {}),
+                **container,
+            }
+        ],
     }
     if grace is not None:
         spec["terminationGracePeriodSeconds"] = grace
@@ -97,8 +101,9 @@ def wait_phase(cluster: Cluster, namespace: str, name: str, phases: tuple[str, .
         return wait_until(check, f"pod {namespace}/{name} in {phases}", timeout)  # type: ignore[return-value]
     except AssertionError as error:  # show where it got stuck
         pod = get_pod(cluster, namespace, name) or {}
-        raise AssertionError(f"{error}; spec.nodeName={pod.get('spec', {}).get('nodeName')} "
-                             f"status={json.dumps(pod.get('status'))}") from None
+        raise AssertionError(
+            f"{error}; spec.nodeName={pod.get('spec', {}).get('nodeName')} status={json.dumps(pod.get('status'))}"
+        ) from None
 
 
 def main_state(pod: dict) -> dict:
@@ -124,31 +129,48 @@ def test_expansion_follows_kubernetes_rules() -> None:
 
 
 POD = {
-    "metadata": {"name": "w-0", "namespace": "ns", "uid": "u-1", "labels": {"app": "x", "z": 'q"r'}, "annotations": {"a": "b"}},
+    "metadata": {
+        "name": "w-0",
+        "namespace": "ns",
+        "uid": "u-1",
+        "labels": {"app": "x", "z": 'q"r'},
+        "annotations": {"a": "b"},
+    },
     "spec": {
         "nodeName": "n0",
         "serviceAccountName": "sa",
-        "containers": [{
-            "name": "main",
-            "resources": {"limits": {"memory": "1Gi"}, "requests": {"cpu": "250m"}},
-            "env": [
-                {"name": "NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
-                {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-                {"name": "SA", "valueFrom": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}},
-                {"name": "MEM_MI", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory", "divisor": "1Mi"}}},
-                {"name": "CPU_LIMIT", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}},
-                {"name": "CPU_REQ_M", "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1m"}}},
-                {"name": "KEY", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}},
-                {"name": "OPT", "valueFrom": {"secretKeyRef": {"name": "nope", "key": "k", "optional": True}}},
-                {"name": "BOTH", "value": "$(NAME)@$(NODE)"},
-            ],
-            "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CM_"}],
-        }],  # fmt: skip
+        "containers": [
+            {
+                "name": "main",
+                "resources": {"limits": {"memory": "1Gi"}, "requests": {"cpu": "250m"}},
+                "env": [
+                    {"name": "NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                    {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+                    {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                    {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                    {"name": "SA", "valueFrom": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}},
+                    {
+                        "name": "MEM_MI",
+                        "valueFrom": {"resourceFieldRef": {"resource": "limits.memory", "divisor": "1Mi"}},
+                    },
+                    {"name": "CPU_LIMIT", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}},
+                    {
+                        "name": "CPU_REQ_M",
+                        "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1m"}},
+                    },
+                    {"name": "KEY", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}},
+                    {"name": "OPT", "valueFrom": {"secretKeyRef": {"name": "nope", "key": "k", "optional": True}}},
+                    {"name": "BOTH", "value": "$(NAME)@$(NODE)"},
+                ],
+                "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CM_"}],
+            }
+        ],
         "volumes": [
             {"name": "cfg", "configMap": {"name": "cm", "items": [{"key": "k", "path": "sub/k.txt"}]}},
-            {"name": "info", "downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}},
+            {
+                "name": "info",
+                "downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]},
+            },
             {"name": "scratch", "emptyDir": {}},
         ],
     },
@@ -158,16 +180,30 @@ POD = {
 
 def test_env_resolves_like_a_kubelet() -> None:
     sources = podenv.Sources(configmaps={"cm": {"k": b"v"}}, secrets={"nope": None})
-    env = podenv.container_env(POD, POD["spec"]["containers"][0], sources, {"cpu": "16", "memory": "64Gi"}, {"BASE": "1"})
+    env = podenv.container_env(
+        POD, POD["spec"]["containers"][0], sources, {"cpu": "16", "memory": "64Gi"}, {"BASE": "1"}
+    )
     assert env == {
-        "BASE": "1", "CM_k": "v", "NAME": "w-0", "APP": "x", "IP": "127.1.1.2", "NODE": "n0", "SA": "sa",
-        "MEM_MI": "1024", "CPU_LIMIT": "16", "CPU_REQ_M": "250", "KEY": "v", "BOTH": "w-0@n0",
-    }  # fmt: skip
+        "BASE": "1",
+        "CM_k": "v",
+        "NAME": "w-0",
+        "APP": "x",
+        "IP": "127.1.1.2",
+        "NODE": "n0",
+        "SA": "sa",
+        "MEM_MI": "1024",
+        "CPU_LIMIT": "16",
+        "CPU_REQ_M": "250",
+        "KEY": "v",
+        "BOTH": "w-0@n0",
+    }
 
 
 def test_missing_config_names_the_field() -> None:
     sources = podenv.Sources(configmaps={"cm": None})
-    with pytest.raises(podenv.PodConfigError, match=r"containers\[main\]\.envFrom\[0\]\.configMapRef: configmap 'cm' not found"):
+    with pytest.raises(
+        podenv.PodConfigError, match=r"containers\[main\]\.envFrom\[0\]\.configMapRef: configmap 'cm' not found"
+    ):
         podenv.container_env(POD, POD["spec"]["containers"][0], sources, {}, {})
     with pytest.raises(podenv.MountError, match=r"volumes\[cfg\]\.configMap: configmap 'cm' not found"):
         podenv.volume_contents(POD, sources, {})
@@ -196,17 +232,27 @@ def test_phase_and_restart_rules() -> None:
     assert pod_phase([], [done(0), ContainerRun("c", "i", started_at="t")], False) == "Running"
     assert pod_phase([ContainerRun("i", "i")], [ContainerRun("c", "i")], True) == "Failed"
     assert [should_restart(p, c) for p in ("Never", "OnFailure", "Always") for c in (0, 1)] == [
-        False, False, False, True, True, True,
-    ]  # fmt: skip
+        False,
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
     assert exit_code(-signal.SIGKILL) == 137 and exit_code(-signal.SIGTERM) == 143 and exit_code(3) == 3
 
 
 def test_devices_are_split_like_the_device_manager_does() -> None:
-    pod = {"spec": {
-        "initContainers": [{"name": "init", "resources": {"limits": {GPU_RESOURCE: "1"}}}],
-        "containers": [{"name": "a", "resources": {"limits": {GPU_RESOURCE: "2"}}}, {"name": "b"},
-                       {"name": "c", "resources": {"requests": {GPU_RESOURCE: "1"}}}],
-    }}  # fmt: skip
+    pod = {
+        "spec": {
+            "initContainers": [{"name": "init", "resources": {"limits": {GPU_RESOURCE: "1"}}}],
+            "containers": [
+                {"name": "a", "resources": {"limits": {GPU_RESOURCE: "2"}}},
+                {"name": "b"},
+                {"name": "c", "resources": {"requests": {GPU_RESOURCE: "1"}}},
+            ],
+        }
+    }
     init, main = podenv.device_counts(pod, GPU_RESOURCE)
     assert (init, main) == ({"init": 1}, {"a": 2, "b": 0, "c": 1})
     assert podenv.pod_device_total(init, main) == 3
@@ -267,17 +313,21 @@ def test_gpu_unhealthy_lowers_allocatable_and_blocks_scheduling(cluster: Cluster
         assert condition["message"] == "1 of 2 GPUs healthy"
         apply(cluster, python_pod("two-gpus", namespace, "print('ran')", local_nodes, gpus=2, node=node))
         unschedulable = wait_until(
-            lambda: any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
-                        for c in (get_pod(cluster, namespace, "two-gpus") or {}).get("status", {}).get("conditions", [])),
+            lambda: any(
+                c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
+                for c in (get_pod(cluster, namespace, "two-gpus") or {}).get("status", {}).get("conditions", [])
+            ),
             "the scheduler to report two-gpus Unschedulable",
-        )  # fmt: skip
+        )
         assert unschedulable
     finally:
         local_nodes.set_gpu_health(node, 2)
     # Healthy again: the scheduler retries and the pod runs there.
     pod = wait_phase(cluster, namespace, "two-gpus", ("Succeeded",))
     assert pod["spec"]["nodeName"] == node
-    condition = next(c for c in cluster.kubectl_json("get", "node", node)["status"]["conditions"] if c["type"] == GPU_CONDITION)
+    condition = next(
+        c for c in cluster.kubectl_json("get", "node", node)["status"]["conditions"] if c["type"] == GPU_CONDITION
+    )
     assert condition["status"] == "True"
     with pytest.raises(ValueError, match="healthy_gpus: must be between 0 and the node's 2 GPUs, got 3"):
         local_nodes.set_gpu_health(node, 3)
@@ -315,10 +365,15 @@ def test_node_not_ready_and_back(cluster: Cluster, local_nodes: NodeAgent) -> No
     assert ready() == "True"
     # The node lifecycle controller lifts its not-ready taint again.
     wait_until(
-        lambda: not [t for t in cluster.kubectl_json("get", "node", node)["spec"].get("taints", [])
-                     if t["key"] == "node.kubernetes.io/not-ready"],
+        lambda: (
+            not [
+                t
+                for t in cluster.kubectl_json("get", "node", node)["spec"].get("taints", [])
+                if t["key"] == "node.kubernetes.io/not-ready"
+            ]
+        ),
         "the not-ready taint to go",
-    )  # fmt: skip
+    )
 
 
 # --- pods ----------------------------------------------------------------------------------------
@@ -354,32 +409,56 @@ def test_pod_runs_with_env_volumes_and_a_working_token(cluster: Cluster, local_n
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
 
     pod = python_pod(
-        "probe", namespace, PROBE, local_nodes, gpus=1,
+        "probe",
+        namespace,
+        PROBE,
+        local_nodes,
+        gpus=1,
         env=[
-            {"name": "POD_NAME", **field("metadata.name")}, {"name": "POD_NAMESPACE", **field("metadata.namespace")},
-            {"name": "POD_UID", **field("metadata.uid")}, {"name": "NODE_NAME", **field("spec.nodeName")},
-            {"name": "POD_IP", **field("status.podIP")}, {"name": "HOST_IP", **field("status.hostIP")},
+            {"name": "POD_NAME", **field("metadata.name")},
+            {"name": "POD_NAMESPACE", **field("metadata.namespace")},
+            {"name": "POD_UID", **field("metadata.uid")},
+            {"name": "NODE_NAME", **field("spec.nodeName")},
+            {"name": "POD_IP", **field("status.podIP")},
+            {"name": "HOST_IP", **field("status.hostIP")},
             {"name": "APP", **field("metadata.labels['app']")},
             {"name": "CPU_M", "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1m"}}},
             {"name": "GREETING", "valueFrom": {"configMapKeyRef": {"name": "greeting", "key": "message"}}},
             {"name": "GREETING_TWICE", "value": "$(GREETING) $(GREETING)"},
         ],
-        volumeMounts=[{"name": "greeting", "mountPath": "/etc/greeting"}, {"name": "podinfo", "mountPath": "/etc/podinfo"}],
-    )  # fmt: skip
+        volumeMounts=[
+            {"name": "greeting", "mountPath": "/etc/greeting"},
+            {"name": "podinfo", "mountPath": "/etc/podinfo"},
+        ],
+    )
     pod["metadata"]["labels"] = {"app": "probe"}
     pod["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "250m"}
     pod["spec"]["volumes"] = [
         {"name": "greeting", "configMap": {"name": "greeting"}},
-        {"name": "podinfo", "downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}},
+        {
+            "name": "podinfo",
+            "downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]},
+        },
     ]
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "read-pods", "namespace": namespace},
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]}  # fmt: skip
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": {"name": "read-pods", "namespace": namespace},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "read-pods"},
-               "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]}  # fmt: skip
-    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "greeting", "namespace": namespace},
-                 "data": {"message": "hello"}}  # fmt: skip
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "read-pods", "namespace": namespace},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "read-pods", "namespace": namespace},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "read-pods"},
+        "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}],
+    }
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "greeting", "namespace": namespace},
+        "data": {"message": "hello"},
+    }
     apply(cluster, role, binding, configmap, pod)
 
     done = wait_phase(cluster, namespace, "probe", ("Succeeded", "Failed"))
@@ -392,11 +471,19 @@ def test_pod_runs_with_env_volumes_and_a_working_token(cluster: Cluster, local_n
     assert status["podIP"].startswith("127.") and status["podIP"] != status["hostIP"]
     report = json.loads(log.strip().splitlines()[-1])
     assert report["env"] == {
-        "POD_NAME": "probe", "POD_NAMESPACE": namespace, "POD_UID": done["metadata"]["uid"],
-        "NODE_NAME": done["spec"]["nodeName"], "POD_IP": status["podIP"], "HOST_IP": status["hostIP"],
-        "APP": "probe", "CPU_M": "250", "GREETING": "hello", "GREETING_TWICE": "hello hello",
-        "OOBLECK_POD_IP": status["podIP"], "HOSTNAME": "probe",
-    }  # fmt: skip
+        "POD_NAME": "probe",
+        "POD_NAMESPACE": namespace,
+        "POD_UID": done["metadata"]["uid"],
+        "NODE_NAME": done["spec"]["nodeName"],
+        "POD_IP": status["podIP"],
+        "HOST_IP": status["hostIP"],
+        "APP": "probe",
+        "CPU_M": "250",
+        "GREETING": "hello",
+        "GREETING_TWICE": "hello hello",
+        "OOBLECK_POD_IP": status["podIP"],
+        "HOSTNAME": "probe",
+    }
     assert report["greeting_file"] == "hello"
     assert report["labels_file"] == 'app="probe"'
     # The bound token authenticated as the pod's ServiceAccount, and RBAC let it read its own pod.
@@ -407,7 +494,10 @@ def test_pod_runs_with_env_volumes_and_a_working_token(cluster: Cluster, local_n
 
 def test_pods_get_distinct_ips_and_talk_over_them(cluster: Cluster, local_nodes: NodeAgent) -> None:
     namespace = cluster.namespace("talk")
-    server = python_pod("server", namespace, """
+    server = python_pod(
+        "server",
+        namespace,
+        """
         import os, socket
         ip = os.environ["OOBLECK_POD_IP"]
         with socket.create_server((ip, 7070)) as listener:
@@ -417,17 +507,29 @@ def test_pods_get_distinct_ips_and_talk_over_them(cluster: Cluster, local_nodes:
                 assert connection.recv(4) == b"ping"
                 connection.sendall(b"pong " + peer[0].encode())
         print("served", peer[0])
-    """, local_nodes, node=local_nodes.node_names[0])  # fmt: skip
+    """,
+        local_nodes,
+        node=local_nodes.node_names[0],
+    )
     apply(cluster, server)
     running = wait_phase(cluster, namespace, "server", ("Running",))
     server_ip = running["status"]["podIP"]
-    wait_until(lambda: "listening" in local_nodes.log_path(namespace, "server", "main").read_text(), "the server to listen")
-    client = python_pod("client", namespace, """
+    wait_until(
+        lambda: "listening" in local_nodes.log_path(namespace, "server", "main").read_text(), "the server to listen"
+    )
+    client = python_pod(
+        "client",
+        namespace,
+        """
         import os, socket
         with socket.create_connection((os.environ["SERVER"], 7070), source_address=(os.environ["OOBLECK_POD_IP"], 0)) as sock:
             sock.sendall(b"ping")
             print(sock.recv(100).decode())
-    """, local_nodes, node=local_nodes.node_names[1], env=[{"name": "SERVER", "value": server_ip}])  # fmt: skip
+    """,
+        local_nodes,
+        node=local_nodes.node_names[1],
+        env=[{"name": "SERVER", "value": server_ip}],
+    )
     apply(cluster, client)
     client_done = wait_phase(cluster, namespace, "client", ("Succeeded", "Failed"))
     server_done = wait_phase(cluster, namespace, "server", ("Succeeded", "Failed"))
@@ -459,7 +561,9 @@ def test_missing_command_is_reported(cluster: Cluster, local_nodes: NodeAgent) -
     assert "no-such-program-oobleck" in terminated["message"]
 
 
-def test_restart_policy_on_failure_restarts_until_success(cluster: Cluster, local_nodes: NodeAgent, tmp_path: Path) -> None:
+def test_restart_policy_on_failure_restarts_until_success(
+    cluster: Cluster, local_nodes: NodeAgent, tmp_path: Path
+) -> None:
     namespace = cluster.namespace("restart")
     counter = tmp_path / "runs"
     code = f"""
@@ -484,7 +588,10 @@ def test_kill_pod_process_fails_the_pod_with_137(cluster: Cluster, local_nodes: 
     apply(cluster, python_pod("victim", namespace, "import time; time.sleep(600)", local_nodes, gpus=1))
     running = wait_phase(cluster, namespace, "victim", ("Running",))
     to_running = time.monotonic() - created
-    assert running["status"]["conditions"] and {c["type"]: c["status"] for c in running["status"]["conditions"]}["Ready"] == "True"
+    assert (
+        running["status"]["conditions"]
+        and {c["type"]: c["status"] for c in running["status"]["conditions"]}["Ready"] == "True"
+    )
     assert "running" in main_state(running)
     pids = local_nodes.pod_pids(namespace, "victim")
     killed_at = time.monotonic()
@@ -547,8 +654,14 @@ def test_sigterm_ignored_is_sigkilled_after_the_grace_period(cluster: Cluster, l
 
 
 def test_agent_stop_ends_processes_and_deregisters_nodes(cluster: Cluster, tmp_path: Path) -> None:
-    agent = NodeAgent(cluster.kubeconfig, nodes=1, gpus_per_node=1, name_prefix=f"stop-{cluster.owner}-",
-                      workdir=tmp_path / "agent", timeouts=AgentTimeouts(stop_grace=1.0))  # fmt: skip
+    agent = NodeAgent(
+        cluster.kubeconfig,
+        nodes=1,
+        gpus_per_node=1,
+        name_prefix=f"stop-{cluster.owner}-",
+        workdir=tmp_path / "agent",
+        timeouts=AgentTimeouts(stop_grace=1.0),
+    )
     namespace = cluster.namespace("stop")
     with agent:
         # A process that ignores SIGTERM and forks a child of its own: both must go.
@@ -567,9 +680,13 @@ def test_agent_stop_ends_processes_and_deregisters_nodes(cluster: Cluster, tmp_p
         began = time.monotonic()
     stopped_in = time.monotonic() - began
     # SIGKILL is asynchronous: the forked grandchild may take a moment to be gone.
-    wait_until(lambda: not [pid for pid in pids if pid_running(pid)], "every pod process to die", timeout=5, interval=0.02)
+    wait_until(
+        lambda: not [pid for pid in pids if pid_running(pid)], "every pod process to die", timeout=5, interval=0.02
+    )
     assert cluster.kubectl("get", "node", agent.node_names[0], "--ignore-not-found").stdout == ""
-    assert cluster.kubectl("get", "lease", agent.node_names[0], "-n", "kube-node-lease", "--ignore-not-found").stdout == ""
+    assert (
+        cluster.kubectl("get", "lease", agent.node_names[0], "-n", "kube-node-lease", "--ignore-not-found").stdout == ""
+    )
     pod = get_pod(cluster, namespace, "sleeper")
     if pod is not None:  # PodGC removes pods of deleted nodes later
         assert pod["status"]["phase"] == "Failed" and pod["status"]["reason"] == "Terminated"
@@ -584,7 +701,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def oobleck(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "oobleck.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+        [sys.executable, "-m", "oobleck_dev", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
 
 
@@ -598,32 +715,53 @@ def test_cli_nodes_kill_pod_and_gpu_health(cluster: Cluster, tmp_path: Path) -> 
     node = f"cli-{cluster.owner}-0"
     log = open(tmp_path / "nodes.log", "w")
     agent = subprocess.Popen(
-        [sys.executable, "-m", "oobleck.cli", "dev", "nodes", "--count", "1", "--gpus", "2", "--kubeconfig",
-         cluster.kubeconfig, "--state-dir", str(state), "--name-prefix", f"cli-{cluster.owner}-"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "oobleck_dev",
+            "nodes",
+            "--count",
+            "1",
+            "--gpus",
+            "2",
+            "--kubeconfig",
+            cluster.kubeconfig,
+            "--state-dir",
+            str(state),
+            "--name-prefix",
+            f"cli-{cluster.owner}-",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     try:
-        wait_until(lambda: "local nodes ready" in (tmp_path / "nodes.log").read_text() or agent.poll() is not None,
-                   "`oobleck dev nodes` to be ready")  # fmt: skip
+        wait_until(
+            lambda: "local nodes ready" in (tmp_path / "nodes.log").read_text() or agent.poll() is not None,
+            "`oobleck dev nodes` to be ready",
+        )
         assert agent.poll() is None, (tmp_path / "nodes.log").read_text()
-        again = oobleck("dev", "nodes", "--count", "1", "--kubeconfig", cluster.kubeconfig, "--state-dir", str(state))
+        again = oobleck("nodes", "--count", "1", "--kubeconfig", cluster.kubeconfig, "--state-dir", str(state))
         assert again.returncode == 1 and "a node agent already runs" in again.stderr
 
         namespace = cluster.namespace("cli")
         pod = python_pod("victim", namespace, "import time; time.sleep(600)", agent=None, node=node)  # type: ignore[arg-type]
         apply(cluster, pod)
         wait_phase(cluster, namespace, "victim", ("Running",))
-        killed = oobleck("dev", "kill-pod", f"{namespace}/victim", "--state-dir", str(state))
+        killed = oobleck("kill-pod", f"{namespace}/victim", "--state-dir", str(state))
         assert killed.returncode == 0 and "sent SIGKILL" in killed.stdout, killed.stderr
-        assert main_state(wait_phase(cluster, namespace, "victim", ("Failed",), timeout=10))["terminated"]["exitCode"] == 137
-        missing = oobleck("dev", "kill-pod", f"{namespace}/nobody", "--state-dir", str(state))
+        assert (
+            main_state(wait_phase(cluster, namespace, "victim", ("Failed",), timeout=10))["terminated"]["exitCode"]
+            == 137
+        )
+        missing = oobleck("kill-pod", f"{namespace}/nobody", "--state-dir", str(state))
         assert missing.returncode == 1 and f"pod {namespace}/nobody has no running process" in missing.stderr
 
-        sick = oobleck("dev", "gpu-unhealthy", node, "--kubeconfig", cluster.kubeconfig)
+        sick = oobleck("gpu-unhealthy", node, "--kubeconfig", cluster.kubeconfig)
         assert sick.returncode == 0 and node_gpus(cluster, node) == ("1", "2"), sick.stderr
-        healed = oobleck("dev", "gpu-healthy", node, "--kubeconfig", cluster.kubeconfig)
+        healed = oobleck("gpu-healthy", node, "--kubeconfig", cluster.kubeconfig)
         assert healed.returncode == 0 and node_gpus(cluster, node) == ("2", "2"), healed.stderr
-        bad = oobleck("dev", "gpu-unhealthy", node, "--healthy-gpus", "5", "--kubeconfig", cluster.kubeconfig)
+        bad = oobleck("gpu-unhealthy", node, "--healthy-gpus", "5", "--kubeconfig", cluster.kubeconfig)
         assert bad.returncode == 1 and "healthy_gpus: must be between 0 and the node's 2 GPUs, got 5" in bad.stderr
     finally:
         agent.send_signal(signal.SIGINT)
@@ -639,12 +777,13 @@ SHOW_DEVICES_AND_SLEEP = "import os, time; print(os.environ['CUDA_VISIBLE_DEVICE
 
 @pytest.mark.slow
 def test_dev_up_with_local_nodes_runs_pods_and_down_cleans_up(tmp_path: Path) -> None:
-    from oobleck.dev.controlplane import process_start_time, run_kubectl
-    from oobleck.dev.tools import find_tools
+    from oobleck_dev.controlplane import process_start_time, run_kubectl
+    from oobleck_dev.tools import find_tools
 
     state = tmp_path / "state"
-    up = oobleck("dev", "up", "--state-dir", str(state), "--local-nodes", "2", "--gpus-per-node", "2",
-                 "--gpu-devices", "7", timeout=600)  # fmt: skip
+    up = oobleck(
+        "up", "--state-dir", str(state), "--local-nodes", "2", "--gpus-per-node", "2", "--gpu-devices", "7", timeout=600
+    )
     pids: list[int] = []
     try:
         assert up.returncode == 0, up.stdout + up.stderr
@@ -657,22 +796,36 @@ def test_dev_up_with_local_nodes_runs_pods_and_down_cleans_up(tmp_path: Path) ->
 
         kubectl("create", "namespace", "demo")
         wait_until(lambda: kubectl("get", "serviceaccount", "-n", "demo", "-o", "name").strip(), "the default SA")
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sleeper", "namespace": "demo"},
-               "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "x",
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "sleeper", "namespace": "demo"},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "x",
                         "command": ["python", "-c", SHOW_DEVICES_AND_SLEEP],
-                        "resources": {"limits": {GPU_RESOURCE: "2"}}}]}}  # fmt: skip
+                        "resources": {"limits": {GPU_RESOURCE: "2"}},
+                    }
+                ],
+            },
+        }
         kubectl("apply", "-f", "-", input=json.dumps(pod))
-        wait_until(lambda: kubectl("get", "pod", "sleeper", "-n", "demo", "-o", "jsonpath={.status.phase}") == "Running",
-                   "the pod to run on a local node")  # fmt: skip
+        wait_until(
+            lambda: kubectl("get", "pod", "sleeper", "-n", "demo", "-o", "jsonpath={.status.phase}") == "Running",
+            "the pod to run on a local node",
+        )
         agent_record = json.loads((state / "nodeagent" / "agent.json").read_text())
         pids = [int(stamp.split()[0]) for stamp in agent_record["pods"]["demo/sleeper"]["containers"].values()]
         assert pids and all(pid_running(pid) for pid in pids)
-        status = oobleck("dev", "status", "--state-dir", str(state))
+        status = oobleck("status", "--state-dir", str(state))
         assert "local nodes: " in status.stdout
         logs = list((state / "nodeagent" / "work" / "logs").glob("demo_sleeper_*_main.log"))
         assert wait_until(lambda: logs[0].read_text(), "the pod's output") == "7,7\n"
     finally:
-        down = oobleck("dev", "down", "--state-dir", str(state), timeout=120)
+        down = oobleck("down", "--state-dir", str(state), timeout=120)
     assert down.returncode == 0 and "down" in down.stdout, down.stdout + down.stderr
     assert not [pid for pid in pids if pid_running(pid)]
     supervisor = record["supervisor"].split()
@@ -685,10 +838,27 @@ def test_a_restarted_agent_takes_over_its_nodes_and_fails_lost_pods(cluster: Clu
     node = f"{prefix}0"
     state = tmp_path / "state"
     first = subprocess.Popen(
-        [sys.executable, "-m", "oobleck.cli", "dev", "nodes", "--count", "1", "--gpus", "1", "--kubeconfig",
-         cluster.kubeconfig, "--state-dir", str(state), "--name-prefix", prefix],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "oobleck_dev",
+            "nodes",
+            "--count",
+            "1",
+            "--gpus",
+            "1",
+            "--kubeconfig",
+            cluster.kubeconfig,
+            "--state-dir",
+            str(state),
+            "--name-prefix",
+            prefix,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
     assert "local nodes ready" in first.stdout.readline()  # type: ignore[union-attr]
     namespace = cluster.namespace("takeover")
     apply(cluster, python_pod("orphan", namespace, "import time; time.sleep(600)", None, node=node))
@@ -700,7 +870,9 @@ def test_a_restarted_agent_takes_over_its_nodes_and_fails_lost_pods(cluster: Clu
     wait_until(lambda: not pid_running(pid), "the pod process to die with its agent", timeout=10)
     assert get_pod(cluster, namespace, "orphan")["status"]["phase"] == "Running"  # nobody told the API
 
-    with NodeAgent(cluster.kubeconfig, nodes=1, gpus_per_node=1, name_prefix=prefix, workdir=tmp_path / "second") as agent:
+    with NodeAgent(
+        cluster.kubeconfig, nodes=1, gpus_per_node=1, name_prefix=prefix, workdir=tmp_path / "second"
+    ) as agent:
         pod = wait_phase(cluster, namespace, "orphan", ("Failed",), timeout=20)
         terminated = main_state(pod)["terminated"]
         assert (terminated["exitCode"], terminated["reason"]) == (137, "ContainerStatusUnknown")
@@ -722,13 +894,22 @@ def test_missing_configmap_waits_in_container_creating_then_runs(cluster: Cluste
     def creating() -> dict | None:
         status = (get_pod(cluster, namespace, "waiter") or {}).get("status", {})
         waiting = ((status.get("containerStatuses") or [{}])[0].get("state") or {}).get("waiting") or {}
-        return waiting if waiting.get("reason") == "ContainerCreating" and "late" in waiting.get("message", "") else None
+        return (
+            waiting if waiting.get("reason") == "ContainerCreating" and "late" in waiting.get("message", "") else None
+        )
 
     waiting = wait_until(creating, "ContainerCreating with a message about the missing ConfigMap")
     assert "volumes[config].configMap: configmap 'late' not found" in waiting["message"]
     assert get_pod(cluster, namespace, "waiter")["status"]["phase"] == "Pending"
-    apply(cluster, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "late", "namespace": namespace},
-                    "data": {"key": "arrived"}})  # fmt: skip
+    apply(
+        cluster,
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "late", "namespace": namespace},
+            "data": {"key": "arrived"},
+        },
+    )
     assert wait_phase(cluster, namespace, "waiter", ("Succeeded", "Failed"))["status"]["phase"] == "Succeeded"
     assert local_nodes.log_path(namespace, "waiter", "main").read_text() == "arrived\n"
 
@@ -738,10 +919,18 @@ def test_init_containers_run_first_and_share_volumes(cluster: Cluster, local_nod
     read = "import os; print(open(os.environ['OOBLECK_CONTAINER_ROOT'] + '/work/seed').read())"
     pod = python_pod("seeded", namespace, read, local_nodes, volumeMounts=[{"name": "work", "mountPath": "/work"}])
     pod["spec"]["volumes"] = [{"name": "work", "emptyDir": {}}]
-    pod["spec"]["initContainers"] = [{
-        "name": "seed", "image": "python:3.11", "volumeMounts": [{"name": "work", "mountPath": "/scratch"}],
-        "command": ["python", "-c", "import os; open(os.environ['OOBLECK_CONTAINER_ROOT'] + '/scratch/seed', 'w').write('from init')"],
-    }]  # fmt: skip
+    pod["spec"]["initContainers"] = [
+        {
+            "name": "seed",
+            "image": "python:3.11",
+            "volumeMounts": [{"name": "work", "mountPath": "/scratch"}],
+            "command": [
+                "python",
+                "-c",
+                "import os; open(os.environ['OOBLECK_CONTAINER_ROOT'] + '/scratch/seed', 'w').write('from init')",
+            ],
+        }
+    ]
     apply(cluster, pod)
     done = wait_phase(cluster, namespace, "seeded", ("Succeeded", "Failed"))
     assert done["status"]["phase"] == "Succeeded", local_nodes.log_path(namespace, "seeded", "main").read_text()
@@ -752,10 +941,10 @@ def test_init_containers_run_first_and_share_volumes(cluster: Cluster, local_nod
 
 def test_lease_heartbeats_keep_the_nodes_ready(cluster: Cluster, local_nodes: NodeAgent) -> None:
     """Past the node lifecycle controller's grace period (50 s) the nodes are still Ready: the Leases renew."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     def age_s(stamp: str) -> float:
-        return (datetime.now(timezone.utc) - datetime.fromisoformat(stamp.replace("Z", "+00:00"))).total_seconds()
+        return (datetime.now(UTC) - datetime.fromisoformat(stamp.replace("Z", "+00:00"))).total_seconds()
 
     node = cluster.kubectl_json("get", "node", local_nodes.node_names[0])
     time.sleep(max(0.0, 60.0 - age_s(node["metadata"]["creationTimestamp"])))  # free when the module ran long
@@ -772,7 +961,7 @@ def test_lease_heartbeats_keep_the_nodes_ready(cluster: Cluster, local_nodes: No
 def test_an_agent_never_stopped_is_stopped_at_interpreter_exit(cluster: Cluster, tmp_path: Path) -> None:
     prefix = f"forgotten-{cluster.owner}-"
     script = textwrap.dedent(f"""
-        from oobleck.dev.nodeagent import NodeAgent
+        from oobleck_dev.nodeagent import NodeAgent
         agent = NodeAgent({cluster.kubeconfig!r}, nodes=1, gpus_per_node=1, name_prefix={prefix!r})
         agent.start()
         print(agent.workdir, flush=True)
@@ -784,10 +973,18 @@ def test_an_agent_never_stopped_is_stopped_at_interpreter_exit(cluster: Cluster,
 
 
 def test_gpu_devices_become_cuda_visible_devices(cluster: Cluster, tmp_path: Path) -> None:
-    agent = NodeAgent(cluster.kubeconfig, nodes=2, gpus_per_node=2, name_prefix=f"devices-{cluster.owner}-",
-                      workdir=tmp_path / "agent", gpu_devices=["0", "1", "2"])  # fmt: skip
+    agent = NodeAgent(
+        cluster.kubeconfig,
+        nodes=2,
+        gpus_per_node=2,
+        name_prefix=f"devices-{cluster.owner}-",
+        workdir=tmp_path / "agent",
+        gpu_devices=["0", "1", "2"],
+    )
     namespace = cluster.namespace("devices")
-    show = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), repr(os.environ.get('NVIDIA_VISIBLE_DEVICES')))"
+    show = (
+        "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), repr(os.environ.get('NVIDIA_VISIBLE_DEVICES')))"
+    )
     with agent:
         apply(
             cluster,

@@ -13,9 +13,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from oobleck.dev import kwok, tools
-from oobleck.dev.certs import CertificateAuthority, service_account_keys
-from oobleck.dev.controlplane import Cluster, kubeconfig_yaml, server_of
+from oobleck_dev import kwok, tools
+from oobleck_dev.certs import CertificateAuthority, service_account_keys
+from oobleck_dev.controlplane import Cluster, kubeconfig_yaml, server_of
 
 
 def fake_bin(folder: Path, names: tuple[str, ...]) -> Path:
@@ -61,7 +61,7 @@ def test_certificates_chain_to_the_ca_with_the_right_names_and_usages(tmp_path: 
     client_cert = x509.load_pem_x509_certificate(client.cert.read_bytes())
     for cert in (server_cert, client_cert):
         cert.verify_directly_issued_by(ca_cert)
-        assert cert.not_valid_before_utc <= datetime.datetime.now(datetime.timezone.utc) <= cert.not_valid_after_utc
+        assert cert.not_valid_before_utc <= datetime.datetime.now(datetime.UTC) <= cert.not_valid_after_utc
     names = server_cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
     assert names.get_values_for_type(x509.DNSName) == ["kubernetes.default"]

@@ -1,5 +1,5 @@
 """What the end-to-end tests share: one OobleckJob per test on the module's local nodes, served by the
-operator as a real process (oobleck.dev.operatorproc.OperatorProcess, the one the demo runs), and
+operator as a real process (oobleck_dev.operatorproc.OperatorProcess, the one the demo runs), and
 reads of what happened: plan generations, progress annotations, worker and operator /metrics parsed
 with prometheus_client's parser, and the per-step losses the workers logged, checked against the
 single-process reference trainer (runtime/reference.py: a no-failure run of the same job).
@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from oobleck.api.job import worker_selector
 from oobleck.api.planmap import PROGRESS_ANNOTATION, read_plan
-from oobleck.dev.operatorproc import OperatorProcess
-from oobleck.dev.poll import wait_until
 from oobleck.operator import render
+from oobleck_dev.operatorproc import OperatorProcess
+from oobleck_dev.poll import wait_until
 
 JOB = "tiny"
 TIMEOUT_S = 150.0
@@ -48,8 +48,16 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S
     return wait_until(predicate, what, timeout, 0.2, tolerate=(Exception,))
 
 
-def job_spec(node_selector: dict[str, str], steps: int = STEPS, *, nodes: int = 3, gpus_per_node: int = 1, f: int = 1,
-             device: str = "cpu", env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+def job_spec(
+    node_selector: dict[str, str],
+    steps: int = STEPS,
+    *,
+    nodes: int = 3,
+    gpus_per_node: int = 1,
+    f: int = 1,
+    device: str = "cpu",
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """The example's job with the MODEL GPT as `nodes` (min 2) x `gpus_per_node`, tolerating `f`, for
     `steps` steps of GLOBAL_BATCH samples."""
     spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
@@ -74,7 +82,9 @@ def job_spec(node_selector: dict[str, str], steps: int = STEPS, *, nodes: int = 
 
 
 def manifest(spec: dict[str, Any]) -> str:
-    return yaml.safe_dump({"apiVersion": "oobleck.dev/v1alpha1", "kind": "OobleckJob", "metadata": {"name": JOB}, "spec": spec})
+    return yaml.safe_dump(
+        {"apiVersion": "oobleck.dev/v1alpha1", "kind": "OobleckJob", "metadata": {"name": JOB}, "spec": spec}
+    )
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -159,7 +169,7 @@ class JobRun:
                 generation = self.plan().generation
                 if not self.generations_seen or self.generations_seen[-1] != generation:
                     self.generations_seen.append(generation)
-            except Exception:  # noqa: BLE001 - a poll that fails (job not planned yet, API busy) is retried
+            except Exception:
                 continue
 
     # -- reads --
@@ -202,7 +212,9 @@ class JobRun:
 
     def events(self, reason: str) -> list[str]:
         """Messages of the namespace's events with `reason` (the operator's NodeLost, Reconfigured, ...)."""
-        items = self.cluster.kubectl_json("get", "events", "-n", self.ns, "--field-selector", f"reason={reason}")["items"]
+        items = self.cluster.kubectl_json("get", "events", "-n", self.ns, "--field-selector", f"reason={reason}")[
+            "items"
+        ]
         return [item.get("message", "") for item in items]
 
     def logs(self) -> list[Path]:
@@ -221,7 +233,10 @@ class JobRun:
 
     def cordon_spare_nodes(self) -> list[str]:
         """Cordon the local nodes that hold none of this job's workers: a replacement has nowhere to go."""
-        used = {p["spec"].get("nodeName") for p in self.cluster.kubectl_json("get", "pods", "-n", self.ns, "-l", worker_selector(JOB))["items"]}
+        used = {
+            p["spec"].get("nodeName")
+            for p in self.cluster.kubectl_json("get", "pods", "-n", self.ns, "-l", worker_selector(JOB))["items"]
+        }
         spare = [node for node in self.agent.node_names if node not in used]
         for node in spare:
             self.cordon(node)
@@ -252,14 +267,19 @@ class JobRun:
         for step, values in seen.items():
             expected = reference[step]
             for value in values:
-                assert abs(value - expected) <= LOSS_RTOL * abs(expected), f"step {step}: loss {value} vs reference {expected}"
+                assert abs(value - expected) <= LOSS_RTOL * abs(expected), (
+                    f"step {step}: loss {value} vs reference {expected}"
+                )
         return sum(len(v) for v in seen.values())
 
     def exits(self, workers: int) -> list[dict[str, Any]]:
         """The `exit` log records once `workers` worker processes wrote theirs (they end just after the
         final progress report, so a moment after the job turned Succeeded)."""
-        return self.wait_for(lambda: len(e := [r for r in self.records() if r.get("event") == "exit"]) >= workers and e,
-                             f"{workers} workers' exit records", timeout=90)  # fmt: skip
+        return self.wait_for(
+            lambda: len(e := [r for r in self.records() if r.get("event") == "exit"]) >= workers and e,
+            f"{workers} workers' exit records",
+            timeout=90,
+        )
 
     def adopted_generations(self) -> dict[str, list[int]]:
         """worker -> the plan generations it adopted, in order (its `generation-ready` log records)."""
@@ -281,7 +301,9 @@ class JobRun:
 
     def check_no_duplicate_pods(self, expected: int) -> None:
         """Exactly `expected` worker pods existed (originals + replacements), each created once."""
-        assert all(len(uids) == 1 for uids in self.pods_seen.values()), f"a pod name was created twice: {self.pods_seen}"
+        assert all(len(uids) == 1 for uids in self.pods_seen.values()), (
+            f"a pod name was created twice: {self.pods_seen}"
+        )
         assert len(self.pods_seen) == expected, f"worker pods seen: {sorted(self.pods_seen)}"
 
     def close(self) -> None:
@@ -306,7 +328,9 @@ def job_run(cluster, local_nodes, tmp_path) -> Iterator[JobRun]:
         # The job's pods must be gone before the next test's job starts (they compete for the CPU).
         cluster.kubectl("delete", "oobleckjob", JOB, "-n", namespace, "--ignore-not-found", "--wait=false", check=False)
         operator.kill()
-        cluster.kubectl("delete", "pods", "--all", "-n", namespace, "--grace-period=0", "--wait=true", check=False, timeout=120)
+        cluster.kubectl(
+            "delete", "pods", "--all", "-n", namespace, "--grace-period=0", "--wait=true", check=False, timeout=120
+        )
         for node in run.cordoned:
             cluster.kubectl("uncordon", node, check=False)
         for node in run.gpu_unhealthy:

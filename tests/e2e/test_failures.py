@@ -36,7 +36,6 @@ import pytest
 from oobleck.api.job import worker_selector
 from oobleck.operator import render
 
-
 # One xdist worker runs every job on local nodes: two jobs at once would compete for the CPU.
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs")]
 LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
@@ -54,8 +53,11 @@ def start(run, spec: dict, warm_steps: int = 10):
 def recovered(run, survivor: str, generation: int, after_step: int) -> dict[str, float]:
     """The survivor's worker metrics once it trains past `after_step` in `generation`."""
     return run.wait_for(
-        lambda: (m := run.scrape(survivor))["oobleck_worker_plan_generation"] == generation
-        and m["oobleck_worker_step"] > after_step and m,
+        lambda: (
+            (m := run.scrape(survivor))["oobleck_worker_plan_generation"] == generation
+            and m["oobleck_worker_step"] > after_step
+            and m
+        ),
         f"{survivor} training in generation {generation}",
     )
 
@@ -65,7 +67,9 @@ def finished(run, final_generation: int, pods: int) -> dict[str, Any]:
     body = run.wait_succeeded()
     assert body["status"]["progress"]["step"] == run.STEPS
     final = run.plan()
-    assert final.generation == final_generation, f"expected generation {final_generation}, got {final.generation}: {final.reason}"
+    assert final.generation == final_generation, (
+        f"expected generation {final_generation}, got {final.generation}: {final.reason}"
+    )
     compared = run.check_losses()
     print(f"{compared} logged losses match the no-failure reference within 1e-5")
     run.check_generations(final_generation)
@@ -144,9 +148,14 @@ def test_deleted_pods_replacement_is_folded_in(job_run, local_nodes):
     assert third.added_nodes == [replacement] and sorted(third.nodes) == sorted([survivor, first.nodes[2], replacement])
     # The newcomer trains, with every layer copied to it (60 s: a hang is the known failure, see the mark).
     metrics = run.wait_for(
-        lambda: (m := run.scrape(replacement))["oobleck_worker_plan_generation"] == 2 and m["oobleck_worker_step"] > at_delete and m,
-        "the replacement training in generation 2", timeout=60,
-    )  # fmt: skip
+        lambda: (
+            (m := run.scrape(replacement))["oobleck_worker_plan_generation"] == 2
+            and m["oobleck_worker_step"] > at_delete
+            and m
+        ),
+        "the replacement training in generation 2",
+        timeout=60,
+    )
     assert metrics["oobleck_worker_bytes_copied_total"] > 0
 
     body = finished(run, 2, pods=3 + 1)
@@ -169,12 +178,16 @@ def test_unhealthy_gpus_on_a_node_are_a_lost_node(job_run, local_nodes):
     second = run.wait_for(lambda: (p := run.plan()).generation >= 1 and p, "a new generation")
     assert second.lost_nodes == [victim]
     lost = run.wait_for(lambda: run.events("NodeLost"), "a NodeLost event")
-    assert len(lost) == 1 and lost[0].startswith(f"{victim}: node {node}: allocatable nvidia.com/gpu 0 < capacity 1"), lost
+    assert len(lost) == 1 and lost[0].startswith(f"{victim}: node {node}: allocatable nvidia.com/gpu 0 < capacity 1"), (
+        lost
+    )
     recovered(run, survivor, 1, at_fault)
     # The replacement waits for a node with a healthy GPU (none left: the victim's has none, the spare
     # is cordoned, the others hold the job's pods).
     replacement = render.worker_name("tiny", 3)
-    pending = run.wait_for(lambda: (p := run.pod(replacement))["status"].get("conditions") and p, "the replacement's scheduling verdict")
+    pending = run.wait_for(
+        lambda: (p := run.pod(replacement))["status"].get("conditions") and p, "the replacement's scheduling verdict"
+    )
     assert pending["status"]["phase"] == "Pending"
 
     body = finished(run, 1, pods=3 + 1)
@@ -199,8 +212,13 @@ def test_operator_crash_mid_reconfiguration_is_finished_by_its_restart(job_run, 
     assert run.operator.wait_exit(90) == 137, "the operator did not crash after the plan write"
     crashed_at = run.plan()
     assert crashed_at.generation == 1 and crashed_at.lost_nodes == [victim]
-    names = {p["metadata"]["name"] for p in run.cluster.kubectl_json("get", "pods", "-n", run.ns, "-l", worker_selector("tiny"))["items"]}
-    assert victim in names and render.worker_name("tiny", 3) not in names, f"the crash came after the pod changes: {names}"
+    names = {
+        p["metadata"]["name"]
+        for p in run.cluster.kubectl_json("get", "pods", "-n", run.ns, "-l", worker_selector("tiny"))["items"]
+    }
+    assert victim in names and render.worker_name("tiny", 3) not in names, (
+        f"the crash came after the pod changes: {names}"
+    )
 
     run.operator.start()
     step_at_restart = run.step(survivor)

@@ -62,7 +62,9 @@ def test_job_trains_in_pods_to_the_exact_step(job_run, local_nodes):
     expected = run.reference()[progress["step"] - 1]
     assert abs(progress["loss"] - expected) <= 1e-5 * abs(expected), (progress, expected)
     operator = run.operator_metrics()
-    assert operator["oobleck_operator_plan_generations_total"] == 1 and operator["oobleck_operator_pods_lost_total"] == 0
+    assert (
+        operator["oobleck_operator_plan_generations_total"] == 1 and operator["oobleck_operator_pods_lost_total"] == 0
+    )
     assert operator['oobleck_operator_jobs{phase="Succeeded"}'] == 1
 
 
@@ -85,13 +87,19 @@ def test_killed_worker_is_one_generation_and_the_job_still_succeeds(job_run, loc
     second = run.wait_for(lambda: (p := run.plan()).generation >= 1 and p, "a new generation")
     assert victim not in second.nodes and second.lost_nodes == [victim]
     recovered = run.wait_for(
-        lambda: (m := run.scrape(survivor))["oobleck_worker_plan_generation"] == 1
-        and m["oobleck_worker_step"] > at_kill and m, "the survivor training in generation 1",
+        lambda: (
+            (m := run.scrape(survivor))["oobleck_worker_plan_generation"] == 1
+            and m["oobleck_worker_step"] > at_kill
+            and m
+        ),
+        "the survivor training in generation 1",
     )
     assert recovered["oobleck_worker_reconfigurations_total"] == 1
     assert recovered["oobleck_worker_recovery_seconds_count"] == 1
-    print(f"survivor's recovery (generation abandoned -> first step of the next): "
-          f"{recovered['oobleck_worker_recovery_seconds_sum']:.2f} s")
+    print(
+        f"survivor's recovery (generation abandoned -> first step of the next): "
+        f"{recovered['oobleck_worker_recovery_seconds_sum']:.2f} s"
+    )
 
     body = run.wait_succeeded()
     assert body["status"]["progress"]["step"] == run.STEPS

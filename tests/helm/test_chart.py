@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from oobleck.cli import build_parser
-from oobleck.dev.chart import CHART_PATH, Sync
-from oobleck.dev.tools import ToolsNotFound, find_tools
+from oobleck_dev.chart import CHART_PATH, Sync
+from oobleck_dev.tools import ToolsNotFound, find_tools
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / CHART_PATH
@@ -50,7 +50,9 @@ def run_helm(helm: Path, *args: str, check: bool = True) -> subprocess.Completed
     return result
 
 
-def template(helm: Path, values: Path | None = None, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def template(
+    helm: Path, values: Path | None = None, *extra: str, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION]
     if values is not None:
         args += ["--values", str(values)]
@@ -89,8 +91,14 @@ def test_template_matches_golden(helm: Path, case: str) -> None:
     if rendered != golden.read_text():
         import difflib
 
-        diff = "".join(difflib.unified_diff(golden.read_text().splitlines(True), rendered.splitlines(True), "golden", "rendered", n=2))
-        pytest.fail(f"helm template differs from {golden.relative_to(REPO)} (OOBLECK_UPDATE_GOLDEN=1 rewrites it):\n{diff[:6000]}")
+        diff = "".join(
+            difflib.unified_diff(
+                golden.read_text().splitlines(True), rendered.splitlines(True), "golden", "rendered", n=2
+            )
+        )
+        pytest.fail(
+            f"helm template differs from {golden.relative_to(REPO)} (OOBLECK_UPDATE_GOLDEN=1 rewrites it):\n{diff[:6000]}"
+        )
 
 
 # -- what the templates guarantee, whatever the goldens say ---------------------------------------
@@ -115,8 +123,9 @@ def test_defaults_are_secure_and_serve_every_namespace(helm: Path) -> None:
     assert "kopf.dev" not in yaml.safe_dump(find(docs, "ClusterRole"))
     # Serving every namespace: the job permissions are bound cluster-wide, no RoleBindings.
     assert {d["metadata"]["name"] for d in find(docs, "ClusterRoleBinding")} == {
-        "oobleck-oobleck-operator-cluster", "oobleck-oobleck-operator-jobs"
-    }  # fmt: skip
+        "oobleck-oobleck-operator-cluster",
+        "oobleck-oobleck-operator-jobs",
+    }
     assert not find(docs, "RoleBinding")
     assert not find(docs, "ServiceMonitor") and not find(docs, "PodMonitor")
     (crd,) = find(docs, "CustomResourceDefinition")
@@ -126,7 +135,7 @@ def test_defaults_are_secure_and_serve_every_namespace(helm: Path) -> None:
 def test_rendered_crd_is_the_generated_one(helm: Path) -> None:
     """Round-tripping crds/ through the template only adds labels and annotations."""
     (crd,) = find(documents(template(helm).stdout), "CustomResourceDefinition")
-    (source,) = documents((REPO / "crds" / "oobleckjobs.oobleck.dev.yaml").read_text())
+    (source,) = documents((REPO / "crds" / "oobleckjobs.oobleck_dev.yaml").read_text())
     assert crd["spec"] == source["spec"]
     assert crd["metadata"]["name"] == source["metadata"]["name"]
 
@@ -135,14 +144,20 @@ def test_namespace_list_binds_roles_per_namespace_and_peers_there(helm: Path) ->
     docs = documents(template(helm, CASES["everything"]).stdout)
     bindings = find(docs, "RoleBinding")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
-    assert all(b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "oobleck-oobleck-operator-jobs"} for b in bindings)
+    assert all(
+        b["roleRef"]
+        == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "oobleck-oobleck-operator-jobs"}
+        for b in bindings
+    )
     assert [b["metadata"]["name"] for b in find(docs, "ClusterRoleBinding")] == ["oobleck-oobleck-operator-cluster"]
     peerings = find(docs, "KopfPeering")
     assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
     assert all(p["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade" for p in peerings)
     assert {d["metadata"]["name"] for d in find(docs, "CustomResourceDefinition")} == {
-        "oobleckjobs.oobleck.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"
-    }  # fmt: skip
+        "oobleckjobs.oobleck.dev",
+        "kopfpeerings.kopf.dev",
+        "clusterkopfpeerings.kopf.dev",
+    }
     cluster_role = find(docs, "ClusterRole", "oobleck-oobleck-operator-cluster")[0]
     assert {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]} in cluster_role["rules"]
     (deployment,) = find(docs, "Deployment")
@@ -155,10 +170,17 @@ def test_clusterwide_peering_uses_the_cluster_peering_object(helm: Path) -> None
     (peering,) = find(docs, "ClusterKopfPeering")
     assert peering["metadata"]["name"] == "oobleck-operator" and "namespace" not in peering["metadata"]
     cluster_role = find(docs, "ClusterRole", "oobleck-oobleck-operator-cluster")[0]
-    assert {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"], "resourceNames": ["oobleck-operator"], "verbs": ["patch"]} in cluster_role["rules"]
+    assert {
+        "apiGroups": ["kopf.dev"],
+        "resources": ["clusterkopfpeerings"],
+        "resourceNames": ["oobleck-operator"],
+        "verbs": ["patch"],
+    } in cluster_role["rules"]
     jobs_role = find(docs, "ClusterRole", "oobleck-oobleck-operator-jobs")[0]
     assert "kopfpeerings" not in yaml.safe_dump(jobs_role)
-    assert not [d for d in find(docs, "CustomResourceDefinition") if d["spec"]["group"] == "oobleck.dev"]  # crds.install false
+    assert not [
+        d for d in find(docs, "CustomResourceDefinition") if d["spec"]["group"] == "oobleck.dev"
+    ]  # crds.install false
     (deployment,) = find(docs, "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--peering=oobleck-operator" in args and "--priority=10" in args
@@ -181,7 +203,15 @@ def test_invalid_values_fail_naming_the_field(helm: Path, setting: str, message:
 
 
 def test_service_monitor_without_service_is_refused(helm: Path) -> None:
-    result = template(helm, None, "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.service.enabled=false", check=False)
+    result = template(
+        helm,
+        None,
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "metrics.service.enabled=false",
+        check=False,
+    )
     assert result.returncode != 0 and "metrics.serviceMonitor.enabled needs metrics.service.enabled" in result.stderr
 
 
@@ -189,7 +219,7 @@ def test_service_monitor_without_service_is_refused(helm: Path) -> None:
 
 
 def test_chart_copies_are_in_step_with_their_sources() -> None:
-    """files/crds/ is crds/ byte for byte and appVersion is pyproject's version (oobleck.dev.chart)."""
+    """files/crds/ is crds/ byte for byte and appVersion is pyproject's version (oobleck_dev.chart)."""
     assert Sync(REPO).drift() == []
 
 
@@ -205,14 +235,14 @@ def test_chart_sync_detects_and_repairs_drift(tmp_path: Path) -> None:
         else:
             target.write_bytes(source.read_bytes())
     sync = Sync(root)
-    copy = root / CHART_PATH / "files" / "crds" / "oobleckjobs.oobleck.dev.yaml"
+    copy = root / CHART_PATH / "files" / "crds" / "oobleckjobs.oobleck_dev.yaml"
     copy.write_text(copy.read_text() + "# hand edit\n")
     (root / CHART_PATH / "files" / "crds" / "old.yaml").write_text("kind: CustomResourceDefinition\n")
     chart_yaml = root / CHART_PATH / "Chart.yaml"
     chart_yaml.write_text(chart_yaml.read_text().replace('appVersion: "', 'appVersion: "9'))
     problems = sync.drift()
     assert len(problems) == 3, problems
-    assert any("differs from crds/oobleckjobs.oobleck.dev.yaml" in p for p in problems)
+    assert any("differs from crds/oobleckjobs.oobleck_dev.yaml" in p for p in problems)
     assert any("old.yaml: no such CRD" in p for p in problems)
     assert any("appVersion" in p for p in problems)
     sync.write()
@@ -245,7 +275,9 @@ def test_deployment_command_parses_with_the_operator_cli(helm: Path, case: str) 
 def test_chart_sync_command_line(tmp_path: Path) -> None:
     import sys
 
-    ok = subprocess.run([sys.executable, "-m", "oobleck.dev.chart", "--check"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "oobleck_dev.chart", "--check"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert ok.returncode == 0, ok.stderr
     root = tmp_path / "repo"
     (root / CHART_PATH).mkdir(parents=True)
@@ -253,12 +285,27 @@ def test_chart_sync_command_line(tmp_path: Path) -> None:
     (root / "crds" / "x.yaml").write_text("kind: CustomResourceDefinition\n")
     (root / "pyproject.toml").write_text('[project]\nname = "x"\nversion = "1.2.3"\n')
     (root / CHART_PATH / "Chart.yaml").write_text('apiVersion: v2\nappVersion: "1.0.0"\n')
-    stale = subprocess.run([sys.executable, "-m", "oobleck.dev.chart", "--check", "--root", str(root)], capture_output=True, text=True, timeout=60)
+    stale = subprocess.run(
+        [sys.executable, "-m", "oobleck_dev.chart", "--check", "--root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert stale.returncode == 1
-    assert "files/crds/x.yaml: missing" in stale.stderr and "appVersion '1.0.0' != pyproject.toml version '1.2.3'" in stale.stderr
-    write = subprocess.run([sys.executable, "-m", "oobleck.dev.chart", "--write", "--root", str(root)], capture_output=True, text=True, timeout=60)
+    assert (
+        "files/crds/x.yaml: missing" in stale.stderr
+        and "appVersion '1.0.0' != pyproject.toml version '1.2.3'" in stale.stderr
+    )
+    write = subprocess.run(
+        [sys.executable, "-m", "oobleck_dev.chart", "--write", "--root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert write.returncode == 0 and 'appVersion: "1.2.3"' in (root / CHART_PATH / "Chart.yaml").read_text()
     empty = tmp_path / "empty"
     empty.mkdir()
-    missing = subprocess.run([sys.executable, "-m", "oobleck.dev.chart", "--check"], cwd=empty, capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [sys.executable, "-m", "oobleck_dev.chart", "--check"], cwd=empty, capture_output=True, text=True, timeout=60
+    )
     assert missing.returncode == 2 and "no repository root" in missing.stderr

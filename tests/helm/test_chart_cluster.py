@@ -30,10 +30,10 @@ import pytest
 import yaml
 
 from oobleck.api.job import JOB_LABEL
-from oobleck.dev.chart import CHART_PATH
-from oobleck.dev.poll import wait_until
-from oobleck.dev.controlplane import free_port
 from oobleck.operator import render
+from oobleck_dev.chart import CHART_PATH
+from oobleck_dev.controlplane import free_port
+from oobleck_dev.poll import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("helm-chart")]
 
@@ -71,7 +71,9 @@ class Release:
             [str(helm), "--kubeconfig", self.cluster.kubeconfig, *args], capture_output=True, text=True, timeout=300
         )
         if check and result.returncode != 0:
-            raise AssertionError(f"helm {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+            raise AssertionError(
+                f"helm {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+            )
         return result
 
     def uninstall(self) -> None:
@@ -85,9 +87,12 @@ def release(cluster, tmp_path_factory) -> Iterator[Release]:
     if cluster.bin.helm is None:
         pytest.fail("helm not found: run scripts/k8s-tools/build", pytrace=False)
     rel = Release(
-        cluster=cluster, name=f"h{secrets.token_hex(3)}", namespace=cluster.namespace("helm-op"),
-        served=cluster.namespace("helm-jobs"), peering="oobleck-operator",
-    )  # fmt: skip
+        cluster=cluster,
+        name=f"h{secrets.token_hex(3)}",
+        namespace=cluster.namespace("helm-op"),
+        served=cluster.namespace("helm-jobs"),
+        peering="oobleck-operator",
+    )
     values = {
         "operator": {"watchNamespaces": [rel.served]},
         "leaderElection": {"enabled": True, "name": rel.peering, "priority": 1},
@@ -98,9 +103,17 @@ def release(cluster, tmp_path_factory) -> Iterator[Release]:
     # The control plane installed crds/ at start: the release adopts that CRD (same content, see
     # tests/helm/test_chart.py) instead of refusing to touch an object it did not create.
     rel.helm(
-        "install", rel.name, str(CHART), "--namespace", rel.namespace, "--values", str(values_file),
-        "--take-ownership", "--timeout", "2m",
-    )  # fmt: skip
+        "install",
+        rel.name,
+        str(CHART),
+        "--namespace",
+        rel.namespace,
+        "--values",
+        str(values_file),
+        "--take-ownership",
+        "--timeout",
+        "2m",
+    )
     try:
         yield rel
     finally:
@@ -123,12 +136,20 @@ def test_install_creates_the_operator_its_rbac_and_established_crds(release: Rel
     # The ReplicaSet controller created a pod from the template: the pod spec passes validation.
     # (It stays Pending, or "runs" on a kwok node: nothing executes the image here.)
     selector = f"app.kubernetes.io/instance={release.name},app.kubernetes.io/component=operator"
-    pods = wait_for(lambda: cluster.kubectl_json("get", "pods", "-n", ns, "-l", selector)["items"], "the operator's pod")
-    assert pods[0]["spec"]["containers"][0]["env"][0] == {"name": "POD_ID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}}
+    pods = wait_for(
+        lambda: cluster.kubectl_json("get", "pods", "-n", ns, "-l", selector)["items"], "the operator's pod"
+    )
+    assert pods[0]["spec"]["containers"][0]["env"][0] == {
+        "name": "POD_ID",
+        "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}},
+    }
     cluster.kubectl("get", "serviceaccount", release.fullname, "-n", ns)
     cluster.kubectl("get", "service", f"{release.fullname}-metrics", "-n", ns)
-    for kind, name in [("clusterrole", f"{release.fullname}-cluster"), ("clusterrole", f"{release.fullname}-jobs"),
-                       ("clusterrolebinding", f"{release.fullname}-cluster")]:  # fmt: skip
+    for kind, name in [
+        ("clusterrole", f"{release.fullname}-cluster"),
+        ("clusterrole", f"{release.fullname}-jobs"),
+        ("clusterrolebinding", f"{release.fullname}-cluster"),
+    ]:
         cluster.kubectl("get", kind, name)
     binding = cluster.kubectl_json("get", "rolebinding", f"{release.fullname}-jobs", "-n", release.served)
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": release.fullname, "namespace": ns}]
@@ -147,10 +168,14 @@ def test_upgrade_keeps_the_live_peering_object(release: Release) -> None:
     """Recreating the peering object would wipe its status (a paused replica would resume)."""
     cluster = release.cluster
     before = cluster.kubectl_json("get", "kopfpeering", release.peering, "-n", release.served)["metadata"]["uid"]
-    release.helm("upgrade", release.name, str(CHART), "--namespace", release.namespace, "--reuse-values", "--timeout", "2m")
+    release.helm(
+        "upgrade", release.name, str(CHART), "--namespace", release.namespace, "--reuse-values", "--timeout", "2m"
+    )
     after = cluster.kubectl_json("get", "kopfpeering", release.peering, "-n", release.served)["metadata"]["uid"]
     assert after == before
-    history = yaml.safe_load(release.helm("history", release.name, "--namespace", release.namespace, "-o", "yaml").stdout)
+    history = yaml.safe_load(
+        release.helm("history", release.name, "--namespace", release.namespace, "-o", "yaml").stdout
+    )
     assert [entry["status"] for entry in history] == ["superseded", "deployed"]
 
 
@@ -159,7 +184,9 @@ def test_upgrade_keeps_the_live_peering_object(release: Release) -> None:
 
 def service_account_kubeconfig(cluster, release: Release, path: Path) -> Path:
     """A kubeconfig that authenticates as the chart's ServiceAccount (TokenRequest), nothing else."""
-    token = cluster.kubectl("create", "token", release.fullname, "-n", release.namespace, "--duration=1h").stdout.strip()
+    token = cluster.kubectl(
+        "create", "token", release.fullname, "-n", release.namespace, "--duration=1h"
+    ).stdout.strip()
     admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
     cluster_entry = admin["clusters"][0]["cluster"]
     config = {
@@ -176,7 +203,9 @@ def service_account_kubeconfig(cluster, release: Release, path: Path) -> Path:
 
 
 def as_operator(cluster, kubeconfig: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([str(cluster.bin.kubectl), "--kubeconfig", str(kubeconfig), *args], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(cluster.bin.kubectl), "--kubeconfig", str(kubeconfig), *args], capture_output=True, text=True, timeout=60
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"kubectl {' '.join(args)} (as the operator) failed:\n{result.stderr}")
     return result
@@ -195,8 +224,17 @@ def operator_command(cluster, release: Release, kubeconfig: Path, metrics_port: 
         out.append(f"{flag}={replaced[flag]}" if flag in replaced else arg)
     assert "--priority=2" in out and "--peering=" + release.peering in out, out
     # kwok pods run no runtime, so nobody measures the example's profile: plan with the estimate at once.
-    return [sys.executable, "-m", "oobleck.cli", *command[1:], *out, "--kubeconfig", str(kubeconfig),
-            "--measure-timeout", "0"]
+    return [
+        sys.executable,
+        "-m",
+        "oobleck.cli",
+        *command[1:],
+        *out,
+        "--kubeconfig",
+        str(kubeconfig),
+        "--measure-timeout",
+        "0",
+    ]
 
 
 def tiny_gpt(namespace: str, pool: str) -> str:
@@ -213,9 +251,14 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
     whoami = json.loads(as_operator(cluster, kubeconfig, "auth", "whoami", "-o", "json").stdout)
     assert whoami["status"]["userInfo"]["username"] == f"system:serviceaccount:{release.namespace}:{release.fullname}"
     # Least privilege, spot checks: no secrets, nothing outside the served namespace, no escalation verbs.
-    for denied in (["list", "secrets", "-n", served], ["create", "pods", "-n", release.namespace],
-                   ["delete", "oobleckjobs", "-n", served], ["escalate", "roles", "-n", served],
-                   ["bind", "roles", "-n", served], ["patch", "nodes"]):  # fmt: skip
+    for denied in (
+        ["list", "secrets", "-n", served],
+        ["create", "pods", "-n", release.namespace],
+        ["delete", "oobleckjobs", "-n", served],
+        ["escalate", "roles", "-n", served],
+        ["bind", "roles", "-n", served],
+        ["patch", "nodes"],
+    ):
         assert as_operator(cluster, kubeconfig, "auth", "can-i", *denied, check=False).stdout.strip() == "no", denied
 
     pool = f"p{secrets.token_hex(4)}"
@@ -229,8 +272,11 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             operator_command(cluster, release, kubeconfig, metrics_port, liveness_port),
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-        )  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
     try:
 
         def healthy() -> bool:
@@ -242,9 +288,12 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
         wait_for(healthy, "the operator's liveness probe")
         # Peering works with the chart's permissions: this replica registered itself.
         wait_for(
-            lambda: env["POD_ID"] in (cluster.kubectl_json("get", "kopfpeering", release.peering, "-n", served).get("status") or {}),
+            lambda: (
+                env["POD_ID"]
+                in (cluster.kubectl_json("get", "kopfpeering", release.peering, "-n", served).get("status") or {})
+            ),
             "the operator's entry in the KopfPeering status",
-        )  # fmt: skip
+        )
 
         cluster.kubectl("apply", "-f", "-", input=tiny_gpt(served, pool))
 
@@ -255,7 +304,10 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
             if generation < at_least:
                 return None
             members = list(plan.nodes)
-            pods = {p["metadata"]["name"]: p for p in cluster.kubectl_json("get", "pods", "-n", served, "-l", f"{JOB_LABEL}={name}")["items"]}
+            pods = {
+                p["metadata"]["name"]: p
+                for p in cluster.kubectl_json("get", "pods", "-n", served, "-l", f"{JOB_LABEL}={name}")["items"]
+            }
             for member in members:
                 pod = pods.get(member)
                 if pod is None or pod["status"].get("phase") != "Running":
@@ -268,10 +320,17 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
         assert len(members) == workers
         status = cluster.kubectl_json("get", "oobleckjob", name, "-n", served).get("status") or {}
         assert status.get("phase") == "Running", status  # the status subresource was patched
-        for kind, child in [("service", f"{name}-workers"), ("serviceaccount", f"{name}-worker"), ("role", f"{name}-worker"),
-                            ("rolebinding", f"{name}-worker"), ("pod", f"{name}-coordinator")]:  # fmt: skip
+        for kind, child in [
+            ("service", f"{name}-workers"),
+            ("serviceaccount", f"{name}-worker"),
+            ("role", f"{name}-worker"),
+            ("rolebinding", f"{name}-worker"),
+            ("pod", f"{name}-coordinator"),
+        ]:
             cluster.kubectl("get", kind, child, "-n", served)
-        events = cluster.kubectl_json("get", "events", "-n", served, "--field-selector", f"involvedObject.name={name}")["items"]
+        events = cluster.kubectl_json("get", "events", "-n", served, "--field-selector", f"involvedObject.name={name}")[
+            "items"
+        ]
         assert events, "no events about the job: the operator could not post them"
 
         # A failure: new plan generations replace the ConfigMap's content (a patch) and are patched
@@ -282,9 +341,18 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
         # Deletion: the operator removes its finalizer (a patch), then garbage collection.
         cluster.kubectl("delete", "oobleckjob", name, "-n", served, "--wait=true", timeout=TIMEOUT_S)
         wait_for(
-            lambda: not cluster.kubectl_json("get", "pods,configmaps,services,serviceaccounts,roles,rolebindings", "-n", served, "-l", f"{JOB_LABEL}={name}")["items"],
+            lambda: (
+                not cluster.kubectl_json(
+                    "get",
+                    "pods,configmaps,services,serviceaccounts,roles,rolebindings",
+                    "-n",
+                    served,
+                    "-l",
+                    f"{JOB_LABEL}={name}",
+                )["items"]
+            ),
             "garbage collection of every child",
-        )  # fmt: skip
+        )
         assert process.poll() is None, "the operator exited during the lifecycle"
     finally:
         process.terminate()
@@ -307,16 +375,21 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
 def test_uninstall_removes_the_release_but_keeps_the_crds(release: Release) -> None:
     cluster = release.cluster
     release.uninstall()
-    gone = [("deployment", release.fullname, release.namespace), ("serviceaccount", release.fullname, release.namespace),
-            ("service", f"{release.fullname}-metrics", release.namespace), ("rolebinding", f"{release.fullname}-jobs", release.served),
-            ("clusterrole", f"{release.fullname}-cluster", None), ("clusterrole", f"{release.fullname}-jobs", None),
-            ("clusterrolebinding", f"{release.fullname}-cluster", None)]  # fmt: skip
+    gone = [
+        ("deployment", release.fullname, release.namespace),
+        ("serviceaccount", release.fullname, release.namespace),
+        ("service", f"{release.fullname}-metrics", release.namespace),
+        ("rolebinding", f"{release.fullname}-jobs", release.served),
+        ("clusterrole", f"{release.fullname}-cluster", None),
+        ("clusterrole", f"{release.fullname}-jobs", None),
+        ("clusterrolebinding", f"{release.fullname}-cluster", None),
+    ]
     for kind, name, namespace in gone:
         where = ["-n", namespace] if namespace else []
         wait_for(
             lambda: cluster.kubectl("get", kind, name, *where, check=False).returncode != 0 and True,
             f"{kind} {name} to be deleted by helm uninstall",
-        )  # fmt: skip
+        )
     # crds.keep: deleting a CRD would delete every job of the cluster with it.
     for crd in ("oobleckjobs.oobleck.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"):
         cluster.kubectl("get", "crd", crd)

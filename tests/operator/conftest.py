@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -15,7 +15,7 @@ from oobleck.operator.render import COORDINATOR_ROLE, WORKER_ROLE, coordinator_n
 
 JOB = "tiny"
 UID = "uid-1"
-NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def spec_dict(**overrides: Any) -> dict[str, Any]:
@@ -39,15 +39,32 @@ def context(job_spec: OobleckJobSpec, status: OobleckJobStatus | None = None) ->
     return JobContext(JOB, "ns", UID, 1, job_spec, status or OobleckJobStatus())
 
 
-def worker(index: int, *, node: str | None = None, phase: str = "Running", generation: int | None = None, **fields: Any) -> PodSummary:
+def worker(
+    index: int, *, node: str | None = None, phase: str = "Running", generation: int | None = None, **fields: Any
+) -> PodSummary:
     return PodSummary(
-        name=worker_name(JOB, index), uid=f"pod-{index}", role=WORKER_ROLE, node_name=f"node-{index}" if node is None else (node or None),
-        phase=phase, created=NOW.timestamp() - 5, generation=generation, owner_uid=UID, **fields,
+        name=worker_name(JOB, index),
+        uid=f"pod-{index}",
+        role=WORKER_ROLE,
+        node_name=f"node-{index}" if node is None else (node or None),
+        phase=phase,
+        created=NOW.timestamp() - 5,
+        generation=generation,
+        owner_uid=UID,
+        **fields,
     )
 
 
 def coordinator() -> PodSummary:
-    return PodSummary(name=coordinator_name(JOB), uid="c", role=COORDINATOR_ROLE, node_name="node-0", phase="Running", created=0.0, owner_uid=UID)
+    return PodSummary(
+        name=coordinator_name(JOB),
+        uid="c",
+        role=COORDINATOR_ROLE,
+        node_name="node-0",
+        phase="Running",
+        created=0.0,
+        owner_uid=UID,
+    )
 
 
 def node(name: str, gpus: int = 8, allocatable: int | None = None, ready: str = "True", **fields: Any) -> NodeSummary:

@@ -6,10 +6,9 @@ import json
 from dataclasses import replace
 from datetime import timedelta
 
-from oobleck.api.conditions import find_condition
+from oobleck.api.conditions import ConditionType, find_condition
 from oobleck.api.job import parse_status
 from oobleck.operator import render
-from oobleck.api.conditions import ConditionType
 from oobleck.operator.decide import CurrentPlan, Decision, Tuning, decide, synthetic_profile
 from oobleck.operator.observe import observe
 
@@ -42,8 +41,9 @@ class World:
         if patches:
             for name, written in d.patches:
                 pod = self.pods[name]
-                self.pods[name] = replace(pod, generation=int(written[render.GENERATION_ANNOTATION]),
-                                          ranks=written[render.RANKS_ANNOTATION])
+                self.pods[name] = replace(
+                    pod, generation=int(written[render.GENERATION_ANNOTATION]), ranks=written[render.RANKS_ANNOTATION]
+                )
             for name, _ in d.delete:
                 pod = self.pods.pop(name, None)
                 if pod is not None and pod.node_name and pod.node_name in self.nodes:
@@ -54,7 +54,9 @@ class World:
             for index in d.create:
                 node = self.free.pop(0) if self.free else None
                 self.pods[render.worker_name(self.h.JOB, index)] = self.h.worker(
-                    index, node=node or "", phase="Running" if node else "Pending",
+                    index,
+                    node=node or "",
+                    phase="Running" if node else "Pending",
                     unschedulable=None if node else "0/4 nodes are available: Insufficient nvidia.com/gpu.",
                 )
             if d.create_coordinator:
@@ -120,11 +122,15 @@ def test_pod_failure_makes_exactly_one_generation_and_a_replacement(h):
     assert d.status["reconfigurations"] == 1
     world.apply(d)
     # No spare node: the replacement stays pending.
-    world.pods["tiny-worker-4"] = replace(world.pods["tiny-worker-4"], phase="Pending", node_name=None, unschedulable="no GPUs")
+    world.pods["tiny-worker-4"] = replace(
+        world.pods["tiny-worker-4"], phase="Pending", node_name=None, unschedulable="no GPUs"
+    )
     d = world.step()
     assert d.plan is None and not d.create and not d.patches  # no second generation
     # Once the replacement's node appears it runs and is folded into generation 2.
-    world.pods["tiny-worker-4"] = replace(world.pods["tiny-worker-4"], phase="Running", node_name="node-2", unschedulable=None)
+    world.pods["tiny-worker-4"] = replace(
+        world.pods["tiny-worker-4"], phase="Running", node_name="node-2", unschedulable=None
+    )
     d = world.step()
     assert d.plan.generation == 2 and d.plan.added_nodes == ["tiny-worker-4"] and d.failures_survived == 1
 
@@ -164,7 +170,9 @@ def test_simultaneous_losses_are_one_reconfiguration(h):
     assert d.plan.generation == 1 and sorted(d.plan.lost_nodes) == sorted([a, b]) and d.failures_survived == 2
     world.apply(d)
     later = world.step()  # the replacements already run here: only added, never lost again
-    assert later.plan is not None and later.plan.lost_nodes == [] and later.plan.added_nodes == world.names(5)  # worker-4 landed on the NotReady node
+    assert (
+        later.plan is not None and later.plan.lost_nodes == [] and later.plan.added_nodes == world.names(5)
+    )  # worker-4 landed on the NotReady node
 
 
 def test_a_vanished_pod_is_lost_too(h):
@@ -191,7 +199,11 @@ def test_crash_between_plan_and_patches_finishes_the_patches(h):
 
 
 def test_a_loss_in_a_large_job_patches_a_handful_of_pods(h):
-    world = World(h, h.spec(nodes={"min": 2, "max": 16}, training={"steps": 40, "globalBatchSize": 64, "microbatchSize": 2}), n_nodes=16)
+    world = World(
+        h,
+        h.spec(nodes={"min": 2, "max": 16}, training={"steps": 40, "globalBatchSize": 64, "microbatchSize": 2}),
+        n_nodes=16,
+    )
     world.settle()
     plan = world.current.plan
     assert len(plan.nodes) == 16
@@ -262,7 +274,10 @@ def test_waits_for_nodes_then_plans_without_pending_after_the_timeout(h):
     world.now += timedelta(seconds=120)
     d = world.step()
     assert d.plan is not None and len(d.plan.nodes) == 2
-    assert cond(d.status, ConditionType.WORKERS_PENDING) is None or cond(d.status, ConditionType.WORKERS_PENDING).status == "False"
+    assert (
+        cond(d.status, ConditionType.WORKERS_PENDING) is None
+        or cond(d.status, ConditionType.WORKERS_PENDING).status == "False"
+    )
     world.apply(d)
     d = world.step()
     pending = cond(d.status, ConditionType.WORKERS_PENDING)
@@ -307,8 +322,14 @@ def test_losing_every_replica_of_a_layer_rolls_back_and_an_unrecoverable_report_
     world.settle()
     # Nothing held every layer at one step: a member says so, and the job fails with its words.
     member = world.current.plan.nodes[0]
-    report = {"job": h.JOB, "generation": world.current.plan.generation, "reporter": f"{member}:0",
-              "kind": "unrecoverable", "dead": [], "detail": "layers [0] have no live holder and no snapshot"}
+    report = {
+        "job": h.JOB,
+        "generation": world.current.plan.generation,
+        "reporter": f"{member}:0",
+        "kind": "unrecoverable",
+        "dead": [],
+        "detail": "layers [0] have no live holder and no snapshot",
+    }
     world.pods[member] = replace(world.pods[member], failure_report=json.dumps(report))
     failed = cond(world.step().status, "Failed")
     assert failed.reason == "LayersLost" and "layers [0] have no live holder" in failed.message
@@ -316,8 +337,15 @@ def test_losing_every_replica_of_a_layer_rolls_back_and_an_unrecoverable_report_
 
 def _report(h, world, kind: str, detected_at: float) -> None:
     member = world.current.plan.nodes[0]
-    report = {"job": h.JOB, "generation": world.current.plan.generation, "reporter": f"{member}:0", "kind": kind,
-              "dead": [], "detail": "", "detected_at": detected_at}
+    report = {
+        "job": h.JOB,
+        "generation": world.current.plan.generation,
+        "reporter": f"{member}:0",
+        "kind": kind,
+        "dead": [],
+        "detail": "",
+        "detected_at": detected_at,
+    }
     world.pods[member] = replace(world.pods[member], failure_report=json.dumps(report))
 
 
@@ -348,8 +376,9 @@ def test_progress_carries_loss_and_throughput_into_the_status(h):
     world = World(h, h.spec(), n_nodes=4)
     world.settle()
     name = world.current.plan.nodes[0]
-    world.pods[name] = replace(world.pods[name], progress=json.dumps(
-        {"generation": 0, "step": 7, "loss": 5.25, "samplesPerSecond": 300.0}))
+    world.pods[name] = replace(
+        world.pods[name], progress=json.dumps({"generation": 0, "step": 7, "loss": 5.25, "samplesPerSecond": 300.0})
+    )
     progress = parse_status(world.step().status).progress
     assert (progress.step, progress.loss, progress.samples_per_second) == (7, 5.25, 300.0)
 
@@ -373,7 +402,10 @@ def test_a_microbatch_too_small_to_split_over_a_stages_gpus_is_an_invalid_spec(h
     spec = h.spec(gpusPerNode=2, training={"steps": 40, "globalBatchSize": 16, "microbatchSize": 1})
     world = World(h, spec, n_nodes=4)
     failed = cond(world.step().status, "Failed")
-    assert failed.reason == "InvalidSpec" and "microbatchSize: 1 sample(s) cannot be split over the 2 GPUs" in failed.message
+    assert (
+        failed.reason == "InvalidSpec"
+        and "microbatchSize: 1 sample(s) cannot be split over the 2 GPUs" in failed.message
+    )
 
 
 def test_a_measure_job_plans_with_the_workers_profile_or_after_the_timeout_with_the_estimate(h):

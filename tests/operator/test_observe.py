@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from oobleck.operator.observe import observe, summarize_node, summarize_pod
 from oobleck.operator import render
+from oobleck.operator.observe import observe, summarize_node, summarize_pod
 
 
 def _status(obs, index: int):
@@ -17,21 +17,40 @@ def _status(obs, index: int):
 
 def test_summaries_from_raw_objects():
     pod = {
-        "metadata": {"name": "tiny-worker-0", "uid": "p", "labels": {render.ROLE_LABEL: "worker"},
-                     "annotations": {render.GENERATION_ANNOTATION: "3"}, "creationTimestamp": "2026-01-01T00:00:00Z",
-                     "ownerReferences": [{"uid": "uid-1", "controller": True}]},
+        "metadata": {
+            "name": "tiny-worker-0",
+            "uid": "p",
+            "labels": {render.ROLE_LABEL: "worker"},
+            "annotations": {render.GENERATION_ANNOTATION: "3"},
+            "creationTimestamp": "2026-01-01T00:00:00Z",
+            "ownerReferences": [{"uid": "uid-1", "controller": True}],
+        },
         "spec": {"nodeName": "n1"},
-        "status": {"phase": "Running", "containerStatuses": [{"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}],
-                   "conditions": [{"type": "PodScheduled", "status": "True"}]},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [{"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}],
+            "conditions": [{"type": "PodScheduled", "status": "True"}],
+        },
     }
     summary = summarize_pod(pod)
-    assert (summary.node_name, summary.generation, summary.terminated, summary.owner_uid) == ("n1", 3, (137, "OOMKilled"), "uid-1")
+    assert (summary.node_name, summary.generation, summary.terminated, summary.owner_uid) == (
+        "n1",
+        3,
+        (137, "OOMKilled"),
+        "uid-1",
+    )
     node = {
         "metadata": {"name": "n1"},
         "spec": {"taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}, {"key": "other"}]},
-        "status": {"conditions": [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown"},
-                                  {"type": "GPUUnhealthy", "status": "True"}, {"type": "MemoryPressure", "status": "False"}],
-                   "capacity": {"cpu": "8", "nvidia.com/gpu": "8"}, "allocatable": {"cpu": "7", "nvidia.com/gpu": "7"}},
+        "status": {
+            "conditions": [
+                {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown"},
+                {"type": "GPUUnhealthy", "status": "True"},
+                {"type": "MemoryPressure", "status": "False"},
+            ],
+            "capacity": {"cpu": "8", "nvidia.com/gpu": "8"},
+            "allocatable": {"cpu": "7", "nvidia.com/gpu": "7"},
+        },
     }
     n = summarize_node(node)
     assert n.ready == "Unknown" and n.taints == ("node.kubernetes.io/unreachable",)
@@ -93,12 +112,17 @@ def _plan(h, n=4):
 
     spec = h.spec()
     profile = synthetic_profile(spec, Tuning())
-    return plan_job(profile, cluster_shape(spec, Tuning()), 1, 8, "tiny", nodes=[render.worker_name("tiny", i) for i in range(n)])
+    return plan_job(
+        profile, cluster_shape(spec, Tuning()), 1, 8, "tiny", nodes=[render.worker_name("tiny", i) for i in range(n)]
+    )
 
 
 def test_worker_reports_count_only_for_the_current_generation_from_live_members(h):
     plan = _plan(h)
-    report = lambda gen, kind, dead: json.dumps({"job": "tiny", "generation": gen, "reporter": "x", "kind": kind, "dead": dead})
+
+    def report(gen, kind, dead):
+        return json.dumps({"job": "tiny", "generation": gen, "reporter": "x", "kind": kind, "dead": dead})
+
     pods = [
         h.worker(0, failure_report=report(0, "heartbeat", ["tiny-worker-1"])),
         h.worker(1),
@@ -111,4 +135,7 @@ def test_worker_reports_count_only_for_the_current_generation_from_live_members(
     assert _status(obs, 2)[0] == "lost" and "unhealthy GPU" in _status(obs, 2)[1]
     assert _status(obs, 3) == ("running", "")
     # Without a plan (or from a lost reporter) nothing is accepted.
-    assert observe("tiny", h.UID, pods, h.nodes(4), None, gpu_resource="nvidia.com/gpu").get("tiny-worker-1").status == "running"
+    assert (
+        observe("tiny", h.UID, pods, h.nodes(4), None, gpu_resource="nvidia.com/gpu").get("tiny-worker-1").status
+        == "running"
+    )

@@ -24,10 +24,10 @@ import pytest
 import yaml
 
 from oobleck.api.plan import Plan
-from oobleck.dev.controlplane import free_port
-from oobleck.dev.poll import wait_until
-from oobleck.dev.kwok import FAKE_NODE_LABEL
 from oobleck.operator import render
+from oobleck_dev.controlplane import free_port
+from oobleck_dev.kwok import FAKE_NODE_LABEL
+from oobleck_dev.poll import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 POOL_LABEL = "oobleck-test/pool"
@@ -47,16 +47,33 @@ class Operator:
         self.metrics_port = self.liveness_port = 0
         self.starts = 0
 
-    def start(self, *extra: str) -> "Operator":
+    def start(self, *extra: str) -> Operator:
         self.metrics_port, self.liveness_port = free_port(), free_port()
         self.starts += 1
         log = open(self.log_dir / f"operator-{self.starts}.log", "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "oobleck.cli", "operator", "-n", self.namespace, "--kubeconfig", self.cluster.kubeconfig,
-             "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), "--resync", "2",
-             "--measure-timeout", "0", *extra],  # kwok pods run no runtime: plan with the estimate
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "oobleck.cli",
+                "operator",
+                "-n",
+                self.namespace,
+                "--kubeconfig",
+                self.cluster.kubeconfig,
+                "--metrics-port",
+                str(self.metrics_port),
+                "--liveness-port",
+                str(self.liveness_port),
+                "--resync",
+                "2",
+                "--measure-timeout",
+                "0",
+                *extra,
+            ],  # kwok pods run no runtime: plan with the estimate
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         wait_for(self.healthy, "the operator's liveness probe", timeout=90)
         return self
 
@@ -134,7 +151,9 @@ def condition(body: dict[str, Any], type_: str) -> dict[str, Any] | None:
 
 
 def workers(cluster, ns: str, name: str = "tiny") -> dict[str, dict[str, Any]]:
-    pods = cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"oobleck.dev/job={name},{render.ROLE_LABEL}=worker")["items"]
+    pods = cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"oobleck.dev/job={name},{render.ROLE_LABEL}=worker")[
+        "items"
+    ]
     return {p["metadata"]["name"]: p for p in pods}
 
 
@@ -183,7 +202,7 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
     waiting = wait_for(
         lambda: (c := condition(job(cluster, ns), "Running")) and "nodes are available" in c["message"] and c,
         "the WaitingForNodes condition with the scheduler's reason",
-    )  # fmt: skip
+    )
     assert waiting["reason"] == "WaitingForNodes" and "2 of 3 worker pods running" in waiting["message"]
     assert len(workers(cluster, ns)) == 3  # two running, one pending: nothing piled up
     env["add_nodes"](1)
@@ -193,24 +212,42 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
     assert body["status"]["phase"] == "Running" and body["status"]["plan"]["generation"] == 0
     # Children: owned, deterministic names.
     uid = body["metadata"]["uid"]
-    for kind, name in [("service", "tiny-workers"), ("serviceaccount", "tiny-worker"), ("role", "tiny-worker"),
-                       ("rolebinding", "tiny-worker"), ("configmap", "tiny-plan"), ("pod", "tiny-coordinator")]:
+    for kind, name in [
+        ("service", "tiny-workers"),
+        ("serviceaccount", "tiny-worker"),
+        ("role", "tiny-worker"),
+        ("rolebinding", "tiny-worker"),
+        ("configmap", "tiny-plan"),
+        ("pod", "tiny-coordinator"),
+    ]:
         child = cluster.kubectl_json("get", kind, name, "-n", ns)
         assert child["metadata"]["ownerReferences"][0]["uid"] == uid, (kind, name)
     metrics = env["operator"].metrics()
     assert 'oobleck_operator_jobs{phase="Running"} 1.0' in metrics
     assert "oobleck_operator_pods_created_total 4.0" in metrics  # 3 workers + the coordinator
     cluster.kubectl("delete", "oobleckjob", "tiny", "-n", ns, "--wait=true", timeout=90)
-    wait_for(lambda: not cluster.kubectl_json("get", "pods,configmap,service,serviceaccount,role", "-n", ns, "-l", "oobleck.dev/job=tiny")["items"],
-             "garbage collection of every child")  # fmt: skip
+    wait_for(
+        lambda: (
+            not cluster.kubectl_json(
+                "get", "pods,configmap,service,serviceaccount,role", "-n", ns, "-l", "oobleck.dev/job=tiny"
+            )["items"]
+        ),
+        "garbage collection of every child",
+    )
 
 
 def test_spec_the_planner_cannot_serve_fails_with_an_event(cluster, env):
     ns = env["ns"]
     env["operator"].start()
     # Each block alone needs more memory than a GPU has: no template exists.
-    apply_job(cluster, env, model={"gpt": {"layers": 4, "hiddenSize": 32768, "heads": 32, "sequenceLength": 64, "vocabSize": 256}})
-    failed = wait_for(lambda: (c := condition(job(cluster, ns), "Failed")) and c["status"] == "True" and c, "the Failed condition")
+    apply_job(
+        cluster,
+        env,
+        model={"gpt": {"layers": 4, "hiddenSize": 32768, "heads": 32, "sequenceLength": 64, "vocabSize": 256}},
+    )
+    failed = wait_for(
+        lambda: (c := condition(job(cluster, ns), "Failed")) and c["status"] == "True" and c, "the Failed condition"
+    )
     assert failed["reason"] == "InvalidSpec" and "planner cannot serve" in failed["message"]
     assert job(cluster, ns)["status"]["phase"] == "Failed"
     events = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", "reason=InvalidSpec")["items"]
@@ -236,14 +273,38 @@ def inject(kind: str, cluster, ns: str, victim: str, plan: Plan) -> None:
     if kind == "pod-deleted":
         cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
     elif kind == "pod-failed":
-        cluster.kubectl("patch", "pod", victim, "-n", ns, "--subresource=status", "--type=merge",
-                        "-p", json.dumps({"status": {"phase": "Failed", "reason": "Injected"}}))  # fmt: skip
+        cluster.kubectl(
+            "patch",
+            "pod",
+            victim,
+            "-n",
+            ns,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": {"phase": "Failed", "reason": "Injected"}}),
+        )
     elif kind == "container-exited":
         _take_from_kwok(cluster, node)  # kwok would otherwise report the container running again
-        terminated = {"name": "worker", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-                      "state": {"terminated": {"exitCode": 3, "reason": "Error"}}}  # fmt: skip
-        cluster.kubectl("patch", "pod", victim, "-n", ns, "--subresource=status", "--type=merge",
-                        "-p", json.dumps({"status": {"containerStatuses": [terminated]}}))  # fmt: skip
+        terminated = {
+            "name": "worker",
+            "ready": False,
+            "restartCount": 0,
+            "image": "x",
+            "imageID": "",
+            "state": {"terminated": {"exitCode": 3, "reason": "Error"}},
+        }
+        cluster.kubectl(
+            "patch",
+            "pod",
+            victim,
+            "-n",
+            ns,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": {"containerStatuses": [terminated]}}),
+        )
     elif kind == "node-not-ready":
         _take_from_kwok(cluster, node)
         _patch_node_status(cluster, node, {"conditions": [{"type": "Ready", "status": "False", "reason": "Injected"}]})
@@ -252,13 +313,28 @@ def inject(kind: str, cluster, ns: str, victim: str, plan: Plan) -> None:
         _patch_node_status(cluster, node, {"allocatable": {"nvidia.com/gpu": "7"}})
     elif kind == "gpu-condition":
         _take_from_kwok(cluster, node)
-        _patch_node_status(cluster, node, {"conditions": [{"type": "GPUUnhealthy", "status": "True", "reason": "XidError"}]})
+        _patch_node_status(
+            cluster, node, {"conditions": [{"type": "GPUUnhealthy", "status": "True", "reason": "XidError"}]}
+        )
     elif kind == "worker-report":
         reporter = next(n for n in plan.nodes if n != victim)
-        report = {"job": "tiny", "generation": plan.generation, "reporter": reporter, "kind": "heartbeat", "dead": [victim]}
+        report = {
+            "job": "tiny",
+            "generation": plan.generation,
+            "reporter": reporter,
+            "kind": "heartbeat",
+            "dead": [victim],
+        }
         cluster.kubectl("annotate", "pod", reporter, "-n", ns, f"{render.FAILURE_ANNOTATION}={json.dumps(report)}")
     elif kind == "gpu-report":
-        report = {"job": "tiny", "generation": plan.generation, "reporter": victim, "kind": "gpu", "dead": [], "detail": "Xid 79"}
+        report = {
+            "job": "tiny",
+            "generation": plan.generation,
+            "reporter": victim,
+            "kind": "gpu",
+            "dead": [],
+            "detail": "Xid 79",
+        }
         cluster.kubectl("annotate", "pod", victim, "-n", ns, f"{render.FAILURE_ANNOTATION}={json.dumps(report)}")
     else:
         raise ValueError(kind)
@@ -266,16 +342,23 @@ def inject(kind: str, cluster, ns: str, victim: str, plan: Plan) -> None:
 
 @pytest.mark.parametrize(
     "kind",
-    ["pod-deleted", "pod-failed", "container-exited", "node-not-ready", "gpu-allocatable", "gpu-condition", "worker-report", "gpu-report"],
+    [
+        "pod-deleted",
+        "pod-failed",
+        "container-exited",
+        "node-not-ready",
+        "gpu-allocatable",
+        "gpu-condition",
+        "worker-report",
+        "gpu-report",
+    ],
 )
 def test_each_failure_kind_is_one_generation_without_the_node(cluster, env, kind):
     ns = env["ns"]
     plan = running_job(cluster, env)
     victim = plan.nodes[1]
     inject(kind, cluster, ns, victim, plan)
-    lost = wait_for(
-        lambda: (p := current_plan(cluster, ns)).generation >= 1 and p, f"a new generation after {kind}"
-    )  # fmt: skip
+    lost = wait_for(lambda: (p := current_plan(cluster, ns)).generation >= 1 and p, f"a new generation after {kind}")
     assert victim not in lost.nodes
     # Every survivor carries the generation that excludes the victim (or a later one adding a replacement).
     wait_for(lambda: settled(cluster, ns, current_plan(cluster, ns).generation), "survivors patched")
@@ -284,7 +367,10 @@ def test_each_failure_kind_is_one_generation_without_the_node(cluster, env, kind
     assert len(with_losses) == 1 and f"lost ['{victim}']" in with_losses[0], events
     assert victim not in workers(cluster, ns) or workers(cluster, ns)[victim]["metadata"].get("deletionTimestamp")
     # The status is written after the patches (Reconfiguring -> Running).
-    wait_for(lambda: (s := job(cluster, ns)["status"])["phase"] == "Running" and s["failuresSurvived"] == 1, "status Running, 1 failure")
+    wait_for(
+        lambda: (s := job(cluster, ns)["status"])["phase"] == "Running" and s["failuresSurvived"] == 1,
+        "status Running, 1 failure",
+    )
     assert "oobleck_operator_failure_to_patch_seconds_count 1.0" in env["operator"].metrics()
 
 
@@ -300,7 +386,9 @@ def test_simultaneous_losses_make_one_generation(cluster, env):
     wait_for(lambda: settled(cluster, ns, current_plan(cluster, ns).generation), "survivors patched")
     with_losses = [e for e in reconfigured_events(cluster, ns) if "lost" in e]
     assert len(with_losses) == 1 and all(v in with_losses[0] for v in victims), with_losses
-    wait_for(lambda: job(cluster, ns)["status"]["failuresSurvived"] == 2, "status.failuresSurvived == 2")  # written after the patches
+    wait_for(
+        lambda: job(cluster, ns)["status"]["failuresSurvived"] == 2, "status.failuresSurvived == 2"
+    )  # written after the patches
 
 
 # -- restart safety -------------------------------------------------------------------------------------
@@ -327,7 +415,7 @@ def test_killed_between_plan_write_and_patches_converges(cluster, env):
     # Generation 1 is finished (survivors patched), then the replacement is folded in as generation 2.
     final = wait_for(
         lambda: len((p := current_plan(cluster, ns)).nodes) == 3 and settled(cluster, ns, p.generation), "convergence"
-    )  # fmt: skip
+    )
     assert final.generation == 2 and final.lost_nodes == [] and len(final.added_nodes) == 1
     time.sleep(3)  # over a resync period: nothing else may happen
     assert current_plan(cluster, ns).generation == 2
@@ -350,12 +438,19 @@ def test_killed_at_random_moments_never_duplicates(cluster, env):
         operator.kill()
         operator.start()
         plan = wait_for(
-            lambda: (p := current_plan(cluster, ns)) and victim not in p.nodes and len(p.nodes) == 4 and settled(cluster, ns, p.generation),
+            lambda: (
+                (p := current_plan(cluster, ns))
+                and victim not in p.nodes
+                and len(p.nodes) == 4
+                and settled(cluster, ns, p.generation)
+            ),
             f"round {round_}: a plan without {victim} on 4 nodes",
-        )  # fmt: skip
+        )
         live = [n for n, p in workers(cluster, ns).items() if not p["metadata"].get("deletionTimestamp")]
         assert sorted(live) == sorted(plan.nodes), (live, plan.nodes)
-    wait_for(lambda: job(cluster, ns)["status"]["failuresSurvived"] == 3, "status.failuresSurvived == 3")  # written after the patches
+    wait_for(
+        lambda: job(cluster, ns)["status"]["failuresSurvived"] == 3, "status.failuresSurvived == 3"
+    )  # written after the patches
 
 
 # -- scale ---------------------------------------------------------------------------------------------
@@ -365,13 +460,15 @@ def test_kubectl_scale_changes_the_node_count(cluster, env):
     ns = env["ns"]
     plan = running_job(cluster, env)
     cluster.kubectl("scale", "oobleckjob/tiny", "-n", ns, "--replicas=2")
-    small = wait_for(lambda: (p := current_plan(cluster, ns)).generation == 1 and settled(cluster, ns, 1), "scaled in")
+    small = wait_for(lambda: (_p := current_plan(cluster, ns)).generation == 1 and settled(cluster, ns, 1), "scaled in")
     newest = sorted(plan.nodes, key=lambda n: render.worker_index("tiny", n))[2:]
     assert len(small.nodes) == 2 and sorted(small.lost_nodes) == sorted(newest)
     wait_for(lambda: len(workers(cluster, ns)) == 2, "two worker pods")
-    wait_for(lambda: job(cluster, ns)["status"]["failuresSurvived"] == 0, "status.failuresSurvived == 0")  # written after the patches
+    wait_for(
+        lambda: job(cluster, ns)["status"]["failuresSurvived"] == 0, "status.failuresSurvived == 0"
+    )  # written after the patches
     cluster.kubectl("scale", "oobleckjob/tiny", "-n", ns, "--replicas=3")
-    big = wait_for(lambda: (p := current_plan(cluster, ns)).generation == 2 and settled(cluster, ns, 2), "scaled out")
+    big = wait_for(lambda: (_p := current_plan(cluster, ns)).generation == 2 and settled(cluster, ns, 2), "scaled out")
     assert len(big.nodes) == 3 and len(big.added_nodes) == 1
     wait_for(lambda: job(cluster, ns)["status"]["nodes"] == 3, "status.nodes == 3")  # written after the patches
 
@@ -382,7 +479,10 @@ def test_final_step_succeeds_and_cleans_pods(cluster, env):
     progress = json.dumps({"generation": 0, "step": 40})
     cluster.kubectl("annotate", "pod", plan.nodes[0], "-n", ns, f"{render.PROGRESS_ANNOTATION}={progress}")
     wait_for(lambda: job(cluster, ns)["status"]["phase"] == "Succeeded", "Succeeded")
-    wait_for(lambda: not cluster.kubectl_json("get", "pods", "-n", ns, "-l", "oobleck.dev/job=tiny")["items"], "pods cleaned up")
+    wait_for(
+        lambda: not cluster.kubectl_json("get", "pods", "-n", ns, "-l", "oobleck.dev/job=tiny")["items"],
+        "pods cleaned up",
+    )
     assert job(cluster, ns)["status"]["progress"]["step"] == 40
 
 
@@ -398,12 +498,16 @@ PEERING_CRD = {
         "group": "kopf.dev",
         "scope": "Namespaced",
         "names": {"plural": "kopfpeerings", "singular": "kopfpeering", "kind": "KopfPeering"},
-        "versions": [{
-            "name": "v1", "served": True, "storage": True,
-            "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-        }],
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+            }
+        ],
     },
-}  # fmt: skip
+}
 
 
 def test_two_replicas_with_peering_fail_over(cluster, env, tmp_path):
@@ -424,8 +528,15 @@ def test_two_replicas_with_peering_fail_over(cluster, env, tmp_path):
         plan = wait_for(lambda: settled(cluster, ns, 0), "generation 0")
         victim = plan.nodes[0]
         cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
-        wait_for(lambda: (p := current_plan(cluster, ns)) and len(p.nodes) == 3 and victim not in p.nodes and settled(cluster, ns, p.generation),
-                 "the leader's reconfiguration")  # fmt: skip
+        wait_for(
+            lambda: (
+                (p := current_plan(cluster, ns))
+                and len(p.nodes) == 3
+                and victim not in p.nodes
+                and settled(cluster, ns, p.generation)
+            ),
+            "the leader's reconfiguration",
+        )
         assert "plan generation" not in standby.log()  # paused: the leader did all of it
         leader.kill()
         time.sleep(1)
@@ -433,9 +544,15 @@ def test_two_replicas_with_peering_fail_over(cluster, env, tmp_path):
         victim = plan.nodes[0]
         cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
         final = wait_for(
-            lambda: (p := current_plan(cluster, ns)) and len(p.nodes) == 3 and victim not in p.nodes and settled(cluster, ns, p.generation),
-            "the standby taking over", timeout=90,
-        )  # fmt: skip
+            lambda: (
+                (p := current_plan(cluster, ns))
+                and len(p.nodes) == 3
+                and victim not in p.nodes
+                and settled(cluster, ns, p.generation)
+            ),
+            "the standby taking over",
+            timeout=90,
+        )
         assert "plan generation" in standby.log()
         with_losses = [e for e in reconfigured_events(cluster, ns) if "lost" in e]
         assert len(with_losses) == 2, with_losses  # one per failure: never both replicas

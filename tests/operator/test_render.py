@@ -38,8 +38,12 @@ def test_worker_pod_requests_gpus_and_is_owned(h):
 
 
 def test_cpu_pods_request_no_gpu_and_overrides_apply(h):
-    spec = h.spec(device="cpu", image="me/img:1", command=["python", "-m", "x"],
-                  pod={"nodeSelector": {"pool": "a"}, "env": [{"name": "A", "value": "1"}], "labels": {"team": "x"}})
+    spec = h.spec(
+        device="cpu",
+        image="me/img:1",
+        command=["python", "-m", "x"],
+        pod={"nodeSelector": {"pool": "a"}, "env": [{"name": "A", "value": "1"}], "labels": {"team": "x"}},
+    )
     pod = render.worker_pod(h.JOB, "ns", h.UID, spec, 0, default_image="img", default_command=["oobleck", "worker"])
     container = pod["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in container["resources"]["requests"]
@@ -98,14 +102,41 @@ def test_ranks_annotation(h):
 def test_ranks_table_lists_every_gpu_in_order():
     from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
 
-    template = Template(nodes=1, stages=[TemplateStage(start=0, end=1, node=0, gpus=1, gpu_offset=0, forward_ms=1, backward_ms=1),
-                                         TemplateStage(start=1, end=2, node=0, gpus=1, gpu_offset=1, forward_ms=1, backward_ms=1)],
-                        iteration_ms=2, m_ref=1)  # fmt: skip
+    template = Template(
+        nodes=1,
+        stages=[
+            TemplateStage(start=0, end=1, node=0, gpus=1, gpu_offset=0, forward_ms=1, backward_ms=1),
+            TemplateStage(start=1, end=2, node=0, gpus=1, gpu_offset=1, forward_ms=1, backward_ms=1),
+        ],
+        iteration_ms=2,
+        m_ref=1,
+    )
     # Stages out of GPU order and ranks not in layout order: the table still reads GPU 0, 1, 2.
-    stages = [Stage(start=0, end=1, node="a", gpus=[2, 0], ranks=[1, 2]), Stage(start=1, end=2, node="a", gpus=[1], ranks=[0])]
-    plan = Plan(job="j", generation=3, num_layers=2, gpus_per_node=4, f=0, global_microbatches=1, templates=[template],
-                pipelines=[Pipeline(index=0, template_nodes=1, nodes=["a"], microbatches=1, microbatch_offset=0, stages=stages,
-                                    iteration_ms=2)], iteration_ms=2)  # fmt: skip
+    stages = [
+        Stage(start=0, end=1, node="a", gpus=[2, 0], ranks=[1, 2]),
+        Stage(start=1, end=2, node="a", gpus=[1], ranks=[0]),
+    ]
+    plan = Plan(
+        job="j",
+        generation=3,
+        num_layers=2,
+        gpus_per_node=4,
+        f=0,
+        global_microbatches=1,
+        templates=[template],
+        pipelines=[
+            Pipeline(
+                index=0,
+                template_nodes=1,
+                nodes=["a"],
+                microbatches=1,
+                microbatch_offset=0,
+                stages=stages,
+                iteration_ms=2,
+            )
+        ],
+        iteration_ms=2,
+    )
     assert render.ranks_table(plan) == {"a": "2,0,1,"}
     assert render.ranks_value(plan, "a", 4) == "2,0,1,"
 

@@ -29,8 +29,11 @@ def make_template(nodes: int, layer_ms: list[float], gpus: int = 2, comm_ms: flo
     stages = []
     for node, (start, end) in enumerate(zip(bounds, bounds[1:])):
         forward = sum(layer_ms[start:end]) / gpus
-        stages.append(TemplateStage(start=start, end=end, node=node, gpus=gpus, gpu_offset=0,
-                                    forward_ms=forward, backward_ms=2 * forward))
+        stages.append(
+            TemplateStage(
+                start=start, end=end, node=node, gpus=gpus, gpu_offset=0, forward_ms=forward, backward_ms=2 * forward
+            )
+        )
     times = [s.forward_ms + s.backward_ms for s in stages]
     total = sum(times) + 2 * comm_ms * (nodes - 1) + (m_ref - 1) * max(times)
     return Template(nodes=nodes, stages=stages, iteration_ms=total, m_ref=m_ref)
@@ -88,8 +91,12 @@ def problems(draw, max_nodes=24, max_batch=64):
 
 
 def as_arrays(sizes, base, slope, limits):
-    return (np.array(sizes, dtype=np.int64), np.array(base, dtype=np.float64),
-            np.array(slope, dtype=np.float64), np.array(limits, dtype=np.int64))
+    return (
+        np.array(sizes, dtype=np.int64),
+        np.array(base, dtype=np.float64),
+        np.array(slope, dtype=np.float64),
+        np.array(limits, dtype=np.int64),
+    )
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -116,8 +123,10 @@ def test_compiled_solve_equals_reference(problem) -> None:
     sizes, base, slope, limits, n_nodes, kmin, microbatches = problem
     arrays = as_arrays(sizes, base, slope, limits)
     assert compiled.max_pipelines(arrays[0], n_nodes) == reference.max_pipelines(sizes, n_nodes)
-    assert compiled.pipeline_counts(arrays[0], n_nodes, microbatches).tolist() == \
-        reference.pipeline_counts(sizes, n_nodes, microbatches).tolist()
+    assert (
+        compiled.pipeline_counts(arrays[0], n_nodes, microbatches).tolist()
+        == reference.pipeline_counts(sizes, n_nodes, microbatches).tolist()
+    )
     a = compiled.solve(*arrays, n_nodes, kmin, microbatches)
     b = reference.solve(*arrays, n_nodes, kmin, microbatches)
     assert (a is None) == (b is None)
@@ -230,8 +239,15 @@ def test_instantiate_plans_are_valid_and_optimal(n_nodes: int, f: int, microbatc
     small = n_nodes <= 24 and microbatches <= 64
     expected = None
     if small:
-        expected = exhaustive([c.nodes for c in costs], [c.base_ms for c in costs], [c.slope_ms for c in costs],
-                              [c.limit(microbatches) for c in costs], n_nodes, f + 1, microbatches)
+        expected = exhaustive(
+            [c.nodes for c in costs],
+            [c.base_ms for c in costs],
+            [c.slope_ms for c in costs],
+            [c.limit(microbatches) for c in costs],
+            n_nodes,
+            f + 1,
+            microbatches,
+        )
     try:
         plan = instantiate(TEMPLATES, names(n_nodes), f, microbatches, "job")
     except PlanningError as error:
@@ -315,14 +331,17 @@ def profile(kind: str) -> ModelProfile:
         times = [(2.0, 4.0)] * 24
     else:
         times = [(rng.uniform(0.5, 3.0), rng.uniform(1.0, 6.0)) for _ in range(32)]
-    layers = [LayerProfile(forward_ms=f, backward_ms=b, state_bytes=8 << 30, activation_bytes=1 << 27,
-                           output_bytes=1 << 24) for f, b in times]
+    layers = [
+        LayerProfile(forward_ms=f, backward_ms=b, state_bytes=8 << 30, activation_bytes=1 << 27, output_bytes=1 << 24)
+        for f, b in times
+    ]
     return ModelProfile(model=kind, microbatch_size=1, layers=layers)
 
 
 def cluster(nodes: int) -> ClusterShape:
-    return ClusterShape(nodes=nodes, gpus_per_node=4, gpu_memory_bytes=40 << 30,
-                        intra_node_bandwidth=2e11, inter_node_bandwidth=2.5e10)
+    return ClusterShape(
+        nodes=nodes, gpus_per_node=4, gpu_memory_bytes=40 << 30, intra_node_bandwidth=2e11, inter_node_bandwidth=2.5e10
+    )
 
 
 @pytest.mark.parametrize("kind", ["equal24", "random32"])

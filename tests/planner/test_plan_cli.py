@@ -14,14 +14,23 @@ from oobleck.api.profile import ClusterShape, ModelProfile
 from oobleck.cli import main
 from oobleck.planner import plan_job
 
-LAYER = {"forward_ms": 2.0, "backward_ms": 4.0, "state_bytes": 8 << 30, "activation_bytes": 1 << 27,
-         "output_bytes": 1 << 24}
+LAYER = {
+    "forward_ms": 2.0,
+    "backward_ms": 4.0,
+    "state_bytes": 8 << 30,
+    "activation_bytes": 1 << 27,
+    "output_bytes": 1 << 24,
+}
 CLUSTER = ["--nodes", "13", "--gpus-per-node", "4", "--gpu-memory", "40GiB", "--microbatches", "64", "--f", "1"]
 
 
 def write_profile(tmp_path: Path, layers: list[dict] | None = None, **extra) -> Path:
-    document = {"model": "equal24", "microbatch_size": 1,
-                "layers": [dict(LAYER) for _ in range(24)] if layers is None else layers, **extra}
+    document = {
+        "model": "equal24",
+        "microbatch_size": 1,
+        "layers": [dict(LAYER) for _ in range(24)] if layers is None else layers,
+        **extra,
+    }
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(document))
     return path
@@ -41,9 +50,19 @@ def test_table_shows_templates_pipelines_and_split(tmp_path: Path, capsys) -> No
     assert code == 0, err
     assert "generation 0  reason initial" in out
     assert "templates:" in out and "pipelines (" in out
-    plan = plan_job(ModelProfile.model_validate_json((tmp_path / "profile.json").read_text()),
-                    ClusterShape(nodes=13, gpus_per_node=4, gpu_memory_bytes=40 << 30,
-                                 intra_node_bandwidth=100e9, inter_node_bandwidth=12.5e9), 1, 64, "job")
+    plan = plan_job(
+        ModelProfile.model_validate_json((tmp_path / "profile.json").read_text()),
+        ClusterShape(
+            nodes=13,
+            gpus_per_node=4,
+            gpu_memory_bytes=40 << 30,
+            intra_node_bandwidth=100e9,
+            inter_node_bandwidth=12.5e9,
+        ),
+        1,
+        64,
+        "job",
+    )
     for p in plan.pipelines:
         assert f"{p.microbatches:>12} {p.microbatch_offset:>6} {p.iteration_ms:>12.2f}  {','.join(p.nodes)}" in out
 
@@ -53,9 +72,19 @@ def test_json_is_the_plan_document(tmp_path: Path, capsys) -> None:
     assert code == 0
     plan = Plan.model_validate_json(out)
     assert plan.job == "demo" and plan.generation == 0 and sorted(plan.nodes, key=int) == [str(i) for i in range(13)]
-    expected = plan_job(ModelProfile.model_validate_json((tmp_path / "profile.json").read_text()),
-                        ClusterShape(nodes=13, gpus_per_node=4, gpu_memory_bytes=40 << 30,
-                                     intra_node_bandwidth=100e9, inter_node_bandwidth=12.5e9), 1, 64, "demo")
+    expected = plan_job(
+        ModelProfile.model_validate_json((tmp_path / "profile.json").read_text()),
+        ClusterShape(
+            nodes=13,
+            gpus_per_node=4,
+            gpu_memory_bytes=40 << 30,
+            intra_node_bandwidth=100e9,
+            inter_node_bandwidth=12.5e9,
+        ),
+        1,
+        64,
+        "demo",
+    )
     assert out.strip() == expected.to_json()
     # Deterministic: a second run prints the same bytes.
     assert run(capsys, str(write_profile(tmp_path)), *CLUSTER, "--json", "--job", "demo")[1] == out
@@ -84,7 +113,11 @@ def layers_with(index: int, **change) -> list[dict]:
 @pytest.mark.parametrize(
     ("profile", "argv", "field"),
     [
-        (dict(layers=layers_with(3, forward_ms=-1.0)), CLUSTER, "profile: layers.3.forward_ms: Input should be greater than or equal to 0"),
+        (
+            dict(layers=layers_with(3, forward_ms=-1.0)),
+            CLUSTER,
+            "profile: layers.3.forward_ms: Input should be greater than or equal to 0",
+        ),
         (dict(layers=layers_with(5, backward_ms=None)), CLUSTER, "profile: layers.5.backward_ms: Field required"),
         (dict(layers=[]), CLUSTER, "profile: layers: List should have at least 1 item"),
         (dict(layers=[dict(LAYER, forward_ms=0.0, backward_ms=0.0)]), CLUSTER, "forward_ms + backward_ms"),
@@ -127,10 +160,16 @@ def test_losing_every_replica_exits_1(tmp_path: Path, capsys) -> None:
 
 def test_console_entry_point(tmp_path: Path) -> None:
     profile = write_profile(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "oobleck.cli", "plan", str(profile), *CLUSTER, "--lost", "3"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "oobleck.cli", "plan", str(profile), *CLUSTER, "--lost", "3"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert "generation 1" in done.stdout
-    done = subprocess.run([sys.executable, "-m", "oobleck.cli", "plan", str(profile), *CLUSTER, "--nodes", "-4"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "oobleck.cli", "plan", str(profile), *CLUSTER, "--nodes", "-4"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "--nodes" in done.stderr

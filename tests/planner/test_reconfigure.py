@@ -27,8 +27,17 @@ def make_template(nodes: int, layer_ms: list[float], comm_ms: float = 0.25, m_re
     stages = []
     for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
         forward = sum(layer_ms[start:end])
-        stages.append(TemplateStage(start=start, end=end, node=index // GPUS, gpus=1, gpu_offset=index % GPUS,
-                                    forward_ms=forward, backward_ms=2 * forward))
+        stages.append(
+            TemplateStage(
+                start=start,
+                end=end,
+                node=index // GPUS,
+                gpus=1,
+                gpu_offset=index % GPUS,
+                forward_ms=forward,
+                backward_ms=2 * forward,
+            )
+        )
     times = [s.forward_ms + s.backward_ms for s in stages]
     total = sum(times) + 2 * comm_ms * (parts - 1) + (m_ref - 1) * max(times)
     return Template(nodes=nodes, stages=stages, iteration_ms=total, m_ref=m_ref)
@@ -38,8 +47,12 @@ LAYERS = 18  # a 3-node pipeline then beats a 2-node one per node: 4 x 3 nodes o
 PROFILE = ModelProfile(
     model="test",
     microbatch_size=1,
-    layers=[LayerProfile(forward_ms=1.0, backward_ms=2.0, state_bytes=(i + 1) << 20, activation_bytes=1 << 20,
-                         output_bytes=1 << 16) for i in range(LAYERS)],
+    layers=[
+        LayerProfile(
+            forward_ms=1.0, backward_ms=2.0, state_bytes=(i + 1) << 20, activation_bytes=1 << 20, output_bytes=1 << 16
+        )
+        for i in range(LAYERS)
+    ],
 )
 TEMPLATES = [make_template(n, [1.0] * LAYERS) for n in (2, 3)]
 
@@ -261,7 +274,6 @@ def test_any_loss_gives_a_valid_plan_or_names_the_lost_layers(n_nodes, f, microb
     event(f"reconfigured: {after.reason}")
 
 
-
 # ---------------------------------------------------------------- reported holdings
 
 
@@ -272,8 +284,12 @@ def layout(plan: Plan, without: tuple[str, ...] = ()) -> dict[tuple[str, int], s
 
 def check_copies(after: Plan, held: dict[tuple[str, int], set[int]]) -> None:
     """The copy plan against what the GPUs really hold: exactly the missing layers, from real holders."""
-    expected = {(a.rank, layer) for a in after.ranks for layer in range(a.start, a.end)
-                if layer not in held.get((a.node, a.gpu), set())}
+    expected = {
+        (a.rank, layer)
+        for a in after.ranks
+        for layer in range(a.start, a.end)
+        if layer not in held.get((a.node, a.gpu), set())
+    }
     got = [(c.dst_rank, c.layer) for c in after.copies]
     assert sorted(got) == sorted(expected) and len(got) == len(set(got)), "exactly the missing layers are copied"
     sent: dict[int, int] = {}
@@ -290,8 +306,9 @@ def test_plan_holdings_give_the_same_plan_as_none() -> None:
     plain = reconfigure(before, TEMPLATES, PROFILE, lost=["4", "9"], bandwidth=BANDWIDTH)
     held = layout(before, without=("4", "9"))
     for engine in ("compiled", "reference"):
-        told = reconfigure(before, TEMPLATES, PROFILE, lost=["4", "9"], bandwidth=BANDWIDTH, engine=engine,
-                           holdings=held)
+        told = reconfigure(
+            before, TEMPLATES, PROFILE, lost=["4", "9"], bandwidth=BANDWIDTH, engine=engine, holdings=held
+        )
         assert told.to_json() == plain.to_json()
 
 
@@ -305,8 +322,9 @@ def test_an_interrupted_receiver_is_no_source_and_gets_its_copies() -> None:
     held = layout(middle, without=("1",))
     for key in receivers:
         held[key] = set(layout(before)[key])
-    lacking = {(node, gpu, layer) for (node, gpu) in receivers
-               for layer in layout(middle)[(node, gpu)] - held[(node, gpu)]}
+    lacking = {
+        (node, gpu, layer) for (node, gpu) in receivers for layer in layout(middle)[(node, gpu)] - held[(node, gpu)]
+    }
     # Trusting the plan in force, receivers would send layers they lack, and nobody would send them theirs.
     believed = reconfigure(middle, TEMPLATES, PROFILE, lost=["1"], bandwidth=BANDWIDTH)
     assert any((c.src_node, c.src_gpu, c.layer) in lacking for c in believed.copies)
@@ -386,7 +404,8 @@ def test_any_reported_holdings_give_copies_from_real_holders(n_nodes, data) -> N
     held = layout(before, without=tuple(lost))
     for key in sorted(held):
         held[key] = (held[key] - data.draw(st.sets(st.integers(0, LAYERS - 1), max_size=3))) | data.draw(
-            st.sets(st.integers(0, LAYERS - 1), max_size=2))
+            st.sets(st.integers(0, LAYERS - 1), max_size=2)
+        )
     orphaned = [l for l in range(LAYERS) if not any(l in layers for layers in held.values())]
     try:
         after = reconfigure(before, TEMPLATES, PROFILE, lost=lost, bandwidth=BANDWIDTH, holdings=held)
@@ -398,8 +417,9 @@ def test_any_reported_holdings_give_copies_from_real_holders(n_nodes, data) -> N
         return
     assert not orphaned
     check_copies(after, held)
-    reference = reconfigure(before, TEMPLATES, PROFILE, lost=lost, bandwidth=BANDWIDTH, holdings=held,
-                            engine="reference")
+    reference = reconfigure(
+        before, TEMPLATES, PROFILE, lost=lost, bandwidth=BANDWIDTH, holdings=held, engine="reference"
+    )
     assert reference.to_json() == after.to_json()
 
 
@@ -408,11 +428,20 @@ def test_any_reported_holdings_give_copies_from_real_holders(n_nodes, data) -> N
 
 def test_generated_templates_scenario() -> None:
     rng = random.Random(5)
-    layers = [LayerProfile(forward_ms=rng.uniform(0.5, 3.0), backward_ms=rng.uniform(1.0, 6.0), state_bytes=8 << 30,
-                           activation_bytes=1 << 27, output_bytes=1 << 24) for _ in range(32)]
+    layers = [
+        LayerProfile(
+            forward_ms=rng.uniform(0.5, 3.0),
+            backward_ms=rng.uniform(1.0, 6.0),
+            state_bytes=8 << 30,
+            activation_bytes=1 << 27,
+            output_bytes=1 << 24,
+        )
+        for _ in range(32)
+    ]
     profile = ModelProfile(model="random32", microbatch_size=1, layers=layers)
-    cluster = ClusterShape(nodes=21, gpus_per_node=4, gpu_memory_bytes=40 << 30,
-                           intra_node_bandwidth=2e11, inter_node_bandwidth=2.5e10)
+    cluster = ClusterShape(
+        nodes=21, gpus_per_node=4, gpu_memory_bytes=40 << 30, intra_node_bandwidth=2e11, inter_node_bandwidth=2.5e10
+    )
     templates = generate_templates(profile, cluster, f=3)
     before = instantiate(templates, names(21), 3, 64, "job")
     for lost in (["3"], ["3", "7"], ["0", "5", "10", "15"]):
@@ -427,22 +456,27 @@ def test_a_thousand_nodes_compiled_and_reference_agree() -> None:
     from oobleck.planner.synthetic import GPT3, gpt_profile
 
     profile = gpt_profile(GPT3["gpt3-175b"], seq_len=2048, microbatch_size=1, gpu_flops=400e12, hbm_bandwidth=3.35e12)
-    cluster = ClusterShape(nodes=1024, gpus_per_node=8, gpu_memory_bytes=80 << 30,
-                           intra_node_bandwidth=450e9, inter_node_bandwidth=50e9)
+    cluster = ClusterShape(
+        nodes=1024, gpus_per_node=8, gpu_memory_bytes=80 << 30, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9
+    )
     templates = generate_templates(profile, cluster, f=3, m_ref=32)
     plans = [instantiate(templates, names(1024), 3, 1536, "big", engine=e) for e in ("compiled", "reference")]
     assert plans[0].to_json() == plans[1].to_json()
     before = plans[0]
     assert sorted(before.nodes, key=int) == names(1024) and before.world_size == 8192
     lost = [p.nodes[-1] for p in before.pipelines[::6]]
-    after = [reconfigure(before, templates, profile, lost=lost, bandwidth=50e9, engine=e) for e in ("compiled", "reference")]
+    after = [
+        reconfigure(before, templates, profile, lost=lost, bandwidth=50e9, engine=e) for e in ("compiled", "reference")
+    ]
     assert after[0].to_json() == after[1].to_json()
     next_plan = after[0]
     assert sorted(next_plan.nodes) == sorted(n for n in names(1024) if n not in lost)
     assert len(next_plan.pipelines) >= 4 and sum(p.microbatches for p in next_plan.pipelines) == 1536
     held = {(a.node, a.gpu): (a.start, a.end) for a in before.ranks if a.node not in lost}
     missing = sum(
-        1 for a in next_plan.ranks for layer in range(a.start, a.end)
+        1
+        for a in next_plan.ranks
+        for layer in range(a.start, a.end)
         if not held.get((a.node, a.gpu), (0, 0))[0] <= layer < held.get((a.node, a.gpu), (0, 0))[1]
     )
     assert len(next_plan.copies) == missing

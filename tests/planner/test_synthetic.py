@@ -28,7 +28,9 @@ def test_parameter_counts_match_the_gpt3_paper(name, billions):
 
 def test_block_figures_follow_the_formulas():
     b, s, h, a = 2, 1024, 2048, 16
-    compute_bound = gpt_profile(GPTShape(blocks=1, hidden=h, heads=a), seq_len=s, microbatch_size=b, gpu_flops=1e12, hbm_bandwidth=1e18)
+    compute_bound = gpt_profile(
+        GPTShape(blocks=1, hidden=h, heads=a), seq_len=s, microbatch_size=b, gpu_flops=1e12, hbm_bandwidth=1e18
+    )
     block = compute_bound.layers[1]
     flops = 24 * b * s * h * h + 4 * b * s * s * h
     assert block.forward_ms == pytest.approx(flops / 1e12 * 1e3)
@@ -38,7 +40,9 @@ def test_block_figures_follow_the_formulas():
     assert block.state_bytes == 16 * (12 * h * h + 13 * h)
     head = compute_bound.layers[-1]
     assert head.output_bytes == 0 and head.forward_ms == pytest.approx(2 * b * s * h * 50257 / 1e12 * 1e3)
-    memory_bound = gpt_profile(GPTShape(blocks=1, hidden=h, heads=a), seq_len=s, microbatch_size=b, gpu_flops=1e18, hbm_bandwidth=1e9)
+    memory_bound = gpt_profile(
+        GPTShape(blocks=1, hidden=h, heads=a), seq_len=s, microbatch_size=b, gpu_flops=1e18, hbm_bandwidth=1e9
+    )
     block = memory_bound.layers[1]
     assert block.forward_ms == pytest.approx((2 * (12 * h * h + 13 * h) + block.activation_bytes) / 1e9 * 1e3)
     embedding = memory_bound.layers[0]
@@ -53,7 +57,9 @@ def test_larger_microbatches_cost_proportionally_more(name, b, s):
     for x, y in zip(one.layers[1:], two.layers[1:]):  # compute bound: time, activations and outputs double
         assert y.forward_ms == pytest.approx(2 * x.forward_ms) and y.activation_bytes == 2 * x.activation_bytes
         assert y.output_bytes == 2 * x.output_bytes and y.state_bytes == x.state_bytes
-    assert gpt_profile(GPT3[name], seq_len=s, microbatch_size=b, **H100) == gpt_profile(GPT3[name], seq_len=s, microbatch_size=b, **H100)
+    assert gpt_profile(GPT3[name], seq_len=s, microbatch_size=b, **H100) == gpt_profile(
+        GPT3[name], seq_len=s, microbatch_size=b, **H100
+    )
 
 
 @pytest.mark.parametrize(
@@ -75,12 +81,16 @@ def test_bad_arguments_name_the_field(shape, kwargs, field):
 
 def test_the_planner_plans_a_synthetic_model():
     profile = gpt_profile(GPT3["gpt3-6.7b"], seq_len=2048, microbatch_size=1, **H100)
-    cluster = ClusterShape(nodes=13, gpus_per_node=1, gpu_memory_bytes=40 * 2**30, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9)
+    cluster = ClusterShape(
+        nodes=13, gpus_per_node=1, gpu_memory_bytes=40 * 2**30, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9
+    )
     templates = T.generate_templates(profile, cluster, f=1)
     n0 = templates[0].nodes
     assert n0 > 1  # 107 GB of training state does not fit one 40 GiB GPU
     assert [t.nodes for t in templates] == list(range(n0, min(2 * n0 - 1, 13) + 1))
-    assert all(a.iteration_ms >= b.iteration_ms for a, b in zip(templates, templates[1:]))  # more nodes, never slower here
+    assert all(
+        a.iteration_ms >= b.iteration_ms for a, b in zip(templates, templates[1:])
+    )  # more nodes, never slower here
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +111,10 @@ def test_profile_file_errors_name_the_problem(tmp_path):
     with pytest.raises(ProfileError, match=r"p\.json: not JSON"):
         parse_profile("{", "p.json")
     text = dump_profile(gpt_profile(GPT3["gpt3-350m"], seq_len=1024, microbatch_size=1, **H100))
-    with pytest.raises(ProfileError, match=r"p\.json: layers\.0\.forward_ms: Input should be greater than or equal to 0; .*; layers\.3\.forward_ms"):
+    with pytest.raises(
+        ProfileError,
+        match=r"p\.json: layers\.0\.forward_ms: Input should be greater than or equal to 0; .*; layers\.3\.forward_ms",
+    ):
         parse_profile(text.replace('"forward_ms": ', '"forward_ms": -', 4), "p.json")
     with pytest.raises(ProfileError, match=r"layers\.0\.flops: Extra inputs are not permitted"):
         parse_profile(text.replace('"name": "embedding"', '"flops": 1, "name": "embedding"'), "p.json")

@@ -56,7 +56,10 @@ def brute_force(profile: ModelProfile, cluster: ClusterShape, nodes: int, m: int
             if not fits:
                 continue
             total = sum(times) + sum(
-                comm(bounds[s + 1] - 1, cluster.inter_node_bandwidth if node_of[s] != node_of[s + 1] else cluster.intra_node_bandwidth)
+                comm(
+                    bounds[s + 1] - 1,
+                    cluster.inter_node_bandwidth if node_of[s] != node_of[s + 1] else cluster.intra_node_bandwidth,
+                )
                 for s in range(S - 1)
             )
             key = (total + (m - 1) * max(times), max(times), [(bounds[s + 1], -gpus[s]) for s in range(S)])
@@ -122,24 +125,40 @@ def test_compiled_equals_reference(case):
 
 def test_tie_break_earliest_end_then_more_gpus():
     """Only the last layer costs anything: every split of the free layers ties; the documented order decides."""
-    layers = [LayerProfile(forward_ms=float(k == 3), backward_ms=0, state_bytes=1, activation_bytes=0, output_bytes=0) for k in range(4)]
+    layers = [
+        LayerProfile(forward_ms=float(k == 3), backward_ms=0, state_bytes=1, activation_bytes=0, output_bytes=0)
+        for k in range(4)
+    ]
     profile = ModelProfile(model="ties", microbatch_size=1, layers=layers)
-    cluster = ClusterShape(nodes=2, gpus_per_node=2, gpu_memory_bytes=10, intra_node_bandwidth=1e9, inter_node_bandwidth=1e9)
+    cluster = ClusterShape(
+        nodes=2, gpus_per_node=2, gpu_memory_bytes=10, intra_node_bandwidth=1e9, inter_node_bandwidth=1e9
+    )
     template = T.best_template(profile, cluster, 2, m_ref=4)
     assert [(s.start, s.end, s.gpus) for s in template.stages] == [(0, 1, 2), (1, 4, 2)]
     assert brute_force(profile, cluster, 2, 4)[2:] == ((1, 4), (2, 2))
     assert search_layouts_ref(T.cost_tables(profile, cluster, 4), 2)[2].gpus == (2, 2)
-    tight = cluster.model_copy(update={"gpu_memory_bytes": 2})  # <= 2 layers per stage: node 0 holds [0, 2), earliest end first
-    assert [(s.start, s.end, s.gpus) for s in T.best_template(profile, tight, 2, m_ref=4).stages] == [(0, 1, 1), (1, 2, 1), (2, 4, 2)]
+    tight = cluster.model_copy(
+        update={"gpu_memory_bytes": 2}
+    )  # <= 2 layers per stage: node 0 holds [0, 2), earliest end first
+    assert [(s.start, s.end, s.gpus) for s in T.best_template(profile, tight, 2, m_ref=4).stages] == [
+        (0, 1, 1),
+        (1, 2, 1),
+        (2, 4, 2),
+    ]
 
 
 def test_exact_where_one_best_suffix_per_state_is_not():
     """Layer times 1,1,4 / 1 GPU per node / 2 nodes, m = 3: a split minimising the sum is not the best."""
-    layers = [LayerProfile(forward_ms=t, backward_ms=0, state_bytes=0, activation_bytes=0, output_bytes=o) for t, o in ((1, 0), (1, 10**6), (4, 0))]
+    layers = [
+        LayerProfile(forward_ms=t, backward_ms=0, state_bytes=0, activation_bytes=0, output_bytes=o)
+        for t, o in ((1, 0), (1, 10**6), (4, 0))
+    ]
     profile = ModelProfile(model="skew", microbatch_size=1, layers=layers)
     # Boundary after layer 0 is free, after layer 1 costs 2 * 10^6 / 10^6 s = 2000 ms: [0,1)[1,3) totals 6 with peak 5,
     # [0,2)[2,3) totals 2006 with peak 4: T(3) = 16 vs 2014; with m = 1000, 5001 + ... loses to 2006 + 999*4.
-    cluster = ClusterShape(nodes=2, gpus_per_node=1, gpu_memory_bytes=1, intra_node_bandwidth=1e6, inter_node_bandwidth=1e6)
+    cluster = ClusterShape(
+        nodes=2, gpus_per_node=1, gpu_memory_bytes=1, intra_node_bandwidth=1e6, inter_node_bandwidth=1e6
+    )
     assert [(s.start, s.end) for s in T.best_template(profile, cluster, 2, m_ref=3).stages] == [(0, 1), (1, 3)]
     assert [(s.start, s.end) for s in T.best_template(profile, cluster, 2, m_ref=3000).stages] == [(0, 2), (2, 3)]
 
@@ -239,7 +258,9 @@ def gpt_like(L: int, rng: random.Random | None = None, state: int = 2 * 10**9) -
 
 
 def cluster_of(N: int, G: int = 1, memory: int = 16 * 10**9) -> ClusterShape:
-    return ClusterShape(nodes=N, gpus_per_node=G, gpu_memory_bytes=memory, intra_node_bandwidth=2e11, inter_node_bandwidth=2.5e10)
+    return ClusterShape(
+        nodes=N, gpus_per_node=G, gpu_memory_bytes=memory, intra_node_bandwidth=2e11, inter_node_bandwidth=2.5e10
+    )
 
 
 # Oobleck's evaluation shapes: a 24-layer model with equal layers and a 32-layer model with random times.
@@ -274,7 +295,9 @@ def test_oobleck_scenarios(model, N, f):
 def test_eight_gpu_nodes_split_only_for_memory():
     profile = gpt_like(32, random.Random(3))
     roomy = T.all_templates(profile, cluster_of(8, G=8, memory=10**12))
-    assert all(len(t.stages) == t.nodes and all(s.gpus == 8 for s in t.stages) for t in roomy)  # splitting a node never speeds up
+    assert all(
+        len(t.stages) == t.nodes and all(s.gpus == 8 for s in t.stages) for t in roomy
+    )  # splitting a node never speeds up
     tight = T.all_templates(profile, cluster_of(8, G=8, memory=16 * 10**9))
     assert tight[0].nodes == 1 and len(tight[0].stages) > 1  # 64 GB of state fits one node only split into stages
     for template in tight:
@@ -291,7 +314,9 @@ def test_errors_name_the_numbers():
         T.generate_templates(profile, cluster_of(7), 1)
     with pytest.raises(PlanningError, match=r"N = 3 nodes .* n0 = 4"):
         T.generate_templates(profile, cluster_of(3), 0)
-    with pytest.raises(PlanningError, match=r"layer 0 alone needs .* 2200000000 bytes per GPU .* gpu_memory_bytes is 2000000000"):
+    with pytest.raises(
+        PlanningError, match=r"layer 0 alone needs .* 2200000000 bytes per GPU .* gpu_memory_bytes is 2000000000"
+    ):
         T.min_nodes(profile, cluster_of(3, memory=2 * 10**9))
     with pytest.raises(PlanningError, match="no template of 2 nodes fits"):
         T.best_template(profile, cluster_of(3), 2)
@@ -300,7 +325,16 @@ def test_errors_name_the_numbers():
     with pytest.raises(PlanningError, match="f: must be >= 0, got -1"):
         T.generate_templates(profile, cluster_of(3), -1)
     with pytest.raises(PlanningError, match=r"too large for exact planning: T\(m_ref\)"):
-        T.cost_tables(ModelProfile(model="huge", microbatch_size=1, layers=[LayerProfile(forward_ms=1e15, backward_ms=0, state_bytes=0, activation_bytes=0, output_bytes=0)]), cluster_of(1))
+        T.cost_tables(
+            ModelProfile(
+                model="huge",
+                microbatch_size=1,
+                layers=[
+                    LayerProfile(forward_ms=1e15, backward_ms=0, state_bytes=0, activation_bytes=0, output_bytes=0)
+                ],
+            ),
+            cluster_of(1),
+        )
 
 
 def test_same_inputs_same_bytes():
@@ -318,8 +352,22 @@ def test_compiled_boundary_rejects_bad_shapes():
     tables = T.cost_tables(gpt_like(4), cluster_of(2))
     out = lambda *shape, t=np.int64: np.zeros(shape, dtype=t)  # noqa: E731
     with pytest.raises(ValueError, match=r"ends: length 2, expected 3"):
-        _templates.search(tables.time_pf, tables.state_pf, tables.act_pf, tables.comm_intra, tables.comm_inter, 1, 2, 4, 10**10,
-                          out(3), out(3), out(3, t=np.int32), out(2, 4, t=np.int32), out(3, 4, t=np.int32))  # fmt: skip
+        _templates.search(
+            tables.time_pf,
+            tables.state_pf,
+            tables.act_pf,
+            tables.comm_intra,
+            tables.comm_inter,
+            1,
+            2,
+            4,
+            10**10,
+            out(3),
+            out(3),
+            out(3, t=np.int32),
+            out(2, 4, t=np.int32),
+            out(3, 4, t=np.int32),
+        )
 
 
 # The compiled core prunes with upper bounds and caps positions at a derived K; the reference does neither.
@@ -330,8 +378,20 @@ def test_compiled_boundary_rejects_bad_shapes():
 def test_compiled_equals_reference_on_gpt_profiles(memory_gib, m):
     from oobleck.planner.synthetic import GPTShape, gpt_profile
 
-    profile = gpt_profile(GPTShape(blocks=10, hidden=2048, heads=16), seq_len=2048, microbatch_size=2, gpu_flops=4e14, hbm_bandwidth=3.35e12)
-    cluster = ClusterShape(nodes=4, gpus_per_node=8, gpu_memory_bytes=memory_gib * 2**30, intra_node_bandwidth=4.5e11, inter_node_bandwidth=5e10)
+    profile = gpt_profile(
+        GPTShape(blocks=10, hidden=2048, heads=16),
+        seq_len=2048,
+        microbatch_size=2,
+        gpu_flops=4e14,
+        hbm_bandwidth=3.35e12,
+    )
+    cluster = ClusterShape(
+        nodes=4,
+        gpus_per_node=8,
+        gpu_memory_bytes=memory_gib * 2**30,
+        intra_node_bandwidth=4.5e11,
+        inter_node_bandwidth=5e10,
+    )
     tables = T.cost_tables(profile, cluster, m)
     compiled = T.search_layouts(tables, 4)
     assert compiled == search_layouts_ref(tables, 4)

@@ -49,25 +49,43 @@ def make_plan(
         node_counter += count
         used = [0] * count
         stages, template_stages = [], []
-        for stage_index, (start, end, node, gpus) in enumerate(spec.stages):
+        for _stage_index, (start, end, node, gpus) in enumerate(spec.stages):
             stage_ranks = list(range(rank, rank + gpus))
             rank += gpus
             gpu_ids = list(range(used[node], used[node] + gpus))
             template_stages.append(
-                TemplateStage(start=start, end=end, node=node, gpus=gpus, gpu_offset=used[node], forward_ms=1, backward_ms=2)
+                TemplateStage(
+                    start=start, end=end, node=node, gpus=gpus, gpu_offset=used[node], forward_ms=1, backward_ms=2
+                )
             )
             used[node] += gpus
             stages.append(Stage(start=start, end=end, node=names[node], gpus=gpu_ids, ranks=stage_ranks))
-        templates.setdefault(count, Template(nodes=count, stages=template_stages, iteration_ms=1, m_ref=spec.microbatches))
+        templates.setdefault(
+            count, Template(nodes=count, stages=template_stages, iteration_ms=1, m_ref=spec.microbatches)
+        )
         pipelines.append(
-            Pipeline(index=index, template_nodes=count, nodes=names, microbatches=spec.microbatches,
-                     microbatch_offset=offset, stages=stages, iteration_ms=1)
+            Pipeline(
+                index=index,
+                template_nodes=count,
+                nodes=names,
+                microbatches=spec.microbatches,
+                microbatch_offset=offset,
+                stages=stages,
+                iteration_ms=1,
+            )
         )
         offset += spec.microbatches
     return Plan(
-        job=job, generation=generation, num_layers=num_layers, gpus_per_node=gpus_per_node, f=f,
-        global_microbatches=offset, templates=list(templates.values()), pipelines=pipelines,
-        copies=[LayerCopy(**c) for c in copies or []], iteration_ms=1,
+        job=job,
+        generation=generation,
+        num_layers=num_layers,
+        gpus_per_node=gpus_per_node,
+        f=f,
+        global_microbatches=offset,
+        templates=list(templates.values()),
+        pipelines=pipelines,
+        copies=[LayerCopy(**c) for c in copies or []],
+        iteration_ms=1,
     )
 
 
@@ -91,12 +109,37 @@ def run_workers(tmp: Path, config: WorkerConfig, plan: Plan, timeout: float = 12
     processes = []
     for assignment in plan.ranks:
         log = open(tmp / f"rank{assignment.rank}.log", "w")
-        processes.append((assignment.rank, log, subprocess.Popen(
-            [sys.executable, "-m", "oobleck.runtime", "worker", "--config", str(tmp / "config.json"),
-             "--plan", str(tmp / "plan.json"), "--store", f"127.0.0.1:{store.port}", "--node", assignment.node,
-             "--gpu", str(assignment.gpu), "--losses", str(losses), "--dump", str(tmp / f"rank{assignment.rank}.pt")],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        )))
+        processes.append(
+            (
+                assignment.rank,
+                log,
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "oobleck.runtime",
+                        "worker",
+                        "--config",
+                        str(tmp / "config.json"),
+                        "--plan",
+                        str(tmp / "plan.json"),
+                        "--store",
+                        f"127.0.0.1:{store.port}",
+                        "--node",
+                        assignment.node,
+                        "--gpu",
+                        str(assignment.gpu),
+                        "--losses",
+                        str(losses),
+                        "--dump",
+                        str(tmp / f"rank{assignment.rank}.pt"),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                ),
+            )
+        )
     deadline = time.monotonic() + timeout
     failures = []
     for rank, log, process in processes:
@@ -152,9 +195,23 @@ class LaunchKit:
     def launch(workdir: Path, *args: str, timeout: float = 400) -> tuple[int, dict, str]:
         summary = workdir / "summary.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "oobleck.cli", "launch", "--workdir", str(workdir), "--summary", str(summary),
-             "--timeout", str(timeout - 30), *args],
-            capture_output=True, text=True, timeout=timeout, env=LAUNCH_ENV,
+            [
+                sys.executable,
+                "-m",
+                "oobleck.cli",
+                "launch",
+                "--workdir",
+                str(workdir),
+                "--summary",
+                str(summary),
+                "--timeout",
+                str(timeout - 30),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=LAUNCH_ENV,
         )
         data = json.loads(summary.read_text()) if summary.exists() else {}
         return proc.returncode, data, proc.stdout + proc.stderr[-4000:]

@@ -30,7 +30,9 @@ def main(argv: list[str]) -> int:
             plan = Plan.model_validate_json(handle.read())
         result = worker.run_generation(plan, int(until))
         if result.status != "done":
-            raise SystemExit(f"generation {plan.generation} ended {result.status} at step {result.step}: {result.error}")
+            raise SystemExit(
+                f"generation {plan.generation} ended {result.status} at step {result.step}: {result.error}"
+            )
     torch.save(worker.layer_state(), dump)
     return 0
 

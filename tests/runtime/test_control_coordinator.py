@@ -126,7 +126,10 @@ def test_module_entry_point_serves_until_sigterm(tmp_path):
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "oobleck.runtime.coordinator", "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         line = json.loads(proc.stdout.readline())

@@ -43,7 +43,10 @@ GROUP = pytest.mark.xdist_group("control-processes")
 def _spawn(port: int, worker: str, peers: list[str], *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, __file__, "--port", str(port), "--worker", worker, "--peers", ",".join(peers), *extra],
-        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
     )
 
 
@@ -183,8 +186,12 @@ def test_a_peer_death_breaks_a_gloo_collective_fast_and_is_classified_as_a_failu
     with Coordinator() as coordinator:
         store = coordinator.store()
         procs = [
-            subprocess.Popen([sys.executable, __file__, "--gloo-pair", str(r), "--port", str(coordinator.port)],
-                             env=ENV, stderr=subprocess.DEVNULL, start_new_session=True)
+            subprocess.Popen(
+                [sys.executable, __file__, "--gloo-pair", str(r), "--port", str(coordinator.port)],
+                env=ENV,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             for r in range(2)
         ]
         try:
@@ -206,8 +213,13 @@ def test_signal_and_trigger_report_once_per_generation():
     reports: list[FailureReport] = []
     with Coordinator() as coordinator:
         detector = FailureDetector(
-            "job", "node0:0", "127.0.0.1", coordinator.port,
-            reporter=CallbackFailureReporter(reports.append), store_timeouts=FAST, gpu_probe=lambda: [],
+            "job",
+            "node0:0",
+            "127.0.0.1",
+            coordinator.port,
+            reporter=CallbackFailureReporter(reports.append),
+            store_timeouts=FAST,
+            gpu_probe=lambda: [],
         )
         detector.watch(2, ["node0:0", "node1:0"])
         assert detector.signal(ValueError("shape mismatch")) is False
@@ -230,8 +242,12 @@ def test_an_unhealthy_gpu_reports_its_own_worker():
     reports: list[FailureReport] = []
     with Coordinator() as coordinator:
         detector = FailureDetector(
-            "job", "node0:0", "127.0.0.1", coordinator.port,
-            reporter=CallbackFailureReporter(reports.append), store_timeouts=FAST,
+            "job",
+            "node0:0",
+            "127.0.0.1",
+            coordinator.port,
+            reporter=CallbackFailureReporter(reports.append),
+            store_timeouts=FAST,
             timeouts=HealthTimeouts(gpu_probe_period_s=0.05),
             gpu_probe=lambda: [GpuHealth(0, True), GpuHealth(1, False, "uncorrected ECC errors: 3")],
         ).start()
@@ -272,8 +288,12 @@ def _worker_main(argv: list[str]) -> int:
         _gloo_pair(args.gloo_pair, args.port)
         return 0
     detector = FailureDetector(
-        "test", args.worker, "127.0.0.1", args.port,
-        timeouts=HealthTimeouts(dead_after_s=args.dead_after), store_timeouts=FAST,
+        "test",
+        args.worker,
+        "127.0.0.1",
+        args.port,
+        timeouts=HealthTimeouts(dead_after_s=args.dead_after),
+        store_timeouts=FAST,
     ).start()
     store, _ = connect("127.0.0.1", args.port, FAST)
     generation = 0

@@ -16,15 +16,25 @@ import time
 
 import pytest
 
-
 # Serial within one xdist worker (make test uses --dist loadgroup): each test runs 4-8 processes,
 # and two at once on a small machine starve heartbeats.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-processes")]
 
 
 def test_a_job_without_faults_matches_the_reference(kit, tmp_path):
-    code, summary, output = kit.launch(tmp_path, "--nodes", "4", "--f", "1", "--steps", "6", "--microbatches", "8",
-                                   "--gpu-memory", str(kit.PIPELINED_MEMORY))
+    code, summary, output = kit.launch(
+        tmp_path,
+        "--nodes",
+        "4",
+        "--f",
+        "1",
+        "--steps",
+        "6",
+        "--microbatches",
+        "8",
+        "--gpu-memory",
+        str(kit.PIPELINED_MEMORY),
+    )
     assert code == 0, output
     assert summary["ok"] and summary["generations"] == 1 and summary["reconfigurations"] == []
     kit.check_against_reference(tmp_path, summary, 8)
@@ -38,9 +48,27 @@ def test_kill_rank_reconfigures_and_finishes_every_step_exactly(kit, tmp_path, d
     Plan: two pipelines node0-node1 and node2-node3 with stages [0, 3) [3, 6); node1 dies; the
     survivors form one 3-node pipeline [0, 2) [2, 4) [4, 6), for which layer 3 must be copied.
     """
-    code, summary, output = kit.launch(tmp_path, "--nodes", "4", "--f", "1", "--steps", "10", "--microbatches", "8",
-                                   "--gpu-memory", str(kit.PIPELINED_MEMORY), "--profile", str(uniform_profile),
-                                   "--kill-rank", "1", "--at-step", "4", "--kill-delay", delay)
+    code, summary, output = kit.launch(
+        tmp_path,
+        "--nodes",
+        "4",
+        "--f",
+        "1",
+        "--steps",
+        "10",
+        "--microbatches",
+        "8",
+        "--gpu-memory",
+        str(kit.PIPELINED_MEMORY),
+        "--profile",
+        str(uniform_profile),
+        "--kill-rank",
+        "1",
+        "--at-step",
+        "4",
+        "--kill-delay",
+        delay,
+    )
     assert code == 0, output
     print(output.split("\n\n")[-1][-1500:])
     assert summary["ok"] and summary["steps"] == 10
@@ -57,9 +85,26 @@ def test_kill_rank_reconfigures_and_finishes_every_step_exactly(kit, tmp_path, d
 
 def test_heartbeats_alone_detect_the_kill(kit, tmp_path):
     """Without the launcher's process-exit signal, the survivors' heartbeat watchers find the dead worker."""
-    code, summary, output = kit.launch(tmp_path, "--nodes", "4", "--f", "1", "--steps", "8", "--microbatches", "8",
-                                   "--gpu-memory", str(kit.PIPELINED_MEMORY), "--kill-rank", "2", "--at-step", "3",
-                                   "--heartbeats-only", "--dead-after", "3")
+    code, summary, output = kit.launch(
+        tmp_path,
+        "--nodes",
+        "4",
+        "--f",
+        "1",
+        "--steps",
+        "8",
+        "--microbatches",
+        "8",
+        "--gpu-memory",
+        str(kit.PIPELINED_MEMORY),
+        "--kill-rank",
+        "2",
+        "--at-step",
+        "3",
+        "--heartbeats-only",
+        "--dead-after",
+        "3",
+    )
     assert code == 0, output
     [reconfiguration] = summary["reconfigurations"]
     assert reconfiguration["lost"] == ["node2"]
@@ -71,9 +116,26 @@ def test_heartbeats_alone_detect_the_kill(kit, tmp_path):
 
 
 def test_two_simultaneous_kills_with_f2_on_7_nodes(kit, tmp_path):
-    code, summary, output = kit.launch(tmp_path, "--nodes", "7", "--f", "2", "--steps", "8", "--microbatches", "8",
-                                   "--gpu-memory", str(kit.PIPELINED_MEMORY), "--kill-node", "node1", "--kill-node",
-                                   "node3", "--at-step", "3", timeout=500)
+    code, summary, output = kit.launch(
+        tmp_path,
+        "--nodes",
+        "7",
+        "--f",
+        "2",
+        "--steps",
+        "8",
+        "--microbatches",
+        "8",
+        "--gpu-memory",
+        str(kit.PIPELINED_MEMORY),
+        "--kill-node",
+        "node1",
+        "--kill-node",
+        "node3",
+        "--at-step",
+        "3",
+        timeout=500,
+    )
     assert code == 0, output
     lost = sorted(n for r in summary["reconfigurations"] for n in r["lost"])
     assert lost == ["node1", "node3"], summary["reconfigurations"]
@@ -83,9 +145,23 @@ def test_two_simultaneous_kills_with_f2_on_7_nodes(kit, tmp_path):
 
 def test_the_coordinator_lost_and_recreated_mid_run(kit, tmp_path, uniform_profile):
     """The store dies with every key; workers reconnect and re-rendezvous under the new epoch's prefix."""
-    code, summary, output = kit.launch(tmp_path, "--nodes", "4", "--f", "1", "--steps", "10", "--microbatches", "8",
-                                   "--gpu-memory", str(kit.PIPELINED_MEMORY), "--profile", str(uniform_profile),
-                                   "--restart-coordinator-at-step", "4")
+    code, summary, output = kit.launch(
+        tmp_path,
+        "--nodes",
+        "4",
+        "--f",
+        "1",
+        "--steps",
+        "10",
+        "--microbatches",
+        "8",
+        "--gpu-memory",
+        str(kit.PIPELINED_MEMORY),
+        "--profile",
+        str(uniform_profile),
+        "--restart-coordinator-at-step",
+        "4",
+    )
     assert code == 0, output
     [reconfiguration] = summary["reconfigurations"]
     assert reconfiguration["reason"] == "coordinator-restart" and reconfiguration["lost"] == []
@@ -95,10 +171,16 @@ def test_the_coordinator_lost_and_recreated_mid_run(kit, tmp_path, uniform_profi
 
 def test_a_kill_during_a_reconfiguration(kit, tmp_path):
     """A second worker dies while the survivors of the first kill rendezvous and copy layers."""
-    from oobleck.runtime.launcher import Fault, LaunchOptions, Launcher
+    from oobleck.runtime.launcher import Fault, Launcher, LaunchOptions
 
     options = LaunchOptions(
-        nodes=7, f=2, steps=8, microbatches=8, gpu_memory=kit.PIPELINED_MEMORY, workdir=tmp_path, timeout_s=400,
+        nodes=7,
+        f=2,
+        steps=8,
+        microbatches=8,
+        gpu_memory=kit.PIPELINED_MEMORY,
+        workdir=tmp_path,
+        timeout_s=400,
         comm_timeout_s=20,
         faults=(Fault(at_step=3, nodes=("node1",)), Fault(at_step=3, nodes=("node5",), delay_s=0.3)),
     )
@@ -111,8 +193,9 @@ def test_a_kill_during_a_reconfiguration(kit, tmp_path):
 
 
 def test_a_node_added_mid_run_joins_and_trains(kit, tmp_path):
-    code, summary, output = kit.launch(tmp_path, "--nodes", "2", "--f", "1", "--steps", "8", "--microbatches", "4",
-                                   "--add-node-at-step", "3")
+    code, summary, output = kit.launch(
+        tmp_path, "--nodes", "2", "--f", "1", "--steps", "8", "--microbatches", "4", "--add-node-at-step", "3"
+    )
     assert code == 0, output
     [reconfiguration] = summary["reconfigurations"]
     assert reconfiguration["reason"] == "add" and reconfiguration["added"] == ["node2"]
@@ -128,9 +211,23 @@ def test_ctrl_c_and_a_killed_launcher_leave_no_process_behind(kit, tmp_path):
     for how in (signal.SIGINT, signal.SIGKILL):
         workdir = tmp_path / how.name
         proc = subprocess.Popen(
-            [sys.executable, "-m", "oobleck.cli", "launch", "--workdir", str(workdir), "--nodes", "3",
-             "--steps", "100000", "--microbatches", "3"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=kit.ENV,
+            [
+                sys.executable,
+                "-m",
+                "oobleck.cli",
+                "launch",
+                "--workdir",
+                str(workdir),
+                "--nodes",
+                "3",
+                "--steps",
+                "100000",
+                "--microbatches",
+                "3",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=kit.ENV,
         )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # until every worker has trained a step
@@ -158,6 +255,10 @@ def test_bad_options_name_the_argument(kit, tmp_path):
         (["--nodes", "2", "--kill-rank", "1"], "--at-step: required"),
         (["--nodes", "2", "--steps", "5", "--kill-rank", "1", "--at-step", "9"], "at_step: 9 is outside"),
     ):
-        proc = subprocess.run([sys.executable, "-m", "oobleck.cli", "launch", "--workdir", str(tmp_path), *args],
-                              capture_output=True, text=True, env=kit.ENV)
+        proc = subprocess.run(
+            [sys.executable, "-m", "oobleck.cli", "launch", "--workdir", str(tmp_path), *args],
+            capture_output=True,
+            text=True,
+            env=kit.ENV,
+        )
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

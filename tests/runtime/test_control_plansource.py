@@ -24,13 +24,34 @@ NOTICE_LIMIT_S = 1.0
 def plan(generation: int, nodes: int = 2) -> Plan:
     names = [f"n{i}" for i in range(nodes)]
     return Plan(
-        job="job", generation=generation, num_layers=2, gpus_per_node=1, f=nodes - 1, global_microbatches=nodes,
-        templates=[Template(nodes=1, stages=[TemplateStage(start=0, end=2, node=0, gpus=1, gpu_offset=0,
-                                                           forward_ms=1, backward_ms=2)], iteration_ms=3, m_ref=1)],
-        pipelines=[Pipeline(index=i, template_nodes=1, nodes=[n], microbatches=1, microbatch_offset=i,
-                            stages=[Stage(start=0, end=2, node=n, gpus=[0], ranks=[i])], iteration_ms=3)
-                   for i, n in enumerate(names)],
-        iteration_ms=3, reason="test",
+        job="job",
+        generation=generation,
+        num_layers=2,
+        gpus_per_node=1,
+        f=nodes - 1,
+        global_microbatches=nodes,
+        templates=[
+            Template(
+                nodes=1,
+                stages=[TemplateStage(start=0, end=2, node=0, gpus=1, gpu_offset=0, forward_ms=1, backward_ms=2)],
+                iteration_ms=3,
+                m_ref=1,
+            )
+        ],
+        pipelines=[
+            Pipeline(
+                index=i,
+                template_nodes=1,
+                nodes=[n],
+                microbatches=1,
+                microbatch_offset=i,
+                stages=[Stage(start=0, end=2, node=n, gpus=[0], ranks=[i])],
+                iteration_ms=3,
+            )
+            for i, n in enumerate(names)
+        ],
+        iteration_ms=3,
+        reason="test",
     )
 
 
@@ -48,6 +69,7 @@ def test_new_generation_is_noticed_promptly(tmp_path):
     latencies = []
     for generation in range(1, 11):
         got: list = []
+
         def wait(after: int = generation - 1) -> None:
             got.append((source.wait_newer(after, 5), time.perf_counter()))
 
@@ -123,10 +145,14 @@ def test_poll_interval_must_be_positive(tmp_path):
 def config_map(p: Plan, inline_limit: int = planmap.PLAN_INLINE_LIMIT, rv: str = "1") -> dict:
     data, binary = planmap.encode_plan(p, inline_limit)
     return {
-        "metadata": {"name": "job-plan", "resourceVersion": rv,
-                     "annotations": {planmap.GENERATION_ANNOTATION: str(p.generation)}},
-        "data": {**data, planmap.JOB_KEY: "{}"}, "binaryData": binary,
-    }  # fmt: skip
+        "metadata": {
+            "name": "job-plan",
+            "resourceVersion": rv,
+            "annotations": {planmap.GENERATION_ANNOTATION: str(p.generation)},
+        },
+        "data": {**data, planmap.JOB_KEY: "{}"},
+        "binaryData": binary,
+    }
 
 
 def source() -> ConfigMapPlanSource:
@@ -179,8 +205,12 @@ def test_wait_newer_stops_on_the_stop_event_and_absent_configmap_is_no_plan():
 
 def test_invalid_plan_names_the_key():
     src = source()
-    src._on_object({"metadata": {"name": "job-plan", "annotations": {planmap.GENERATION_ANNOTATION: "0"}},
-                    "data": {planmap.PLAN_KEY: "{}"}})  # fmt: skip
+    src._on_object(
+        {
+            "metadata": {"name": "job-plan", "annotations": {planmap.GENERATION_ANNOTATION: "0"}},
+            "data": {planmap.PLAN_KEY: "{}"},
+        }
+    )
     with pytest.raises(PlanSourceError, match="job-plan: key plan.json: not a valid plan"):
         src.current()
     src._on_object(config_map(plan(0)))  # a valid one clears the error

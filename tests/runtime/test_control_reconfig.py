@@ -95,19 +95,46 @@ def _plan(generation: int, pipelines: list[list[tuple[str, int, int]]], f: int =
         for node, start, end in stages:
             built.append(Stage(start=start, end=end, node=node, gpus=[0], ranks=[rank]))
             rank += 1
-        out.append(Pipeline(index=index, template_nodes=len(stages), nodes=[n for n, _, _ in stages], microbatches=2,
-                            microbatch_offset=offset, stages=built, iteration_ms=1))
+        out.append(
+            Pipeline(
+                index=index,
+                template_nodes=len(stages),
+                nodes=[n for n, _, _ in stages],
+                microbatches=2,
+                microbatch_offset=offset,
+                stages=built,
+                iteration_ms=1,
+            )
+        )
         offset += 2
     templates = [
-        Template(nodes=1, stages=[TemplateStage(start=0, end=4, node=0, gpus=1, gpu_offset=0, forward_ms=4,
-                                                backward_ms=8)], iteration_ms=24, m_ref=2),
-        Template(nodes=2, stages=[TemplateStage(start=0, end=2, node=0, gpus=1, gpu_offset=0, forward_ms=2,
-                                                backward_ms=4),
-                                  TemplateStage(start=2, end=4, node=1, gpus=1, gpu_offset=0, forward_ms=2,
-                                                backward_ms=4)], iteration_ms=18, m_ref=2),
+        Template(
+            nodes=1,
+            stages=[TemplateStage(start=0, end=4, node=0, gpus=1, gpu_offset=0, forward_ms=4, backward_ms=8)],
+            iteration_ms=24,
+            m_ref=2,
+        ),
+        Template(
+            nodes=2,
+            stages=[
+                TemplateStage(start=0, end=2, node=0, gpus=1, gpu_offset=0, forward_ms=2, backward_ms=4),
+                TemplateStage(start=2, end=4, node=1, gpus=1, gpu_offset=0, forward_ms=2, backward_ms=4),
+            ],
+            iteration_ms=18,
+            m_ref=2,
+        ),
     ]
-    return Plan(job="j", generation=generation, num_layers=4, gpus_per_node=1, f=f, global_microbatches=offset,
-                templates=templates, pipelines=out, iteration_ms=1)
+    return Plan(
+        job="j",
+        generation=generation,
+        num_layers=4,
+        gpus_per_node=1,
+        f=f,
+        global_microbatches=offset,
+        templates=templates,
+        pipelines=out,
+        iteration_ms=1,
+    )
 
 
 def test_copy_plan_sends_every_missing_layer_from_a_holder_spreading_the_load():

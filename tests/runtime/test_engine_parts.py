@@ -44,8 +44,12 @@ def test_one_f_one_b_orders():
 def test_layout_and_groups(plan_builder):
     make_plan, Spec = plan_builder
     plan = make_plan(
-        [Spec(stages=[(0, 3, 0, 2), (3, 6, 1, 1)], microbatches=4), Spec(stages=[(0, 4, 0, 1), (4, 6, 0, 1)], microbatches=2)],
-        num_layers=6, gpus_per_node=2,
+        [
+            Spec(stages=[(0, 3, 0, 2), (3, 6, 1, 1)], microbatches=4),
+            Spec(stages=[(0, 4, 0, 1), (4, 6, 0, 1)], microbatches=2),
+        ],
+        num_layers=6,
+        gpus_per_node=2,
     )
     groups = {spec.name: spec.members for spec in group_specs(plan, microbatch_size=4)}
     assert groups == {
@@ -142,7 +146,9 @@ def test_wait_is_interrupted_by_the_failure_event():
     # One store client per thread: a client blocked in a store wait would stall the other thread.
     stores = [TCPStore("127.0.0.1", master.port, is_master=False) for _ in range(2)]
     backends = [None, None]
-    threads = [threading.Thread(target=lambda r=r: backends.__setitem__(r, _pair(stores[r], r, "waitpair/"))) for r in (0, 1)]
+    threads = [
+        threading.Thread(target=lambda r=r: backends.__setitem__(r, _pair(stores[r], r, "waitpair/"))) for r in (0, 1)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -174,7 +180,9 @@ def test_config_errors_name_the_field(tmp_path):
     (tmp_path / "broken.json").write_text("{nope")
     with pytest.raises(ValueError, match="broken.json: not valid JSON"):
         load_config(tmp_path / "broken.json")
-    (tmp_path / "good.yaml").write_text("model: {name: gpt, sizes: {blocks: 1, hidden: 8, heads: 2, seq_len: 4, vocab: 9}}\nsteps: 3\n")
+    (tmp_path / "good.yaml").write_text(
+        "model: {name: gpt, sizes: {blocks: 1, hidden: 8, heads: 2, seq_len: 4, vocab: 9}}\nsteps: 3\n"
+    )
     assert load_config(tmp_path / "good.yaml").steps == 3
 
 

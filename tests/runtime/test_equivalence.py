@@ -17,7 +17,11 @@ from oobleck.runtime.reference import train_reference
 pytestmark = pytest.mark.slow  # real worker processes
 STEPS = 20
 CONFIG = WorkerConfig(
-    job="equivalence", model={"name": "tiny-gpt"}, microbatch_size=4, steps=STEPS, seed=7,
+    job="equivalence",
+    model={"name": "tiny-gpt"},
+    microbatch_size=4,
+    steps=STEPS,
+    seed=7,
     optim=OptimConfig(lr=3e-3, warmup_steps=3, decay_steps=STEPS),
 )
 LOSS_RTOL = 1e-5
@@ -53,7 +57,10 @@ def test_two_templates_match_reference(tmp_path, plan_builder, workers):
     """4 single-GPU nodes, f = 1: a 1-node pipeline and a 3-node pipeline with different microbatch counts."""
     make_plan, Spec = plan_builder
     plan = make_plan(
-        [Spec(stages=[(0, 6, 0, 1)], microbatches=3), Spec(stages=[(0, 2, 0, 1), (2, 4, 1, 1), (4, 6, 2, 1)], microbatches=5)],
+        [
+            Spec(stages=[(0, 6, 0, 1)], microbatches=3),
+            Spec(stages=[(0, 2, 0, 1), (2, 4, 1, 1), (4, 6, 2, 1)], microbatches=5),
+        ],
         num_layers=6,
     )
     result = workers(tmp_path, CONFIG, plan)
@@ -66,8 +73,12 @@ def test_stage_with_two_gpus_matches_reference(tmp_path, plan_builder, workers):
     itself split) in the other, with different layer splits and microbatch counts."""
     make_plan, Spec = plan_builder
     plan = make_plan(
-        [Spec(stages=[(0, 3, 0, 2), (3, 6, 1, 1)], microbatches=5), Spec(stages=[(0, 4, 0, 1), (4, 6, 1, 2)], microbatches=3)],
-        num_layers=6, gpus_per_node=2,
+        [
+            Spec(stages=[(0, 3, 0, 2), (3, 6, 1, 1)], microbatches=5),
+            Spec(stages=[(0, 4, 0, 1), (4, 6, 1, 2)], microbatches=3),
+        ],
+        num_layers=6,
+        gpus_per_node=2,
     )
     result = workers(tmp_path, CONFIG, plan)
     worst, worst_param = assert_matches_reference(result, plan)
@@ -77,8 +88,10 @@ def test_stage_with_two_gpus_matches_reference(tmp_path, plan_builder, workers):
 def test_float32_gradient_sums_stay_close(tmp_path, plan_builder, workers):
     """The cheaper float32 accumulator: same mathematics, float32 rounding (looser tolerance)."""
     make_plan, Spec = plan_builder
-    plan = make_plan([Spec(stages=[(0, 1, 0, 1), (1, 6, 1, 1)], microbatches=3), Spec(stages=[(0, 6, 0, 1)], microbatches=1)],
-                     num_layers=6)
+    plan = make_plan(
+        [Spec(stages=[(0, 1, 0, 1), (1, 6, 1, 1)], microbatches=3), Spec(stages=[(0, 6, 0, 1)], microbatches=1)],
+        num_layers=6,
+    )
     config = CONFIG.model_copy(update={"steps": 4, "gradient_sum_dtype": "float32"})
     result = workers(tmp_path, config, plan)
     assert [r["step"] for r in result.losses] == [0, 1, 2, 3]
@@ -99,8 +112,9 @@ def test_planner_made_plan_matches_reference(tmp_path, workers):
     torch.set_num_threads(1)
     profile = profile_model(build_model(CONFIG), CONFIG.microbatch_size, torch.device("cpu"), warmup=1, iterations=3)
     # Memory for about half the model per GPU: the planner must build multi-stage pipelines.
-    cluster = ClusterShape(nodes=4, gpus_per_node=1, gpu_memory_bytes=1_500_000, intra_node_bandwidth=1e11,
-                           inter_node_bandwidth=1e10)
+    cluster = ClusterShape(
+        nodes=4, gpus_per_node=1, gpu_memory_bytes=1_500_000, intra_node_bandwidth=1e11, inter_node_bandwidth=1e10
+    )
     plan = instantiate.plan_job(profile, cluster, f=1, global_microbatches=8, job="planned")
     assert len(plan.pipelines) >= 2 and max(len(p.stages) for p in plan.pipelines) >= 2
     result = workers(tmp_path, CONFIG, plan)
@@ -113,13 +127,18 @@ def test_dropout_masks_do_not_depend_on_the_layout(tmp_path, plan_builder, worke
     """Dropout draws from an RNG seeded per (step, microbatch, layer): pipelines match the reference,
     and a redone step would draw the same masks (no RNG state to move)."""
     make_plan, Spec = plan_builder
-    plan = make_plan([Spec(stages=[(0, 2, 0, 1), (2, 6, 1, 1)], microbatches=3), Spec(stages=[(0, 6, 0, 1)], microbatches=2)],
-                     num_layers=6)
-    config = WorkerConfig.model_validate(CONFIG.model_dump() | {"steps": 4, "model": {"name": "tiny-gpt", "sizes": {"dropout": 0.2}}})
+    plan = make_plan(
+        [Spec(stages=[(0, 2, 0, 1), (2, 6, 1, 1)], microbatches=3), Spec(stages=[(0, 6, 0, 1)], microbatches=2)],
+        num_layers=6,
+    )
+    config = WorkerConfig.model_validate(
+        CONFIG.model_dump() | {"steps": 4, "model": {"name": "tiny-gpt", "sizes": {"dropout": 0.2}}}
+    )
     result = workers(tmp_path, config, plan)
     reference = train_reference(config, plan.global_microbatches)
-    without = train_reference(WorkerConfig.model_validate(config.model_dump() | {"model": {"name": "tiny-gpt"}}),
-                              plan.global_microbatches)
+    without = train_reference(
+        WorkerConfig.model_validate(config.model_dump() | {"model": {"name": "tiny-gpt"}}), plan.global_microbatches
+    )
     assert abs(reference.losses[0] - without.losses[0]) > 1e-4, "dropout had no effect: the test would prove nothing"
     for record, expected in zip(result.losses, reference.losses):
         assert abs(record["loss"] - expected) <= LOSS_RTOL * abs(expected), f"step {record['step']}"

@@ -13,7 +13,12 @@ from oobleck.runtime.worker import Worker
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 CONFIG = WorkerConfig(
-    job="gpu", device="cuda", microbatch_size=4, steps=10, seed=5, optim=OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=10)
+    job="gpu",
+    device="cuda",
+    microbatch_size=4,
+    steps=10,
+    seed=5,
+    optim=OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=10),
 )
 
 
@@ -35,8 +40,9 @@ def test_single_rank_on_cuda_matches_cuda_reference(plan_builder):
 def test_nccl_pipeline_matches_reference(tmp_path, plan_builder, workers):
     make_plan, Spec = plan_builder
     # Two stages on GPUs 0 and 1 of one node: NCCL p2p both ways (1F1B), no replicas.
-    plan = make_plan([Spec(stages=[(0, 3, 0, 1), (3, 6, 0, 1)], microbatches=4)], num_layers=6, gpus_per_node=2, f=0,
-                     job="gpu")
+    plan = make_plan(
+        [Spec(stages=[(0, 3, 0, 1), (3, 6, 0, 1)], microbatches=4)], num_layers=6, gpus_per_node=2, f=0, job="gpu"
+    )
     result = workers(tmp_path, CONFIG, plan)
     reference = train_reference(CONFIG, plan.global_microbatches, device="cuda")
     for record, expected in zip(result.losses, reference.losses):

@@ -23,7 +23,11 @@ from oobleck.runtime.reference import train_reference
 from oobleck.runtime.worker import Worker
 
 CONFIG = WorkerConfig(
-    job="interrupt", microbatch_size=2, steps=8, seed=11, optim=OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=8),
+    job="interrupt",
+    microbatch_size=2,
+    steps=8,
+    seed=11,
+    optim=OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=8),
     timeouts={"poll": 0.01},
 )
 
@@ -56,14 +60,16 @@ def test_interrupted_step_leaves_state_untouched_and_is_redone(plan_builder):
     # backward receive and in the gradient sum) until the control side sets their events.
     threading.Timer(0.3, lambda: [e.set() for e in events]).start()
     started = time.monotonic()
-    errors = [pool.submit(lambda w=w: pytest.raises(Interrupted, w.train_step)) for w in (workers[0], workers[2])]
+    errors = [pool.submit(lambda w=w: pytest.raises(Interrupted, w.train_step)) for w in (workers[0], workers[2])]  # noqa: RUF061
     for error in errors:
         error.result(timeout=10)
     assert time.monotonic() - started < 2.0
     assert [w.step for w in workers] == [3, 3, 3]
     for worker, state in zip(workers, before):
         after = worker.layer_state()
-        assert all(torch.equal(after[layer][name], value) for layer, params in state.items() for name, value in params.items())
+        assert all(
+            torch.equal(after[layer][name], value) for layer, params in state.items() for name, value in params.items()
+        )
     assert all(torch.equal(workers[0].optimizer.state[key].exp_avg, value) for key, value in moments.items())
     # The control side moves everyone to the next generation; the same step is redone.
     for event in events:
@@ -94,9 +100,25 @@ def test_dead_peer_raises_comm_error_quickly(tmp_path, plan_builder):
     (tmp_path / "plan.json").write_text(plan.to_json())
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     peer = subprocess.Popen(
-        [sys.executable, "-m", "oobleck.runtime", "worker", "--config", str(tmp_path / "config.json"), "--plan",
-         str(tmp_path / "plan.json"), "--store", f"127.0.0.1:{master.port}", "--node", "n1", "--gpu", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        [
+            sys.executable,
+            "-m",
+            "oobleck.runtime",
+            "worker",
+            "--config",
+            str(tmp_path / "config.json"),
+            "--plan",
+            str(tmp_path / "plan.json"),
+            "--store",
+            f"127.0.0.1:{master.port}",
+            "--node",
+            "n1",
+            "--gpu",
+            "0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     try:
         survivor = Worker(config, TCPStore("127.0.0.1", master.port, is_master=False), "n0", 0)

@@ -28,8 +28,13 @@ def test_in_cluster_config_reads_the_serviceaccount_folder(tmp_path):
     (tmp_path / "token").write_text("abc\n")
     (tmp_path / "ca.crt").write_text("---")
     (tmp_path / "namespace").write_text("team-a")
-    config = KubeConfig.in_cluster({"OOBLECK_SERVICEACCOUNT_DIR": str(tmp_path), "KUBERNETES_SERVICE_HOST": "[fd00::1]",
-                                    "KUBERNETES_SERVICE_PORT": "6443"})  # fmt: skip
+    config = KubeConfig.in_cluster(
+        {
+            "OOBLECK_SERVICEACCOUNT_DIR": str(tmp_path),
+            "KUBERNETES_SERVICE_HOST": "[fd00::1]",
+            "KUBERNETES_SERVICE_PORT": "6443",
+        }
+    )
     assert (config.host, config.port, config.namespace) == ("fd00::1", 6443, "team-a")
     assert config.token_file == tmp_path / "token" and config.ca_file == tmp_path / "ca.crt"
 
@@ -83,9 +88,14 @@ class ScriptedClient:
 
 def follow(client: ScriptedClient, stop: threading.Event) -> list[str | None]:
     seen: list[str | None] = []
-    watch_object(client, "/api/v1/namespaces/n/configmaps", "x",
-                 lambda obj: seen.append(None if obj is None else obj["data"]["v"]), stop,
-                 WatchTimeouts(retry_s=0.001, max_retry_s=0.001))  # fmt: skip
+    watch_object(
+        client,
+        "/api/v1/namespaces/n/configmaps",
+        "x",
+        lambda obj: seen.append(None if obj is None else obj["data"]["v"]),
+        stop,
+        WatchTimeouts(retry_s=0.001, max_retry_s=0.001),
+    )
     return seen
 
 

@@ -32,9 +32,12 @@ pytestmark = [pytest.mark.cluster]
 JOB = "kube"
 SPEC = {
     "model": {"gpt": {"layers": 2, "hiddenSize": 32, "heads": 2, "sequenceLength": 8, "vocabSize": 64}},
-    "nodes": {"min": 1, "max": 2}, "gpusPerNode": 1, "device": "cpu", "f": 0,
+    "nodes": {"min": 1, "max": 2},
+    "gpusPerNode": 1,
+    "device": "cpu",
+    "f": 0,
     "training": {"steps": 10, "globalBatchSize": 4, "microbatchSize": 2},
-}  # fmt: skip
+}
 PROFILE = synthetic_profile(parse_spec(SPEC), Tuning())
 
 
@@ -45,8 +48,14 @@ def make_plan(generation: int, nodes: int = 2) -> Plan:
 
     spec = parse_spec(SPEC)
     templates = generate_templates(PROFILE, cluster_shape(spec, Tuning()), f=0)
-    plan = instantiate(templates, [render.worker_name(JOB, i) for i in range(nodes)], 0,
-                       spec.training.global_microbatches, JOB, gpus_per_node=1)  # fmt: skip
+    plan = instantiate(
+        templates,
+        [render.worker_name(JOB, i) for i in range(nodes)],
+        0,
+        spec.training.global_microbatches,
+        JOB,
+        gpus_per_node=1,
+    )
     return plan.model_copy(update={"generation": generation})
 
 
@@ -58,11 +67,15 @@ def world(cluster, tmp_path_factory):
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(body))
     uid = cluster.kubectl_json("get", "oobleckjob", JOB, "-n", ns)["metadata"]["uid"]
     spec = parse_spec(SPEC)
-    objects = [*render.static_children(JOB, ns, uid),
-               render.worker_pod(JOB, ns, uid, spec, 0, default_image="i", default_command=["c"]),
-               render.worker_pod(JOB, ns, uid, spec, 1, default_image="i", default_command=["c"]),
-               render.coordinator_pod(JOB, ns, uid, spec, default_image="i")]  # fmt: skip
-    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    objects = [
+        *render.static_children(JOB, ns, uid),
+        render.worker_pod(JOB, ns, uid, spec, 0, default_image="i", default_command=["c"]),
+        render.worker_pod(JOB, ns, uid, spec, 1, default_image="i", default_command=["c"]),
+        render.coordinator_pod(JOB, ns, uid, spec, default_image="i"),
+    ]
+    cluster.kubectl(
+        "apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+    )
     folder = tmp_path_factory.mktemp("serviceaccount")
     token = cluster.kubectl("create", "token", render.rbac_name(JOB), "-n", ns, "--duration=1h").stdout.strip()
     (folder / "token").write_text(token)
@@ -73,8 +86,11 @@ def world(cluster, tmp_path_factory):
     else:
         (folder / "ca.crt").write_bytes(Path(kubeconfig["certificate-authority"]).read_bytes())
     url = urlparse(cluster.server)
-    env = {"OOBLECK_SERVICEACCOUNT_DIR": str(folder), "KUBERNETES_SERVICE_HOST": url.hostname,
-           "KUBERNETES_SERVICE_PORT": str(url.port or 443)}  # fmt: skip
+    env = {
+        "OOBLECK_SERVICEACCOUNT_DIR": str(folder),
+        "KUBERNETES_SERVICE_HOST": url.hostname,
+        "KUBERNETES_SERVICE_PORT": str(url.port or 443),
+    }
     return {"ns": ns, "uid": uid, "spec": spec, "client": KubeClient.in_cluster(env)}
 
 
@@ -157,7 +173,7 @@ def test_the_worker_token_gets_clear_refusals_beyond_its_role(world):
     client = world["client"]
     with pytest.raises(KubeApiError) as refused:
         client.get(f"/api/v1/namespaces/{world['ns']}/secrets")
-    assert refused.value.status == 403 and "cannot list resource \"secrets\"" in str(refused.value)
+    assert refused.value.status == 403 and 'cannot list resource "secrets"' in str(refused.value)
     with pytest.raises(KubeApiError) as other:
         client.get(f"/api/v1/namespaces/{world['ns']}/configmaps/something-else")
     assert other.value.status == 403 and str(other.value).startswith("403 Forbidden: GET ")
@@ -166,9 +182,9 @@ def test_the_worker_token_gets_clear_refusals_beyond_its_role(world):
 def test_store_connection_follows_the_coordinator_pod_to_a_new_ip(cluster, world):
     """connect_resolving reads the pod IP again between attempts: a recreated coordinator pod may have a
     new IP. The store listens on every local address, so the stale IP is one no packet reaches."""
-    from oobleck.dev.controlplane import free_port
     from oobleck.runtime.coordinator import Coordinator, StoreTimeouts
     from oobleck.runtime.pod import connect_resolving
+    from oobleck_dev.controlplane import free_port
 
     ns, pod = world["ns"], render.coordinator_name(JOB)
 

@@ -72,7 +72,8 @@ def test_registry_errors_name_the_field():
 
 
 def test_entry_point_models(tmp_path, monkeypatch):
-    (tmp_path / "usermodels.py").write_text(textwrap.dedent("""
+    (tmp_path / "usermodels.py").write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
         from oobleck.runtime.models import LayerList
@@ -89,12 +90,15 @@ def test_entry_point_models(tmp_path, monkeypatch):
             return nn.Linear(2, 2)
 
         NOT_CALLABLE = 3
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     model = load_model("usermodels:mlp", seed=1, sizes={"width": 5})
     assert isinstance(model, LayeredModel) and model.num_layers == 2
     assert model.build_layer(0).weight.shape == (5, 4)
-    assert torch.equal(model.build_layer(1).weight, load_model("usermodels:mlp", seed=1, sizes={"width": 5}).build_layer(1).weight)
+    assert torch.equal(
+        model.build_layer(1).weight, load_model("usermodels:mlp", seed=1, sizes={"width": 5}).build_layer(1).weight
+    )
     with pytest.raises(ValueError, match="'missing_module_xyz:f': cannot import"):
         load_model("missing_module_xyz:f")
     with pytest.raises(ValueError, match="'usermodels:absent': 'usermodels' has no attribute 'absent'"):

@@ -48,13 +48,31 @@ def test_tiny_gpt_example_maps_to_the_worker_config():
 
 def test_schedules_end_at_a_tenth_of_the_rate_or_stay_constant():
     for schedule, last in (("cosine", 1e-4), ("linear", 1e-4), ("constant", 1e-3)):
-        spec = example_spec(training={"steps": 40, "globalBatchSize": 16, "microbatchSize": 2, "learningRate": 0.001,
-                                      "warmupSteps": 4, "schedule": schedule})  # fmt: skip
+        spec = example_spec(
+            training={
+                "steps": 40,
+                "globalBatchSize": 16,
+                "microbatchSize": 2,
+                "learningRate": 0.001,
+                "warmupSteps": 4,
+                "schedule": schedule,
+            }
+        )
         optim = worker_config(spec, "j").optim
         assert learning_rate(optim, 3) == pytest.approx(1e-3)  # warmup's last step
         assert learning_rate(optim, 40) == pytest.approx(last)
-    linear = worker_config(example_spec(training={"steps": 40, "globalBatchSize": 16, "microbatchSize": 2,
-                                                  "learningRate": 0.001, "schedule": "linear"}), "j").optim  # fmt: skip
+    linear = worker_config(
+        example_spec(
+            training={
+                "steps": 40,
+                "globalBatchSize": 16,
+                "microbatchSize": 2,
+                "learningRate": 0.001,
+                "schedule": "linear",
+            }
+        ),
+        "j",
+    ).optim
     assert learning_rate(linear, 20) == pytest.approx(0.00055)
 
 
@@ -69,7 +87,11 @@ def test_checkpoint_spec_maps_under_the_container_root_and_snapshots_stay_on():
     assert worker_config(example_spec(), "j").checkpoint.path is None  # no spec.checkpoint: no directory
     spec = example_spec(checkpoint={"path": "/ckpt", "claimName": "c", "intervalSteps": 7, "keep": 3})
     config = worker_config(spec, "j", container_root="/var/pods/x/root")
-    assert (config.checkpoint.path, config.checkpoint.interval_steps, config.checkpoint.keep) == ("/var/pods/x/root/ckpt", 7, 3)
+    assert (config.checkpoint.path, config.checkpoint.interval_steps, config.checkpoint.keep) == (
+        "/var/pods/x/root/ckpt",
+        7,
+        3,
+    )
     assert worker_config(spec, "j").checkpoint.path == "/ckpt"
     # In-memory snapshots are on by default: a pod gets a snapshot agent (snapshot.snapshotter_for).
     assert config.snapshot.interval_steps > 0
@@ -96,17 +118,32 @@ def test_progress_annotation_carries_loss_and_throughput_when_known():
 def test_entry_point_and_unsupported_mlp_width():
     spec = example_spec(model={"entryPoint": "mypkg.models:build"})
     assert worker_config(spec, "j").model.name == "mypkg.models:build"
-    wide = example_spec(model={"gpt": {"layers": 2, "hiddenSize": 64, "heads": 4, "sequenceLength": 8,
-                                       "vocabSize": 32, "ffnHiddenSize": 100}})  # fmt: skip
+    wide = example_spec(
+        model={
+            "gpt": {
+                "layers": 2,
+                "hiddenSize": 64,
+                "heads": 4,
+                "sequenceLength": 8,
+                "vocabSize": 32,
+                "ffnHiddenSize": 100,
+            }
+        }
+    )
     with pytest.raises(ValueError, match=r"ffnHiddenSize: the built-in GPT's MLP is 4 \* hiddenSize = 256, got 100"):
         worker_config(wide, "j")
 
 
 ENV = {
-    "OOBLECK_JOB": "tiny", "OOBLECK_NAMESPACE": "ns", "OOBLECK_NODE": "tiny-worker-2",
-    "OOBLECK_PLAN_CONFIGMAP": "tiny-plan", "OOBLECK_STORE": "tiny-coordinator.tiny-workers.ns.svc:29400",
-    "OOBLECK_GPUS_PER_NODE": "2", "OOBLECK_DEVICE": "cpu", "OOBLECK_POD_IP": "127.16.0.5",
-}  # fmt: skip
+    "OOBLECK_JOB": "tiny",
+    "OOBLECK_NAMESPACE": "ns",
+    "OOBLECK_NODE": "tiny-worker-2",
+    "OOBLECK_PLAN_CONFIGMAP": "tiny-plan",
+    "OOBLECK_STORE": "tiny-coordinator.tiny-workers.ns.svc:29400",
+    "OOBLECK_GPUS_PER_NODE": "2",
+    "OOBLECK_DEVICE": "cpu",
+    "OOBLECK_POD_IP": "127.16.0.5",
+}
 
 
 def test_env_contract_parses_what_the_operator_renders():
@@ -137,7 +174,12 @@ def test_failure_annotation_names_plan_nodes():
     report = FailureReport("tiny", 3, "tiny-worker-0:0", "heartbeat", ("tiny-worker-1:0", "tiny-worker-1:1"), "quiet")
     body = json.loads(failure_annotation(report))
     assert body["dead"] == ["tiny-worker-1"]
-    assert (body["job"], body["generation"], body["reporter"], body["kind"]) == ("tiny", 3, "tiny-worker-0:0", "heartbeat")
+    assert (body["job"], body["generation"], body["reporter"], body["kind"]) == (
+        "tiny",
+        3,
+        "tiny-worker-0:0",
+        "heartbeat",
+    )
 
 
 def test_coordinator_ip_only_of_a_running_pod():
@@ -184,8 +226,12 @@ def test_gloo_groups_listen_on_the_bound_address():
     made: dict[int, object] = {}
 
     def make(rank: int) -> None:
-        client = dist.TCPStore("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=30), wait_for_workers=False)
-        made[rank] = groups._backend(dist.PrefixStore("bind/", client), rank, 2, torch.device("cpu"), datetime.timedelta(seconds=30))
+        client = dist.TCPStore(
+            "127.0.0.1", server.port, None, False, datetime.timedelta(seconds=30), wait_for_workers=False
+        )
+        made[rank] = groups._backend(
+            dist.PrefixStore("bind/", client), rank, 2, torch.device("cpu"), datetime.timedelta(seconds=30)
+        )
 
     groups.bind_to(address)
     try:

@@ -33,16 +33,54 @@ def test_profile_measures_every_layer():
 def test_profile_command_writes_the_planner_profile(tmp_path):
     out = tmp_path / "profile.json"
     done = subprocess.run(
-        [sys.executable, "-m", "oobleck.cli", "profile", "--model", "gpt", "--microbatch-size", "2", "--device", "cpu",
-         "--iterations", "1", "--warmup", "0", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "oobleck.cli",
+            "profile",
+            "--model",
+            "gpt",
+            "--microbatch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--iterations",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2 and "model.sizes" in done.stderr  # 'gpt' needs explicit sizes
-    (tmp_path / "config.yaml").write_text("model: {name: gpt, sizes: {blocks: 2, hidden: 16, heads: 2, seq_len: 8, vocab: 32}}\n")
+    (tmp_path / "config.yaml").write_text(
+        "model: {name: gpt, sizes: {blocks: 2, hidden: 16, heads: 2, seq_len: 8, vocab: 32}}\n"
+    )
     done = subprocess.run(
-        [sys.executable, "-m", "oobleck.cli", "profile", "--config", str(tmp_path / "config.yaml"), "--microbatch-size", "2",
-         "--device", "cpu", "--iterations", "1", "--warmup", "0", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "oobleck.cli",
+            "profile",
+            "--config",
+            str(tmp_path / "config.yaml"),
+            "--microbatch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--iterations",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     profile = ModelProfile.model_validate_json(out.read_text())
@@ -71,11 +109,26 @@ def test_worker_command_rejects_bad_input(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "plan.json").write_text('{"job": "x"}')
     base = [sys.executable, "-m", "oobleck.runtime", "worker", "--config", str(tmp_path / "config.json")]
-    done = subprocess.run(base + ["--plan", str(tmp_path / "plan.json"), "--store", "nonsense"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        base + ["--plan", str(tmp_path / "plan.json"), "--store", "nonsense"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "--store: expected HOST:PORT" in done.stderr
-    done = subprocess.run(base + ["--plan", str(tmp_path / "plan.json"), "--store", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        base + ["--plan", str(tmp_path / "plan.json"), "--store", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "generation" in done.stderr  # the plan's missing fields are named
-    done = subprocess.run(base + ["--plan", str(tmp_path / "absent.json"), "--store", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        base + ["--plan", str(tmp_path / "absent.json"), "--store", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "absent.json" in done.stderr
 
 

@@ -29,8 +29,13 @@ def profile(uniform_profile_model):
 @pytest.fixture(scope="module")
 def plan(profile):
     """4 nodes, f = 1: pipelines node0-node1 and node2-node3, stages [0, 3) and [3, 6)."""
-    cluster = ClusterShape(nodes=4, gpus_per_node=1, gpu_memory_bytes=PIPELINED_MEMORY,
-                           intra_node_bandwidth=100e9, inter_node_bandwidth=10e9)
+    cluster = ClusterShape(
+        nodes=4,
+        gpus_per_node=1,
+        gpu_memory_bytes=PIPELINED_MEMORY,
+        intra_node_bandwidth=100e9,
+        inter_node_bandwidth=10e9,
+    )
     return plan_job(profile, cluster, 1, 8, "test", nodes=[f"node{i}" for i in range(4)])
 
 
@@ -39,8 +44,10 @@ def layouts(plan) -> dict[str, tuple[int, ...]]:
 
 
 def trained(plan, step: int, **overrides) -> dict[str, Holding]:
-    return {w: overrides.get(w.replace(":", "_"), Holding(step=step, layers=layers, started=True))
-            for w, layers in layouts(plan).items()}
+    return {
+        w: overrides.get(w.replace(":", "_"), Holding(step=step, layers=layers, started=True))
+        for w, layers in layouts(plan).items()
+    }
 
 
 def test_a_sound_proposal_and_a_fresh_job_stand(plan):
@@ -53,8 +60,13 @@ def test_a_copy_from_a_worker_that_does_not_hold_the_layer_is_replaced(profile):
     # 7 nodes, f = 2: every layer has 3 replicas. After node1's loss the planner copies layers from
     # survivors; suppose its first copy's source never finished adopting that layer (its previous
     # reconfiguration was interrupted): another holder must serve the copy instead.
-    cluster = ClusterShape(nodes=7, gpus_per_node=1, gpu_memory_bytes=PIPELINED_MEMORY,
-                           intra_node_bandwidth=100e9, inter_node_bandwidth=10e9)
+    cluster = ClusterShape(
+        nodes=7,
+        gpus_per_node=1,
+        gpu_memory_bytes=PIPELINED_MEMORY,
+        intra_node_bandwidth=100e9,
+        inter_node_bandwidth=10e9,
+    )
     before = plan_job(profile, cluster, 2, 8, "test", nodes=[f"node{i}" for i in range(7)])
     after = reconfigure(before, before.templates, profile, ["node1"], [], bandwidth=10e9)
     assert after.copies, "losing a node of a 2-3 node pipeline moves layers"
@@ -62,7 +74,9 @@ def test_a_copy_from_a_worker_that_does_not_hold_the_layer_is_replaced(profile):
     assert resolve(after, holdings, STATE) is after  # sound as proposed
     copy = after.copies[0]
     source = f"{copy.src_node}:{copy.src_gpu}"
-    holdings[source] = Holding(step=5, layers=tuple(x for x in holdings[source].layers if x != copy.layer), started=True)
+    holdings[source] = Holding(
+        step=5, layers=tuple(x for x in holdings[source].layers if x != copy.layer), started=True
+    )
     settled = resolve(after, holdings, STATE)
     assert settled is not after and settled.restore_step is None
     fixed = next(c for c in settled.copies if c.layer == copy.layer and c.dst_rank == copy.dst_rank)
@@ -116,8 +130,11 @@ def test_the_holding_record_round_trips():
 def resolved_events(workdir: Path) -> list[dict]:
     events = []
     for log in workdir.glob("*.log"):
-        events += [json.loads(line) for line in log.read_text().splitlines()
-                   if line.startswith("{") and '"sources-resolved"' in line]
+        events += [
+            json.loads(line)
+            for line in log.read_text().splitlines()
+            if line.startswith("{") and '"sources-resolved"' in line
+        ]
     return events
 
 
@@ -125,9 +142,29 @@ def resolved_events(workdir: Path) -> list[dict]:
 @pytest.mark.xdist_group("control-processes")
 def test_workers_roll_back_on_their_own_when_the_controller_knows_only_layouts(kit, tmp_path, uniform_profile):
     code, summary, output = kit.launch(
-        tmp_path, "--controller", "layouts", "--nodes", "4", "--f", "1", "--steps", "10", "--microbatches", "8",
-        "--gpu-memory", str(PIPELINED_MEMORY), "--profile", str(uniform_profile), "--snapshot-interval", "4",
-        "--kill-node", "node0", "--kill-node", "node2", "--at-step", "7",
+        tmp_path,
+        "--controller",
+        "layouts",
+        "--nodes",
+        "4",
+        "--f",
+        "1",
+        "--steps",
+        "10",
+        "--microbatches",
+        "8",
+        "--gpu-memory",
+        str(PIPELINED_MEMORY),
+        "--profile",
+        str(uniform_profile),
+        "--snapshot-interval",
+        "4",
+        "--kill-node",
+        "node0",
+        "--kill-node",
+        "node2",
+        "--at-step",
+        "7",
     )
     assert code == 0, output
     [reconfiguration] = summary["reconfigurations"]
@@ -142,11 +179,18 @@ def test_workers_roll_back_on_their_own_when_the_controller_knows_only_layouts(k
 def test_a_kill_during_a_reconfiguration_with_a_controller_that_knows_only_layouts(kit, tmp_path):
     """The second kill lands while survivors copy layers: the next proposal names sources that may not
     hold what the layout says; the workers settle the copies from what they hold."""
-    from oobleck.runtime.launcher import Fault, LaunchOptions, Launcher
+    from oobleck.runtime.launcher import Fault, Launcher, LaunchOptions
 
     options = LaunchOptions(
-        nodes=7, f=2, steps=8, microbatches=8, gpu_memory=PIPELINED_MEMORY, workdir=tmp_path, timeout_s=400,
-        comm_timeout_s=20, controller="layouts",
+        nodes=7,
+        f=2,
+        steps=8,
+        microbatches=8,
+        gpu_memory=PIPELINED_MEMORY,
+        workdir=tmp_path,
+        timeout_s=400,
+        comm_timeout_s=20,
+        controller="layouts",
         faults=(Fault(at_step=3, nodes=("node1",)), Fault(at_step=3, nodes=("node5",), delay_s=0.3)),
     )
     summary = Launcher(options).run().as_dict()
@@ -160,9 +204,30 @@ def test_a_kill_during_a_reconfiguration_with_a_controller_that_knows_only_layou
 @pytest.mark.xdist_group("control-processes")
 def test_workers_that_cannot_restore_a_layer_end_the_job_with_the_reason(kit, tmp_path, uniform_profile):
     code, summary, output = kit.launch(
-        tmp_path, "--controller", "layouts", "--nodes", "4", "--f", "1", "--steps", "10", "--microbatches", "8",
-        "--gpu-memory", str(PIPELINED_MEMORY), "--profile", str(uniform_profile), "--snapshot-interval", "0",
-        "--kill-node", "node0", "--kill-node", "node2", "--at-step", "5", timeout=200,
+        tmp_path,
+        "--controller",
+        "layouts",
+        "--nodes",
+        "4",
+        "--f",
+        "1",
+        "--steps",
+        "10",
+        "--microbatches",
+        "8",
+        "--gpu-memory",
+        str(PIPELINED_MEMORY),
+        "--profile",
+        str(uniform_profile),
+        "--snapshot-interval",
+        "0",
+        "--kill-node",
+        "node0",
+        "--kill-node",
+        "node2",
+        "--at-step",
+        "5",
+        timeout=200,
     )
     assert code == 1 and not summary["ok"], output
     assert "layers [0, 1, 2] have no live holder" in summary["error"], summary["error"]

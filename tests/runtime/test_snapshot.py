@@ -42,8 +42,13 @@ def profile(uniform_profile_model):
 
 
 def plan_for(profile: ModelProfile, nodes: int):
-    cluster = ClusterShape(nodes=nodes, gpus_per_node=1, gpu_memory_bytes=PIPELINED_MEMORY,
-                           intra_node_bandwidth=100e9, inter_node_bandwidth=10e9)
+    cluster = ClusterShape(
+        nodes=nodes,
+        gpus_per_node=1,
+        gpu_memory_bytes=PIPELINED_MEMORY,
+        intra_node_bandwidth=100e9,
+        inter_node_bandwidth=10e9,
+    )
     return plan_job(profile, cluster, 1, 8, "test", nodes=[f"node{i}" for i in range(nodes)])
 
 
@@ -97,8 +102,9 @@ def test_restore_copies_take_own_memory_then_the_least_loaded_peer_then_the_dire
     memory = {"node1:0": {0, 1, 2, 3, 4}, "node3:0": {0, 1, 2, 3, 4}, "node0:0": {0}}
     copies = restore_copies(plan, memory, {5}, sizes)
     by = {(c.dst_node, c.layer): c for c in copies}
-    assert sorted(by) == sorted((a.node, layer) for a in plan.ranks for layer in range(a.start, a.end)), \
+    assert sorted(by) == sorted((a.node, layer) for a in plan.ranks for layer in range(a.start, a.end)), (
         "one source for every (rank, layer)"
+    )
     assert by[("node0", 0)].src_node == "node0" and by[("node0", 0)].source_kind == "snapshot"
     assert by[("node1", 3)].src_node == "node1", "own memory first"
     assert by[("node1", 5)].source_kind == "checkpoint" and by[("node1", 5)].src_node == "node1"
@@ -111,8 +117,10 @@ def test_restore_copies_take_own_memory_then_the_least_loaded_peer_then_the_dire
 def test_rollback_plan_restores_the_newest_step_on_the_survivors(profile):
     previous = plan_for(profile, 4)
     # node0 and node2 (every replica of layers 0-2) are gone; their buddies node1, node3 hold them.
-    memory = {"node1:0": {0: {0, 1, 2, 3, 4, 5}, 4: {0, 1, 2, 3, 4, 5}, 8: {3, 4, 5}},
-              "node3:0": {0: {0, 1, 2, 3, 4, 5}, 4: {0, 1, 2, 3, 4, 5}}}
+    memory = {
+        "node1:0": {0: {0, 1, 2, 3, 4, 5}, 4: {0, 1, 2, 3, 4, 5}, 8: {3, 4, 5}},
+        "node3:0": {0: {0, 1, 2, 3, 4, 5}, 4: {0, 1, 2, 3, 4, 5}},
+    }
     plan = rollback_plan(previous, profile, ["node0", "node2"], [], memory, {}, bandwidth=10e9)
     assert plan.generation == 1 and plan.restore_step == 4 and plan.lost_nodes == ["node0", "node2"]
     assert sorted(plan.nodes) == ["node1", "node3"]
@@ -121,11 +129,14 @@ def test_rollback_plan_restores_the_newest_step_on_the_survivors(profile):
     assert len(plan.copies) == sum(a.end - a.start for a in plan.ranks)
     type(plan).model_validate_json(plan.to_json())  # a valid document the workers can read
     # Nothing in memory at any one step: the directory's step 6 is the restore point.
-    plan = rollback_plan(previous, profile, ["node0", "node2"], [], {"node1:0": {4: {3, 4, 5}}},
-                         {6: set(range(6))}, bandwidth=10e9)
+    plan = rollback_plan(
+        previous, profile, ["node0", "node2"], [], {"node1:0": {4: {3, 4, 5}}}, {6: set(range(6))}, bandwidth=10e9
+    )
     assert plan.restore_step == 6 and {c.source_kind for c in plan.copies} == {"checkpoint"}
-    assert rollback_plan(previous, profile, ["node0", "node2"], [], {"node1:0": {4: {3, 4, 5}}}, {},
-                         bandwidth=10e9) is None
+    assert (
+        rollback_plan(previous, profile, ["node0", "node2"], [], {"node1:0": {4: {3, 4, 5}}}, {}, bandwidth=10e9)
+        is None
+    )
 
 
 # -- host memory and transport ----------------------------------------------------------------------
@@ -163,7 +174,9 @@ def test_a_push_lands_in_the_buddys_store_and_a_broken_one_does_not():
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             from oobleck.runtime.snapshot import _send_message
 
-            _send_message(sock, {"kind": "layer", "step": 12, "layer": 1, "nbytes": 1000}, torch.zeros(10, dtype=torch.uint8))
+            _send_message(
+                sock, {"kind": "layer", "step": 12, "layer": 1, "nbytes": 1000}, torch.zeros(10, dtype=torch.uint8)
+            )
         threading.Event().wait(0.2)
         assert store.holdings() == {"8": [1, 2]}
     finally:
@@ -223,9 +236,20 @@ def test_workers_roll_back_from_own_and_peer_snapshots_and_replay_exactly(profil
     from oobleck.runtime.worker import Worker
 
     config = WorkerConfig(job="rollback", microbatch_size=2, steps=6, device="cpu")
-    first = plan_job(profile, ClusterShape(nodes=2, gpus_per_node=1, gpu_memory_bytes=PIPELINED_MEMORY,
-                                           intra_node_bandwidth=100e9, inter_node_bandwidth=10e9),
-                     0, 4, "rollback", nodes=["node0", "node1"])
+    first = plan_job(
+        profile,
+        ClusterShape(
+            nodes=2,
+            gpus_per_node=1,
+            gpu_memory_bytes=PIPELINED_MEMORY,
+            intra_node_bandwidth=100e9,
+            inter_node_bandwidth=10e9,
+        ),
+        0,
+        4,
+        "rollback",
+        nodes=["node0", "node1"],
+    )
     assert [(a.node, a.start, a.end) for a in first.ranks] == [("node0", 0, 3), ("node1", 3, 6)]
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = lambda: TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)  # noqa: E731
@@ -245,7 +269,7 @@ def test_workers_roll_back_from_own_and_peer_snapshots_and_replay_exactly(profil
                 worker.abandon()
                 worker.adopt(plan)
                 losses[node] = [worker.train_step().loss for _ in range(worker.step, until)]
-            except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            except BaseException as error:
                 errors.append(error)
 
         threads = [threading.Thread(target=one, args=(n,)) for n in workers]
@@ -264,8 +288,17 @@ def test_workers_roll_back_from_own_and_peer_snapshots_and_replay_exactly(profil
 
     def source(layer, src, dst):
         s, d = first.ranks[src], first.ranks[dst]
-        return LayerCopy(layer=layer, src_node=s.node, src_gpu=0, src_rank=src, dst_node=d.node, dst_gpu=0,
-                         dst_rank=dst, bytes=sizes[layer], source_kind="snapshot")
+        return LayerCopy(
+            layer=layer,
+            src_node=s.node,
+            src_gpu=0,
+            src_rank=src,
+            dst_node=d.node,
+            dst_gpu=0,
+            dst_rank=dst,
+            bytes=sizes[layer],
+            source_kind="snapshot",
+        )
 
     copies = [source(0, 0, 0), source(1, 1, 0), source(2, 1, 0), source(3, 0, 1), source(4, 1, 1), source(5, 1, 1)]
     rollback = first.model_copy(update={"generation": 1, "restore_step": 2, "copies": copies, "reason": "rollback"})

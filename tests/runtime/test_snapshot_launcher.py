@@ -13,25 +13,41 @@ from pathlib import Path
 
 import pytest
 
-
 # Serial with the other launcher tests (each runs 4+ processes): see test_control_launcher.py.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-processes")]
 
 PIPELINED_MEMORY = 1_400_000  # bytes: tiny-gpt needs 2-3 nodes per pipeline
 
 
-BASE = ("--nodes", "4", "--f", "1", "--steps", "10", "--microbatches", "8", "--gpu-memory", str(PIPELINED_MEMORY),
-        "--kill-node", "node0", "--kill-node", "node2")
+BASE = (
+    "--nodes",
+    "4",
+    "--f",
+    "1",
+    "--steps",
+    "10",
+    "--microbatches",
+    "8",
+    "--gpu-memory",
+    str(PIPELINED_MEMORY),
+    "--kill-node",
+    "node0",
+    "--kill-node",
+    "node2",
+)
 
 
 def loss_records(workdir: Path) -> list[dict]:
-    return [json.loads(line) for path in workdir.glob("*.losses.jsonl") for line in path.read_text().splitlines() if line]
+    return [
+        json.loads(line) for path in workdir.glob("*.losses.jsonl") for line in path.read_text().splitlines() if line
+    ]
 
 
 def test_losing_every_replica_of_a_layer_rolls_back_to_the_in_memory_snapshot(kit, tmp_path, uniform_profile):
     # Killed at step 7: the snapshot of step 4 has had three steps to reach the buddies.
-    code, summary, output = kit.launch(tmp_path, *BASE, "--profile", str(uniform_profile), "--snapshot-interval", "4",
-                                   "--at-step", "7")
+    code, summary, output = kit.launch(
+        tmp_path, *BASE, "--profile", str(uniform_profile), "--snapshot-interval", "4", "--at-step", "7"
+    )
     assert code == 0, output
     assert summary["ok"] and summary["steps"] == 10
     [rollback] = summary["reconfigurations"]
@@ -55,9 +71,20 @@ def test_layers_no_snapshot_holds_are_restored_from_the_checkpoint_directory(kit
     """In-memory peer snapshots off: the survivors keep only their own layers of the checkpoint
     steps in memory; layers 0-2, whose every holder died, come from the directory."""
     checkpoints = tmp_path / "checkpoints"
-    code, summary, output = kit.launch(tmp_path, *BASE, "--profile", str(uniform_profile), "--snapshot-interval", "0",
-                                   "--checkpoint-dir", str(checkpoints),
-                                   "--checkpoint-interval", "3", "--at-step", "8")
+    code, summary, output = kit.launch(
+        tmp_path,
+        *BASE,
+        "--profile",
+        str(uniform_profile),
+        "--snapshot-interval",
+        "0",
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--checkpoint-interval",
+        "3",
+        "--at-step",
+        "8",
+    )
     assert code == 0, output
     [rollback] = summary["reconfigurations"]
     print(f"rollback: {rollback}")

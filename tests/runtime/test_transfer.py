@@ -22,15 +22,27 @@ DRIVER = Path(__file__).with_name("drive_worker.py")
 STEPS = 12
 SWITCH = 5
 CONFIG = WorkerConfig(
-    job="transfer", model={"name": "tiny-gpt"}, microbatch_size=2, steps=STEPS, seed=3,
+    job="transfer",
+    model={"name": "tiny-gpt"},
+    microbatch_size=2,
+    steps=STEPS,
+    seed=3,
     optim=OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=STEPS),
 )
 
 
 def copy(layer, src, dst, plan_nodes):
     (src_node, src_rank), (dst_node, dst_rank) = plan_nodes[src], plan_nodes[dst]
-    return {"layer": layer, "src_node": src_node, "src_gpu": 0, "src_rank": src_rank,
-            "dst_node": dst_node, "dst_gpu": 0, "dst_rank": dst_rank, "bytes": 0}
+    return {
+        "layer": layer,
+        "src_node": src_node,
+        "src_gpu": 0,
+        "src_rank": src_rank,
+        "dst_node": dst_node,
+        "dst_gpu": 0,
+        "dst_rank": dst_rank,
+        "bytes": 0,
+    }
 
 
 def test_relayout_and_joining_node_continue_exactly(tmp_path, plan_builder):
@@ -38,16 +50,25 @@ def test_relayout_and_joining_node_continue_exactly(tmp_path, plan_builder):
     # Generation 0: n0 runs everything; n1 -> n2 split 3 | 3.
     first = make_plan(
         [Spec(stages=[(0, 6, 0, 1)], microbatches=3), Spec(stages=[(0, 3, 0, 1), (3, 6, 1, 1)], microbatches=5)],
-        num_layers=6, job="transfer", node_names=[["n0"], ["n1", "n2"]],
+        num_layers=6,
+        job="transfer",
+        node_names=[["n0"], ["n1", "n2"]],
     )
     # Generation 1: n1 -> n2 split 2 | 4 (n2 receives layer 2 from n1), and a new node n3 runs a
     # whole pipeline (receives all six layers from n0). Global batch unchanged: 8 microbatches.
     where = {"n0": ("n0", 0), "n1": ("n1", 1), "n2": ("n2", 2), "n3": ("n3", 3)}
     copies = [copy(2, "n1", "n2", where)] + [copy(layer, "n0", "n3", where) for layer in range(6)]
     second = make_plan(
-        [Spec(stages=[(0, 6, 0, 1)], microbatches=3), Spec(stages=[(0, 2, 0, 1), (2, 6, 1, 1)], microbatches=3),
-         Spec(stages=[(0, 6, 0, 1)], microbatches=2)],
-        num_layers=6, job="transfer", generation=1, node_names=[["n0"], ["n1", "n2"], ["n3"]], copies=copies,
+        [
+            Spec(stages=[(0, 6, 0, 1)], microbatches=3),
+            Spec(stages=[(0, 2, 0, 1), (2, 6, 1, 1)], microbatches=3),
+            Spec(stages=[(0, 6, 0, 1)], microbatches=2),
+        ],
+        num_layers=6,
+        job="transfer",
+        generation=1,
+        node_names=[["n0"], ["n1", "n2"], ["n3"]],
+        copies=copies,
     )
     assert [second.rank_of(n, 0) for n in ("n0", "n1", "n2", "n3")] == [0, 1, 2, 3]
     (tmp_path / "config.json").write_text(CONFIG.model_dump_json())
@@ -64,9 +85,21 @@ def test_relayout_and_joining_node_continue_exactly(tmp_path, plan_builder):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     processes = {
         node: subprocess.Popen(
-            [sys.executable, str(DRIVER), str(tmp_path / "config.json"), str(store.port), node, "0", str(losses),
-             str(tmp_path / f"{node}.pt"), *phase],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+            [
+                sys.executable,
+                str(DRIVER),
+                str(tmp_path / "config.json"),
+                str(store.port),
+                node,
+                "0",
+                str(losses),
+                str(tmp_path / f"{node}.pt"),
+                *phase,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
         )
         for node, phase in phases.items()
     }

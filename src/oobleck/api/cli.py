@@ -19,9 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def drift(folder: Path, expected: dict[str, str]) -> list[str]:
     """Names of the files in `folder` that are missing or differ from `expected`."""
     return [
-        name
-        for name, text in expected.items()
-        if not (folder / name).is_file() or (folder / name).read_text() != text
+        name for name, text in expected.items() if not (folder / name).is_file() or (folder / name).read_text() != text
     ]
 
 
@@ -38,7 +36,10 @@ def run(args: argparse.Namespace) -> int:
     if args.check is not None:
         stale = drift(args.check, files)
         for name in stale:
-            print(f"{args.check / name}: differs from the models in src/oobleck/api/job.py; run `make crds`", file=sys.stderr)
+            print(
+                f"{args.check / name}: differs from the models in src/oobleck/api/job.py; run `make crds`",
+                file=sys.stderr,
+            )
         return 1 if stale else 0
     sys.stdout.write("---\n".join(files.values()))
     return 0

@@ -7,7 +7,7 @@ replaces lists, so writers always send the whole list that `set_condition` retur
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Literal
 
@@ -72,7 +72,7 @@ class Reason:
 
 def utc_now() -> datetime:
     """Now, at the second precision metav1.Time keeps."""
-    return datetime.now(timezone.utc).replace(microsecond=0)
+    return datetime.now(UTC).replace(microsecond=0)
 
 
 def find_condition(conditions: Sequence[Condition], type_: str) -> Condition | None:

@@ -25,16 +25,67 @@ _INT32_MAX = 2**31 - 1
 _DROPPED = {"title", "$defs", "additionalProperties"}
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
-    {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "One-word summary of the conditions."},
+    {
+        "name": "Phase",
+        "type": "string",
+        "jsonPath": ".status.phase",
+        "description": "One-word summary of the conditions.",
+    },
     {"name": "Nodes", "type": "integer", "jsonPath": ".status.nodes", "description": "Nodes in use."},
-    {"name": "Target", "type": "integer", "jsonPath": ".spec.nodes.target", "description": "Nodes asked for (absent: max).", "priority": 1},
-    {"name": "Max", "type": "integer", "jsonPath": ".spec.nodes.max", "description": "Most nodes the job uses.", "priority": 1},
-    {"name": "Pipelines", "type": "integer", "jsonPath": ".status.plan.pipelines", "description": "Pipelines training."},
-    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step", "description": "Optimizer steps completed."},
-    {"name": "Steps", "type": "integer", "jsonPath": ".spec.training.steps", "description": "Optimizer steps to run.", "priority": 1},
-    {"name": "Samples/s", "type": "number", "jsonPath": ".status.progress.samplesPerSecond", "description": "Recent throughput.", "priority": 1},
-    {"name": "Failures", "type": "integer", "jsonPath": ".status.failuresSurvived", "description": "Node failures survived.", "priority": 1},
-    {"name": "Plan", "type": "integer", "jsonPath": ".status.plan.generation", "description": "Plan generation.", "priority": 1},
+    {
+        "name": "Target",
+        "type": "integer",
+        "jsonPath": ".spec.nodes.target",
+        "description": "Nodes asked for (absent: max).",
+        "priority": 1,
+    },
+    {
+        "name": "Max",
+        "type": "integer",
+        "jsonPath": ".spec.nodes.max",
+        "description": "Most nodes the job uses.",
+        "priority": 1,
+    },
+    {
+        "name": "Pipelines",
+        "type": "integer",
+        "jsonPath": ".status.plan.pipelines",
+        "description": "Pipelines training.",
+    },
+    {
+        "name": "Step",
+        "type": "integer",
+        "jsonPath": ".status.progress.step",
+        "description": "Optimizer steps completed.",
+    },
+    {
+        "name": "Steps",
+        "type": "integer",
+        "jsonPath": ".spec.training.steps",
+        "description": "Optimizer steps to run.",
+        "priority": 1,
+    },
+    {
+        "name": "Samples/s",
+        "type": "number",
+        "jsonPath": ".status.progress.samplesPerSecond",
+        "description": "Recent throughput.",
+        "priority": 1,
+    },
+    {
+        "name": "Failures",
+        "type": "integer",
+        "jsonPath": ".status.failuresSurvived",
+        "description": "Node failures survived.",
+        "priority": 1,
+    },
+    {
+        "name": "Plan",
+        "type": "integer",
+        "jsonPath": ".status.plan.generation",
+        "description": "Plan generation.",
+        "priority": 1,
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

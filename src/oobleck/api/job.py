@@ -46,9 +46,13 @@ COORDINATOR_ROLE = "coordinator"
 
 MAX_NODES = 4096
 # Kubernetes resource quantity, unsigned (e.g. "500m", "2", "8Gi", "1e3"): the apimachinery grammar.
-QUANTITY_PATTERN = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+QUANTITY_PATTERN = (
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 # A Kubernetes label or annotation key, or a resource name: [prefix/]name.
-QUALIFIED_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+QUALIFIED_NAME_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ENTRY_POINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -101,7 +105,9 @@ class Rule:
 def immutable(what: str) -> dict[str, Any]:
     """Schema extra that makes a field unchangeable after creation (a CEL transition rule)."""
     message = f"{what} is immutable: create a new OobleckJob to change it"
-    return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": message, "reason": "FieldValueForbidden"}]}
+    return {
+        "x-kubernetes-validations": [{"rule": "self == oldSelf", "message": message, "reason": "FieldValueForbidden"}]
+    }
 
 
 def _add_rules(schema: dict[str, Any], cls: type[BaseModel]) -> None:
@@ -245,21 +251,30 @@ class TrainingSpec(_Model):
 
     steps: int = Field(ge=1, le=1_000_000_000, description="Optimizer steps to run; the job succeeds after the last.")
     global_batch_size: int = Field(
-        ge=1, le=16_777_216, description="Samples per optimizer step, summed over all pipelines; a multiple of microbatchSize.",
+        ge=1,
+        le=16_777_216,
+        description="Samples per optimizer step, summed over all pipelines; a multiple of microbatchSize.",
         json_schema_extra=immutable("training.globalBatchSize"),
     )
     microbatch_size: int = Field(
-        ge=1, le=65536, description="Samples per microbatch, the unit a pipeline stage processes at a time.",
+        ge=1,
+        le=65536,
+        description="Samples per microbatch, the unit a pipeline stage processes at a time.",
         json_schema_extra=immutable("training.microbatchSize"),
     )
     learning_rate: float = Field(default=3e-4, gt=0, le=10, description="Peak learning rate of AdamW.")
-    warmup_steps: int = Field(default=0, ge=0, le=1_000_000_000, description="Steps of linear warmup from 0 to learningRate.")
+    warmup_steps: int = Field(
+        default=0, ge=0, le=1_000_000_000, description="Steps of linear warmup from 0 to learningRate."
+    )
     schedule: Literal["constant", "linear", "cosine"] = Field(
         default="cosine", description="Learning-rate decay after warmup, down to 10% of learningRate at the last step."
     )
     weight_decay: float = Field(default=0.0, ge=0, le=1, description="AdamW decoupled weight decay.")
     seed: int = Field(
-        default=0, ge=0, le=2**31 - 1, description="Seed for weight initialisation and synthetic data.",
+        default=0,
+        ge=0,
+        le=2**31 - 1,
+        description="Seed for weight initialisation and synthetic data.",
         json_schema_extra=immutable("training.seed"),
     )
 
@@ -332,7 +347,11 @@ class ConfigMapKey(_Model):
 
     name: DnsName = Field(description="ConfigMap name.")
     key: str = Field(
-        default="profile.json", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key within the ConfigMap."
+        default="profile.json",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="Key within the ConfigMap.",
     )
 
 
@@ -370,7 +389,10 @@ class CheckpointSpec(_Model):
     """Periodic checkpoints: the fallback when a failure leaves some layer with no surviving replica."""
 
     path: str = Field(
-        min_length=2, max_length=1024, pattern=r"^/", description="Absolute directory in the worker container to write checkpoints to."
+        min_length=2,
+        max_length=1024,
+        pattern=r"^/",
+        description="Absolute directory in the worker container to write checkpoints to.",
     )
     claim_name: DnsName | None = Field(
         default=None,
@@ -385,15 +407,23 @@ class Toleration(_Model):
     """A pod toleration (the Kubernetes fields, typed)."""
 
     key: str | None = Field(
-        default=None, max_length=317, pattern=QUALIFIED_NAME_PATTERN, description="Taint key; absent with operator Exists tolerates every taint."
+        default=None,
+        max_length=317,
+        pattern=QUALIFIED_NAME_PATTERN,
+        description="Taint key; absent with operator Exists tolerates every taint.",
     )
-    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists matches any value; Equal matches `value`.")
+    operator: Literal["Exists", "Equal"] = Field(
+        default="Equal", description="Exists matches any value; Equal matches `value`."
+    )
     value: str | None = Field(default=None, max_length=63, description="Taint value, for operator Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect to tolerate; absent means all effects."
     )
     toleration_seconds: int | None = Field(
-        default=None, ge=0, le=2**31 - 1, description="For NoExecute: how long the pod stays bound after the taint appears."
+        default=None,
+        ge=0,
+        le=2**31 - 1,
+        description="For NoExecute: how long the pod stays bound after the taint appears.",
     )
 
     _RULES = (
@@ -438,7 +468,9 @@ class PodOverrides(_Model):
     node_selector: dict[str, LabelValue] = Field(
         default_factory=dict, max_length=32, description="Node labels a worker's node must have."
     )
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Taints worker pods tolerate.")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Taints worker pods tolerate."
+    )
     env: list[EnvVar] = Field(
         default_factory=list,
         max_length=64,
@@ -485,14 +517,22 @@ class OobleckJobSpec(_Model):
 
     model: ModelSpec = Field(description="The model to train.", json_schema_extra=immutable("model"))
     image: str | None = Field(
-        default=None, min_length=1, max_length=512, description="Worker image; absent means the operator's default runtime image."
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="Worker image; absent means the operator's default runtime image.",
     )
     command: list[Annotated[str, StringConstraints(max_length=4096)]] | None = Field(
-        default=None, min_length=1, max_length=64, description="Worker command (entrypoint and arguments); absent means the image's runtime command."
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="Worker command (entrypoint and arguments); absent means the image's runtime command.",
     )
     nodes: NodeRange = Field(description="Node counts: min, max and the scaled target.")
     gpus_per_node: Literal[1, 2, 4, 8, 16] = Field(
-        default=1, description="GPUs each worker pod uses (one training process per GPU).", json_schema_extra=immutable("gpusPerNode")
+        default=1,
+        description="GPUs each worker pod uses (one training process per GPU).",
+        json_schema_extra=immutable("gpusPerNode"),
     )
     gpu_resource_name: str = Field(
         default="nvidia.com/gpu",
@@ -508,7 +548,11 @@ class OobleckJobSpec(_Model):
         "GPU requested (tests and laptops).",
         json_schema_extra=immutable("device"),
     )
-    resources: PodResources = Field(default_factory=PodResources, description="CPU and memory per worker pod.", json_schema_extra=defaulted(PodResources))
+    resources: PodResources = Field(
+        default_factory=PodResources,
+        description="CPU and memory per worker pod.",
+        json_schema_extra=defaulted(PodResources),
+    )
     f: int = Field(
         default=1,
         ge=0,
@@ -518,10 +562,14 @@ class OobleckJobSpec(_Model):
     )
     training: TrainingSpec = Field(description="Steps, batch sizes and optimizer settings.")
     data: DataSpec = Field(
-        default_factory=DataSpec, description="The training data.", json_schema_extra=immutable("data") | defaulted(DataSpec)
+        default_factory=DataSpec,
+        description="The training data.",
+        json_schema_extra=immutable("data") | defaulted(DataSpec),
     )
     profile: ProfileSpec = Field(
-        default_factory=ProfileSpec, description="The model profile the planner uses.", json_schema_extra=defaulted(ProfileSpec)
+        default_factory=ProfileSpec,
+        description="The model profile the planner uses.",
+        json_schema_extra=defaulted(ProfileSpec),
     )
     checkpoint: CheckpointSpec | None = Field(default=None, description="Periodic checkpoints; absent means none.")
     pod: PodOverrides = Field(default_factory=PodOverrides, description="Overrides for the worker pods.")
@@ -557,7 +605,12 @@ class OobleckJobSpec(_Model):
                 "self.training.globalBatchSize / self.training.microbatchSize",
                 "self.f + 1",
             ),
-            args=lambda m: (m.training.global_batch_size, m.training.microbatch_size, m.training.global_microbatches, m.f + 1),
+            args=lambda m: (
+                m.training.global_batch_size,
+                m.training.microbatch_size,
+                m.training.global_microbatches,
+                m.f + 1,
+            ),
             check=lambda m: m.training.global_microbatches >= m.f + 1,
             field_path=".training.globalBatchSize",
         ),
@@ -580,11 +633,22 @@ class Phase(StrEnum):
 class Condition(_Model):
     """A status condition, shaped like metav1.Condition."""
 
-    type: str = Field(max_length=316, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$", description="Condition type, e.g. Running.")
+    type: str = Field(
+        max_length=316,
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
+        description="Condition type, e.g. Running.",
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds.")
-    observed_generation: int | None = Field(default=None, ge=0, description="metadata.generation the condition was set for.")
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation the condition was set for."
+    )
     last_transition_time: datetime = Field(description="When status last changed.")
-    reason: str = Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="CamelCase reason, one of oobleck.api.conditions.Reason.")
+    reason: str = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        description="CamelCase reason, one of oobleck.api.conditions.Reason.",
+    )
     message: str = Field(default="", max_length=32768, description="Human-readable details.")
 
 
@@ -600,11 +664,15 @@ class PlanSummary(_Model):
 
     generation: int = Field(ge=0, description="Plan generation; it increases with every reconfiguration.")
     config_map: str | None = Field(default=None, max_length=253, description="ConfigMap holding the full plan.")
-    templates: list[TemplateUse] = Field(default_factory=list, max_length=64, description="Templates and their pipeline counts.")
+    templates: list[TemplateUse] = Field(
+        default_factory=list, max_length=64, description="Templates and their pipeline counts."
+    )
     pipelines: int = Field(ge=0, le=MAX_NODES, description="Pipelines (model replicas) training.")
     nodes: int = Field(ge=0, le=MAX_NODES, description="Nodes the plan uses.")
     degraded: bool = Field(default=False, description="True when fewer than f + 1 pipelines remain.")
-    iteration_ms: float | None = Field(default=None, ge=0, description="The planner's estimate of one step, in milliseconds.")
+    iteration_ms: float | None = Field(
+        default=None, ge=0, description="The planner's estimate of one step, in milliseconds."
+    )
 
 
 class Progress(_Model):
@@ -627,12 +695,18 @@ class OobleckJobStatus(_Model):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     observed_generation: int | None = Field(default=None, ge=0, description="metadata.generation the status reflects.")
-    nodes: int = Field(default=0, ge=0, le=MAX_NODES, description="Nodes in use (the scale subresource's status replicas).")
-    selector: str | None = Field(default=None, max_length=1024, description="Label selector of the worker pods (for the scale subresource).")
+    nodes: int = Field(
+        default=0, ge=0, le=MAX_NODES, description="Nodes in use (the scale subresource's status replicas)."
+    )
+    selector: str | None = Field(
+        default=None, max_length=1024, description="Label selector of the worker pods (for the scale subresource)."
+    )
     plan: PlanSummary | None = Field(default=None, description="The current plan in brief.")
     progress: Progress | None = Field(default=None, description="Training progress.")
     failures_survived: int = Field(default=0, ge=0, description="Node failures recovered from without a restart.")
-    reconfigurations: int = Field(default=0, ge=0, description="Plans after the first (failures, scaling, nodes returning).")
+    reconfigurations: int = Field(
+        default=0, ge=0, description="Plans after the first (failures, scaling, nodes returning)."
+    )
     start_time: datetime | None = Field(default=None, description="When the first plan started training.")
     completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")
 

@@ -61,7 +61,9 @@ class Stage(_Strict):
     start: int = Field(ge=0)
     end: int = Field(ge=1)
     node: str = Field(min_length=1, description="the node running the stage (one of its pipeline's nodes)")
-    gpus: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, description="local GPUs of the node running the stage")
+    gpus: list[Annotated[int, Field(ge=0)]] = Field(
+        min_length=1, description="local GPUs of the node running the stage"
+    )
     ranks: list[Annotated[int, Field(ge=0)]] = Field(
         min_length=1,
         description="the rank of each GPU in `gpus` (as many; checked by the Plan): all hold the stage's layers; "
@@ -130,9 +132,12 @@ class Plan(_Strict):
     iteration_ms: float = Field(ge=0, description="estimated iteration time Z (slowest pipeline)")
     lost_nodes: list[str] = Field(default_factory=list, description="nodes dropped since the previous generation")
     added_nodes: list[str] = Field(default_factory=list, description="nodes added since the previous generation")
-    reason: str = Field(default="", description="why this generation exists: initial, shrink, borrow, merge, reinstantiate, ...")
+    reason: str = Field(
+        default="", description="why this generation exists: initial, shrink, borrow, merge, reinstantiate, ..."
+    )
     restore_step: int | None = Field(
-        default=None, ge=0,
+        default=None,
+        ge=0,
         description="set on a rollback: every rank resets to this step (every layer from `copies`) and replays from it",
     )
 
@@ -175,7 +180,7 @@ class Plan(_Strict):
         """Ranks holding `layer` (every GPU of every stage containing it), ascending."""
         return sorted(rank for stage in self._stages() if stage.start <= layer < stage.end for rank in stage.ranks)
 
-    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> "Plan":
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Plan:
         copied = super().model_copy(update=update, deep=deep)
         if update:  # the derived values may no longer hold: rebuilt on first use
             copied.__dict__.pop(_INDEX, None)
@@ -187,13 +192,13 @@ class Plan(_Strict):
     # plan-v1 documents are upgraded here rather than in a "before" validator, which would make every
     # JSON parse build Python objects first (1.7x slower for a 1024-node plan).
     @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> "Plan":
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Plan:
         if isinstance(obj, dict) and obj.get("api_version") == PLAN_V1:
             obj = upgrade_v1(obj)
         return super().model_validate(obj, **kwargs)
 
     @classmethod
-    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> "Plan":
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Plan:
         try:
             return super().model_validate_json(json_data, **kwargs)
         except ValidationError:
@@ -206,7 +211,7 @@ class Plan(_Strict):
         return super().model_validate(upgrade_v1(data), **kwargs)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Plan":
+    def _consistent(self) -> Plan:
         total = sum(p.microbatches for p in self.pipelines)
         if total != self.global_microbatches:
             raise ValueError(
@@ -231,8 +236,10 @@ class Plan(_Strict):
                 raise ValueError(f"{where}: nodes {twice} appear twice in the plan")
             seen |= members
             bounds = [(s.start, s.end) for s in pipeline.stages]
-            if bounds[0][0] != 0 or bounds[-1][1] != self.num_layers or any(
-                a[1] != b[0] for a, b in zip(bounds, bounds[1:])
+            if (
+                bounds[0][0] != 0
+                or bounds[-1][1] != self.num_layers
+                or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:]))
             ):
                 raise ValueError(f"{where}: stages must cover layers 0..{self.num_layers} contiguously")
             if any(start >= end for start, end in bounds):
@@ -243,14 +250,20 @@ class Plan(_Strict):
                 if node not in members:
                     raise ValueError(f"{where}.stages[{s}]: node {node!r} is not one of the pipeline's nodes")
                 if len(stage.ranks) != len(stage.gpus):
-                    raise ValueError(f"{where}.stages[{s}]: {len(stage.ranks)} ranks for {len(stage.gpus)} gpus; one rank per GPU")
+                    raise ValueError(
+                        f"{where}.stages[{s}]: {len(stage.ranks)} ranks for {len(stage.gpus)} gpus; one rank per GPU"
+                    )
                 if max(stage.gpus) >= self.gpus_per_node:
-                    raise ValueError(f"{where}.stages[{s}]: GPU {max(stage.gpus)} of {node!r}, gpus_per_node is {self.gpus_per_node}")
+                    raise ValueError(
+                        f"{where}.stages[{s}]: GPU {max(stage.gpus)} of {node!r}, gpus_per_node is {self.gpus_per_node}"
+                    )
                 hosts.add(node)
                 gpus += len(stage.gpus)
                 index.update(zip([(node, gpu) for gpu in stage.gpus], stage.ranks))
                 if len(index) < gpus:
-                    twice = next(g for g in stage.gpus if stage.gpus.count(g) > 1 or self._runs_elsewhere(node, g, stage))
+                    twice = next(
+                        g for g in stage.gpus if stage.gpus.count(g) > 1 or self._runs_elsewhere(node, g, stage)
+                    )
                     raise ValueError(f"{where}.stages[{s}]: GPU {twice} of {node!r} runs two ranks")
             if hosts != members:
                 raise ValueError(f"{where}: nodes {sorted(members - hosts)} host no stage")
@@ -259,12 +272,18 @@ class Plan(_Strict):
             used = sorted(r for p in self.pipelines for st in p.stages for r in st.ranks)
             twice = sorted({r for r, nxt in zip(used, used[1:]) if r == nxt})
             missing = sorted(set(range(len(index))) - ranks)
-            raise ValueError(f"ranks: must be 0..{len(index) - 1}, each on one GPU; listed twice {twice}, missing {missing}")
+            raise ValueError(
+                f"ranks: must be 0..{len(index) - 1}, each on one GPU; listed twice {twice}, missing {missing}"
+            )
         for c, copy in enumerate(self.copies):
-            for side, node, gpu, claimed in (("src", copy.src_node, copy.src_gpu, copy.src_rank),
-                                             ("dst", copy.dst_node, copy.dst_gpu, copy.dst_rank)):  # fmt: skip
+            for side, node, gpu, claimed in (
+                ("src", copy.src_node, copy.src_gpu, copy.src_rank),
+                ("dst", copy.dst_node, copy.dst_gpu, copy.dst_rank),
+            ):
                 if index.get((node, gpu)) != claimed:
-                    raise ValueError(f"copies[{c}]: {side}_rank is {claimed}, ({node!r}, {gpu}) has rank {index.get((node, gpu))}")
+                    raise ValueError(
+                        f"copies[{c}]: {side}_rank is {claimed}, ({node!r}, {gpu}) has rank {index.get((node, gpu))}"
+                    )
             if copy.layer >= self.num_layers:
                 raise ValueError(f"copies[{c}]: layer {copy.layer}, the plan has {self.num_layers} layers")
         self.__dict__[_INDEX] = index
@@ -297,7 +316,14 @@ def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
             nodes = {p["node"] for p in places}
             if len(nodes) != 1:
                 raise ValueError(f"pipelines[{i}].stages[{s}]: v1 ranks {ranks} span nodes {sorted(nodes)}")
-            stages.append({"start": stage["start"], "end": stage["end"], "node": nodes.pop(),
-                           "gpus": [p["gpu"] for p in places], "ranks": ranks})  # fmt: skip
+            stages.append(
+                {
+                    "start": stage["start"],
+                    "end": stage["end"],
+                    "node": nodes.pop(),
+                    "gpus": [p["gpu"] for p in places],
+                    "ranks": ranks,
+                }
+            )
         pipelines.append({**pipeline, "stages": stages})
     return {**data, "api_version": PLAN_API_VERSION, "pipelines": pipelines}

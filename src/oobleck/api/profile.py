@@ -33,7 +33,7 @@ class ModelProfile(_Strict):
     layers: list[LayerProfile] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _some_work(self) -> "ModelProfile":
+    def _some_work(self) -> ModelProfile:
         if sum(layer.forward_ms + layer.backward_ms for layer in self.layers) <= 0:
             raise ValueError("layers: forward_ms + backward_ms summed over all layers must be > 0")
         return self

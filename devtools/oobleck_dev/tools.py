@@ -73,9 +73,7 @@ def cache_bin_dir(build: bool = False) -> Path | None:
         return None
     script = root / BUILD_SCRIPT
     args = [str(script)] if build else [str(script), "--print"]
-    result = subprocess.run(
-        args, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S if build else 60, cwd=root
-    )
+    result = subprocess.run(args, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S if build else 60, cwd=root)
     if result.returncode != 0:
         if build:
             raise ToolsNotFound(f"{script} failed (exit {result.returncode}):\n{result.stderr[-4000:]}")

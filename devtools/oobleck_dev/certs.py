@@ -54,7 +54,7 @@ class CertificateAuthority:
     def __init__(self, folder: Path, common_name: str = "oobleck-dev-ca") -> None:
         self.folder = folder
         self._key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self._cert = (
             x509.CertificateBuilder()
             .subject_name(_name(common_name))
@@ -66,9 +66,15 @@ class CertificateAuthority:
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=True, content_commitment=False, key_encipherment=False,
-                    data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                    encipher_only=False, decipher_only=False,
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
                 ),
                 critical=True,
             )
@@ -92,7 +98,7 @@ class CertificateAuthority:
         if not (server or client):
             raise ValueError(f"{name}: a certificate must be for a server, a client, or both")
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         usages = ([ExtendedKeyUsageOID.SERVER_AUTH] if server else []) + (
             [ExtendedKeyUsageOID.CLIENT_AUTH] if client else []
         )
@@ -107,16 +113,20 @@ class CertificateAuthority:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=True, content_commitment=False, key_encipherment=False,
-                    data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
-                    encipher_only=False, decipher_only=False,
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
                 ),
                 critical=True,
             )
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False
-            )
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False)
         )
         if hosts:
             alt_names: list[x509.GeneralName] = []
@@ -136,7 +146,5 @@ class CertificateAuthority:
 def service_account_keys(folder: Path) -> KeyPair:
     """The key pair that signs service-account tokens (`sa.key`) and verifies them (`sa.pub`)."""
     key = ec.generate_private_key(ec.SECP256R1())
-    public = key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
+    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     return KeyPair(cert=_write(folder / "sa.pub", public), key=_write(folder / "sa.key", _key_pem(key)))

@@ -1,4 +1,4 @@
-"""`oobleck demo`: the main job, for real, on an embedded default cluster.
+"""`python -m oobleck_dev demo` (`make demo`): the main job, for real, on an embedded default cluster.
 
 It starts the local control plane (etcd, kube-apiserver, scheduler, controller-manager, CRDs), the
 local node agent (N nodes whose pods run as processes of this machine) and the operator, applies the
@@ -27,11 +27,17 @@ NAMESPACE = "oobleck-demo"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="train the example job on a local cluster, kill a worker, show recovery")
+    parser = subparsers.add_parser(
+        "demo", help="train the example job on a local cluster, kill a worker, show recovery"
+    )
     parser.add_argument("--job", type=Path, default=EXAMPLE, help="OobleckJob manifest (default: %(default)s)")
     parser.add_argument("--nodes", type=int, default=4, help="local nodes to run the worker pods on")
-    parser.add_argument("--kill-at-step", type=int, default=None,
-                        help="kill a worker's process when the job reaches this step (default: a third of the steps)")
+    parser.add_argument(
+        "--kill-at-step",
+        type=int,
+        default=None,
+        help="kill a worker's process when the job reaches this step (default: a third of the steps)",
+    )
     parser.add_argument("--no-kill", action="store_true", help="train without the failure")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     parser.add_argument("--workdir", type=Path, default=None, help="keep logs here (default: a temporary folder)")
@@ -75,9 +81,14 @@ def observe(job: dict) -> Observation:
     progress = status.get("progress") or {}
     failed = [c for c in status.get("conditions") or [] if c.get("type") == "Failed" and c.get("status") == "True"]
     return Observation(
-        at=time.monotonic(), phase=status.get("phase", "Pending"), step=int(progress.get("step") or 0),
-        generation=plan.get("generation"), pipelines=plan.get("pipelines"), nodes=int(status.get("nodes") or 0),
-        loss=progress.get("loss"), samples_per_second=progress.get("samplesPerSecond"),
+        at=time.monotonic(),
+        phase=status.get("phase", "Pending"),
+        step=int(progress.get("step") or 0),
+        generation=plan.get("generation"),
+        pipelines=plan.get("pipelines"),
+        nodes=int(status.get("nodes") or 0),
+        loss=progress.get("loss"),
+        samples_per_second=progress.get("samplesPerSecond"),
         reason=failed[0].get("message", "") if failed else "",
     )
 
@@ -96,19 +107,24 @@ def summarize(timeline: Timeline, steps: int, batch: int) -> list[str]:
     lines = []
     if last is None:
         return ["no observation of the job"]
-    lines.append(f"job {last.phase}: {last.step}/{steps} steps, plan generation {last.generation}, "
-                 f"{last.pipelines} pipelines on {last.nodes} nodes")
+    lines.append(
+        f"job {last.phase}: {last.step}/{steps} steps, plan generation {last.generation}, "
+        f"{last.pipelines} pipelines on {last.nodes} nodes"
+    )
     done = sorted(timeline.step_times)
     if timeline.kill_at is not None and timeline.kill_step is not None:
         after = [s for s in done if s > timeline.kill_step]
-        regenerated = next((o.at for o in timeline.observations
-                            if o.at >= timeline.kill_at and (o.generation or 0) > 0), None)
+        regenerated = next(
+            (o.at for o in timeline.observations if o.at >= timeline.kill_at and (o.generation or 0) > 0), None
+        )
         lines.append(f"killed {timeline.killed_pod} at step {timeline.kill_step}")
         if regenerated is not None:
             lines.append(f"  new plan generation seen {regenerated - timeline.kill_at:.2f} s after the kill")
         if after:
             first_after = timeline.step_times[after[0]]
-            lines.append(f"  training resumed (step {after[0]} completed) {first_after - timeline.kill_at:.2f} s after the kill")
+            lines.append(
+                f"  training resumed (step {after[0]} completed) {first_after - timeline.kill_at:.2f} s after the kill"
+            )
         started = next((s for s in done if s > 0), 0)  # from the first step: start-up is not throughput
         before = steps_per_second(timeline.step_times, started, timeline.kill_step)
         later = steps_per_second(timeline.step_times, after[0], after[-1]) if len(after) > 1 else None
@@ -148,23 +164,25 @@ def _scrape(url: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from oobleck.dev.controlplane import ControlPlane
-    from oobleck.dev.nodeagent import NodeAgent
-    from oobleck.dev.operatorproc import OperatorProcess
+    from oobleck_dev.controlplane import ControlPlane
+    from oobleck_dev.nodeagent import NodeAgent
+    from oobleck_dev.operatorproc import OperatorProcess
 
     if not args.job.is_file():
-        print(f"oobleck demo: --job {args.job}: no such file", file=sys.stderr)
+        print(f"oobleck_dev demo: --job {args.job}: no such file", file=sys.stderr)
         return 2
     if args.nodes < 1:
-        print(f"oobleck demo: --nodes: must be >= 1, got {args.nodes}", file=sys.stderr)
+        print(f"oobleck_dev demo: --nodes: must be >= 1, got {args.nodes}", file=sys.stderr)
         return 2
     manifest = yaml.safe_load(args.job.read_text())
     name = manifest["metadata"]["name"]
     training = manifest["spec"]["training"]
     steps, batch = int(training["steps"]), int(training["globalBatchSize"])
-    kill_at_step = None if args.no_kill else (args.kill_at_step if args.kill_at_step is not None else max(1, steps // 3))
+    kill_at_step = (
+        None if args.no_kill else (args.kill_at_step if args.kill_at_step is not None else max(1, steps // 3))
+    )
     if kill_at_step is not None and not 0 < kill_at_step < steps:
-        print(f"oobleck demo: --kill-at-step: must be in 1..{steps - 1}, got {kill_at_step}", file=sys.stderr)
+        print(f"oobleck_dev demo: --kill-at-step: must be in 1..{steps - 1}, got {kill_at_step}", file=sys.stderr)
         return 2
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="oobleck-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -173,8 +191,15 @@ def run(args: argparse.Namespace) -> int:
     with ControlPlane() as cluster:
         say(f"control plane up in {cluster.started_in_s:.1f} s at {cluster.server}")
         say(f"starting {args.nodes} local nodes (pods run as processes of this machine)")
-        agent = NodeAgent(cluster.kubeconfig, nodes=args.nodes, gpus_per_node=1, cpu="4", memory="16Gi",
-                          name_prefix="demo-node-", workdir=workdir / "nodes")
+        agent = NodeAgent(
+            cluster.kubeconfig,
+            nodes=args.nodes,
+            gpus_per_node=1,
+            cpu="4",
+            memory="16Gi",
+            name_prefix="demo-node-",
+            workdir=workdir / "nodes",
+        )
         with agent:
             cluster.kubectl("create", "namespace", NAMESPACE)
             say("starting the operator")
@@ -212,9 +237,12 @@ def _follow(cluster, agent, name: str, steps: int, kill_at_step: int | None, tim
             shown, last_step, last_line = key, seen.step, seen.at
             loss = f"{seen.loss:.4f}" if seen.loss is not None else "-"
             rate = f"{seen.samples_per_second:.0f}" if seen.samples_per_second is not None else "-"
-            print(f"{seen.at - began:6.1f}s  {seen.phase:<13} {seen.step:>4}/{steps:<4}  {loss:>8}  {rate:>9}  "
-                  f"{seen.generation if seen.generation is not None else '-':>10}  "
-                  f"{seen.pipelines if seen.pipelines is not None else '-'}", flush=True)
+            print(
+                f"{seen.at - began:6.1f}s  {seen.phase:<13} {seen.step:>4}/{steps:<4}  {loss:>8}  {rate:>9}  "
+                f"{seen.generation if seen.generation is not None else '-':>10}  "
+                f"{seen.pipelines if seen.pipelines is not None else '-'}",
+                flush=True,
+            )
         if seen.phase in ("Succeeded", "Failed"):
             if seen.reason:
                 print(f"reason: {seen.reason}")
@@ -223,8 +251,11 @@ def _follow(cluster, agent, name: str, steps: int, kill_at_step: int | None, tim
             pod = f"{name}-worker-1"
             agent.kill_pod_process(NAMESPACE, pod)
             timeline.kill_at, timeline.kill_step, timeline.killed_pod = time.monotonic(), seen.step, pod
-            print(f"{timeline.kill_at - began:6.1f}s  >>> killed the process of {pod} (SIGKILL): a node failure "
-                  "as the job sees it", flush=True)
+            print(
+                f"{timeline.kill_at - began:6.1f}s  >>> killed the process of {pod} (SIGKILL): a node failure "
+                "as the job sees it",
+                flush=True,
+            )
         time.sleep(0.2)
     print(f"timeout: the job did not finish within {timeout_s:.0f} s")
     return timeline
@@ -266,4 +297,3 @@ class _Steps:
 
     def __call__(self, text: str) -> None:
         print(f"\n[demo {time.monotonic() - self.began:6.1f} s] {text}", flush=True)
-

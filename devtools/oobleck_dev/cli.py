@@ -1,18 +1,18 @@
-"""`oobleck dev`: a local control plane by hand.
+"""`python -m oobleck_dev`: a local control plane by hand (development and test tooling, not the product).
 
-    oobleck dev up [--kwok-nodes N] [--local-nodes N] [--gpus-per-node G]
+    python -m oobleck_dev up [--kwok-nodes N] [--local-nodes N] [--gpus-per-node G]
                                                          start in the background, print KUBECONFIG
-    oobleck dev status                                   what runs, and whether the API is ready
-    oobleck dev down                                     stop everything, remove the state (idempotent)
-    oobleck dev serve [...]                              the same control plane in the foreground
-    oobleck dev nodes --count N --gpus G                 a local node agent in the foreground
-    oobleck dev kill-pod NS/POD [--signal SIG]           kill a pod's processes on the local nodes
-    oobleck dev gpu-unhealthy NODE [--healthy-gpus N]    a local node loses GPUs (gpu-healthy: back)
+    python -m oobleck_dev status                                   what runs, and whether the API is ready
+    python -m oobleck_dev down                                     stop everything, remove the state (idempotent)
+    python -m oobleck_dev serve [...]                              the same control plane in the foreground
+    python -m oobleck_dev nodes --count N --gpus G                 a local node agent in the foreground
+    python -m oobleck_dev kill-pod NS/POD [--signal SIG]           kill a pod's processes on the local nodes
+    python -m oobleck_dev gpu-unhealthy NODE [--healthy-gpus N]    a local node loses GPUs (gpu-healthy: back)
 
 `up` starts `serve` detached; `serve` owns the control plane (its children die with it, even on
 SIGKILL) and records pids, ports and the kubeconfig in the state folder (default `.state/dev/` of
 the checkout), writing `state.json` last, once everything is ready. With `--local-nodes` it also
-runs the local node agent (`oobleck.dev.nodeagent`): nodes whose pods run as local processes.
+runs the local node agent (`oobleck_dev.nodeagent`): nodes whose pods run as local processes.
 The agent, in `serve` or in `nodes`, keeps `nodeagent/agent.json` in the state folder (pids per
 pod) for `kill-pod`; one agent per state folder.
 """
@@ -46,7 +46,7 @@ GPU_DEVICES_HELP = "local nodes: real GPU ids (e.g. 0,1) behind their GPUs, set 
 
 def default_state_dir() -> Path:
     """`$OOBLECK_DEV_STATE`, else `.state/dev` of the source checkout, else of the current folder."""
-    from oobleck.dev.tools import repo_root
+    from oobleck_dev.tools import repo_root
 
     if os.environ.get(STATE_ENV):
         return Path(os.environ[STATE_ENV]).absolute()
@@ -75,9 +75,8 @@ def _positive(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `oobleck dev {up,down,status,serve,nodes,kill-pod,gpu-unhealthy,gpu-healthy}`."""
-    dev = subparsers.add_parser("dev", help="local Kubernetes control plane (etcd, apiserver, controllers, kwok)")
-    commands = dev.add_subparsers(dest="dev_command", required=True, metavar="ACTION")
+    """Add `{up,down,status,serve,nodes,kill-pod,gpu-unhealthy,gpu-healthy}` to `python -m oobleck_dev`."""
+    commands = subparsers
 
     def add(name: str, help: str, func) -> argparse.ArgumentParser:
         parser = commands.add_parser(name, help=help)
@@ -91,8 +90,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ):
         parser = add(name, help, func)
         parser.add_argument("--kwok-nodes", type=_non_negative, default=0, help="fake GPU nodes to register")
-        parser.add_argument("--local-nodes", type=_non_negative, default=0, help="local nodes running pods as processes")
-        parser.add_argument("--gpus-per-node", type=_non_negative, default=8, help="nvidia.com/gpu per kwok or local node")
+        parser.add_argument(
+            "--local-nodes", type=_non_negative, default=0, help="local nodes running pods as processes"
+        )
+        parser.add_argument(
+            "--gpus-per-node", type=_non_negative, default=8, help="nvidia.com/gpu per kwok or local node"
+        )
         parser.add_argument("--gpu-devices", type=_devices, default=None, help=GPU_DEVICES_HELP)
         parser.add_argument("--build", action="store_true", help="build the k8s tools first if they are missing")
     add("down", "stop everything started by `up` and remove the state", _down)
@@ -117,21 +120,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument("node", metavar="NODE")
         parser.add_argument("--kubeconfig", default=None, help=KUBECONFIG_HELP)
         if name == "gpu-unhealthy":
-            parser.add_argument("--healthy-gpus", type=_non_negative, default=None, help="default: one fewer than capacity")
+            parser.add_argument(
+                "--healthy-gpus", type=_non_negative, default=None, help="default: one fewer than capacity"
+            )
 
 
 # --- process identity ----------------------------------------------------------------------------
 
 
 def _stamp(pid: int) -> str:
-    from oobleck.dev.controlplane import process_start_time
+    from oobleck_dev.controlplane import process_start_time
 
     return f"{pid} {process_start_time(pid)}"
 
 
 def _alive(stamp: str) -> bool:
     """Whether the process recorded as `"<pid> <start time>"` still runs (not a reused pid)."""
-    from oobleck.dev.controlplane import process_start_time
+    from oobleck_dev.controlplane import process_start_time
 
     try:
         pid, started = stamp.split()
@@ -163,9 +168,9 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from oobleck.dev import kwok
-    from oobleck.dev.controlplane import ControlPlane, ControlPlaneError, KubectlError
-    from oobleck.dev.tools import ToolsNotFound, find_tools
+    from oobleck_dev import kwok
+    from oobleck_dev.controlplane import ControlPlane, ControlPlaneError, KubectlError
+    from oobleck_dev.tools import ToolsNotFound, find_tools
 
     state = _state_dir(args)
     state.mkdir(parents=True, exist_ok=True)
@@ -173,7 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        print(f"oobleck dev: already running for {state} (see `oobleck dev status`)", file=sys.stderr)
+        print(f"oobleck dev: already running for {state} (see `oobleck_dev status`)", file=sys.stderr)
         return 1
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, _raise_stop)
@@ -216,7 +221,10 @@ def _serve(args: argparse.Namespace) -> int:
         tmp = state / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=2))
         os.replace(tmp, state / STATE_FILE)  # written last: its presence means "ready"
-        print(f"ready: {control_plane.server} in {record['started_in_s']} s; KUBECONFIG={control_plane.kubeconfig}", flush=True)
+        print(
+            f"ready: {control_plane.server} in {record['started_in_s']} s; KUBECONFIG={control_plane.kubeconfig}",
+            flush=True,
+        )
         while True:
             signal.pause()
     except _StopRequested as stop:
@@ -239,13 +247,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from oobleck.dev.tools import ToolsNotFound, find_tools
+    from oobleck_dev.tools import ToolsNotFound, find_tools
 
     if not args.build:  # fail fast here rather than in the background
         try:
             find_tools()
         except ToolsNotFound as error:
-            print(f"oobleck dev up: {error} (or pass --build)", file=sys.stderr)
+            print(f"oobleck_dev up: {error} (or pass --build)", file=sys.stderr)
             return 1
     state = _state_dir(args)
     record = _read_json(state / STATE_FILE)
@@ -255,17 +263,29 @@ def _up(args: argparse.Namespace) -> int:
         return 0
     supervisor_file = state / SUPERVISOR_FILE
     if supervisor_file.exists() and _alive(supervisor_file.read_text().strip()):
-        print(f"oobleck dev up: already starting (pid {supervisor_file.read_text().split()[0]}); see `oobleck dev status`")
+        print(
+            f"oobleck_dev up: already starting (pid {supervisor_file.read_text().split()[0]}); see `oobleck_dev status`"
+        )
         return 1
     _cleanup(state, quiet=True)  # leftovers of a crashed run
     state.mkdir(parents=True, exist_ok=True)
     command = [
         # This module's own entry point: the supervisor needs none of the other subcommands.
-        sys.executable, "-m", "oobleck.dev.cli", "serve", "--state-dir", str(state),
-        "--kwok-nodes", str(args.kwok_nodes), "--local-nodes", str(args.local_nodes),
-        "--gpus-per-node", str(args.gpus_per_node), *(["--build"] if args.build else []),
+        sys.executable,
+        "-m",
+        "oobleck_dev.cli",
+        "serve",
+        "--state-dir",
+        str(state),
+        "--kwok-nodes",
+        str(args.kwok_nodes),
+        "--local-nodes",
+        str(args.local_nodes),
+        "--gpus-per-node",
+        str(args.gpus_per_node),
+        *(["--build"] if args.build else []),
         *(["--gpu-devices", ",".join(args.gpu_devices)] if args.gpu_devices else []),
-    ]  # fmt: skip
+    ]
     with open(state / LOG_FILE, "w") as log:
         # A session of its own: it outlives this command and the terminal's Ctrl-C.
         supervisor = subprocess.Popen(
@@ -275,7 +295,9 @@ def _up(args: argparse.Namespace) -> int:
     try:
         while (record := _read_json(state / STATE_FILE)) is None:
             if supervisor.poll() is not None:
-                print(f"oobleck dev up: failed (exit {supervisor.returncode}); log {state / LOG_FILE}:", file=sys.stderr)
+                print(
+                    f"oobleck_dev up: failed (exit {supervisor.returncode}); log {state / LOG_FILE}:", file=sys.stderr
+                )
                 print((state / LOG_FILE).read_text()[-6000:], file=sys.stderr)
                 return 1
             if time.monotonic() > deadline:
@@ -347,8 +369,8 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from oobleck.dev.controlplane import run_kubectl
-    from oobleck.dev.tools import find_tools
+    from oobleck_dev.controlplane import run_kubectl
+    from oobleck_dev.tools import find_tools
 
     state = _state_dir(args)
     record = _read_json(state / STATE_FILE)
@@ -393,7 +415,7 @@ def _agent_running(state: Path) -> bool:
 
 def _start_agent(state: Path, kubeconfig: str, count: int, gpus: int, **options):
     """Start a NodeAgent keeping its pids, pod folders and logs in `<state>/nodeagent` (one per state folder)."""
-    from oobleck.dev.nodeagent import NodeAgent, NodeAgentError
+    from oobleck_dev.nodeagent import NodeAgent, NodeAgentError
 
     folder = state / NODEAGENT_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -417,12 +439,12 @@ def _kubeconfig(args: argparse.Namespace) -> str:
         return str(own)
     if os.environ.get("KUBECONFIG"):
         return os.environ["KUBECONFIG"].split(os.pathsep)[0]
-    raise SystemExit("oobleck dev: no kubeconfig: pass --kubeconfig, run `oobleck dev up`, or set KUBECONFIG")
+    raise SystemExit("oobleck dev: no kubeconfig: pass --kubeconfig, run `oobleck_dev up`, or set KUBECONFIG")
 
 
 def _nodes(args: argparse.Namespace) -> int:
-    from oobleck.dev.nodeagent import NodeAgentError
-    from oobleck.dev.podenv import PodConfigError
+    from oobleck_dev.nodeagent import NodeAgentError
+    from oobleck_dev.podenv import PodConfigError
 
     kubeconfig = _kubeconfig(args)
     state = _state_dir(args)
@@ -431,18 +453,27 @@ def _nodes(args: argparse.Namespace) -> int:
     agent = None
     try:
         agent = _start_agent(
-            state, kubeconfig, args.count, args.gpus, cpu=args.cpu, memory=args.memory,
-            name_prefix=args.name_prefix, gpu_devices=args.gpu_devices,
-        )  # fmt: skip
-        print(f"local nodes ready: {', '.join(agent.node_names)} (nvidia.com/gpu={args.gpus}); "
-              f"pod logs in {agent.workdir / 'logs'}; Ctrl-C stops them", flush=True)  # fmt: skip
+            state,
+            kubeconfig,
+            args.count,
+            args.gpus,
+            cpu=args.cpu,
+            memory=args.memory,
+            name_prefix=args.name_prefix,
+            gpu_devices=args.gpu_devices,
+        )
+        print(
+            f"local nodes ready: {', '.join(agent.node_names)} (nvidia.com/gpu={args.gpus}); "
+            f"pod logs in {agent.workdir / 'logs'}; Ctrl-C stops them",
+            flush=True,
+        )
         while True:
             signal.pause()
     except _StopRequested as stop:
         print(f"stopping ({stop})", flush=True)
         return 0
     except (NodeAgentError, PodConfigError, ValueError) as error:
-        print(f"oobleck dev nodes: {error}", file=sys.stderr)
+        print(f"oobleck_dev nodes: {error}", file=sys.stderr)
         return 1
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -452,22 +483,22 @@ def _nodes(args: argparse.Namespace) -> int:
 
 
 def _kill_pod(args: argparse.Namespace) -> int:
-    from oobleck.dev.nodeagent import NodeAgentError, kill_from_status_file
+    from oobleck_dev.nodeagent import NodeAgentError, kill_from_status_file
 
     namespace, _, pod = args.pod.partition("/")
     if not namespace or not pod:
-        print(f"oobleck dev kill-pod: NAMESPACE/POD expected, got {args.pod!r}", file=sys.stderr)
+        print(f"oobleck_dev kill-pod: NAMESPACE/POD expected, got {args.pod!r}", file=sys.stderr)
         return 2
     try:
         name = args.signal.upper().removeprefix("SIG")
         signum = int(args.signal) if args.signal.isdigit() else signal.Signals["SIG" + name]
     except KeyError:
-        print(f"oobleck dev kill-pod: --signal: unknown signal {args.signal!r}", file=sys.stderr)
+        print(f"oobleck_dev kill-pod: --signal: unknown signal {args.signal!r}", file=sys.stderr)
         return 2
     try:
         pids = kill_from_status_file(_state_dir(args) / NODEAGENT_DIR, namespace, pod, signum)
     except (NodeAgentError, LookupError) as error:
-        print(f"oobleck dev kill-pod: {error}", file=sys.stderr)
+        print(f"oobleck_dev kill-pod: {error}", file=sys.stderr)
         return 1
     print(f"sent {signal.Signals(signum).name} to {namespace}/{pod} (pids {', '.join(map(str, pids))})")
     return 0
@@ -482,12 +513,12 @@ def _gpu_healthy(args: argparse.Namespace) -> int:
 
 
 def _gpu_health(args: argparse.Namespace, healthy: int | None, restore: bool) -> int:
-    from oobleck.dev.nodeagent import ApiError, GPU_RESOURCE, set_gpu_health_sync
+    from oobleck_dev.nodeagent import GPU_RESOURCE, ApiError, set_gpu_health_sync
 
     try:
         status = set_gpu_health_sync(_kubeconfig(args), args.node, healthy, restore=restore)["status"]
     except (ApiError, ValueError) as error:
-        print(f"oobleck dev {'gpu-healthy' if restore else 'gpu-unhealthy'}: {error}", file=sys.stderr)
+        print(f"oobleck_dev {'gpu-healthy' if restore else 'gpu-unhealthy'}: {error}", file=sys.stderr)
         return 1
     allocatable, capacity = status["allocatable"][GPU_RESOURCE], status["capacity"][GPU_RESOURCE]
     print(f"{args.node}: nvidia.com/gpu allocatable {allocatable} of {capacity}")
@@ -495,10 +526,10 @@ def _gpu_health(args: argparse.Namespace, healthy: int | None, restore: bool) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m oobleck.dev.cli ACTION ...`, the same as `oobleck dev ACTION ...`."""
-    parser = argparse.ArgumentParser(prog="python -m oobleck.dev.cli")
+    """`python -m oobleck_dev.cli ACTION ...`, the same as `oobleck_dev ACTION ...`."""
+    parser = argparse.ArgumentParser(prog="python -m oobleck_dev.cli")
     register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["dev", *(sys.argv[1:] if argv is None else argv)])
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     return int(args.func(args) or 0)
 
 

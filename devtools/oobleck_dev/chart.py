@@ -4,8 +4,8 @@ The chart cannot read files outside its folder, so it carries copies: `files/crd
 repository's `crds/` byte for byte (generated from the pydantic models), and Chart.yaml's
 `appVersion` is pyproject's `project.version`. Nobody edits those by hand:
 
-    python -m oobleck.dev.chart --write   # copy crds/ into the chart, set appVersion
-    python -m oobleck.dev.chart --check   # exit 1 and name every difference (tests/helm runs this)
+    python -m oobleck_dev.chart --write   # copy crds/ into the chart, set appVersion
+    python -m oobleck_dev.chart --check   # exit 1 and name every difference (tests/helm runs this)
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ class Sync:
                 problems.append(f"{extra.relative_to(self.root)}: no such CRD in {CRDS_PATH}/ (stale copy)")
         app_version, version = self.chart_app_version(), self.version()
         if app_version != version:
-            problems.append(f"{CHART_PATH / 'Chart.yaml'}: appVersion {app_version!r} != pyproject.toml version {version!r}")
+            problems.append(
+                f"{CHART_PATH / 'Chart.yaml'}: appVersion {app_version!r} != pyproject.toml version {version!r}"
+            )
         return problems
 
     def write(self) -> list[str]:
@@ -106,11 +108,13 @@ def find_root(start: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oobleck.dev.chart", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m oobleck_dev.chart", description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="exit 1 if the chart's copies differ from their sources")
     mode.add_argument("--write", action="store_true", help="copy crds/ into the chart and set appVersion")
-    parser.add_argument("--root", type=Path, default=None, help="repository root (default: found from the working directory)")
+    parser.add_argument(
+        "--root", type=Path, default=None, help="repository root (default: found from the working directory)"
+    )
     args = parser.parse_args(argv)
     try:
         sync = Sync(args.root.resolve() if args.root else find_root())
@@ -120,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         problems = sync.drift()
     except (FileNotFoundError, ValueError, KeyError) as error:
-        print(f"oobleck.dev.chart: {error}", file=sys.stderr)
+        print(f"oobleck_dev.chart: {error}", file=sys.stderr)
         return 2
     for problem in problems:
-        print(f"{problem}; run `python -m oobleck.dev.chart --write`", file=sys.stderr)
+        print(f"{problem}; run `python -m oobleck_dev.chart --write`", file=sys.stderr)
     return 1 if problems else 0
 
 

@@ -29,16 +29,16 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from oobleck.dev import podenv
-from oobleck.dev.kwok import GPU_RESOURCE
 from oobleck.processes import die_with_parent
-from oobleck.dev.podenv import MountError, VolumeContent, mounted_path
+from oobleck_dev import podenv
+from oobleck_dev.kwok import GPU_RESOURCE
+from oobleck_dev.podenv import MountError, VolumeContent, mounted_path
 
-log = logging.getLogger("oobleck.dev.nodeagent")
+log = logging.getLogger("oobleck_dev.nodeagent")
 
 SERVICEACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 SERVICEACCOUNT_DIR_ENV = "OOBLECK_SERVICEACCOUNT_DIR"
@@ -216,7 +216,7 @@ async def terminate(
 
 def now_rfc3339() -> str:
     """The current time as Kubernetes `Time` (seconds)."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # --- one pod's status ----------------------------------------------------------------------------
@@ -362,7 +362,7 @@ class PodWorker:
         self.changed.clear()
         try:
             await asyncio.wait_for(self.changed.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     # -- status --
@@ -523,9 +523,16 @@ class PodWorker:
 
     def _pod_view(self) -> dict:
         """The pod as fieldRefs see it: the status this agent is about to report."""
-        return {**self.pod, "status": {**(self.pod.get("status") or {}), "podIP": self.ip,
-                                       "podIPs": [{"ip": self.ip}], "hostIP": self.host_ip,
-                                       "hostIPs": [{"ip": self.host_ip}]}}  # fmt: skip
+        return {
+            **self.pod,
+            "status": {
+                **(self.pod.get("status") or {}),
+                "podIP": self.ip,
+                "podIPs": [{"ip": self.ip}],
+                "hostIP": self.host_ip,
+                "hostIPs": [{"ip": self.host_ip}],
+            },
+        }
 
     def _container_config(self, name: str) -> tuple[list[str], dict[str, str], Path]:
         spec = self.specs[name]
@@ -562,18 +569,25 @@ class PodWorker:
             except OSError as error:  # e.g. the command is not on PATH
                 container.process = None
                 code = START_ERROR_EXIT
-                container.terminated = {"exitCode": code, "reason": "StartError", "message": f"{argv[0]}: {error}",
-                                        "startedAt": started, "finishedAt": now_rfc3339()}  # fmt: skip
+                container.terminated = {
+                    "exitCode": code,
+                    "reason": "StartError",
+                    "message": f"{argv[0]}: {error}",
+                    "startedAt": started,
+                    "finishedAt": now_rfc3339(),
+                }
             else:
                 container.started_at, container.waiting = started, ("", "")
                 await self.report()
                 code = await container.process.wait()
                 container.process.close()
                 container.terminated = {
-                    "exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                    "startedAt": started, "finishedAt": now_rfc3339(),
+                    "exitCode": code,
+                    "reason": "Completed" if code == 0 else "Error",
+                    "startedAt": started,
+                    "finishedAt": now_rfc3339(),
                     "containerID": f"oobleck-local://{container.process.pid}",
-                }  # fmt: skip
+                }
                 if code > SIGNAL_EXIT_BASE:
                     container.terminated["signal"] = code - SIGNAL_EXIT_BASE
             if self.stopping or self.deleting or not should_restart(policy, code):
@@ -615,9 +629,12 @@ class PodWorker:
         for container in self.main:
             container.finished = True
             container.terminated = {
-                "exitCode": LOST_EXIT, "reason": "ContainerStatusUnknown", "message": message,
-                "startedAt": stamp, "finishedAt": stamp,
-            }  # fmt: skip
+                "exitCode": LOST_EXIT,
+                "reason": "ContainerStatusUnknown",
+                "message": message,
+                "startedAt": stamp,
+                "finishedAt": stamp,
+            }
         for container in self.init:
             container.finished = True
             container.terminated = {"exitCode": 0, "reason": "Completed", "startedAt": stamp, "finishedAt": stamp}

@@ -39,10 +39,10 @@ from pathlib import Path
 
 import yaml
 
-from oobleck.dev import kwok
-from oobleck.dev.certs import CertificateAuthority, KeyPair, service_account_keys
-from oobleck.dev.tools import K8sTools, find_tools, repo_root
 from oobleck.processes import die_with_parent
+from oobleck_dev import kwok
+from oobleck_dev.certs import CertificateAuthority, KeyPair, service_account_keys
+from oobleck_dev.tools import K8sTools, find_tools, repo_root
 
 WORKDIR_PREFIX = "oobleck-cp-"
 CONTEXT = "oobleck-dev"
@@ -77,6 +77,7 @@ class ControlPlaneError(RuntimeError):
 
 
 # --- child processes -----------------------------------------------------------------------------
+
 
 class ManagedProcess:
     """A child process in its own session that dies with its parent, logging to a file."""
@@ -327,13 +328,13 @@ class ControlPlane:
 
     # -- lifecycle --
 
-    def __enter__(self) -> "ControlPlane":
+    def __enter__(self) -> ControlPlane:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self) -> "ControlPlane":
+    def start(self) -> ControlPlane:
         """Start everything and wait until it is usable; on any failure (or Ctrl-C) clean up."""
         if self.workdir is not None:
             raise ControlPlaneError("already started")
@@ -371,7 +372,12 @@ class ControlPlane:
         loopback = ("127.0.0.1", "localhost")
         etcd_server = ca.issue("etcd-server", "etcd", server=True, hosts=loopback)
         etcd_client = ca.issue("apiserver-etcd-client", "kube-apiserver-etcd-client", client=True)
-        api_names = ("kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local")
+        api_names = (
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "kubernetes.default.svc.cluster.local",
+        )
         apiserver = ca.issue("apiserver", "kube-apiserver", server=True, hosts=(*loopback, SERVICE_IP, *api_names))
         self._admin = ca.issue("admin", "oobleck-admin", organizations=("system:masters",), client=True)
         kcm_client = ca.issue("kcm-client", "system:kube-controller-manager", client=True)
@@ -389,20 +395,32 @@ class ControlPlane:
             # A data folder per attempt: a retry on other ports must not inherit the old member.
             data_dir = self.workdir / f"etcd-{ports['etcd']}"
             return [
-                str(self.tools.etcd), "--name=default", f"--data-dir={data_dir}",
-                f"--listen-client-urls={client_url}", f"--advertise-client-urls={client_url}",
-                f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
-                f"--initial-cluster=default={peer_url}", "--initial-cluster-state=new",
-                f"--cert-file={etcd_server.cert}", f"--key-file={etcd_server.key}",
-                "--client-cert-auth", f"--trusted-ca-file={ca.cert}",
-                "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=4294967296",
-            ]  # fmt: skip
+                str(self.tools.etcd),
+                "--name=default",
+                f"--data-dir={data_dir}",
+                f"--listen-client-urls={client_url}",
+                f"--advertise-client-urls={client_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=default={peer_url}",
+                "--initial-cluster-state=new",
+                f"--cert-file={etcd_server.cert}",
+                f"--key-file={etcd_server.key}",
+                "--client-cert-auth",
+                f"--trusted-ca-file={ca.cert}",
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+                "--quota-backend-bytes=4294967296",
+            ]
 
         self._launch(
-            "etcd", ("etcd", "etcd-peer"), etcd_args,
+            "etcd",
+            ("etcd", "etcd-peer"),
+            etcd_args,
             lambda ports: _https_ok(f"https://127.0.0.1:{ports['etcd']}/health", etcd_tls, lambda b: b'"true"' in b),
-            self.timeouts.etcd_ready, "etcd_ready",
-        )  # fmt: skip
+            self.timeouts.etcd_ready,
+            "etcd_ready",
+        )
         mark = self._phase("etcd", mark)
 
         admin_tls = _tls_context(ca.cert, self._admin)
@@ -411,24 +429,37 @@ class ControlPlane:
             return [
                 str(self.tools.kube_apiserver),
                 f"--etcd-servers=https://127.0.0.1:{self.ports['etcd']}",
-                f"--etcd-cafile={ca.cert}", f"--etcd-certfile={etcd_client.cert}", f"--etcd-keyfile={etcd_client.key}",
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={ports['apiserver']}",
-                f"--tls-cert-file={apiserver.cert}", f"--tls-private-key-file={apiserver.key}",
-                f"--client-ca-file={ca.cert}", f"--cert-dir={self.workdir / 'apiserver-certs'}",
-                "--authorization-mode=Node,RBAC", "--anonymous-auth=false",
+                f"--etcd-cafile={ca.cert}",
+                f"--etcd-certfile={etcd_client.cert}",
+                f"--etcd-keyfile={etcd_client.key}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={ports['apiserver']}",
+                f"--tls-cert-file={apiserver.cert}",
+                f"--tls-private-key-file={apiserver.key}",
+                f"--client-ca-file={ca.cert}",
+                f"--cert-dir={self.workdir / 'apiserver-certs'}",
+                "--authorization-mode=Node,RBAC",
+                "--anonymous-auth=false",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={sa.cert}", f"--service-account-signing-key-file={sa.key}",
-                "--allow-privileged=true", "--profiling=false",
+                f"--service-account-key-file={sa.cert}",
+                f"--service-account-signing-key-file={sa.key}",
+                "--allow-privileged=true",
+                "--profiling=false",
                 # The scale tests create ~1000 nodes plus their leases at once.
-                "--max-requests-inflight=800", "--max-mutating-requests-inflight=400",
-            ]  # fmt: skip
+                "--max-requests-inflight=800",
+                "--max-mutating-requests-inflight=400",
+            ]
 
         self._launch(
-            "kube-apiserver", ("apiserver",), apiserver_args,
+            "kube-apiserver",
+            ("apiserver",),
+            apiserver_args,
             lambda ports: _https_ok(f"https://127.0.0.1:{ports['apiserver']}/readyz", admin_tls),
-            self.timeouts.apiserver_ready, "apiserver_ready",
-        )  # fmt: skip
+            self.timeouts.apiserver_ready,
+            "apiserver_ready",
+        )
         self.server = f"https://127.0.0.1:{self.ports['apiserver']}"
         self.kubeconfig = self._kubeconfig_arg or self.workdir / "kubeconfig"
         _write_private(self.kubeconfig, kubeconfig_yaml(self.server, ca.cert, self._admin, "oobleck-admin", embed=True))
@@ -443,11 +474,15 @@ class ControlPlane:
 
         def delegated(kubeconfig: Path, serving: KeyPair, port: int) -> list[str]:
             return [
-                f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}", "--leader-elect=false",
-                "--bind-address=127.0.0.1", f"--secure-port={port}",
-                f"--tls-cert-file={serving.cert}", f"--tls-private-key-file={serving.key}",
-            ]  # fmt: skip
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                f"--tls-cert-file={serving.cert}",
+                f"--tls-private-key-file={serving.key}",
+            ]
 
         def kcm_args(ports: dict[str, int]) -> list[str]:
             return [
@@ -455,12 +490,14 @@ class ControlPlane:
                 *delegated(kcm_kubeconfig, kcm_serving, ports["kube-controller-manager"]),
                 # Each controller acts as its own ServiceAccount, as in a real cluster (RBAC applies).
                 "--use-service-account-credentials=true",
-                f"--service-account-private-key-file={sa.key}", f"--root-ca-file={ca.cert}",
-                f"--cluster-signing-cert-file={ca.cert}", f"--cluster-signing-key-file={ca.key}",
+                f"--service-account-private-key-file={sa.key}",
+                f"--root-ca-file={ca.cert}",
+                f"--cluster-signing-cert-file={ca.cert}",
+                f"--cluster-signing-key-file={ca.key}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 # No kubelets evict pods here; kwok-managed nodes keep themselves Ready.
                 "--controllers=*,-nodeipam",
-            ]  # fmt: skip
+            ]
 
         def scheduler_args(ports: dict[str, int]) -> list[str]:
             return [
@@ -471,17 +508,22 @@ class ControlPlane:
         serving_tls = _tls_context(ca.cert, None)
         for name, args in (("kube-controller-manager", kcm_args), ("kube-scheduler", scheduler_args)):
             self._launch(
-                name, (name,), args,
+                name,
+                (name,),
+                args,
                 lambda ports, name=name: _https_ok(f"https://127.0.0.1:{ports[name]}/healthz", serving_tls),
-                self.timeouts.controllers_ready, "controllers_ready",
-            )  # fmt: skip
+                self.timeouts.controllers_ready,
+                "controllers_ready",
+            )
         # The ServiceAccount controller creating `default` proves the controllers run (and pods
         # in the default namespace can be created).
         wait_for(
             lambda: _https_ok(f"{self.server}/api/v1/namespaces/default/serviceaccounts/default", admin_tls),
-            self.timeouts.controllers_ready, "the default ServiceAccount in namespace default", "controllers_ready",
+            self.timeouts.controllers_ready,
+            "the default ServiceAccount in namespace default",
+            "controllers_ready",
             self.processes,
-        )  # fmt: skip
+        )
         mark = self._phase("controllers", mark)
 
         self._install_crds()
@@ -635,18 +677,22 @@ class Cluster:
     _kwok_logs: Path | None = None  # kwok's log folder when there is no local control plane
 
     @classmethod
-    def existing(cls, kubeconfig: str, tools: K8sTools, owner: str = "") -> "Cluster":
+    def existing(cls, kubeconfig: str, tools: K8sTools, owner: str = "") -> Cluster:
         """An existing cluster from a kubeconfig (nothing is started or stopped)."""
         return cls(kubeconfig=kubeconfig, server=server_of(kubeconfig), bin=tools, owner=owner or secrets.token_hex(2))
 
     @classmethod
-    def local(cls, control_plane: ControlPlane, owner: str = "") -> "Cluster":
+    def local(cls, control_plane: ControlPlane, owner: str = "") -> Cluster:
         """A started `ControlPlane`."""
         assert control_plane.kubeconfig is not None, "start the control plane first"
         return cls(
-            kubeconfig=str(control_plane.kubeconfig), server=control_plane.server, bin=control_plane.tools,
-            control_plane=control_plane, owner=owner or secrets.token_hex(2), timeouts=control_plane.timeouts,
-        )  # fmt: skip
+            kubeconfig=str(control_plane.kubeconfig),
+            server=control_plane.server,
+            bin=control_plane.tools,
+            control_plane=control_plane,
+            owner=owner or secrets.token_hex(2),
+            timeouts=control_plane.timeouts,
+        )
 
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float | None = None
@@ -661,7 +707,9 @@ class Cluster:
     def namespace(self, name_prefix: str = "test") -> str:
         """Create a fresh namespace `<prefix>-<owner>-<random>` and wait until pods can be created in it."""
         if not _DNS_LABEL.match(name_prefix) or len(name_prefix) > 40:
-            raise ValueError(f"name_prefix: must be a lowercase DNS label of at most 40 characters, got {name_prefix!r}")
+            raise ValueError(
+                f"name_prefix: must be a lowercase DNS label of at most 40 characters, got {name_prefix!r}"
+            )
         name = f"{name_prefix}-{self.owner}-{secrets.token_hex(3)}"
         self.kubectl("create", "namespace", name)
         self.namespaces.append(name)

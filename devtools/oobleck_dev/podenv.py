@@ -35,8 +35,18 @@ class MountError(ValueError):
 # --- quantities ----------------------------------------------------------------------------------
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "": 1,
-            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}  # fmt: skip
+_DECIMAL = {
+    "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6),
+    "m": Fraction(1, 1000),
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+}
 _QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$")
 
 
@@ -159,14 +169,16 @@ def field_value(pod: dict, path: str, where: str, volume: bool = False) -> str:
         "metadata.uid": metadata.get("uid", ""),
     }
     if not volume:
-        simple.update({
-            "spec.nodeName": spec.get("nodeName", ""),
-            "spec.serviceAccountName": spec.get("serviceAccountName", ""),
-            "status.podIP": status.get("podIP", ""),
-            "status.hostIP": status.get("hostIP", ""),
-            "status.podIPs": ",".join(entry["ip"] for entry in status.get("podIPs") or []),
-            "status.hostIPs": ",".join(entry["ip"] for entry in status.get("hostIPs") or []),
-        })  # fmt: skip
+        simple.update(
+            {
+                "spec.nodeName": spec.get("nodeName", ""),
+                "spec.serviceAccountName": spec.get("serviceAccountName", ""),
+                "status.podIP": status.get("podIP", ""),
+                "status.hostIP": status.get("hostIP", ""),
+                "status.podIPs": ",".join(entry["ip"] for entry in status.get("podIPs") or []),
+                "status.hostIPs": ",".join(entry["ip"] for entry in status.get("hostIPs") or []),
+            }
+        )
     if path not in simple:
         raise PodConfigError(f"{where}.fieldRef.fieldPath: unsupported field {path!r}")
     return simple[path]
@@ -475,4 +487,3 @@ def _projected_files(
 def mounted_path(root: str, mount_path: str) -> str:
     """Where a container's `mountPath` lives under its stand-in root folder."""
     return root.rstrip("/") + "/" + mount_path.strip("/")
-

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from oobleck.dev.controlplane import ManagedProcess
-    from oobleck.dev.tools import K8sTools
+    from oobleck_dev.controlplane import ManagedProcess
+    from oobleck_dev.tools import K8sTools
 
 FAKE_NODE_LABEL = "kwok.x-k8s.io/node"
 FAKE_NODE_VALUE = "fake"
@@ -67,7 +67,7 @@ def kwok_args(tools: K8sTools, kubeconfig: Path) -> list[str]:
 
 def start_kwok(tools: K8sTools, kubeconfig: Path, log_dir: Path) -> ManagedProcess:
     """Start the kwok controller as a child that dies with its parent; log to `log_dir/kwok.log`."""
-    from oobleck.dev.controlplane import ManagedProcess  # controlplane imports this module
+    from oobleck_dev.controlplane import ManagedProcess  # controlplane imports this module
 
     return ManagedProcess("kwok", kwok_args(tools, kubeconfig), log_dir / "kwok.log")
 
@@ -137,9 +137,11 @@ def add_fake_nodes(
             raise ValueError(f"{field_name}: must be a lowercase DNS label of at most 30 characters, got {value!r}")
     node_labels = {**(labels or {}), OWNER_LABEL: owner, FAKE_GROUP_LABEL: group}
     bodies = [
-        fake_node(f"kwok-{owner}-{group}-{i}", gpus=gpus, cpu=cpu, memory=memory, pods=pods, labels=node_labels, taints=taints)
+        fake_node(
+            f"kwok-{owner}-{group}-{i}", gpus=gpus, cpu=cpu, memory=memory, pods=pods, labels=node_labels, taints=taints
+        )
         for i in range(n)
-    ]  # fmt: skip
+    ]
     asyncio.run(_fan_out(kubeconfig, "create", bodies, concurrency))
     return [body["metadata"]["name"] for body in bodies]
 
@@ -172,6 +174,8 @@ async def _fan_out(kubeconfig: str | Path, verb: str, items: list, concurrency: 
                     benign = 409 if verb == "create" else 404  # already there / already gone
                     if error.status != benign:
                         name = item if isinstance(item, str) else item["metadata"]["name"]
-                        raise RuntimeError(f"{verb} node {name}: HTTP {error.status} {error.reason}: {error.body}") from None
+                        raise RuntimeError(
+                            f"{verb} node {name}: HTTP {error.status} {error.reason}: {error.body}"
+                        ) from None
 
         await asyncio.gather(*(one(item) for item in items))

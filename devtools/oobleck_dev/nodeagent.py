@@ -52,15 +52,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from oobleck.dev import podenv, podrunner
-from oobleck.dev.podrunner import GPU_RESOURCE, PodWorker, now_rfc3339
+from oobleck_dev import podenv, podrunner
+from oobleck_dev.podrunner import GPU_RESOURCE, PodWorker, now_rfc3339
 
-log = logging.getLogger("oobleck.dev.nodeagent")
+log = logging.getLogger("oobleck_dev.nodeagent")
 
 LOCAL_NODE_LABEL = "oobleck.dev/local-node"
 AGENT_LABEL = "oobleck.dev/local-agent"
@@ -110,7 +110,7 @@ class NodeAgentError(RuntimeError):
 
 def now_micro() -> str:
     """The current time as Kubernetes `MicroTime` (Lease renewTime)."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # --- pure: the objects the agent writes ---------------------------------------------------------
@@ -124,8 +124,14 @@ def node_object(
     stamp = now_rfc3339()
 
     def condition(kind: str, status: str, reason: str, message: str) -> dict:
-        return {"type": kind, "status": status, "reason": reason, "message": message,
-                "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}  # fmt: skip
+        return {
+            "type": kind,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "lastHeartbeatTime": stamp,
+            "lastTransitionTime": stamp,
+        }
 
     return {
         "apiVersion": "v1",
@@ -154,11 +160,17 @@ def node_object(
             ],
             "addresses": [{"type": "InternalIP", "address": ip}, {"type": "Hostname", "address": name}],
             "nodeInfo": {
-                "machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": os.uname().release,
-                "osImage": "oobleck local node", "containerRuntimeVersion": RUNTIME_VERSION,
-                "kubeletVersion": "v0.0.0-oobleck-local", "kubeProxyVersion": "", "operatingSystem": "linux",
+                "machineID": "",
+                "systemUUID": "",
+                "bootID": "",
+                "kernelVersion": os.uname().release,
+                "osImage": "oobleck local node",
+                "containerRuntimeVersion": RUNTIME_VERSION,
+                "kubeletVersion": "v0.0.0-oobleck-local",
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
                 "architecture": "amd64",
-            },  # fmt: skip
+            },
         },
     }
 
@@ -186,12 +198,16 @@ def gpu_health_patch(capacity: int, healthy: int) -> dict:
     return {
         "status": {
             "allocatable": {GPU_RESOURCE: str(healthy)},
-            "conditions": [{
-                "type": GPU_CONDITION, "status": "True" if ok else "False",
-                "reason": "GPUsHealthy" if ok else "GPUUnhealthy",
-                "message": f"{healthy} of {capacity} GPUs healthy",
-                "lastHeartbeatTime": stamp, "lastTransitionTime": stamp,
-            }],  # fmt: skip
+            "conditions": [
+                {
+                    "type": GPU_CONDITION,
+                    "status": "True" if ok else "False",
+                    "reason": "GPUsHealthy" if ok else "GPUUnhealthy",
+                    "message": f"{healthy} of {capacity} GPUs healthy",
+                    "lastHeartbeatTime": stamp,
+                    "lastTransitionTime": stamp,
+                }
+            ],
         }
     }
 
@@ -309,21 +325,32 @@ class Api:
         self.client = client
         self.timeout = timeout
 
-    async def call(self, method: str, path: str, body: Any = None, query: dict | None = None,
-                   content_type: str = "application/json") -> dict:  # fmt: skip
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: dict | None = None,
+        content_type: str = "application/json",
+    ) -> dict:
         import aiohttp
         from kubernetes_asyncio.client.exceptions import ApiException
 
         try:
             return await self.client.call_api(
-                path, method, query_params=list((query or {}).items()),
+                path,
+                method,
+                query_params=list((query or {}).items()),
                 header_params={"Accept": "application/json", "Content-Type": content_type},
-                body=body, auth_settings=["BearerToken"], response_types_map={200: "object", 201: "object"},
-                _return_http_data_only=True, _request_timeout=self.timeout,
-            )  # fmt: skip
+                body=body,
+                auth_settings=["BearerToken"],
+                response_types_map={200: "object", 201: "object"},
+                _return_http_data_only=True,
+                _request_timeout=self.timeout,
+            )
         except ApiException as error:
             raise ApiError(error.status, method, path, str(error.body or error.reason)) from None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as error:  # no answer: status 0
+        except (TimeoutError, aiohttp.ClientError) as error:  # no answer: status 0
             raise ApiError(0, method, path, repr(error)) from None
 
     async def patch(self, path: str, body: dict, strategic: bool = True) -> dict:
@@ -333,9 +360,14 @@ class Api:
     async def stream(self, path: str, query: dict):
         """The raw response of a watch request (lines of JSON events)."""
         response = await self.client.call_api(
-            path, "GET", query_params=list(query.items()), header_params={"Accept": "application/json"},
-            auth_settings=["BearerToken"], _preload_content=False, _request_timeout=None,
-        )  # fmt: skip
+            path,
+            "GET",
+            query_params=list(query.items()),
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            _request_timeout=None,
+        )
         if response.status != 200:
             body = (await response.read()).decode(errors="replace")
             response.release()
@@ -422,16 +454,18 @@ class _AgentCore:
         env = {key: os.environ[key] for key in IMAGE_ENV if key in os.environ}
         scripts = sysconfig.get_path("scripts")
         env["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
-        env.update({
-            "HOSTNAME": pod["spec"].get("hostname") or pod["metadata"]["name"],
-            "TMPDIR": str(root.parent / "tmp"),
-            "KUBERNETES_SERVICE_HOST": url.hostname or "127.0.0.1",
-            "KUBERNETES_SERVICE_PORT": port,
-            "KUBERNETES_SERVICE_PORT_HTTPS": port,
-            "KUBERNETES_PORT": f"tcp://{url.hostname}:{port}",
-            POD_IP_ENV: ip,
-            CONTAINER_ROOT_ENV: str(root),
-        })  # fmt: skip
+        env.update(
+            {
+                "HOSTNAME": pod["spec"].get("hostname") or pod["metadata"]["name"],
+                "TMPDIR": str(root.parent / "tmp"),
+                "KUBERNETES_SERVICE_HOST": url.hostname or "127.0.0.1",
+                "KUBERNETES_SERVICE_PORT": port,
+                "KUBERNETES_SERVICE_PORT_HTTPS": port,
+                "KUBERNETES_PORT": f"tcp://{url.hostname}:{port}",
+                POD_IP_ENV: ip,
+                CONTAINER_ROOT_ENV: str(root),
+            }
+        )
         env.update(self.config.extra_env)
         return env
 
@@ -484,8 +518,12 @@ class _AgentCore:
                 "spec": {
                     "audiences": [request.audience] if request.audience else [],
                     "expirationSeconds": request.expiration_s,
-                    "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": pod["metadata"]["name"],
-                                       "uid": pod["metadata"]["uid"]},  # fmt: skip
+                    "boundObjectRef": {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "name": pod["metadata"]["name"],
+                        "uid": pod["metadata"]["uid"],
+                    },
                 },
             }
             path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token"
@@ -518,9 +556,15 @@ class _AgentCore:
 
         async def one(state: _NodeState) -> None:
             body = node_object(
-                state.name, ip=self.ips.node_ip(state.index), gpus=config.gpus_per_node, cpu=config.cpu,
-                memory=config.memory, pods=config.max_pods, agent_id=config.agent_id, labels=config.labels,
-            )  # fmt: skip
+                state.name,
+                ip=self.ips.node_ip(state.index),
+                gpus=config.gpus_per_node,
+                cpu=config.cpu,
+                memory=config.memory,
+                pods=config.max_pods,
+                agent_id=config.agent_id,
+                labels=config.labels,
+            )
             try:
                 created = await self.api.call("POST", "/api/v1/nodes", body)
             except ApiError as error:
@@ -593,8 +637,10 @@ class _AgentCore:
 
     async def deregister(self) -> None:
         async def one(state: _NodeState) -> None:
-            for path in (f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{state.name}",
-                         f"/api/v1/nodes/{state.name}"):  # fmt: skip
+            for path in (
+                f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{state.name}",
+                f"/api/v1/nodes/{state.name}",
+            ):
                 try:
                     await self.api.call("DELETE", path)
                 except ApiError as error:
@@ -653,7 +699,7 @@ class _AgentCore:
                 log.warning("pod watch: %s; relisting", error)
                 resource_version = ""
                 await asyncio.sleep(1)
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as error:  # a broken stream
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as error:  # a broken stream
                 log.warning("pod watch interrupted: %r; resuming", error)
                 await asyncio.sleep(1)
 
@@ -671,8 +717,13 @@ class _AgentCore:
 
     async def _watch_once(self, query: dict, resource_version: str) -> str:
         """One watch request; return the resourceVersion to resume from ("" to relist)."""
-        params = {**query, "watch": "true", "resourceVersion": resource_version,
-                  "allowWatchBookmarks": "true", "timeoutSeconds": str(self.timeouts.watch)}  # fmt: skip
+        params = {
+            **query,
+            "watch": "true",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(self.timeouts.watch),
+        }
         response = await self.api.stream("/api/v1/pods", params)
         try:
             async for line in response.content:
@@ -696,7 +747,7 @@ class _AgentCore:
     def write_status_file(self) -> None:
         if self.status_file is None:
             return
-        from oobleck.dev.controlplane import process_start_time
+        from oobleck_dev.controlplane import process_start_time
 
         pods = {}
         for worker in self.workers.values():
@@ -733,7 +784,7 @@ class _AgentCore:
             for task in tasks:
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     log.error("node agent task failed: %r", task.exception())
-        except BaseException as error:  # noqa: BLE001 - handed to the starting thread
+        except BaseException as error:
             errors.append(error)
         finally:
             for task in tasks:
@@ -974,7 +1025,7 @@ class NodeAgent:
 
 def kill_from_status_file(status_dir: Path, namespace: str, pod: str, signum: int = signals.SIGKILL) -> list[int]:
     """`kill_pod_process` for an agent running in another process, through its `agent.json`."""
-    from oobleck.dev.controlplane import process_start_time
+    from oobleck_dev.controlplane import process_start_time
 
     try:
         record = json.loads((status_dir / STATUS_FILE).read_text())
@@ -990,4 +1041,3 @@ def kill_from_status_file(status_dir: Path, namespace: str, pod: str, signum: in
             os.killpg(int(pid), signum)
             killed.append(int(pid))
     return killed
-

@@ -15,8 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from oobleck.dev.controlplane import free_port
 from oobleck.processes import die_with_parent
+from oobleck_dev.controlplane import free_port
 
 
 class OperatorExited(RuntimeError):
@@ -41,23 +41,38 @@ class OperatorProcess:
         self.metrics_port = self.liveness_port = 0
         self.starts = 0
 
-    def start(self, *extra: str, timeout_s: float = 90.0) -> "OperatorProcess":
+    def start(self, *extra: str, timeout_s: float = 90.0) -> OperatorProcess:
         self.metrics_port, self.liveness_port = free_port(), free_port()
         self.starts += 1
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "oobleck.cli", "operator", "--kubeconfig", self.kubeconfig,
-                   "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port)]
+        command = [
+            sys.executable,
+            "-m",
+            "oobleck.cli",
+            "operator",
+            "--kubeconfig",
+            self.kubeconfig,
+            "--metrics-port",
+            str(self.metrics_port),
+            "--liveness-port",
+            str(self.liveness_port),
+        ]
         for namespace in self.namespaces:
             command += ["-n", namespace]
         with open(self.log_dir / f"operator-{self.starts}.log", "w") as log:
-            self.process = subprocess.Popen(command + self.extra + list(extra), stdout=log, stderr=subprocess.STDOUT,
-                                            preexec_fn=die_with_parent(os.getpid()))
+            self.process = subprocess.Popen(
+                command + self.extra + list(extra),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent(os.getpid()),
+            )
         deadline = time.monotonic() + timeout_s
         while not self.healthy():
             if time.monotonic() > deadline:
                 self.kill()
-                raise OperatorExited(f"the operator's liveness probe did not answer within {timeout_s:.0f} s:\n"
-                                     f"{self.log()[-3000:]}")
+                raise OperatorExited(
+                    f"the operator's liveness probe did not answer within {timeout_s:.0f} s:\n{self.log()[-3000:]}"
+                )
             time.sleep(0.2)
         return self
 
@@ -105,7 +120,7 @@ class OperatorProcess:
     def log(self) -> str:
         return "".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("operator-*.log")))
 
-    def __enter__(self) -> "OperatorProcess":
+    def __enter__(self) -> OperatorProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
