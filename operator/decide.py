@@ -477,6 +477,7 @@ def _change(
             f"{len(members.survivors) + len(added)} nodes left after losing {sorted(lost)}; "
             f"nodes.min is {spec.nodes.min}",
         )
+    assert profile is not None, "a plan exists, so does the profile stored beside it"
     began = time.perf_counter()
     try:
         # Every live replica of some layer gone: a fresh layout on the survivors, and the workers
@@ -664,7 +665,7 @@ def _first_plan(
         )
     if enough and profile is None:
         waiting = f"{len(running)} worker pods running; waiting for the profile they measure on their devices"
-    elif enough:
+    elif enough and profile is not None:
         began = time.perf_counter()
         try:
             templates = generate_templates(profile, cluster_shape(spec, tuning), f=spec.f)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from oobleck.api.plan import LayerCopy, Plan
 from oobleck.api.profile import ModelProfile
@@ -217,6 +218,7 @@ def restore_copies(
         mine = held.get(f"{a.node}:{a.gpu}", set())
         for layer in range(a.start, a.end):
             size = state_bytes[layer]
+            kind: Literal["snapshot", "checkpoint"]
             if layer in mine:
                 src, kind = a, "snapshot"
             elif holders.get(layer):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from oobleck.api.contract import ExitCode
 from oobleck.runtime.launch_children import Child, spawn_worker
@@ -42,10 +43,11 @@ class Launcher:
         self.plan_path = self.workdir / "plan.json"
         self.children: dict[str, Child] = {}
         self.reconfigurations: list[Reconfiguration] = []
-        self.plan = None
-        self.coordinator = None
-        self.store = None
-        self.controller: PlanController | None = None
+        # Set by run(): the plan in force, the coordinator and a client of its store, the controller.
+        self.plan: Any = None
+        self.coordinator: Any = None
+        self.store: Any = None
+        self.controller: Any = None
         self.faults = FaultInjector(options.faults, self.children)
         self.failure_log: list[dict] = []  # every failure report that led to a reconfiguration
         self.reports: list = []

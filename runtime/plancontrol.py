@@ -20,8 +20,9 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from oobleck.planner.nextgen import lost_layers_message
 from oobleck.runtime.launch_config import DEFAULT_COPY_BANDWIDTH
@@ -59,8 +60,8 @@ def replan(
     holdings: dict[str, set[int]],
     profile,
     *,
-    lost: list[str] = (),
-    added: list[str] = (),
+    lost: Sequence[str] = (),
+    added: Sequence[str] = (),
     reason: str,
     bandwidth: float = DEFAULT_COPY_BANDWIDTH,
 ):
@@ -118,7 +119,7 @@ class PlanController:
         self,
         profile,
         *,
-        store: Callable[[], object],
+        store: Callable[[], Any],
         alive: Callable[[str], bool],
         trained: Callable[[], bool],
         checkpoint_path: str | Path | None,

@@ -133,6 +133,7 @@ class ProgressReporter:
                     self._cond.wait(wait)
                     continue
                 value, extra = self._latest, self._extra
+            assert value is not None  # the wait above returns only with a value
             try:
                 self._write_if_newer(value, extra)
             except (KubeError, OSError) as error:  # best effort: the next step's update tries again

@@ -279,6 +279,7 @@ class Snapshotter:
                 )
             self.stats["push_s"] += time.perf_counter() - began
         if job.write:
+            assert self.checkpoint_dir is not None, "writes are planned only with a checkpoint directory"
             began = time.perf_counter()
             for layer in job.write:
                 write_checkpoint_layer(self.checkpoint_dir, job.step, layer, captured[layer])

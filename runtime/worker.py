@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import torch
 from torch import nn
@@ -149,7 +149,8 @@ class Worker:
         self.model = build_model(config)
         self.data = build_dataset(config, self.model)
         optimizer = _FencedOptimizer(LayerAdamW(config.optim), self)
-        self.optimizer = optimizer if commit is None else CommittingOptimizer(optimizer, self, commit)
+        # The wrappers pass everything but step() through: to the engine and transfers, a LayerAdamW.
+        self.optimizer = cast(LayerAdamW, optimizer if commit is None else CommittingOptimizer(optimizer, self, commit))
         self.snapshots = snapshots
         self.epoch = epoch
         self.layers: dict[int, nn.Module] = {}
@@ -265,6 +266,7 @@ class Worker:
         from oobleck.runtime.checkpoint import read_checkpoint_layer
 
         step = plan.restore_step
+        assert step is not None, "a rollback plan"
         self.layers.clear()
         self.optimizer.state.clear()
         self.step = step
@@ -333,6 +335,7 @@ class Worker:
         """Run global step `self.step` under the adopted plan; advances the counter only on success."""
         if self.engine is None:
             raise RuntimeError("train_step: no plan adopted (call adopt(plan) first)")
+        assert self.plan is not None and self.rank is not None, "an engine runs an adopted plan"
         if self.snapshots is not None and self.snapshots.due(self.plan.generation, self.step):
             # The state before this step (the last committed one), captured while the step runs;
             # the optimizer update waits for the capture (_FencedOptimizer).

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -126,7 +126,7 @@ class PodContract(BaseModel):
         return [{"name": name, "value": str(value)} for name, value in values.items()]
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> PodContract:
+    def from_env(cls, env: Mapping[str, str]) -> Self:
         """Parse a container's environment; ValueError names the variable that is missing or malformed."""
         names = {field.alias for field in cls.model_fields.values() if field.alias}
         present = {name: env[name] for name in names if env.get(name)}
