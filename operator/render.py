@@ -31,6 +31,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import kopf
+
 from oobleck.api.contract import (  # noqa: F401  (re-exported: the operator's modules and tests use them from here)
     FAILURE_ANNOTATION,
     FAILURES_SURVIVED_ANNOTATION,
@@ -103,25 +105,17 @@ def store_address(job: str, namespace: str) -> str:
     return f"{coordinator_name(job)}.{service_name(job)}.{namespace}.svc:{STORE_PORT}"
 
 
-def owner_reference(job: str, uid: str) -> dict[str, Any]:
-    """The controller ownerReference every child carries (garbage collection on job deletion)."""
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": job,
-        "uid": uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
+def owner(job: str, namespace: str, uid: str) -> dict[str, Any]:
+    """The job as the owner kopf.adopt reads: its identity only (no labels: children get their own)."""
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": job, "namespace": namespace, "uid": uid}}
 
 
 def _meta(name: str, namespace: str, job: str, uid: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": namespace,
-        "labels": {JOB_LABEL: job, **(labels or {})},
-        "ownerReferences": [owner_reference(job, uid)],
-    }
+    """A child's metadata: its name, the job's label, and the controller ownerReference (`kopf.adopt`,
+    strict: the deterministic name stays) that garbage-collects it with the job."""
+    meta = {"name": name, "namespace": namespace, "labels": {JOB_LABEL: job, **(labels or {})}}
+    kopf.adopt({"metadata": meta}, owner=owner(job, namespace, uid), strict=True)
+    return meta
 
 
 def ranks_table(plan: Plan) -> dict[str, str]:
