@@ -126,15 +126,14 @@ class ConfigMapPlanSource:
     The operator replaces the whole ConfigMap (plan.json or gzipped plan.json.gz, see
     oobleck.api.planmap) and only ever raises its generation; a new generation reaches
     `wait_newer` as soon as the watch event arrives (milliseconds after the write). The watch resumes
-    after errors and 410 Gone (kube.watch_object). Never returns an older generation than one it
+    after errors and 410 Gone (kube.watch_object: the official client's watch, relisted on 410). Never returns an older generation than one it
     returned before. `config_map()` is the newest raw object (the worker reads job.json from it).
     """
 
-    def __init__(self, client, namespace: str, name: str, watch_timeouts=None) -> None:
-        from oobleck.runtime.kube import WatchTimeouts, configmaps_path
+    def __init__(self, kube, namespace: str, name: str, watch_timeouts=None) -> None:
+        from oobleck.runtime.kube import WatchTimeouts
 
-        self.client, self.namespace, self.name = client, namespace, name
-        self._collection = configmaps_path(namespace)
+        self.kube, self.namespace, self.name = kube, namespace, name
         self._timeouts = watch_timeouts or WatchTimeouts()
         self._changed = threading.Condition()
         self._plan: Plan | None = None
@@ -155,8 +154,10 @@ class ConfigMapPlanSource:
         self._stop.set()
         with self._changed:
             self._changed.notify_all()
+        # The watch notices the stop at its next event or server timeout (the client's stream cannot be
+        # interrupted from outside): a daemon thread, not waited for long.
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=0.2)
 
     def _run(self) -> None:
         from oobleck.runtime.kube import watch_object
@@ -164,7 +165,7 @@ class ConfigMapPlanSource:
         def error(exc: BaseException) -> None:
             self.last_error = exc
 
-        watch_object(self.client, self._collection, self.name, self._on_object, self._stop, self._timeouts, error)
+        watch_object(self.kube, self.namespace, self.name, self._on_object, self._stop, self._timeouts, error)
 
     def _on_object(self, obj: dict[str, Any] | None) -> None:
         if obj is None:

@@ -45,7 +45,7 @@ from typing import Any
 
 from oobleck.api import planmap
 from oobleck.api.contract import MEASURED_PROFILE_ANNOTATION, ExitCode
-from oobleck.runtime.kube import KubeClient, KubeConfigError, KubeError
+from oobleck.runtime.kube import TRANSPORT_ERRORS, ApiException, Kube, KubeConfigError, api_error_text
 from oobleck.runtime.pod_config import PodEnv, worker_config
 from oobleck.runtime.pod_coordinator import CoordinatorAddress, connect_resolving, elastic_classes
 from oobleck.runtime.pod_report import PodFailureReporter, ProgressReporter, annotate
@@ -93,7 +93,7 @@ class PodFailure(RuntimeError):
         self.code = code
 
 
-def measure_profile(env: PodEnv, client: KubeClient, source) -> bool:
+def measure_profile(env: PodEnv, kube: Kube, source) -> bool:
     """For a `profile: measure` job without a plan yet: profile the model on this pod's device and put
     the result on the pod (MEASURED_PROFILE_ANNOTATION), which the operator plans generation 0 with.
     Returns whether it measured."""
@@ -116,7 +116,7 @@ def measure_profile(env: PodEnv, client: KubeClient, source) -> bool:
     torch.set_num_threads(config.threads)
     began = time.monotonic()
     profile = profile_model(build_model(config), config.microbatch_size, choose_device(config, 0), 1, 3)
-    annotate(client, env.namespace, env.node, {MEASURED_PROFILE_ANNOTATION: profile.model_dump_json()})
+    annotate(kube, env.namespace, env.node, {MEASURED_PROFILE_ANNOTATION: profile.model_dump_json()})
     _log("profiled", env, layers=len(profile.layers), seconds=round(time.monotonic() - began, 3))
     return True
 
@@ -134,7 +134,7 @@ def first_config_map(source, env: PodEnv, timeout_s: float) -> dict[str, Any]:
     return body
 
 
-def run_worker(env: PodEnv, gpu: int, client: KubeClient | None = None, first_plan_s: float = 600.0) -> int:
+def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: float = 600.0) -> int:
     """One elastic worker process (local GPU `gpu`) of this pod, to the job's last step; the exit code."""
     import torch.distributed as dist
 
@@ -151,10 +151,10 @@ def run_worker(env: PodEnv, gpu: int, client: KubeClient | None = None, first_pl
     PodControlStore, PodFailureDetector = elastic_classes()
     PodWorker = _pod_worker_class()
     groups.bind_to(env.pod_ip)
-    client = client or KubeClient.in_cluster()
-    source = ConfigMapPlanSource(client, env.namespace, env.plan_config_map).start()
+    kube = kube or Kube.in_cluster()
+    source = ConfigMapPlanSource(kube, env.namespace, env.plan_config_map).start()
     if gpu == 0:
-        measure_profile(env, client, source)
+        measure_profile(env, kube, source)
     body = first_config_map(source, env, first_plan_s)
     try:
         spec = parse_spec(planmap.read_job_spec(body))
@@ -165,14 +165,14 @@ def run_worker(env: PodEnv, gpu: int, client: KubeClient | None = None, first_pl
     me = worker_id(env.node, gpu)
     _log("config", env, gpu=gpu, steps=config.steps, model=config.model.model_dump(), device=config.device)
     store_timeouts = StoreTimeouts()
-    address = CoordinatorAddress(client, env.namespace, env.coordinator_pod, env.store_host, env.store_port)
+    address = CoordinatorAddress(kube, env.namespace, env.coordinator_pod, env.store_host, env.store_port)
     control = PodControlStore(address, store_timeouts)
     _log("coordinator", env, gpu=gpu, address=f"{control.address[0]}:{control.address[1]}", epoch=control.epoch)
-    reporter = PodFailureReporter(client, env.namespace, env.node)
+    reporter = PodFailureReporter(kube, env.namespace, env.node)
     detector = PodFailureDetector(
         config.job, me, address, store_timeouts=store_timeouts, reporter=reporter, timeouts=health
     ).start()
-    progress = ProgressReporter(client, env.namespace, env.node, env.progress_interval_s) if gpu == 0 else None
+    progress = ProgressReporter(kube, env.namespace, env.node, env.progress_interval_s) if gpu == 0 else None
     try:
         worker = PodWorker(
             config,
@@ -275,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     except KubeConfigError as error:
         print(f"oobleck pod {env.node} gpu {gpu}: {error}", file=sys.stderr)
         return ExitCode.CONFIG
-    except KubeError as error:
+    except ApiException as error:
+        print(f"oobleck pod {env.node} gpu {gpu}: Kubernetes API: {api_error_text(error)}", file=sys.stderr)
+        return ExitCode.ERROR
+    except TRANSPORT_ERRORS as error:
         print(f"oobleck pod {env.node} gpu {gpu}: Kubernetes API: {error}", file=sys.stderr)
         return ExitCode.ERROR
     except Exception:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from oobleck.runtime.kube import KubeApiError, KubeClient, KubeError, pod_path
+from oobleck.runtime.kube import TRANSPORT_ERRORS, ApiException, Kube, api_error_text
 
 log = logging.getLogger("oobleck.runtime.pod")
 
@@ -29,28 +29,28 @@ class CoordinatorAddress:
     have a new IP."""
 
     def __init__(
-        self, client: KubeClient | None, namespace: str, pod: str, fallback_host: str, port: int, poll_s: float = 0.25
+        self, kube: Kube | None, namespace: str, pod: str, fallback_host: str, port: int, poll_s: float = 0.25
     ) -> None:
-        self.client, self.namespace, self.pod = client, namespace, pod
+        self.kube, self.namespace, self.pod = kube, namespace, pod
         self.fallback = (fallback_host, port)
         self.port, self.poll_s = port, poll_s
         self.last: tuple[str, int] = self.fallback
 
     def resolve(self, wait_s: float) -> tuple[str, int]:
         deadline = time.monotonic() + wait_s
-        while self.client is not None:
+        while self.kube is not None:
             try:
-                ip = coordinator_ip(self.client.get(pod_path(self.namespace, self.pod)))
+                ip = coordinator_ip(self.kube.read_pod(self.namespace, self.pod))
                 if ip is not None:
                     self.last = (ip, self.port)
                     return self.last
-            except KubeApiError as error:
+            except ApiException as error:
                 if error.status in (401, 403):
-                    log.warning(json.dumps({"event": "coordinator-lookup-forbidden", "error": str(error)[:300]}))
+                    log.warning(json.dumps({"event": "coordinator-lookup-forbidden", "error": api_error_text(error)}))
                     break  # no permission: the DNS name is all there is
                 if error.status != 404:
-                    log.warning(json.dumps({"event": "coordinator-lookup-failed", "error": str(error)[:300]}))
-            except KubeError as error:
+                    log.warning(json.dumps({"event": "coordinator-lookup-failed", "error": api_error_text(error)}))
+            except TRANSPORT_ERRORS as error:
                 log.warning(json.dumps({"event": "coordinator-lookup-failed", "error": str(error)[:300]}))
             if time.monotonic() >= deadline:
                 break

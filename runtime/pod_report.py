@@ -10,9 +10,11 @@ import time
 from typing import Any
 
 from oobleck.api.contract import FAILURE_ANNOTATION, PROGRESS_ANNOTATION
-from oobleck.runtime.kube import KubeApiError, KubeClient, KubeError, pod_path
+from oobleck.runtime.kube import TRANSPORT_ERRORS, ApiException, Kube
 
 log = logging.getLogger("oobleck.runtime.pod")
+
+_REPORT_ERRORS: tuple[type[BaseException], ...] = (ApiException, *TRANSPORT_ERRORS)
 
 
 def node_of(worker: str) -> str:
@@ -27,18 +29,16 @@ def failure_annotation(report) -> str:
     return json.dumps(body, sort_keys=True)
 
 
-def annotate(client: KubeClient, namespace: str, pod: str, annotations: dict[str, str], attempts: int = 3) -> None:
-    """Merge `annotations` into the pod's; retries transport errors, not refusals (403 stays 403)."""
+def annotate(kube: Kube, namespace: str, pod: str, annotations: dict[str, str], attempts: int = 3) -> None:
+    """Merge `annotations` into the pod's; retries transport errors and 5xx/429, not refusals (403 stays 403)."""
     for attempt in range(attempts):
         try:
-            client.merge_patch(pod_path(namespace, pod), {"metadata": {"annotations": annotations}})
+            kube.annotate_pod(namespace, pod, annotations)
             return
-        except KubeApiError as error:
-            if error.status < 500 and error.status != 429:
+        except ApiException as error:
+            if (error.status < 500 and error.status != 429) or attempt == attempts - 1:
                 raise
-            if attempt == attempts - 1:
-                raise
-        except KubeError:
+        except TRANSPORT_ERRORS:
             if attempt == attempts - 1:
                 raise
         time.sleep(0.2 * (attempt + 1))
@@ -47,11 +47,11 @@ def annotate(client: KubeClient, namespace: str, pod: str, annotations: dict[str
 class PodFailureReporter:
     """health.FailureReporter for a pod: writes FAILURE_ANNOTATION on the worker's own pod."""
 
-    def __init__(self, client: KubeClient, namespace: str, pod: str) -> None:
-        self.client, self.namespace, self.pod = client, namespace, pod
+    def __init__(self, kube: Kube, namespace: str, pod: str) -> None:
+        self.kube, self.namespace, self.pod = kube, namespace, pod
 
     def report(self, report) -> None:
-        annotate(self.client, self.namespace, self.pod, {FAILURE_ANNOTATION: failure_annotation(report)})
+        annotate(self.kube, self.namespace, self.pod, {FAILURE_ANNOTATION: failure_annotation(report)})
 
 
 def progress_annotation(
@@ -77,8 +77,8 @@ class ProgressReporter:
     reported, since the operator marks the job Succeeded from it. Values are ordered by (step,
     generation): an older one never overwrites a newer one; loss and throughput ride along."""
 
-    def __init__(self, client: KubeClient, namespace: str, pod: str, min_interval_s: float = 1.0) -> None:
-        self.client, self.namespace, self.pod = client, namespace, pod
+    def __init__(self, kube: Kube, namespace: str, pod: str, min_interval_s: float = 1.0) -> None:
+        self.kube, self.namespace, self.pod = kube, namespace, pod
         self.min_interval_s = min_interval_s
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
@@ -115,7 +115,7 @@ class ProgressReporter:
             if written is not None and (value[1], value[0]) <= (written[1], written[0]):
                 return
             text = progress_annotation(value[0], value[1], loss, rate)
-            annotate(self.client, self.namespace, self.pod, {PROGRESS_ANNOTATION: text})
+            annotate(self.kube, self.namespace, self.pod, {PROGRESS_ANNOTATION: text})
             self.writes += 1
             with self._cond:
                 self._written, self._last_write = value, time.monotonic()
@@ -136,7 +136,7 @@ class ProgressReporter:
             assert value is not None  # the wait above returns only with a value
             try:
                 self._write_if_newer(value, extra)
-            except (KubeError, OSError) as error:  # best effort: the next step's update tries again
+            except _REPORT_ERRORS as error:  # best effort: the next step's update tries again
                 self.error = error
                 log.warning(json.dumps({"event": "progress-report-failed", "pod": self.pod, "error": str(error)[:300]}))
                 with self._cond:
@@ -153,7 +153,7 @@ class ProgressReporter:
             try:
                 self._write_if_newer(value, extra)
                 return True
-            except (KubeError, OSError) as error:
+            except _REPORT_ERRORS as error:
                 self.error = error
                 if time.monotonic() >= deadline:
                     return False

@@ -18,13 +18,13 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from oobleck.api import planmap
+from oobleck.api import contract, planmap
 from oobleck.api.job import parse_spec
 from oobleck.api.plan import Plan
 from oobleck.operator import render
 from oobleck.operator.decide import Tuning, cluster_shape, synthetic_profile
 from oobleck.runtime.health import FailureReport
-from oobleck.runtime.kube import KubeApiError, KubeClient, WatchTimeouts
+from oobleck.runtime.kube import ApiException, Kube, WatchTimeouts, api_error_text
 from oobleck.runtime.plansource import ConfigMapPlanSource
 from oobleck.runtime.pod_coordinator import CoordinatorAddress
 from oobleck.runtime.pod_report import PodFailureReporter, ProgressReporter
@@ -92,7 +92,7 @@ def world(cluster, tmp_path_factory):
         "KUBERNETES_SERVICE_HOST": url.hostname,
         "KUBERNETES_SERVICE_PORT": str(url.port or 443),
     }
-    return {"ns": ns, "uid": uid, "spec": spec, "client": KubeClient.in_cluster(env)}
+    return {"ns": ns, "uid": uid, "spec": spec, "client": Kube.in_cluster(env)}
 
 
 def write_plan(cluster, world, plan: Plan, inline_limit: int | None = None) -> None:
@@ -140,7 +140,7 @@ def test_reporters_annotate_their_own_pod_with_the_worker_token(cluster, world):
     ns, pod = world["ns"], render.worker_name(JOB, 0)
     report = FailureReport(JOB, 4, f"{pod}:0", "heartbeat", (f"{render.worker_name(JOB, 1)}:0",), "quiet for 3 s")
     PodFailureReporter(world["client"], ns, pod).report(report)
-    written = json.loads(annotations(cluster, ns, pod)[planmap.FAILURE_ANNOTATION])
+    written = json.loads(annotations(cluster, ns, pod)[contract.FAILURE_ANNOTATION])
     assert written["dead"] == [render.worker_name(JOB, 1)] and written["generation"] == 4
 
     progress = ProgressReporter(world["client"], ns, pod, min_interval_s=0.5)
@@ -149,7 +149,7 @@ def test_reporters_annotate_their_own_pod_with_the_worker_token(cluster, world):
             progress.update(0, step)
             time.sleep(0.01)
         assert progress.flush()
-        assert json.loads(annotations(cluster, ns, pod)[planmap.PROGRESS_ANNOTATION]) == {"generation": 0, "step": 40}
+        assert json.loads(annotations(cluster, ns, pod)[contract.PROGRESS_ANNOTATION]) == {"generation": 0, "step": 40}
         assert progress.writes <= 4, f"rate limit: {progress.writes} writes for 40 steps in ~0.5 s"
     finally:
         progress.stop()
@@ -171,13 +171,13 @@ def test_coordinator_address_waits_for_a_running_pod_ip(cluster, world):
 
 
 def test_the_worker_token_gets_clear_refusals_beyond_its_role(world):
-    client = world["client"]
-    with pytest.raises(KubeApiError) as refused:
-        client.get(f"/api/v1/namespaces/{world['ns']}/secrets")
-    assert refused.value.status == 403 and 'cannot list resource "secrets"' in str(refused.value)
-    with pytest.raises(KubeApiError) as other:
-        client.get(f"/api/v1/namespaces/{world['ns']}/configmaps/something-else")
-    assert other.value.status == 403 and str(other.value).startswith("403 Forbidden: GET ")
+    core = world["client"].core
+    with pytest.raises(ApiException) as refused:
+        core.list_namespaced_secret(world["ns"])
+    assert refused.value.status == 403 and 'cannot list resource "secrets"' in api_error_text(refused.value)
+    with pytest.raises(ApiException) as other:
+        core.read_namespaced_config_map("something-else", world["ns"])
+    assert other.value.status == 403 and api_error_text(other.value).startswith("403 Forbidden: configmaps ")
 
 
 def test_store_connection_follows_the_coordinator_pod_to_a_new_ip(cluster, world):
