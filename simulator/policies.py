@@ -346,8 +346,7 @@ class BambooPolicy(CheckpointPolicy):
         if hit:
             gone = hit | self.pending
             fatal = any(
-                (len(group) == 1
-                and group[0] in gone)
+                (len(group) == 1 and group[0] in gone)
                 or any(group[i] in gone and group[(i + 1) % len(group)] in gone for i in range(len(group)))
                 for group in self.layout.groups
             )
