@@ -117,9 +117,8 @@ def _bamboo(trace: Trace, job: Job, planner: Planner, costs: Costs) -> tuple[Tim
         policy = BambooPolicy(trace, planner, costs.bamboo, costs.checkpoint, costs.bamboo.slowdown)
         return policy.run(), costs.bamboo.slowdown
     try:
-        redundant = Planner(
-            redundant_profile(job.profile), job.cluster(trace.max_nodes()), job.microbatches, m_ref=job.m_ref
-        )
+        # m_ref chosen for the redundant layouts' own (deeper) pipelines: the job's may not hold the batch.
+        redundant = Planner(redundant_profile(job.profile), job.cluster(trace.max_nodes()), job.microbatches)
         slowdown = (
             redundant.fresh(list(trace.initial), 0).iteration_s / planner.fresh(list(trace.initial), 0).iteration_s
         )

@@ -79,8 +79,19 @@ class Planner:
         self.layer_bytes = [layer.state_bytes for layer in profile.layers]
         # f = 0 here: the template set does not depend on f beyond the (f+1)*n0 <= N check, which
         # instantiate applies per call (degraded plans allowed: a shrunken cluster keeps training).
-        kwargs = {} if m_ref is None else {"m_ref": m_ref}
-        self.templates: list[Template] = generate_templates(profile, cluster, f=0, **kwargs)
+        if m_ref is None:
+            # The planner's advice: m_ref = the most microbatches a pipeline will run. With the default, a
+            # deep model's few pipelines may not hold the batch at all; then plan for what they must hold.
+            # A larger m_ref keeps more microbatches in flight, which can deepen the pipelines: iterate a little.
+            self.templates: list[Template] = generate_templates(profile, cluster, f=0)
+            for _ in range(4):
+                most = cluster.nodes // min(t.nodes for t in self.templates)
+                need = -(-microbatches // most)
+                if need <= self.templates[0].m_ref:
+                    break
+                self.templates = generate_templates(profile, cluster, f=0, m_ref=need)
+        else:
+            self.templates = generate_templates(profile, cluster, f=0, m_ref=m_ref)
         self.min_nodes = min(t.nodes for t in self.templates)
         self._fresh: dict[tuple[int, int], tuple[Plan, int] | None] = {}
         self._why = ""  # why the last uncached count formed no plan (for the error message)
@@ -103,7 +114,8 @@ class Planner:
         if key not in self._fresh:
             found = None
             self._why = ""
-            for used in range(count, self.min_nodes - 1, -1):
+            # Counts the templates cannot split exactly leave a few nodes idle: fewer than n0 need dropping.
+            for used in range(count, max(self.min_nodes, count - self.min_nodes + 1) - 1, -1):
                 try:
                     names = [str(i) for i in range(used)]
                     plan = instantiate(

@@ -9,6 +9,7 @@ from .costs import describe
 from .engine import Result
 from .policies import Timeline
 
+DASHED = {"replica-dropping"}  # often on top of oobleck's line: dashed so both stay visible
 COLORS = {
     "oobleck": "#e8710a",
     "checkpoint-restart": "#444444",
@@ -150,9 +151,14 @@ def plot(result: Result, path: str | Path, title: str | None = None, bins: int =
         xs, ys = binned_throughput(timeline, duration, bins)
         xs = [x / scale for x in xs]
         ys = [y / baseline * 100 for y in ys]
-        top.plot(
-            xs, ys, color=color, lw=2.2 if name == "oobleck" else 1.3, label=label, zorder=3 if name == "oobleck" else 2
-        )
+        ours = name == "oobleck"
+        style = {
+            "color": color,
+            "lw": 2.2 if ours else 1.3,
+            "zorder": 3 if ours else 2,
+            "ls": "--" if name in DASHED else "-",
+        }
+        top.plot(xs, ys, label=label, **style)
         # Cumulative samples: training segments add; work lost is taken back at the failure's time.
         cx, cy, total = [0.0], [0.0], 0.0
         for segment in timeline.segments:
@@ -166,19 +172,17 @@ def plot(result: Result, path: str | Path, title: str | None = None, bins: int =
                 taken += lost_at[k][1]
                 k += 1
             adjusted.append(y - taken)
-        bottom.plot(
-            cx, adjusted, color=color, lw=2.2 if name == "oobleck" else 1.3, zorder=3 if name == "oobleck" else 2
-        )
+        bottom.plot(cx, adjusted, **style)
     top.set_ylabel(f"throughput, % of no-failure\n(mean over {_duration(duration / bins)})")
-    top.set_ylim(bottom=-3, top=max(110, top.get_ylim()[1]))
-    top.legend(loc="lower left", fontsize=8, framealpha=0.9)
+    top.set_ylim(bottom=-3, top=max(128, top.get_ylim()[1]))
+    top.legend(loc="upper center", ncol=2, fontsize=8, framealpha=0.9)
     top.grid(alpha=0.3)
     counts = trace.node_counts()
     nx = [t / scale for t, _ in counts] + [duration / scale]
     ny = [n for _, n in counts] + [counts[-1][1]]
     nodes.step(nx, ny, where="post", color="#8a2be2", lw=1.2)
     nodes.set_ylabel("nodes up")
-    nodes.set_ylim(0, max(ny) * 1.1)
+    nodes.set_ylim(max(0, min(ny) - max(2, 0.1 * max(ny))), max(ny) + max(1, 0.05 * max(ny)))
     nodes.grid(alpha=0.3)
     bottom.set_ylabel("samples trained\n(millions)")
     bottom.set_xlabel(f"time ({unit})")
