@@ -71,6 +71,7 @@ class Policy:
         self.rate = 0.0
         self.iteration_s = math.inf
         self.samples_per_iteration = 0
+        self.train_rate = 0.0  # throughput of the current layout when training
         self.steps = 0.0  # iterations since the last restore point (fractional: the one in flight)
         self.schedule: list[tuple[float, str, float]] = []
 
@@ -228,6 +229,7 @@ class CheckpointPolicy(Policy):
         self.samples_since_checkpoint = 0.0
         self.interval_s = math.inf
         self.checkpoint_s = 0.0
+        self.writing_until: float | None = None  # a checkpoint write an event interrupted ends then
 
     def set_layout(self, layout: Layout | None) -> None:
         if layout is not None and self.slowdown != 1.0:
@@ -279,7 +281,7 @@ class CheckpointPolicy(Policy):
                     self.timeline.add(t, end, "checkpointing", 0.0)
                     self.schedule.insert(0, (written, TRAINING, self.rate))
                     self.state, self.rate = "checkpointing", 0.0
-                    self._completed_at = written
+                    self.writing_until = written
                     return
                 self.timeline.add(t, written, "checkpointing", 0.0)
                 self.trained_since_checkpoint = self.samples_since_checkpoint = 0.0
@@ -287,14 +289,13 @@ class CheckpointPolicy(Policy):
 
     def advance(self, until: float) -> None:
         # A checkpoint whose write finished before this event counts as taken.
-        done = getattr(self, "_completed_at", None)
-        if done is not None and done <= until:
+        if self.writing_until is not None and self.writing_until <= until:
             self.trained_since_checkpoint = self.samples_since_checkpoint = 0.0
-            self._completed_at = None
+            self.writing_until = None
         super().advance(until)
 
     def lose_since_checkpoint(self, why: str) -> None:
-        self._completed_at = None  # a checkpoint still being written when the failure hit is useless
+        self.writing_until = None  # a checkpoint still being written when the failure hit is useless
         self.lose(self.samples_since_checkpoint, self.trained_since_checkpoint, why)
         self.trained_since_checkpoint = self.samples_since_checkpoint = 0.0
 

@@ -169,20 +169,32 @@ def test_oobleck_policy_by_hand() -> None:
 
 
 def test_oobleck_rolls_back_beyond_f() -> None:
-    # Every pipeline is one node: losing 4 of 5 nodes at once leaves one, which holds every layer, so no
-    # rollback; but losing all replicas needs all of them. With f=1 and 2-node pipelines a rollback happens.
+    # One-node pipelines: losing 3 of 4 at once leaves one whole replica, so no rollback (only the iteration).
     text = FOUR + "10000,remove,n0\n10000,remove,n1\n10000,remove,n2\n"
     result = simulate(trace_of(text, 30000), job(), Costs(), policies=("oobleck",))
     assert [loss.why for loss in result.timelines["oobleck"].losses] == ["iteration in flight"]
-    # 2 GiB per GPU: 2 layers per node, pipelines of 2 nodes; losing n0 and n2 (the first stage of both) loses
-    # layers 0-1 everywhere.
+    # 2.5 GiB per GPU: 2 layers per node, two pipelines (n0, n1) and (n2, n3). Losing n0 and n2 loses every
+    # replica of layers 0-1: rollback to the last snapshot (every 10 steps) on the survivors n1 + n3.
     tight = Job(flat_profile(), 1, int(2.5 * GiB), 1e11, 1e9, f=1, global_batch=8)
     text = FOUR + "10000,remove,n0\n10000,remove,n2\n20000,add,n8\n20000,add,n9\n"
     result = simulate(trace_of(text, 30000), tight, Costs(), policies=("oobleck",))
     timeline = result.timelines["oobleck"]
     assert [loss.why for loss in timeline.losses] == ["iteration in flight", "rollback to the last snapshot"]
-    assert result.summaries["oobleck"].seconds_by_state["rollback"] > 0  # n1 + n3 restore layers 0-3 from snapshots
-    assert result.summaries["oobleck"].samples > 0
+    [first] = [s for s in timeline.segments if s.state == "training"][:1]
+    steps = 10 / (8 / first.samples_per_s)
+    assert sum(loss.seconds for loss in timeline.losses) == pytest.approx((steps % 10) * (8 / first.samples_per_s))
+    assert result.summaries["oobleck"].seconds_by_state["rollback"] > 0
+
+
+def test_recommend_f_ranks_every_f_the_cluster_holds() -> None:
+    from oobleck.simulate import recommend_f
+
+    # Four one-node pipelines: f = 0..3 are possible; all four lost at once is never survivable.
+    text = FOUR + "10000,remove,n0\n10000,remove,n1\n15000,add,n0\n15000,add,n1\n"
+    ranked = recommend_f(trace_of(text, 30000), job(), Costs())
+    assert sorted(f for f, _ in ranked) == [0, 1, 2, 3]
+    goodputs = [g for _, g in ranked]
+    assert goodputs == sorted(goodputs, reverse=True)
 
 
 def test_checkpoint_restart_by_hand() -> None:
