@@ -152,7 +152,10 @@ def simulate(trace: Trace, job: Job, costs: Costs, policies: Sequence[str] = POL
 
 
 def recommend_f(trace: Trace, job: Job, costs: Costs, most: int = 8) -> list[tuple[int, float]]:
-    """Oobleck's goodput for every f the starting cluster can hold (up to `most`), best first (ties: smaller f)."""
+    """Oobleck's goodput for every f the starting cluster can hold (up to `most`), best first.
+
+    Ties go to the larger f: when the starting plan already has more than f+1 pipelines, a larger f costs
+    nothing on this trace and protects against worse ones."""
     planner = Planner(job.profile, job.cluster(trace.max_nodes()), job.microbatches, m_ref=job.m_ref)
     baseline = planner.fresh(list(trace.initial), 0)
     scores = []
@@ -161,4 +164,4 @@ def recommend_f(trace: Trace, job: Job, costs: Costs, most: int = 8) -> list[tup
             break
         timeline = OobleckPolicy(trace, planner, f, costs.oobleck).run()
         scores.append((f, summarize(timeline, trace.duration_s, baseline.samples_per_s).goodput))
-    return sorted(scores, key=lambda item: (-round(item[1], 12), item[0]))
+    return sorted(scores, key=lambda item: (-round(item[1], 12), -item[0]))

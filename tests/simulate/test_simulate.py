@@ -193,8 +193,14 @@ def test_recommend_f_ranks_every_f_the_cluster_holds() -> None:
     text = FOUR + "10000,remove,n0\n10000,remove,n1\n15000,add,n0\n15000,add,n1\n"
     ranked = recommend_f(trace_of(text, 30000), job(), Costs())
     assert sorted(f for f, _ in ranked) == [0, 1, 2, 3]
+    # Every f gives the same four pipelines here, so the same goodput: the tie goes to the larger f.
+    assert len({round(g, 12) for _, g in ranked}) == 1
+    assert [f for f, _ in ranked] == [3, 2, 1, 0]
+    # Eight one-node pipelines with B = 8: every f from 0 to 7 fits; the list is ranked by goodput.
+    wide = trace_of("".join(f"0,add,n{i}\n" for i in range(8)) + "10000,remove,n0\n", 30000)
+    ranked = recommend_f(wide, job(), Costs())
     goodputs = [g for _, g in ranked]
-    assert goodputs == sorted(goodputs, reverse=True)
+    assert goodputs == sorted(goodputs, reverse=True) and len(ranked) == 8
 
 
 def test_checkpoint_restart_by_hand() -> None:
