@@ -307,6 +307,20 @@ def test_cli_bad_input_exits_2(args: list[str], message: str, capsys: pytest.Cap
     assert message in capsys.readouterr().err
 
 
+def test_measured_profile_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from oobleck.planner.profile_io import save_profile
+
+    path = tmp_path / "profile.json"
+    save_profile(flat_profile(), path)
+    args = ["simulate", "--profile", str(path), "--gpu-memory", "8GiB", "--global-batch", "64", "--json", "-"]
+    assert main([*args, "--trace", str(REPO / "simulator" / "traces" / "artifact-30n-10m.csv")]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["job"]["model"] == "flat" and document["trace"]["losses"] == 15
+    path.write_text('{"model": "x", "microbatch_size": 1, "layers": []}')
+    assert main([*args[:-2], "--mtbf", "1h"]) == 2
+    assert f"{path}: layers" in capsys.readouterr().err
+
+
 def test_bench_quick() -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "simulate.py"), "--quick"], capture_output=True, text=True, timeout=300
