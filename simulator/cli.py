@@ -138,6 +138,8 @@ def _trace(args: argparse.Namespace):
             args.nodes, seconds(args.mtbf, "--mtbf"), seconds(args.repair, "--repair"), duration or 86400.0, args.seed
         )
     if args.spot_interval:
+        if not 0 < args.spot_fraction <= 1:
+            raise InputError(f"--spot-fraction: must be in (0, 1], got {args.spot_fraction}")
         return traces.spot(
             args.nodes,
             seconds(args.spot_interval, "--spot-interval"),

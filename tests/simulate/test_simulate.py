@@ -297,6 +297,8 @@ def test_cli_table_plot_and_recommend_f(tmp_path: Path, capsys: pytest.CaptureFi
         (["--mtbf", "1h", "--model", "gpt5"], "--model: unknown 'gpt5'"),
         (["--mtbf", "1h", "--gpu-memory", "lots"], "--gpu-memory: expected a number"),
         (["--mtbf", "1h", "--policies", "magic"], "--policies: unknown ['magic']"),
+        (["--spot-interval", "1h", "--spot-fraction", "1.5"], "--spot-fraction: must be in (0, 1], got 1.5"),
+        (["--mtbf", "1h", "--repair", "0"], "--repair: must be > 0"),
         (["--trace", "missing.csv"], "missing.csv: cannot read"),
         (["--mtbf", "1h", "--gpu-memory", "1MiB"], "cannot be planned"),
         ([], "--trace: give a trace"),
