@@ -87,7 +87,9 @@ class Planner:
             for _ in range(4):
                 most = cluster.nodes // min(t.nodes for t in self.templates)
                 need = -(-microbatches // most)
-                if need <= self.templates[0].m_ref:
+                # A pipeline's microbatches are capped at m_ref only while m_ref < its stage count.
+                capped = any(t.m_ref < len(t.stages) for t in self.templates)
+                if not capped or need <= self.templates[0].m_ref:
                     break
                 self.templates = generate_templates(profile, cluster, f=0, m_ref=need)
         else:

@@ -110,21 +110,25 @@ def test_bundled_artifact_scenarios() -> None:
 # -- calibration -----------------------------------------------------------------------------------------
 
 
-def test_iteration_time_is_the_planners_z() -> None:
+@pytest.mark.parametrize(
+    ("model", "nodes", "gpus", "memory", "batch"),
+    [("gpt3-1.3b", 12, 2, 16 * GiB, 64), ("gpt3-2.7b", 30, 1, 40 * GiB, 512)],  # the second: the CLI's defaults
+)
+def test_iteration_time_is_the_planners_z(model: str, nodes: int, gpus: int, memory: int, batch: int) -> None:
     from oobleck.api.profile import ClusterShape
     from oobleck.planner.synthetic import GPT3, gpt_profile
 
-    profile = gpt_profile(GPT3["gpt3-1.3b"], seq_len=1024, microbatch_size=1, gpu_flops=100e12, hbm_bandwidth=1.5e12)
-    sim_job = Job(profile, 2, 16 * GiB, 3e11, 6e9, f=1, global_batch=64)
-    trace = traces.fixed_interval(12, 600.0, 1, None)
+    profile = gpt_profile(GPT3[model], seq_len=2048, microbatch_size=1, gpu_flops=125e12, hbm_bandwidth=1.5e12)
+    sim_job = Job(profile, gpus, memory, 3e11, 6.25e9, f=1, global_batch=batch)
+    trace = traces.fixed_interval(nodes, 600.0, 1, None)
     result = simulate(trace, sim_job, Costs(), policies=("oobleck",))
     cluster = ClusterShape(
-        nodes=12, gpus_per_node=2, gpu_memory_bytes=16 * GiB, intra_node_bandwidth=3e11, inter_node_bandwidth=6e9
+        nodes=nodes, gpus_per_node=gpus, gpu_memory_bytes=memory, intra_node_bandwidth=3e11, inter_node_bandwidth=6.25e9
     )
-    plan = plan_job(profile, cluster, 1, 64, "x", nodes=list(trace.initial))
+    plan = plan_job(profile, cluster, 1, batch, "x", nodes=list(trace.initial))
     first = result.timelines["oobleck"].segments[0]
-    assert first.samples_per_s == pytest.approx(64 / (plan.iteration_ms / 1e3), rel=1e-12)
-    no_ft = plan_job(profile, cluster, 0, 64, "x")
+    assert first.samples_per_s == pytest.approx(batch / (plan.iteration_ms / 1e3), rel=1e-12)
+    no_ft = plan_job(profile, cluster, 0, batch, "x")
     assert result.baseline_iteration_s == pytest.approx(no_ft.iteration_ms / 1e3, rel=1e-12)
 
 
