@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("oobleck.runtime.cli", "measure every layer and write the planner's profile JSON"),
     "launch": ("oobleck.runtime.launch_cli", "run an elastic job locally: coordinator, plan controller, workers"),
     "operator": ("oobleck.operator.cli", "run the OobleckJob operator (kopf)"),
+    "simulate": (
+        "oobleck.simulate.cli",
+        "goodput under failure traces: oobleck vs checkpoint-restart, Bamboo, torchft",
+    ),
 }
 
 
