@@ -16,6 +16,7 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Mapping
 
 from oobleck.planner.errors import PlanningError
 
@@ -27,7 +28,7 @@ class InputError(Exception):
     """Bad command-line input; the message starts with the flag it concerns."""
 
 
-def _number(text: str, flag: str, units: dict[str, float], pattern: str, example: str) -> float:
+def _number(text: str, flag: str, units: Mapping[str, float], pattern: str, example: str) -> float:
     match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*" + pattern + r"\s*", text.lower())
     if match is None or match.group(2) not in units:
         raise InputError(f"{flag}: expected a number with an optional unit (e.g. {example}), got {text!r}")

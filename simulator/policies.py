@@ -345,6 +345,7 @@ class BambooPolicy(CheckpointPolicy):
         if self.state == TRAINING:
             self.pending = set()
         if hit:
+            assert self.layout is not None, "a training job has a layout"
             gone = hit | self.pending
             fatal = any(
                 (len(group) == 1 and group[0] in gone)
@@ -403,6 +404,7 @@ class ReplicaPolicy(Policy):
         if not whole:
             self.iteration_s, self.samples_per_iteration, self.train_rate = math.inf, 0, 0.0
             return
+        assert self.layout is not None, "whole replicas exist only under a layout"
         # Synchronous data parallelism: every whole replica runs its own share; the slowest sets the pace.
         self.iteration_s = max(self.layout.group_iteration_s[i] for i in whole)
         self.samples_per_iteration = sum(self.layout.group_samples[i] for i in whole)
