@@ -55,6 +55,7 @@ class TemplateCost:
     base_ms: float
     slope_ms: float
     max_microbatches: int | None  # None: any count fits in memory
+    m_ref: int = 1  # the count the template was optimised for (named in errors)
 
     def limit(self, microbatches: int) -> int:
         """The most of `microbatches` one pipeline of this template may run."""
@@ -75,10 +76,9 @@ def template_cost(template: Template) -> TemplateCost:
             f"templates[nodes={template.nodes}]: iteration_ms {template.iteration_ms} is below "
             f"m_ref * slowest stage = {template.m_ref} * {slope}"
         )
-    # Memory was checked with min(S - s + 1, m_ref) microbatches in flight (templates.py): counts above
-    # m_ref are safe only once m_ref reaches the stage count S.
-    limit = None if template.m_ref >= len(template.stages) else template.m_ref
-    return TemplateCost(template.nodes, max(base, slope), slope, limit)
+    # The template records the most microbatches its memory holds (the rule checked at that count).
+    limit = template.max_microbatches
+    return TemplateCost(template.nodes, max(base, slope), slope, limit, template.m_ref)
 
 
 def check_templates(templates: Sequence[Template], gpus_per_node: int | None = None) -> tuple[int, int]:
@@ -172,15 +172,25 @@ def choose(
                 f"with {microbatches} microbatches; f = {f} needs f+1 = {wanted}"
             )
         wanted = top
-    found = impl.solve(sizes, base, slope, limits, n_nodes, wanted, microbatches)
+    # Every mix has at most `microbatches` pipelines here, so templates that two others replace without
+    # loss can be dropped exactly (see _instantiate.dominated): usually every size of 2*n0 nodes or more.
+    keep = ~impl.dominated(sizes, base, slope, limits) if most <= microbatches else np.ones(len(costs), dtype=bool)
+    # Every exact split of N nodes into pipelines of at most n_max nodes has at least ceil(N / n_max) of them:
+    # when that reaches f+1 the count constraint cannot bind, and the knapsack drops its pipeline-count axis.
+    at_least = 0 if -(-n_nodes // int(sizes[keep].max())) >= wanted and most <= microbatches else wanted
+    found = impl.solve(sizes[keep], base[keep], slope[keep], limits[keep], n_nodes, at_least, microbatches)
     if found is None:  # the counts allow a choice, so memory limits bind
         capped = {c.nodes: c.max_microbatches for c in costs if c.max_microbatches is not None}
         raise PlanningError(
-            f"global_microbatches: {microbatches} microbatches do not fit in memory on {n_nodes} nodes: "
-            f"pipelines of these templates hold at most m_ref microbatches each {capped}; "
-            "regenerate the templates with a larger m_ref"
+            f"global_microbatches: {microbatches} microbatches do not fit in memory on {n_nodes} nodes: a pipeline "
+            f"of these templates holds at most this many microbatches (by node count) {capped}; use more nodes, "
+            f"fewer microbatches per step, or a larger reference microbatch count (m_ref = "
+            f"{max(c.m_ref for c in costs)} now: training.referenceMicrobatches in a job, --m-ref in `oobleck plan`) "
+            "so that templates keep fewer microbatches in flight per GPU"
         )
-    z, counts = found
+    z, kept_counts = found
+    counts = np.zeros(len(costs), dtype=np.int64)
+    counts[keep] = kept_counts
     return Choice(tuple(int(c) for c in counts), float(z), degraded)
 
 
@@ -342,21 +352,25 @@ def plan_job(
     *,
     nodes: Sequence[str] | None = None,
     m_ref: int | None = None,
+    microbatch_size: int | None = None,
     allow_degraded: bool = False,
     engine: Engine = "compiled",
 ) -> Plan:
     """Templates + instantiation in one call (what the operator runs for a new job).
 
     Nodes are named "0".."N-1" unless `nodes` (cluster.nodes of them) is given. `m_ref` is the
-    microbatch count templates are optimised (and memory-checked) for; templates.py's default if None.
+    microbatch count templates are optimised for; None: derived from the batch (templates.default_m_ref).
+    `microbatch_size` (samples) limits a stage to the GPU counts that split it evenly.
     """
-    from .templates import DEFAULT_M_REF, generate_templates
+    from .templates import generate_templates
 
     if nodes is None:
         nodes = [str(i) for i in range(cluster.nodes)]
     elif len(nodes) != cluster.nodes:
         raise PlanningError(f"nodes: {len(nodes)} node ids given, cluster.nodes is {cluster.nodes}")
-    templates = generate_templates(profile, cluster, f=f, m_ref=DEFAULT_M_REF if m_ref is None else m_ref)
+    templates = generate_templates(
+        profile, cluster, f, m_ref, global_microbatches=global_microbatches, microbatch_size=microbatch_size
+    )
     return instantiate(
         templates,
         list(nodes),

@@ -360,7 +360,7 @@ class Launcher:
             intra_node_bandwidth=100e9,
             inter_node_bandwidth=o.copy_bandwidth,
         )
-        return plan_job(profile, cluster, o.f, o.microbatches, o.job, nodes=nodes)
+        return plan_job(profile, cluster, o.f, o.microbatches, o.job, nodes=nodes, microbatch_size=o.microbatch_size)
 
     def _spawn(self, node: str, gpu: int) -> Child:
         worker = f"{node}:{gpu}"
