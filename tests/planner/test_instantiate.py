@@ -93,7 +93,7 @@ def problems(draw, max_nodes=24, max_batch=64):
     microbatches = draw(st.integers(1, max_batch))
     limits = [draw(st.one_of(st.just(microbatches), st.integers(1, microbatches))) for _ in range(nt)]
     n_nodes = draw(st.integers(1, max_nodes))
-    kmin = draw(st.integers(1, 4))
+    kmin = draw(st.integers(0, 4))  # 0: no pipeline-count axis (choose passes it when the count cannot bind)
     return sizes, base, slope, limits, n_nodes, kmin, microbatches
 
 
@@ -140,6 +140,31 @@ def test_compiled_solve_equals_reference(problem) -> None:
     if a is not None:
         assert a[0] == b[0]
         assert a[1].tolist() == b[1].tolist()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_nodes=40, max_batch=200))
+def test_pruning_dominated_templates_is_exact(problem) -> None:
+    sizes, base, slope, limits, n_nodes, kmin, microbatches = problem
+    arrays = as_arrays(sizes, base, slope, limits)
+    flags = compiled.dominated(*arrays)
+    assert flags.tolist() == reference.dominated(*arrays).tolist()
+    if compiled.max_pipelines(arrays[0], n_nodes) > microbatches:
+        return  # choose prunes only when no mix has more pipelines than microbatches
+    keep = ~flags
+    full = compiled.solve(*arrays, n_nodes, kmin, microbatches)
+    pruned = compiled.solve(*(a[keep] for a in arrays), n_nodes, kmin, microbatches)
+    assert (full is None) == (pruned is None)
+    if full is not None:
+        assert full[0] == pruned[0]
+
+
+def test_a_template_two_smaller_ones_replace_is_dominated() -> None:
+    # 2 nodes: T(m) = 3 + (m - 1); 4 nodes: T(m) = 3.5 + (m - 1) / 2: two 2-node pipelines take at least as many
+    # microbatches by any time. The 3-node template has no pair summing to 3 nodes.
+    sizes, base, slope, limits = as_arrays([2, 4, 3], [3.0, 3.5, 100.0], [1.0, 0.5, 1.0], [64, 64, 64])
+    assert compiled.dominated(sizes, base, slope, limits).tolist() == [False, True, False]
+    assert reference.dominated(sizes, base, slope, limits).tolist() == [False, True, False]
 
 
 @st.composite
