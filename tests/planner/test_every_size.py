@@ -18,8 +18,8 @@ from oobleck.planner import instantiate
 from oobleck.planner import templates as T
 from oobleck.planner.errors import PlanningError
 from oobleck.planner.instantiate import template_cost
-from oobleck.planner.ref_instantiate import brute_force
 from oobleck.planner.reconfigure import next_layout
+from oobleck.planner.ref_instantiate import brute_force
 
 
 def memory_holds(profile: ModelProfile, cluster: ClusterShape, template, count: int) -> bool:
