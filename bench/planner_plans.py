@@ -109,6 +109,11 @@ def main() -> None:
     except PlanningError as error:
         old_z = f"no plan ({error})"
     print(f"with sizes {n0}..{2 * n0 - 1} only (the rule before): iteration {old_z}")
+    old_templates = [t for t in templates if t.nodes < 2 * n0]
+    try:
+        old_plan = instantiate(old_templates, nodes, args.f, args.microbatches, "bench")
+    except PlanningError:
+        old_plan = None
     print(f"load average (1 min) before timing: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     rows: list[tuple[str, Timing, Timing | None]] = [
         (
@@ -156,6 +161,20 @@ def main() -> None:
             )
         )
         rows.append((f"  + Plan document ({count} lost)", measure(whole, args.repeat), None))
+        if old_plan is not None:  # the same losses (by position) on the plan the sizes n0..2n0-1 give
+            old_lost = [old_plan.nodes[(k * len(old_plan.nodes)) // count] for k in range(count)]
+            rows.append(
+                (
+                    f"  sizes {n0}..{2 * n0 - 1} only (before), {count} lost",
+                    measure(
+                        lambda lost=old_lost: next_layout(
+                            old_plan, old_templates, profile, lost=lost, bandwidth=cluster.inter_node_bandwidth
+                        ),
+                        args.repeat,
+                    ),
+                    None,
+                )
+            )
 
     print()
     print(f"milliseconds, median (fastest); load average (1 min) now {os.getloadavg()[0]:.1f}")

@@ -20,10 +20,12 @@ runs a contiguous block of global microbatch indices in pipeline order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -34,6 +36,7 @@ from . import ref_instantiate
 from .errors import PlanningError
 
 Engine = Literal["compiled", "reference"]
+_T = TypeVar("_T")
 
 
 def core(engine: Engine) -> ModuleType:
@@ -66,8 +69,40 @@ class TemplateCost:
         return ref_instantiate.t_of(self.base_ms, self.slope_ms, microbatches)
 
 
+class _ByIdentity:
+    """Facts about immutable objects (templates), cached by identity: a reconfiguration re-reads the same
+    templates every time, ~5000 stages at 1024 nodes. An entry keeps its object alive, so its id cannot be
+    reused while cached."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self.entries: OrderedDict[tuple[int, Hashable], tuple[object, object]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, obj: object, extra: Hashable, compute: Callable[[], _T]) -> _T:
+        key = (id(obj), extra)
+        with self.lock:
+            hit = self.entries.get(key)
+            if hit is not None and hit[0] is obj:
+                self.entries.move_to_end(key)
+                return hit[1]  # type: ignore[return-value]
+        value = compute()  # outside the lock: errors propagate and are not cached
+        with self.lock:
+            self.entries[key] = (obj, value)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+        return value
+
+
+_KNOWN = _ByIdentity()
+
+
 def template_cost(template: Template) -> TemplateCost:
-    """Recover T(1) and the slowest stage time from a template's T(m_ref)."""
+    """Recover T(1) and the slowest stage time from a template's T(m_ref) (cached per template object)."""
+    return _KNOWN.get(template, "cost", lambda: _template_cost(template))
+
+
+def _template_cost(template: Template) -> TemplateCost:
     slope = max(stage.forward_ms + stage.backward_ms for stage in template.stages)
     base = template.iteration_ms - (template.m_ref - 1) * slope
     # T(1) sums every stage, so it is at least the slowest one; allow rounding noise only.
@@ -98,31 +133,37 @@ def check_templates(templates: Sequence[Template], gpus_per_node: int | None = N
         raise PlanningError(f"gpus_per_node: must be a power of two, got {gpus_per_node}")
     num_layers = templates[0].stages[-1].end
     for t in templates:
-        where = f"templates[nodes={t.nodes}]"
-        if (
-            t.stages[0].start != 0
-            or t.stages[-1].end != num_layers
-            or any(a.end != b.start for a, b in zip(t.stages, t.stages[1:]))
-        ):
-            raise PlanningError(f"{where}: stages must cover layers 0..{num_layers} contiguously")
-        used: dict[int, int] = {}  # node -> bitmask of the GPUs its stages use
-        for s in t.stages:
-            if s.start >= s.end:
-                raise PlanningError(f"{where}: stage [{s.start}, {s.end}) holds no layer")
-            if s.node >= t.nodes:
-                raise PlanningError(f"{where}: a stage sits on node {s.node}, the template has {t.nodes} nodes")
-            if s.gpu_offset + s.gpus > gpus_per_node:
-                raise PlanningError(
-                    f"{where}: a stage uses GPUs {s.gpu_offset}..{s.gpu_offset + s.gpus - 1}, "
-                    f"gpus_per_node is {gpus_per_node}"
-                )
-            gpus = ((1 << s.gpus) - 1) << s.gpu_offset
-            if used.get(s.node, 0) & gpus:
-                raise PlanningError(f"{where}: two stages share a GPU on node {s.node}")
-            used[s.node] = used.get(s.node, 0) | gpus
-        if len(used) != t.nodes:
-            raise PlanningError(f"{where}: nodes {sorted(set(range(t.nodes)) - set(used))} host no stage")
+        _KNOWN.get(t, ("layout", gpus_per_node, num_layers), lambda t=t: _check_layout(t, gpus_per_node, num_layers))
     return num_layers, gpus_per_node
+
+
+def _check_layout(t: Template, gpus_per_node: int, num_layers: int) -> bool:
+    """One template's stages: contiguous over every layer, each on its nodes' GPUs, none shared."""
+    where = f"templates[nodes={t.nodes}]"
+    if (
+        t.stages[0].start != 0
+        or t.stages[-1].end != num_layers
+        or any(a.end != b.start for a, b in zip(t.stages, t.stages[1:]))
+    ):
+        raise PlanningError(f"{where}: stages must cover layers 0..{num_layers} contiguously")
+    used: dict[int, int] = {}  # node -> bitmask of the GPUs its stages use
+    for s in t.stages:
+        if s.start >= s.end:
+            raise PlanningError(f"{where}: stage [{s.start}, {s.end}) holds no layer")
+        if s.node >= t.nodes:
+            raise PlanningError(f"{where}: a stage sits on node {s.node}, the template has {t.nodes} nodes")
+        if s.gpu_offset + s.gpus > gpus_per_node:
+            raise PlanningError(
+                f"{where}: a stage uses GPUs {s.gpu_offset}..{s.gpu_offset + s.gpus - 1}, "
+                f"gpus_per_node is {gpus_per_node}"
+            )
+        gpus = ((1 << s.gpus) - 1) << s.gpu_offset
+        if used.get(s.node, 0) & gpus:
+            raise PlanningError(f"{where}: two stages share a GPU on node {s.node}")
+        used[s.node] = used.get(s.node, 0) | gpus
+    if len(used) != t.nodes:
+        raise PlanningError(f"{where}: nodes {sorted(set(range(t.nodes)) - set(used))} host no stage")
+    return True
 
 
 @dataclass(frozen=True)
