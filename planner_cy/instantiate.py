@@ -226,8 +226,8 @@ def choose(
             f"global_microbatches: {microbatches} microbatches do not fit in memory on {n_nodes} nodes: a pipeline "
             f"of these templates holds at most this many microbatches (by node count) {capped}; use more nodes, "
             f"fewer microbatches per step, or a larger reference microbatch count (m_ref = "
-            f"{max(c.m_ref for c in costs)} now: training.referenceMicrobatches in a job, --m-ref in `oobleck plan`) "
-            "so that templates keep fewer microbatches in flight per GPU"
+            f"{max(c.m_ref for c in costs)} now: training.referenceMicrobatches in a job, --m-ref in `oobleck plan`): "
+            "templates are then laid out to keep that many microbatches in flight within memory"
         )
     z, kept_counts = found
     counts = np.zeros(len(costs), dtype=np.int64)
