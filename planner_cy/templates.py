@@ -303,18 +303,19 @@ def best_template(
 
 
 def usable_sizes(feasible: Iterable[int], f: int, max_nodes: int) -> list[int]:
-    """The template sizes worth generating: every feasible size from n0 up to N - f*n0.
+    """The template sizes worth generating: every feasible size from n0 up to max(N - f*n0, 2*n0 - 1), <= N.
 
     A pipeline of more than N - f*n0 nodes leaves fewer than f*n0 nodes for the other f pipelines, so no plan
-    with f+1 pipelines uses it. The sizes n0 .. 2*n0-1 alone would split every count in [(f+1)*n0, N] (see
-    `uncovered_counts`); the others are offered too because a mix of larger templates can be faster (and
-    can hold more microbatches within memory), and a reconfiguration may land on any of them.
+    with f+1 pipelines uses it. The sizes n0 .. 2*n0-1 split every count of nodes >= n0 into pipelines (see
+    `uncovered_counts`): they stay even above N - f*n0, for the degraded plans (fewer than f+1 pipelines)
+    that survivors of more failures form. The others are offered because a mix of larger templates can be
+    faster (and hold more microbatches within memory), and a reconfiguration may land on any of them.
     """
     feasible = sorted(set(feasible))
     if not feasible:
         raise PlanningError(f"no template of 1..{max_nodes} nodes fits in memory")
     n0 = feasible[0]
-    return [n for n in feasible if n <= max_nodes - f * n0]
+    return [n for n in feasible if n <= min(max(max_nodes - f * n0, 2 * n0 - 1), max_nodes)]
 
 
 def _most_parts(sizes: list[int], limit: int) -> list[int]:

@@ -253,7 +253,7 @@ def splits(sizes: list[int], total: int, parts: int) -> bool:
 def test_usable_sizes_are_every_feasible_size_up_to_n_minus_f_n0(n0, f, N, extra):
     feasible = set(range(n0, 2 * n0)) | {n for n in extra if n > n0}
     sizes = T.usable_sizes(feasible, f, N)
-    assert sizes == sorted(n for n in feasible if n <= N - f * n0)
+    assert sizes == sorted(n for n in feasible if n <= min(N, max(N - f * n0, 2 * n0 - 1)))
     if (f + 1) * n0 <= N:
         assert T.uncovered_counts(sizes, f, N) == []
     for total in range((f + 1) * n0, N + 1):
@@ -263,7 +263,8 @@ def test_usable_sizes_are_every_feasible_size_up_to_n_minus_f_n0(n0, f, N, extra
 def test_a_size_that_does_not_fit_leaves_named_gaps():
     # Sizes 3 and 5 fit, 4 does not: 7 = 3 + 4 nodes cannot form 2 pipelines, and with f = 0 neither can 4.
     assert T.usable_sizes({3, 5, 7, 9}, 1, 12) == [3, 5, 7, 9]
-    assert T.usable_sizes({3, 5, 7, 9}, 2, 12) == [3, 5]
+    assert T.usable_sizes({3, 5, 7, 9}, 2, 12) == [3, 5]  # up to 2*n0 - 1 = 5 (12 - 2*3 = 6)
+    assert T.usable_sizes({3, 4, 5, 7}, 1, 7) == [3, 4, 5]  # 7 - 3 = 4, but 5 <= 2*n0 - 1 stays for degraded plans
     assert T.uncovered_counts([3, 5], 1, 12) == [7]
     assert T.uncovered_counts([3, 5], 0, 12) == [4, 7]
 
@@ -303,7 +304,7 @@ def test_oobleck_scenarios(model, N, f):
             T.generate_templates(profile, cluster, f)
         return
     templates = T.generate_templates(profile, cluster, f)
-    assert [t.nodes for t in templates] == list(range(n0, N - f * n0 + 1))
+    assert [t.nodes for t in templates] == list(range(n0, max(N - f * n0, 2 * n0 - 1) + 1))
     for template in templates:
         check_template(profile, cluster, template, T.DEFAULT_M_REF)
     for total in range((f + 1) * n0, N + 1):
