@@ -24,6 +24,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 from typing import Literal, TypeVar
 
@@ -133,7 +134,7 @@ def check_templates(templates: Sequence[Template], gpus_per_node: int | None = N
         raise PlanningError(f"gpus_per_node: must be a power of two, got {gpus_per_node}")
     num_layers = templates[0].stages[-1].end
     for t in templates:
-        _KNOWN.get(t, ("layout", gpus_per_node, num_layers), lambda t=t: _check_layout(t, gpus_per_node, num_layers))
+        _KNOWN.get(t, ("layout", gpus_per_node, num_layers), partial(_check_layout, t, gpus_per_node, num_layers))
     return num_layers, gpus_per_node
 
 
