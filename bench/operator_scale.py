@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/operator_scale.py                      # local control plane, 1000 nodes
     .venv/bin/python bench/operator_scale.py --kubeconfig K ...   # an existing cluster with kwok running
+    .venv/bin/python bench/operator_scale.py --quick              # 8 nodes, 2 rounds (what the tests run)
 
 Starts (or uses) a control plane, registers fake GPU nodes, runs `oobleck operator` in a
 subprocess, creates the jobs and waits until every worker carries generation 0. Then, round after
@@ -44,12 +45,15 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def job_manifest(name: str, nodes: int, pool: str, *, big: bool) -> str:
-    if big:  # a GPT-3 175B-like model: pipelines of 12..23 nodes of 8 GPUs, f = 2
+    if big and nodes >= 100:  # a GPT-3 175B-like model on 8-GPU nodes, f = 2
         model = {"layers": 96, "hiddenSize": 12288, "heads": 96, "sequenceLength": 2048, "vocabSize": 50257}
-        # Pipelines of up to 23 nodes hold 16 microbatches each (the templates' m_ref); the batch must fit
-        # in the pipelines nodes.min forms too.
-        batch = 16 * max(1, max(2, nodes // 2) // 23)
-        spec = {"gpusPerNode": 8, "f": 2, "training": {"steps": 1000000, "globalBatchSize": batch, "microbatchSize": 1}}
+        # One sample per microbatch: the planner only makes 1-GPU stages, which split it evenly. 336 microbatches
+        # per step, the templates' reference count derived from them; pipelines hold what memory allows at the
+        # count they run, on nodes.max and on nodes.min alike (the operator checks both before creating pods).
+        spec = {"gpusPerNode": 8, "f": 2, "training": {"steps": 1000000, "globalBatchSize": 336, "microbatchSize": 1}}
+    elif big:  # --quick: a handful of nodes, a 1.3B-like model that fits one node
+        model = {"layers": 24, "hiddenSize": 2048, "heads": 16, "sequenceLength": 2048, "vocabSize": 50257}
+        spec = {"gpusPerNode": 8, "f": 2, "training": {"steps": 1000000, "globalBatchSize": 48, "microbatchSize": 8}}
     else:
         model = {"layers": 4, "hiddenSize": 64, "heads": 4, "sequenceLength": 32, "vocabSize": 256}
         spec = {"gpusPerNode": 1, "f": 1, "training": {"steps": 1000000, "globalBatchSize": 16, "microbatchSize": 2}}
@@ -292,7 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kubeconfig", default=None, help="use this cluster (kwok must run) instead of starting one")
     parser.add_argument("--out", default=None, help="write the summary JSON here")
     parser.add_argument("--profile", default=None, help="run the operator under cProfile, writing the stats here")
+    parser.add_argument(
+        "--quick", action="store_true", help="8 nodes, 1 small job, 2 rounds: tens of seconds (what the tests run)"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.nodes, args.small_jobs, args.small_nodes, args.rounds, args.simultaneous, args.pause = 8, 1, 2, 2, 2, 0.5
+        args.timeout = min(args.timeout, 180.0)
     # SIGTERM (e.g. from `timeout`) must still stop the control plane and the operator.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for name in ("nodes", "rounds", "small_nodes"):

@@ -29,7 +29,7 @@ The 1F1B bound for a pipeline of stages s with per-microbatch forward+backward t
 microbatches is sum_s t_s + (M - 1) * max_s t_s (communication free); t_s comes from the profiler
 run on this machine with the same thread count. Efficiency = bound / measured step time.
 
-usage: .venv/bin/python bench/overhead.py [--steps 40] [--repeats 5] [--pieces] [--out result.json]
+usage: .venv/bin/python bench/overhead.py [--steps 40] [--repeats 5] [--pieces] [--out result.json] [--quick]
 Runs real worker processes (gloo, CPU); on a shared machine, compare runs made back to back.
 """
 
@@ -316,7 +316,10 @@ def main() -> int:
     parser.add_argument("--pieces", action="store_true", help="also run `on` with each piece taken out")
     parser.add_argument("--variants", default=None, help="comma-separated variants to run (default: on,off)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true", help="a short run (8 steps, 1 repeat) that the tests use")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 8, 2, 1
 
     config = WorkerConfig(
         job="overhead", model=MODEL, microbatch_size=args.microbatch_size, steps=args.steps, device="cpu"

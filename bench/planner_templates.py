@@ -7,7 +7,8 @@ Prints, pinned to one CPU core:
   both return the same layouts.
 "Total" is what a caller pays: quantising the profile, the search, and building the pydantic Templates.
 
-Run: .venv/bin/python bench/planner_templates.py [--repeat N] [--m-ref M]
+Run: .venv/bin/python bench/planner_templates.py [--repeat N] [--m-ref M] [--quick]
+(--quick: a 22-layer model, sizes 1..16 and 1..8, one run each: seconds, what the tests run)
 """
 
 from __future__ import annotations
@@ -44,10 +45,14 @@ def main() -> int:
     parser.add_argument(
         "--m-ref", type=int, default=T.DEFAULT_M_REF, help="microbatches the templates are optimised for"
     )
+    parser.add_argument("--quick", action="store_true", help="small sizes, one run: what the tests run")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    profile = gpt_profile(SHAPE, seq_len=2048, microbatch_size=1, gpu_flops=GPU_FLOPS, hbm_bandwidth=HBM)
+    shape = GPTShape(blocks=20, hidden=4096, heads=32) if args.quick else SHAPE
+    if args.quick:
+        args.repeat = 1
+    profile = gpt_profile(shape, seq_len=2048, microbatch_size=1, gpu_flops=GPU_FLOPS, hbm_bandwidth=HBM)
     print(f"model: {len(profile.layers)} layers ({profile.model}), m_ref = {args.m_ref}, one core")
 
     def cluster(G: int, N: int) -> ClusterShape:
@@ -55,7 +60,7 @@ def main() -> int:
             nodes=N, gpus_per_node=G, gpu_memory_bytes=MEMORY, intra_node_bandwidth=NVLINK, inter_node_bandwidth=NETWORK
         )
 
-    for G, N, target in ((1, 64, 100), (8, 128, 1000)):
+    for G, N, target in ((1, 16, 100), (8, 8, 1000)) if args.quick else ((1, 64, 100), (8, 128, 1000)):
         shape = cluster(G, N)
         total_ms, templates = timed(lambda: T.all_templates(profile, shape, m_ref=args.m_ref), args.repeat)
         tables = T.cost_tables(profile, shape, args.m_ref)
@@ -67,7 +72,8 @@ def main() -> int:
             f"{len(sizes)} templates ({min(sizes)}..{max(sizes)} nodes), T({args.m_ref}) at {max(sizes)} nodes: {templates[-1].iteration_ms:.1f} ms"
         )
 
-    for G, N in ((1, 64), (8, 4)):  # the reference needs ~10 s for G = 8 on 4 nodes
+    # the reference needs ~10 s for G = 8 on 4 nodes
+    for G, N in ((1, 8),) if args.quick else ((1, 64), (8, 4)):
         tables = T.cost_tables(profile, cluster(G, N), args.m_ref)
         compiled_ms, compiled = timed(lambda: T.search_layouts(tables, N), args.repeat)
         reference_ms, reference = timed(lambda: search_layouts_ref(tables, N), 1)

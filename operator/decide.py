@@ -151,8 +151,16 @@ def _check_spec(spec_json: str, profile_json: str, tuning: Tuning) -> str | None
     spec = OobleckJobSpec.model_validate_json(spec_json)
     profile = ModelProfile.model_validate_json(profile_json)
     try:
-        templates = generate_templates(profile, cluster_shape(spec, tuning), f=spec.f)
-        # A stage of g GPUs splits every microbatch in g parts: each needs at least one sample.
+        templates = generate_templates(
+            profile,
+            cluster_shape(spec, tuning),
+            spec.f,
+            spec.training.reference_microbatches,
+            global_microbatches=spec.training.global_microbatches,
+            microbatch_size=spec.training.microbatch_size,
+        )
+        # A stage of g GPUs splits every microbatch in g parts: each needs at least one sample. The planner
+        # only makes stages whose GPU count divides the microbatch size; this stays as a guard.
         split = max((stage.gpus for t in templates for stage in t.stages), default=1)
         if split > spec.training.microbatch_size:
             return (
@@ -668,7 +676,14 @@ def _first_plan(
     elif enough and profile is not None:
         began = time.perf_counter()
         try:
-            templates = generate_templates(profile, cluster_shape(spec, tuning), f=spec.f)
+            templates = generate_templates(
+                profile,
+                cluster_shape(spec, tuning),
+                spec.f,
+                spec.training.reference_microbatches,
+                global_microbatches=spec.training.global_microbatches,
+                microbatch_size=spec.training.microbatch_size,
+            )
             plan = instantiate(
                 templates,
                 [w.name for w in running],

@@ -18,3 +18,9 @@ def solve(
 def split(
     base: npt.NDArray[np.float64], slope: npt.NDArray[np.float64], microbatches: int
 ) -> npt.NDArray[np.int64]: ...
+def dominated(
+    sizes: npt.NDArray[np.int64],
+    base: npt.NDArray[np.float64],
+    slope: npt.NDArray[np.float64],
+    most_each: npt.NDArray[np.int64],
+) -> npt.NDArray[np.bool_]: ...

@@ -100,6 +100,16 @@ cdef int64_t _fill(int64_t n_nodes, int64_t nt, const int64_t* sizes, const int6
         best[j] = -1
     best[0] = 0
     top = width - 1
+    if top == 0 and saturate:  # no pipeline-count axis (the common case at scale): a plain exact-weight knapsack
+        for j in range(1, n_nodes + 1):
+            v = -1
+            for t in range(nt):
+                n = sizes[t]
+                if caps[t] > 0 and n <= j and best[j - n] >= 0 and best[j - n] + caps[t] > v:
+                    v = best[j - n] + caps[t]
+            best[j] = v
+        chosen_k[0] = 0 if best[n_nodes] >= 0 else -1
+        return best[n_nodes] if kmin <= 0 else -1
     for j in range(1, n_nodes + 1):
         row = j * width
         for t in range(nt):
@@ -336,3 +346,48 @@ def split(const double[::1] base, const double[::1] slope, const int64_t[::1] mo
     finally:
         free(ones)
         free(limit)
+
+
+def dominated(const int64_t[::1] sizes, const double[::1] base, const double[::1] slope, const int64_t[::1] most_each):
+    """Flags the templates that two others replace without loss: an exact pruning for `solve`.
+
+    Template t is dominated when some a, b (a == b allowed, neither t) have n_a + n_b = n_t and, at every
+    value z, both take a microbatch wherever t does and cap_a(z) + cap_b(z) >= cap_t(z). Then a plan using t
+    does at least as well with a and b on the same nodes: one more pipeline (so f+1 still holds; callers
+    prune only when every mix has at most as many pipelines as microbatches) and at least the capacity at
+    its Z. cap_t is constant between its jumps T_t(1) < ... < T_t(limit_t), so checking those values is
+    exhaustive. A template replaced by dominated ones is still dominated: the replacements are smaller, so
+    the chain ends at kept ones. most_each: the memory limits, already capped at the batch.
+    """
+    cdef int64_t nt = sizes.shape[0], t, i, k, m, top = 0
+    for t in range(nt):
+        if sizes[t] > top:
+            top = sizes[t]
+    flags = np.zeros(nt, dtype=np.uint8)
+    cdef unsigned char[::1] out = flags
+    cdef int64_t[::1] index_of = np.full(top + 1, -1, dtype=np.int64)
+    cdef double z
+    cdef bint ok
+    for t in range(nt):
+        index_of[sizes[t]] = t
+    with nogil:
+        for t in range(nt):
+            for i in range(nt):
+                if i == t or 2 * sizes[i] > sizes[t]:
+                    continue
+                k = index_of[sizes[t] - sizes[i]]
+                if k < 0 or k == t:
+                    continue
+                # every pipeline needs a microbatch: a and b must each take one wherever t does
+                if base[i] > base[t] or base[k] > base[t] or most_each[i] < 1 or most_each[k] < 1:
+                    continue
+                ok = True
+                for m in range(1, most_each[t] + 1):
+                    z = t_of(base[t], slope[t], m)
+                    if cap_of(base[i], slope[i], most_each[i], z) + cap_of(base[k], slope[k], most_each[k], z) < m:
+                        ok = False
+                        break
+                if ok:
+                    out[t] = 1
+                    break
+    return flags.astype(bool)

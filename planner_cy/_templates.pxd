@@ -12,6 +12,7 @@ cdef struct Tables:
     # Read-only inputs, prefix sums indexed by layer boundary 0..L.
     int num_layers
     int gpus                    # G
+    int max_gpus                # the most GPUs of one stage (a power of two <= G: the microbatch must split evenly)
     int max_nodes               # C: suffix states hold up to C - 1 whole nodes after the current one
     int m_ref
     int positions               # K: positions from the pipeline's end are capped at K (see memory_cap)

@@ -12,6 +12,7 @@ def search(
     comm_intra: npt.NDArray[np.int64],
     comm_inter: npt.NDArray[np.int64],
     gpus: int,
+    max_gpus: int,
     max_nodes: int,
     m_ref: int,
     memory: int,

@@ -41,9 +41,10 @@ cdef inline bint fits(const Tables* t, int i, int j, int g, int p) noexcept nogi
     return g * (t.state_pf[j] - t.state_pf[i]) + inflight * (t.act_pf[j] - t.act_pf[i]) <= g * t.memory
 
 
-cdef inline int top_power(int u) noexcept nogil:
+cdef inline int top_power(const Tables* t, int u) noexcept nogil:
+    """The most GPUs a stage may take from u free ones: the largest power of two <= min(u, max_gpus)."""
     cdef int g = 1
-    while g * 2 <= u:
+    while g * 2 <= u and g * 2 <= t.max_gpus:
         g *= 2
     return g
 
@@ -54,7 +55,7 @@ cdef int memory_cap(const Tables* t) noexcept nogil:
     cdef int64_t room, act, last, worst = 0
     for i in range(L):
         g = 1
-        while g <= t.gpus:
+        while g <= t.max_gpus:
             for j in range(i + 1, L + 1):
                 room = g * t.memory - g * (t.state_pf[j] - t.state_pf[i])
                 act = t.act_pf[j] - t.act_pf[i]
@@ -135,45 +136,50 @@ cdef int merge(Buffer* b, const Tables* t, const Fronts* fronts, int64_t sub, in
 cdef void upper_bounds(const Tables* t, int64_t* bound) noexcept nogil:
     """bound[c] >= the optimal T(m_ref) of every template of more than c nodes; INT64_MAX: unknown.
 
-    From a feasible layout per node count: one stage of G GPUs per node, the least peak (then the least
-    total) by a plain DP over (first layer, nodes left). The exact search may then drop any suffix whose own
-    total + (m - 1) * peak, plus the least time of the layers before it, exceeds the bound of its state.
+    From a feasible layout per node count: every node split into R = G / max_gpus stages of max_gpus GPUs
+    (one stage of G GPUs when no cap applies), the least peak (then the least total) by a plain DP over
+    (first layer, stages left). The exact search may then drop any suffix whose own total + (m - 1) * peak,
+    plus the least time of the layers before it, exceeds the bound of its state.
     """
-    cdef int L = t.num_layers, C = t.max_nodes, G = t.gpus, i, j, c, n
-    cdef int64_t st, peak, total, k
-    cdef int64_t* best_peak = <int64_t*>malloc((L + 1) * C * sizeof(int64_t))
-    cdef int64_t* best_total = <int64_t*>malloc((L + 1) * C * sizeof(int64_t))
+    cdef int L = t.num_layers, C = t.max_nodes, R = t.gpus // t.max_gpus, i, j, c, n, k
+    cdef int KK = C * R
+    cdef int64_t st, peak, total, at, nxt
+    cdef int64_t* best_peak = <int64_t*>malloc(<int64_t>(L + 1) * KK * sizeof(int64_t))
+    cdef int64_t* best_total = <int64_t*>malloc(<int64_t>(L + 1) * KK * sizeof(int64_t))
     for c in range(C):
         bound[c] = INT64_MAX
     if best_peak == NULL or best_total == NULL:
         free(best_peak)
         free(best_total)
         return
-    for c in range(C):  # best_*[i * C + c]: layers [i, L) on c + 1 nodes, -1: none fits
+    for k in range(1, KK + 1):  # best_*[i * KK + k - 1]: layers [i, L) as k stages, -1: none fits
         for i in range(L - 1, -1, -1):
-            best_peak[i * C + c] = -1
-            for j in range(i + 1, L - c + 1):
-                if not fits(t, i, j, G, c + 1):
-                    break
-                st = t.time_pf[j] - t.time_pf[i]
-                if c == 0:
+            at = <int64_t>i * KK + k - 1
+            best_peak[at] = -1
+            for j in range(i + 1, L - k + 2):
+                if not fits(t, i, j, t.max_gpus, k):
+                    break  # longer stages hold more state
+                st = (t.time_pf[j] - t.time_pf[i]) * R
+                if k == 1:
                     if j == L:
-                        best_peak[i * C] = st
-                        best_total[i * C] = st
+                        best_peak[at] = st
+                        best_total[at] = st
                     continue
-                if best_peak[j * C + c - 1] < 0:
+                nxt = <int64_t>j * KK + k - 2
+                if best_peak[nxt] < 0:
                     continue
-                peak = st if st > best_peak[j * C + c - 1] else best_peak[j * C + c - 1]
-                total = st + t.comm_inter[j - 1] + best_total[j * C + c - 1]
-                k = i * C + c
-                if best_peak[k] < 0 or peak < best_peak[k] or (peak == best_peak[k] and total < best_total[k]):
-                    best_peak[k] = peak
-                    best_total[k] = total
+                peak = st if st > best_peak[nxt] else best_peak[nxt]
+                # the k - 1 stages after this one start a new node when k - 1 is a multiple of R
+                total = st + (t.comm_inter[j - 1] if (k - 1) % R == 0 else t.comm_intra[j - 1]) + best_total[nxt]
+                if best_peak[at] < 0 or peak < best_peak[at] or (peak == best_peak[at] and total < best_total[at]):
+                    best_peak[at] = peak
+                    best_total[at] = total
     for n in range(C, 0, -1):  # bound[c] = the largest bound of n = c + 1 .. C nodes
-        if best_peak[n - 1] < 0:
+        at = n * R - 1
+        if best_peak[at] < 0:
             bound[n - 1] = INT64_MAX
         else:
-            bound[n - 1] = best_total[n - 1] + (t.m_ref - 1) * best_peak[n - 1]
+            bound[n - 1] = best_total[at] + (t.m_ref - 1) * best_peak[at]
         if n < C and bound[n] > bound[n - 1]:
             bound[n - 1] = bound[n]
     free(best_peak)
@@ -213,7 +219,7 @@ cdef int build_fronts(const Tables* t, Fronts* fronts) noexcept nogil:
                     if fewest > most or (p < K and not fewest <= p <= most) or (p == K and most < K):
                         continue
                     b.size = 0
-                    g = top_power(u)
+                    g = top_power(t, u)
                     while g >= 1:
                         if u > g:
                             c2 = c
@@ -309,7 +315,7 @@ cdef int reconstruct(const Tables* t, const Fronts* fronts, int nodes, int64_t* 
     while True:
         chosen = False
         for j in range(i + 1, L + 1):
-            g = top_power(u)
+            g = top_power(t, u)
             while g >= 1 and not chosen:
                 st = stage_time(t, i, j, g)
                 if st <= best_peak:
@@ -357,10 +363,12 @@ cdef int reconstruct(const Tables* t, const Fronts* fronts, int nodes, int64_t* 
 
 
 def search(const int64_t[::1] time_pf, const int64_t[::1] state_pf, const int64_t[::1] act_pf,
-           const int64_t[::1] comm_intra, const int64_t[::1] comm_inter, int gpus, int max_nodes, int m_ref,
-           int64_t memory, int64_t[::1] objective, int64_t[::1] peak, int32_t[::1] stages,
+           const int64_t[::1] comm_intra, const int64_t[::1] comm_inter, int gpus, int max_gpus, int max_nodes,
+           int m_ref, int64_t memory, int64_t[::1] objective, int64_t[::1] peak, int32_t[::1] stages,
            int32_t[:, ::1] ends, int32_t[:, ::1] stage_gpus):
     """Best template of every node count 1..max_nodes, written into the output arrays (row n = n nodes).
+
+    Stages use at most max_gpus GPUs (a power of two <= gpus), so that the microbatch splits evenly over them.
 
     Inputs are the integer tables of templates.cost_tables. objective/peak: in units of 1/G ns;
     stages[n] = 0 where no template of n nodes fits. Returns K, the position cap used (a diagnostic).
@@ -378,10 +386,14 @@ def search(const int64_t[::1] time_pf, const int64_t[::1] state_pf, const int64_
                              ("stage_gpus columns", stage_gpus.shape[1], L)):
         if size != want:
             raise ValueError(f"{name}: length {size}, expected {want} (L = {L}, max_nodes = {max_nodes})")
-    if L < 1 or gpus < 1 or gpus & (gpus - 1) or max_nodes < 1 or m_ref < 1 or memory <= 0:
-        raise ValueError(f"invalid shape: L={L} gpus={gpus} max_nodes={max_nodes} m_ref={m_ref} memory={memory}")
+    if (L < 1 or gpus < 1 or gpus & (gpus - 1) or max_gpus < 1 or max_gpus & (max_gpus - 1) or max_gpus > gpus
+            or max_nodes < 1 or m_ref < 1 or memory <= 0):
+        raise ValueError(
+            f"invalid shape: L={L} gpus={gpus} max_gpus={max_gpus} max_nodes={max_nodes} m_ref={m_ref} memory={memory}"
+        )
     t.num_layers = L
     t.gpus = gpus
+    t.max_gpus = max_gpus
     t.max_nodes = max_nodes if max_nodes < L else L  # more nodes than layers never fit: a node holds >= 1 layer
     t.m_ref = m_ref
     t.memory = memory

@@ -74,7 +74,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--f", type=int, default=1, help="pipeline failures to tolerate (default 1)")
     parser.add_argument("--intra-bandwidth", default="100GB", help="bytes/s between GPUs of a node (default 100GB)")
     parser.add_argument("--inter-bandwidth", default="12.5GB", help="bytes/s between nodes (default 12.5GB)")
-    parser.add_argument("--m-ref", type=int, default=None, help="microbatches the templates are optimised for")
+    parser.add_argument(
+        "--m-ref",
+        type=int,
+        default=None,
+        help="microbatches per pipeline the templates are optimised for (default: derived from the batch)",
+    )
+    parser.add_argument(
+        "--microbatch-size",
+        type=int,
+        default=None,
+        help="samples per microbatch: a stage uses only GPU counts that split it evenly (default: any)",
+    )
     parser.add_argument("--job", default="job", help="job name recorded in the plan")
     parser.add_argument("--lost", default=None, help="preview a reconfiguration: lost node ids, e.g. 3,7")
     parser.add_argument("--added", default=None, help="preview a reconfiguration: added node ids, e.g. 13,14")
@@ -118,7 +129,7 @@ def _plan_text(args: argparse.Namespace) -> str:
     from .instantiate import instantiate
     from .profile_io import ProfileError, parse_profile
     from .reconfigure import DEFAULT_HORIZON, LostLayersError, next_layout, to_plan
-    from .templates import DEFAULT_M_REF, generate_templates
+    from .templates import generate_templates
 
     try:
         raw = args.profile.read_text()
@@ -132,9 +143,10 @@ def _plan_text(args: argparse.Namespace) -> str:
         raise InputError(f"--microbatches: must be >= 1, got {args.microbatches}")
     if args.f < 0:
         raise InputError(f"--f: must be >= 0, got {args.f}")
-    m_ref = DEFAULT_M_REF if args.m_ref is None else args.m_ref
-    if m_ref < 1:
-        raise InputError(f"--m-ref: must be >= 1, got {m_ref}")
+    if args.m_ref is not None and args.m_ref < 1:
+        raise InputError(f"--m-ref: must be >= 1, got {args.m_ref}")
+    if args.microbatch_size is not None and args.microbatch_size < 1:
+        raise InputError(f"--microbatch-size: must be >= 1, got {args.microbatch_size}")
     horizon = DEFAULT_HORIZON if args.horizon is None else args.horizon
     if horizon < 0:
         raise InputError(f"--horizon: must be >= 0, got {horizon}")
@@ -158,7 +170,14 @@ def _plan_text(args: argparse.Namespace) -> str:
     lost = node_list(args.lost, "--lost") if args.lost is not None else []
     added = node_list(args.added, "--added") if args.added is not None else []
     try:
-        templates = generate_templates(profile, cluster, f=args.f, m_ref=m_ref)
+        templates = generate_templates(
+            profile,
+            cluster,
+            args.f,
+            args.m_ref,
+            global_microbatches=args.microbatches,
+            microbatch_size=args.microbatch_size,
+        )
         nodes = [str(i) for i in range(cluster.nodes)]
         plan = instantiate(templates, nodes, args.f, args.microbatches, args.job, gpus_per_node=cluster.gpus_per_node)
         after = chosen = None
@@ -201,6 +220,8 @@ def _flag_names(message: str) -> str:
     """Planner messages start with a field name; show the matching flag too."""
     for field, flag in (
         ("global_microbatches", "--microbatches"),
+        ("microbatch_size", "--microbatch-size"),
+        ("m_ref", "--m-ref"),
         ("nodes", "--nodes"),
         ("f", "--f"),
         ("lost", "--lost"),
@@ -215,6 +236,17 @@ def _flag_names(message: str) -> str:
     return message
 
 
+def _ranges(sizes: list[int]) -> str:
+    """Sorted integers as runs: 5-9,12."""
+    runs: list[list[int]] = []
+    for n in sorted(sizes):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def describe(plan, profile) -> str:
     """The plan as readable tables: templates, pipelines with their batch split, copies."""
     from .instantiate import template_cost
@@ -227,17 +259,27 @@ def describe(plan, profile) -> str:
     ]
     if plan.lost_nodes or plan.added_nodes:
         lines.append(f"lost {','.join(plan.lost_nodes) or '-'}  added {','.join(plan.added_nodes) or '-'}")
+    used: dict[int, int] = {}
+    for p in plan.pipelines:
+        used[p.template_nodes] = used.get(p.template_nodes, 0) + 1
+    sizes = [t.nodes for t in plan.templates]
     lines += [
         "",
+        f"template sizes considered: {_ranges(sizes)} nodes ({len(sizes)} sizes, m_ref = {plan.templates[0].m_ref}); "
+        f"used: {', '.join(f'{n} nodes x {k}' for n, k in sorted(used.items(), reverse=True))}",
         "templates:",
-        f"  {'nodes':>5} {'stages':>6} {'T(1) ms':>10} {'slowest ms':>10} {'m_ref':>5}  layers per stage (GPUs)",
+        f"  {'nodes':>5} {'used':>4} {'stages':>6} {'T(1) ms':>10} {'slowest ms':>10} {'max mb':>6}  "
+        "layers per stage (GPUs)",
     ]
     for template in plan.templates:
         cost = template_cost(template)
         layout = " ".join(f"{s.end - s.start}({s.gpus})" for s in template.stages)
+        if len(layout) > 70:
+            layout = layout[:67] + "..."
+        most = "any" if template.max_microbatches is None else str(template.max_microbatches)
         lines.append(
-            f"  {template.nodes:>5} {len(template.stages):>6} {cost.base_ms:>10.2f} {cost.slope_ms:>10.2f} "
-            f"{template.m_ref:>5}  {layout}"
+            f"  {template.nodes:>5} {used.get(template.nodes, 0):>4} {len(template.stages):>6} {cost.base_ms:>10.2f} "
+            f"{cost.slope_ms:>10.2f} {most:>6}  {layout}"
         )
     lines += [
         "",

@@ -20,10 +20,13 @@ runs a contiguous block of global microbatch indices in pipeline order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -34,6 +37,7 @@ from . import ref_instantiate
 from .errors import PlanningError
 
 Engine = Literal["compiled", "reference"]
+_T = TypeVar("_T")
 
 
 def core(engine: Engine) -> ModuleType:
@@ -55,6 +59,7 @@ class TemplateCost:
     base_ms: float
     slope_ms: float
     max_microbatches: int | None  # None: any count fits in memory
+    m_ref: int = 1  # the count the template was optimised for (named in errors)
 
     def limit(self, microbatches: int) -> int:
         """The most of `microbatches` one pipeline of this template may run."""
@@ -65,8 +70,40 @@ class TemplateCost:
         return ref_instantiate.t_of(self.base_ms, self.slope_ms, microbatches)
 
 
+class _ByIdentity:
+    """Facts about immutable objects (templates), cached by identity: a reconfiguration re-reads the same
+    templates every time, ~5000 stages at 1024 nodes. An entry keeps its object alive, so its id cannot be
+    reused while cached."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self.entries: OrderedDict[tuple[int, Hashable], tuple[object, object]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, obj: object, extra: Hashable, compute: Callable[[], _T]) -> _T:
+        key = (id(obj), extra)
+        with self.lock:
+            hit = self.entries.get(key)
+            if hit is not None and hit[0] is obj:
+                self.entries.move_to_end(key)
+                return hit[1]  # type: ignore[return-value]
+        value = compute()  # outside the lock: errors propagate and are not cached
+        with self.lock:
+            self.entries[key] = (obj, value)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+        return value
+
+
+_KNOWN = _ByIdentity()
+
+
 def template_cost(template: Template) -> TemplateCost:
-    """Recover T(1) and the slowest stage time from a template's T(m_ref)."""
+    """Recover T(1) and the slowest stage time from a template's T(m_ref) (cached per template object)."""
+    return _KNOWN.get(template, "cost", lambda: _template_cost(template))
+
+
+def _template_cost(template: Template) -> TemplateCost:
     slope = max(stage.forward_ms + stage.backward_ms for stage in template.stages)
     base = template.iteration_ms - (template.m_ref - 1) * slope
     # T(1) sums every stage, so it is at least the slowest one; allow rounding noise only.
@@ -75,10 +112,9 @@ def template_cost(template: Template) -> TemplateCost:
             f"templates[nodes={template.nodes}]: iteration_ms {template.iteration_ms} is below "
             f"m_ref * slowest stage = {template.m_ref} * {slope}"
         )
-    # Memory was checked with min(S - s + 1, m_ref) microbatches in flight (templates.py): counts above
-    # m_ref are safe only once m_ref reaches the stage count S.
-    limit = None if template.m_ref >= len(template.stages) else template.m_ref
-    return TemplateCost(template.nodes, max(base, slope), slope, limit)
+    # The template records the most microbatches its memory holds (the rule checked at that count).
+    limit = template.max_microbatches
+    return TemplateCost(template.nodes, max(base, slope), slope, limit, template.m_ref)
 
 
 def check_templates(templates: Sequence[Template], gpus_per_node: int | None = None) -> tuple[int, int]:
@@ -98,31 +134,37 @@ def check_templates(templates: Sequence[Template], gpus_per_node: int | None = N
         raise PlanningError(f"gpus_per_node: must be a power of two, got {gpus_per_node}")
     num_layers = templates[0].stages[-1].end
     for t in templates:
-        where = f"templates[nodes={t.nodes}]"
-        if (
-            t.stages[0].start != 0
-            or t.stages[-1].end != num_layers
-            or any(a.end != b.start for a, b in zip(t.stages, t.stages[1:]))
-        ):
-            raise PlanningError(f"{where}: stages must cover layers 0..{num_layers} contiguously")
-        used: dict[int, int] = {}  # node -> bitmask of the GPUs its stages use
-        for s in t.stages:
-            if s.start >= s.end:
-                raise PlanningError(f"{where}: stage [{s.start}, {s.end}) holds no layer")
-            if s.node >= t.nodes:
-                raise PlanningError(f"{where}: a stage sits on node {s.node}, the template has {t.nodes} nodes")
-            if s.gpu_offset + s.gpus > gpus_per_node:
-                raise PlanningError(
-                    f"{where}: a stage uses GPUs {s.gpu_offset}..{s.gpu_offset + s.gpus - 1}, "
-                    f"gpus_per_node is {gpus_per_node}"
-                )
-            gpus = ((1 << s.gpus) - 1) << s.gpu_offset
-            if used.get(s.node, 0) & gpus:
-                raise PlanningError(f"{where}: two stages share a GPU on node {s.node}")
-            used[s.node] = used.get(s.node, 0) | gpus
-        if len(used) != t.nodes:
-            raise PlanningError(f"{where}: nodes {sorted(set(range(t.nodes)) - set(used))} host no stage")
+        _KNOWN.get(t, ("layout", gpus_per_node, num_layers), partial(_check_layout, t, gpus_per_node, num_layers))
     return num_layers, gpus_per_node
+
+
+def _check_layout(t: Template, gpus_per_node: int, num_layers: int) -> bool:
+    """One template's stages: contiguous over every layer, each on its nodes' GPUs, none shared."""
+    where = f"templates[nodes={t.nodes}]"
+    if (
+        t.stages[0].start != 0
+        or t.stages[-1].end != num_layers
+        or any(a.end != b.start for a, b in zip(t.stages, t.stages[1:]))
+    ):
+        raise PlanningError(f"{where}: stages must cover layers 0..{num_layers} contiguously")
+    used: dict[int, int] = {}  # node -> bitmask of the GPUs its stages use
+    for s in t.stages:
+        if s.start >= s.end:
+            raise PlanningError(f"{where}: stage [{s.start}, {s.end}) holds no layer")
+        if s.node >= t.nodes:
+            raise PlanningError(f"{where}: a stage sits on node {s.node}, the template has {t.nodes} nodes")
+        if s.gpu_offset + s.gpus > gpus_per_node:
+            raise PlanningError(
+                f"{where}: a stage uses GPUs {s.gpu_offset}..{s.gpu_offset + s.gpus - 1}, "
+                f"gpus_per_node is {gpus_per_node}"
+            )
+        gpus = ((1 << s.gpus) - 1) << s.gpu_offset
+        if used.get(s.node, 0) & gpus:
+            raise PlanningError(f"{where}: two stages share a GPU on node {s.node}")
+        used[s.node] = used.get(s.node, 0) | gpus
+    if len(used) != t.nodes:
+        raise PlanningError(f"{where}: nodes {sorted(set(range(t.nodes)) - set(used))} host no stage")
+    return True
 
 
 @dataclass(frozen=True)
@@ -172,15 +214,25 @@ def choose(
                 f"with {microbatches} microbatches; f = {f} needs f+1 = {wanted}"
             )
         wanted = top
-    found = impl.solve(sizes, base, slope, limits, n_nodes, wanted, microbatches)
+    # Every mix has at most `microbatches` pipelines here, so templates that two others replace without
+    # loss can be dropped exactly (see _instantiate.dominated): usually every size of 2*n0 nodes or more.
+    keep = ~impl.dominated(sizes, base, slope, limits) if most <= microbatches else np.ones(len(costs), dtype=bool)
+    # Every exact split of N nodes into pipelines of at most n_max nodes has at least ceil(N / n_max) of them:
+    # when that reaches f+1 the count constraint cannot bind, and the knapsack drops its pipeline-count axis.
+    at_least = 0 if -(-n_nodes // int(sizes[keep].max())) >= wanted and most <= microbatches else wanted
+    found = impl.solve(sizes[keep], base[keep], slope[keep], limits[keep], n_nodes, at_least, microbatches)
     if found is None:  # the counts allow a choice, so memory limits bind
         capped = {c.nodes: c.max_microbatches for c in costs if c.max_microbatches is not None}
         raise PlanningError(
-            f"global_microbatches: {microbatches} microbatches do not fit in memory on {n_nodes} nodes: "
-            f"pipelines of these templates hold at most m_ref microbatches each {capped}; "
-            "regenerate the templates with a larger m_ref"
+            f"global_microbatches: {microbatches} microbatches do not fit in memory on {n_nodes} nodes: a pipeline "
+            f"of these templates holds at most this many microbatches (by node count) {capped}; use more nodes, "
+            f"fewer microbatches per step, or a larger reference microbatch count (m_ref = "
+            f"{max(c.m_ref for c in costs)} now: training.referenceMicrobatches in a job, --m-ref in `oobleck plan`): "
+            "templates are then laid out to keep that many microbatches in flight within memory"
         )
-    z, counts = found
+    z, kept_counts = found
+    counts = np.zeros(len(costs), dtype=np.int64)
+    counts[keep] = kept_counts
     return Choice(tuple(int(c) for c in counts), float(z), degraded)
 
 
@@ -342,21 +394,25 @@ def plan_job(
     *,
     nodes: Sequence[str] | None = None,
     m_ref: int | None = None,
+    microbatch_size: int | None = None,
     allow_degraded: bool = False,
     engine: Engine = "compiled",
 ) -> Plan:
     """Templates + instantiation in one call (what the operator runs for a new job).
 
     Nodes are named "0".."N-1" unless `nodes` (cluster.nodes of them) is given. `m_ref` is the
-    microbatch count templates are optimised (and memory-checked) for; templates.py's default if None.
+    microbatch count templates are optimised for; None: derived from the batch (templates.default_m_ref).
+    `microbatch_size` (samples) limits a stage to the GPU counts that split it evenly.
     """
-    from .templates import DEFAULT_M_REF, generate_templates
+    from .templates import generate_templates
 
     if nodes is None:
         nodes = [str(i) for i in range(cluster.nodes)]
     elif len(nodes) != cluster.nodes:
         raise PlanningError(f"nodes: {len(nodes)} node ids given, cluster.nodes is {cluster.nodes}")
-    templates = generate_templates(profile, cluster, f=f, m_ref=DEFAULT_M_REF if m_ref is None else m_ref)
+    templates = generate_templates(
+        profile, cluster, f, m_ref, global_microbatches=global_microbatches, microbatch_size=microbatch_size
+    )
     return instantiate(
         templates,
         list(nodes),

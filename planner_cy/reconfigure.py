@@ -356,7 +356,7 @@ def next_layout(
         candidates.append(Candidate("reinstantiate", tuple((len(g), tuple(g)) for g in fresh)))
 
     rank_in_order = {n: i for i, n in enumerate(current + added)}
-    per_gpu = {n: _gpu_table(t) for n, t in by_size.items()}
+    per_gpu = {n: _gpu_table(by_size[n]) for n in {n for c in candidates for n, _ in c.groups}}  # sizes in use only
     best = None
     considered: list[Scored] = []
     for index, candidate in enumerate(dict.fromkeys(candidates)):

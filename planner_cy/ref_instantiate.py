@@ -149,3 +149,63 @@ def split(base, slope, most_each, microbatches: int):
         if nb[i] < limit[i]:
             heapq.heappush(heap, (t_of(base[i], slope[i], nb[i] + 1), i))
     return np.array(nb, dtype=np.int64)
+
+
+def dominated(sizes, base, slope, most_each) -> np.ndarray:
+    """See _instantiate.dominated: flags of the templates two others replace without loss (exact pruning)."""
+    sizes = [int(n) for n in sizes]
+    at = {n: t for t, n in enumerate(sizes)}
+    flags = []
+    for t, n in enumerate(sizes):
+
+        def replaces(i: int, k: int) -> bool:
+            if base[i] > base[t] or base[k] > base[t] or most_each[i] < 1 or most_each[k] < 1:
+                return False
+            return all(
+                cap_of(base[i], slope[i], most_each[i], z) + cap_of(base[k], slope[k], most_each[k], z) >= m
+                for m in range(1, int(most_each[t]) + 1)
+                for z in [t_of(base[t], slope[t], m)]
+            )
+
+        pairs = [(i, at[n - a]) for i, a in enumerate(sizes) if i != t and 2 * a <= n and at.get(n - a, t) != t]
+        flags.append(any(replaces(i, k) for i, k in pairs))
+    return np.array(flags, dtype=bool)
+
+
+def brute_force(sizes, times, n_nodes: int, min_pipelines: int, microbatches: int):
+    """The least Z over every mix and every batch split, by enumeration (tests only: tiny inputs).
+
+    sizes[t]: node count of template t; times[t](m): its iteration time with m microbatches, or None where m
+    does not fit in memory. Tries every multiset of templates using exactly n_nodes nodes with at least
+    min_pipelines (and at most `microbatches`) pipelines, and every split of the batch into counts >= 1.
+    Returns (Z, mix as a sorted tuple of template indices) or None when nothing fits.
+    """
+
+    def mixes(start: int, left: int):
+        if left == 0:
+            yield ()
+        for t in range(start, len(sizes)):
+            if sizes[t] <= left:
+                for rest in mixes(t, left - sizes[t]):
+                    yield (t, *rest)
+
+    def splits(total: int, parts: int):
+        if parts == 1:
+            yield (total,)
+            return
+        for first in range(1, total - parts + 2):
+            for rest in splits(total - first, parts - 1):
+                yield (first, *rest)
+
+    best = None
+    for mix in mixes(0, n_nodes):
+        if not min_pipelines <= len(mix) <= microbatches:
+            continue
+        for nb in splits(microbatches, len(mix)):
+            values = [times[t](m) for t, m in zip(mix, nb)]
+            if any(v is None for v in values):
+                continue
+            z = max(values)
+            if best is None or z < best[0]:
+                best = (z, mix)
+    return best

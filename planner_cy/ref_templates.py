@@ -27,9 +27,10 @@ def pareto(candidates: list[tuple[int, int]]) -> Front:
     return front
 
 
-def _powers(u: int) -> list[int]:
-    """Powers of two <= u, largest first (the tie-break's GPU order)."""
-    return [1 << k for k in range(u.bit_length() - 1, -1, -1)]
+def _powers(u: int, most: int) -> list[int]:
+    """Powers of two <= min(u, most), largest first (the tie-break's GPU order)."""
+    top = min(u, most)
+    return [1 << k for k in range(top.bit_length() - 1, -1, -1)]
 
 
 class _Search:
@@ -77,7 +78,7 @@ class _Search:
                         if (p < self.cap and not c + 1 <= p <= most) or (p == self.cap and most < p):
                             continue  # no suffix has this many stages: skip the empty state
                         candidates = []
-                        for g in _powers(u):
+                        for g in _powers(u, self.t.max_gpus):
                             for j in range(i + 1, L + 1):
                                 if not self.fits(i, j, g, p):
                                     continue
@@ -107,7 +108,7 @@ class _Search:
         """
         i, c, u, _ = next(iter(current))  # live states differ only in their capped position
         for j in range(i + 1, self.L + 1):
-            for g in _powers(u):
+            for g in _powers(u, self.t.max_gpus):
                 st = self.time(i, j, g)
                 positions = {state[3] for state in current if self.fits(i, j, g, state[3])}
                 if st > peak or not positions:

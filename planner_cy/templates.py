@@ -2,9 +2,10 @@
 
 Cost model (the contract; the README's "Cost model" section says the same)
 ---------------------------------------------------------------------------
-- A stage is a contiguous layer range [i, j) on g GPUs of one node, g a power of two <= G. The g GPUs
-  split every microbatch along the batch dimension: F = sum forward_ms / g, Bw = sum backward_ms / g,
-  and each of them holds the stage's whole state.
+- A stage is a contiguous layer range [i, j) on g GPUs of one node, g a power of two <= G that divides the
+  job's microbatch size (so every GPU gets the same share; `stage_gpu_limit`). The g GPUs split every
+  microbatch along the batch dimension: F = sum forward_ms / g, Bw = sum backward_ms / g, and each of them
+  holds the stage's whole state.
 - Between consecutive stages, per microbatch and direction: C = output_bytes(last layer of the stage) /
   bandwidth (inter-node if the next stage is on another node, else intra-node).
 - A pipeline of S stages running m microbatches with 1F1B takes
@@ -14,10 +15,11 @@ Cost model (the contract; the README's "Cost model" section says the same)
 - A template for n nodes: each node holds one or more whole stages and all of its G GPUs are used (a
   node's GPUs form an ordered composition of G into powers of two; stage k starts at GPU `gpu_offset`).
 
-A template is optimised for m = m_ref microbatches (a parameter; DEFAULT_M_REF unless given): T(m_ref) is
-the objective and m_ref the in-flight cap of the memory rule. A template therefore fits for any m <= m_ref,
-and for any m at all once m_ref >= its stage count (the cap then never binds). Callers that run more
-microbatches per pipeline should pass that count as m_ref.
+A template is optimised for m = m_ref microbatches: T(m_ref) is the objective and the search checks memory at
+m_ref. m_ref is the count a pipeline is expected to run (`default_m_ref`: the batch spread over the most
+pipelines the nodes can form; a job may set it). A template records the most microbatches its memory holds
+(`max_microbatches`, the memory rule checked at that count, >= m_ref), and instantiation allows a pipeline
+exactly that many: no m_ref cap.
 
 Units (why integers): times are quantised to whole nanoseconds per layer (round(ms * 1e6)) and the search
 works in units of 1/G ns, where a stage on g GPUs takes ticks * (G / g) exactly; a boundary costs
@@ -58,6 +60,7 @@ class CostTables:
     """The cost model in exact integers, as prefix sums over layer boundaries 0..L (see module doc)."""
 
     gpus: int
+    max_gpus: int  # the most GPUs of one stage (stage_gpu_limit)
     m_ref: int
     memory: int
     forward_pf: np.ndarray  # ticks (ns), one microbatch on one GPU
@@ -94,13 +97,28 @@ def _prefix(values: Iterable[int]) -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
-def cost_tables(profile: ModelProfile, cluster: ClusterShape, m_ref: int = DEFAULT_M_REF) -> CostTables:
+def stage_gpu_limit(gpus_per_node: int, microbatch_size: int | None) -> int:
+    """The most GPUs one stage may use: the largest power of two <= G dividing the microbatch size.
+
+    A stage of g GPUs splits every microbatch into g equal shares (the cost model's F / g); None: no microbatch
+    size given, any power of two <= G.
+    """
+    if microbatch_size is None:
+        return gpus_per_node
+    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
+        raise PlanningError(f"microbatch_size: must be an integer >= 1, got {microbatch_size!r}")
+    return min(gpus_per_node, microbatch_size & -microbatch_size)
+
+
+def cost_tables(
+    profile: ModelProfile, cluster: ClusterShape, m_ref: int = DEFAULT_M_REF, microbatch_size: int | None = None
+) -> CostTables:
     """Quantise a profile and cluster shape into the integer tables the search runs on.
 
-    Raises PlanningError when m_ref < 1 or a figure is too large for exact 62-bit arithmetic.
+    Raises PlanningError when m_ref < 1, microbatch_size < 1 or a figure is too large for exact 62-bit arithmetic.
     """
-    if m_ref < 1:
-        raise PlanningError(f"m_ref: must be >= 1, got {m_ref}")
+    if isinstance(m_ref, bool) or not isinstance(m_ref, int) or m_ref < 1:
+        raise PlanningError(f"m_ref: must be an integer >= 1, got {m_ref!r}")
     layers = profile.layers
     G = cluster.gpus_per_node
     forward = [round(layer.forward_ms * TICKS_PER_MS) for layer in layers]
@@ -123,6 +141,7 @@ def cost_tables(profile: ModelProfile, cluster: ClusterShape, m_ref: int = DEFAU
             raise PlanningError(f"profile too large for exact planning: {what} = {value} >= 2**62")
     tables = CostTables(
         gpus=G,
+        max_gpus=stage_gpu_limit(G, microbatch_size),
         m_ref=m_ref,
         memory=cluster.gpu_memory_bytes,
         forward_pf=_prefix(forward),
@@ -153,6 +172,7 @@ def search_layouts(tables: CostTables, max_nodes: int) -> dict[int, Layout]:
         tables.comm_intra,
         tables.comm_inter,
         tables.gpus,
+        tables.max_gpus,
         max_nodes,
         tables.m_ref,
         tables.memory,
@@ -173,6 +193,23 @@ def search_layouts(tables: CostTables, max_nodes: int) -> dict[int, Layout]:
         for n in range(1, max_nodes + 1)
         if stages[n] > 0
     }
+
+
+def max_microbatches(tables: CostTables, layout: Layout) -> int | None:
+    """The most microbatches one pipeline of this layout may run: memory checked at that count; None: any.
+
+    Stage s (1-based) of S keeps min(S - s + 1, m) microbatches in flight, so only stages with S - s + 1 > m
+    can bind, at floor(room / activations). The search checked m_ref, so the answer is >= m_ref.
+    """
+    most = None
+    start, S = 0, len(layout.ends)
+    for k, (end, g) in enumerate(zip(layout.ends, layout.gpus)):
+        room = g * tables.memory - g * int(tables.state_pf[end] - tables.state_pf[start])
+        act = int(tables.act_pf[end] - tables.act_pf[start])
+        if (S - k) * act > room:
+            most = room // act if most is None else min(most, room // act)
+        start = end
+    return most
 
 
 def to_template(tables: CostTables, layout: Layout) -> Template:
@@ -197,50 +234,65 @@ def to_template(tables: CostTables, layout: Layout) -> Template:
         if offset == tables.gpus:
             node, offset = node + 1, 0
     return Template(
-        nodes=layout.nodes, stages=stages, iteration_ms=tables.units_to_ms(layout.objective), m_ref=tables.m_ref
+        nodes=layout.nodes,
+        stages=stages,
+        iteration_ms=tables.units_to_ms(layout.objective),
+        m_ref=tables.m_ref,
+        max_microbatches=max_microbatches(tables, layout),
     )
 
 
-def _no_fit(profile: ModelProfile, cluster: ClusterShape, m_ref: int) -> PlanningError:
+def _no_fit(profile: ModelProfile, cluster: ClusterShape, tables: CostTables) -> PlanningError:
     """Explain why no template of any size fits: name the heaviest single layer if it alone is too big."""
-    G, memory = cluster.gpus_per_node, cluster.gpu_memory_bytes
-    needs = [layer.state_bytes + layer.activation_bytes / G for layer in profile.layers]
+    g, memory = tables.max_gpus, cluster.gpu_memory_bytes
+    needs = [layer.state_bytes + layer.activation_bytes / g for layer in profile.layers]
     index = max(range(len(needs)), key=needs.__getitem__)  # the first of the heaviest
     need = needs[index]
     if need > memory:
         return PlanningError(
-            f"no template fits: layer {index} alone needs state + activations / G = {need:.0f} bytes per GPU "
-            f"(G = {G}), gpu_memory_bytes is {memory}"
+            f"no template fits: layer {index} alone needs state + activations / g = {need:.0f} bytes per GPU "
+            f"(g = {g} GPUs per stage at most), gpu_memory_bytes is {memory}"
         )
     return PlanningError(
         f"no template of 1..{len(profile.layers)} nodes fits: the {len(profile.layers)} layers need more than "
-        f"gpu_memory_bytes = {memory} on some GPU in every split (m_ref = {m_ref} in-flight microbatches)"
+        f"gpu_memory_bytes = {memory} on some GPU in every split (with m_ref = {tables.m_ref} microbatches in flight)"
     )
 
 
-def all_templates(profile: ModelProfile, cluster: ClusterShape, m_ref: int = DEFAULT_M_REF) -> list[Template]:
+def all_templates(
+    profile: ModelProfile, cluster: ClusterShape, m_ref: int = DEFAULT_M_REF, *, microbatch_size: int | None = None
+) -> list[Template]:
     """The best template of every node count 1..cluster.nodes that fits in memory, by node count."""
-    tables = cost_tables(profile, cluster, m_ref)
+    tables = cost_tables(profile, cluster, m_ref, microbatch_size)
     return [to_template(tables, layout) for layout in search_layouts(tables, cluster.nodes).values()]
 
 
-def min_nodes(profile: ModelProfile, cluster: ClusterShape, m_ref: int = DEFAULT_M_REF) -> int:
+def min_nodes(
+    profile: ModelProfile, cluster: ClusterShape, m_ref: int = DEFAULT_M_REF, *, microbatch_size: int | None = None
+) -> int:
     """n0: the fewest nodes of any memory-feasible template (independent of cluster.nodes).
 
     Raises PlanningError when no template of any size fits.
     """
-    tables = cost_tables(profile, cluster, m_ref)
+    tables = cost_tables(profile, cluster, m_ref, microbatch_size)
     feasible = search_layouts(tables, tables.num_layers)  # a node holds >= 1 layer: never more nodes than layers
     if not feasible:
-        raise _no_fit(profile, cluster, m_ref)
+        raise _no_fit(profile, cluster, tables)
     return min(feasible)
 
 
-def best_template(profile: ModelProfile, cluster: ClusterShape, nodes: int, m_ref: int = DEFAULT_M_REF) -> Template:
+def best_template(
+    profile: ModelProfile,
+    cluster: ClusterShape,
+    nodes: int,
+    m_ref: int = DEFAULT_M_REF,
+    *,
+    microbatch_size: int | None = None,
+) -> Template:
     """The best template of exactly `nodes` nodes; PlanningError if none fits in memory."""
     if nodes < 1:
         raise PlanningError(f"nodes: must be >= 1, got {nodes}")
-    tables = cost_tables(profile, cluster, m_ref)
+    tables = cost_tables(profile, cluster, m_ref, microbatch_size)
     layout = search_layouts(tables, nodes).get(nodes)
     if layout is None:
         raise PlanningError(
@@ -248,6 +300,22 @@ def best_template(profile: ModelProfile, cluster: ClusterShape, nodes: int, m_re
             f"with gpu_memory_bytes = {cluster.gpu_memory_bytes} and m_ref = {m_ref}"
         )
     return to_template(tables, layout)
+
+
+def usable_sizes(feasible: Iterable[int], f: int, max_nodes: int) -> list[int]:
+    """The template sizes worth generating: every feasible size from n0 up to max(N - f*n0, 2*n0 - 1), <= N.
+
+    A pipeline of more than N - f*n0 nodes leaves fewer than f*n0 nodes for the other f pipelines, so no plan
+    with f+1 pipelines uses it. The sizes n0 .. 2*n0-1 split every count of nodes >= n0 into pipelines (see
+    `uncovered_counts`): they stay even above N - f*n0, for the degraded plans (fewer than f+1 pipelines)
+    that survivors of more failures form. The others are offered because a mix of larger templates can be
+    faster (and hold more microbatches within memory), and a reconfiguration may land on any of them.
+    """
+    feasible = sorted(set(feasible))
+    if not feasible:
+        raise PlanningError(f"no template of 1..{max_nodes} nodes fits in memory")
+    n0 = feasible[0]
+    return [n for n in feasible if n <= min(max(max_nodes - f * n0, 2 * n0 - 1), max_nodes)]
 
 
 def _most_parts(sizes: list[int], limit: int) -> list[int]:
@@ -259,45 +327,73 @@ def _most_parts(sizes: list[int], limit: int) -> list[int]:
     return most
 
 
-def covering_sizes(feasible: Iterable[int], f: int, max_nodes: int) -> list[int]:
-    """The template sizes to generate: the feasible ones among n0 .. min(2*n0 - 1, max_nodes).
-
-    Why they suffice: write N' = q*n0 + r with 0 <= r < n0; N' >= (f+1)*n0 gives q >= f+1, and q - 1
-    pipelines of n0 nodes plus one of n0 + r <= 2*n0 - 1 nodes use all N' nodes exactly. This needs every size
-    in n0 .. 2*n0-1 to fit in memory. Memory can rule one out (a longer pipeline keeps more microbatches in
-    flight on its first stages); the argument then fails for some counts, which `uncovered_counts` names
-    (with f >= 1, f*n0 + x for a missing size x needs exactly f+1 parts all below 2*n0: no larger template
-    helps). Such a count leaves nodes idle; all_templates offers every feasible size if a caller wants more.
-    """
-    feasible = sorted(set(feasible))
-    if not feasible:
-        raise PlanningError(f"no template of 1..{max_nodes} nodes fits in memory")
-    n0 = feasible[0]
-    return [n for n in feasible if n <= min(2 * n0 - 1, max_nodes)]
-
-
 def uncovered_counts(sizes: Iterable[int], f: int, max_nodes: int) -> list[int]:
-    """Node counts in [(f+1)*min(sizes), max_nodes] that are no sum of >= f+1 template sizes (usually none)."""
+    """Node counts in [(f+1)*min(sizes), max_nodes] that are no sum of >= f+1 template sizes (usually none).
+
+    With every size n0 .. 2*n0-1 feasible there are none: N' = q*n0 + r (0 <= r < n0, q >= f+1) is q-1
+    pipelines of n0 nodes plus one of n0 + r. Memory can rule a size out; such counts leave nodes idle.
+    """
     sizes = sorted(set(sizes))
     most = _most_parts(sizes, max_nodes)
     return [n for n in range((f + 1) * sizes[0], max_nodes + 1) if most[n] < f + 1]
 
 
-def generate_templates(
-    profile: ModelProfile, cluster: ClusterShape, f: int, m_ref: int = DEFAULT_M_REF
-) -> list[Template]:
-    """Templates for the covering sizes (see covering_sizes), sorted by node count.
+def default_m_ref(n0: int, nodes: int, f: int, global_microbatches: int) -> int:
+    """The microbatches per pipeline when the batch is spread evenly over the most pipelines N nodes form.
 
-    cluster.nodes is N, the most nodes the job will have. Raises PlanningError, with the numbers, when
-    N < (f+1)*n0 or when no template fits at all.
+    That is the count a pipeline runs in the plan with the most pipelines (at least f+1): ceil(B / P),
+    P = max(f + 1, N // n0), never above B.
     """
-    if f < 0:
-        raise PlanningError(f"f: must be >= 0, got {f}")
-    tables = cost_tables(profile, cluster, m_ref)
+    pipelines = max(f + 1, nodes // max(n0, 1))
+    return max(1, -(-global_microbatches // pipelines))
+
+
+def _fewest_nodes_bound(profile: ModelProfile, cluster: ClusterShape) -> int:
+    """A lower bound on n0 from state alone: a node holds at most G * gpu_memory_bytes of distinct state."""
+    total = sum(layer.state_bytes for layer in profile.layers)
+    per_node = cluster.gpus_per_node * cluster.gpu_memory_bytes
+    return max(1, -(-total // per_node))
+
+
+def generate_templates(
+    profile: ModelProfile,
+    cluster: ClusterShape,
+    f: int,
+    m_ref: int | None = None,
+    *,
+    global_microbatches: int | None = None,
+    microbatch_size: int | None = None,
+) -> list[Template]:
+    """Templates for every usable size (see usable_sizes), sorted by node count.
+
+    cluster.nodes is N, the most nodes the job will have. m_ref None: derived from the batch (default_m_ref,
+    with n0 found at that m_ref: the search is redone while the derived count grows and some template still
+    fits), or DEFAULT_M_REF without a global_microbatches. microbatch_size limits the GPUs of a stage (stage_gpu_limit). Raises
+    PlanningError, with the numbers, when N < (f+1)*n0 or when no template fits at all.
+    """
+    if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+        raise PlanningError(f"f: must be an integer >= 0, got {f!r}")
     N = cluster.nodes
-    layouts = search_layouts(tables, min(N, tables.num_layers))
+    if m_ref is None and global_microbatches is not None:
+        if isinstance(global_microbatches, bool) or not isinstance(global_microbatches, int) or global_microbatches < 1:
+            raise PlanningError(f"global_microbatches: must be an integer >= 1, got {global_microbatches!r}")
+        m_ref = default_m_ref(_fewest_nodes_bound(profile, cluster), N, f, global_microbatches)
+        tables = cost_tables(profile, cluster, m_ref, microbatch_size)
+        layouts = search_layouts(tables, min(N, tables.num_layers))
+        while layouts:  # a larger m_ref only raises n0, so this settles within a few searches
+            wanted = default_m_ref(min(layouts), N, f, global_microbatches)
+            if wanted <= tables.m_ref:
+                break
+            wider = cost_tables(profile, cluster, wanted, microbatch_size)
+            found = search_layouts(wider, min(N, wider.num_layers))
+            if not found:
+                break  # nothing fits with that many in flight: keep the last m_ref that fits
+            tables, layouts = wider, found
+    else:
+        tables = cost_tables(profile, cluster, DEFAULT_M_REF if m_ref is None else m_ref, microbatch_size)
+        layouts = search_layouts(tables, min(N, tables.num_layers))
     if not layouts:
-        n0 = min_nodes(profile, cluster, m_ref)  # raises when nothing fits at any size
+        n0 = min_nodes(profile, cluster, tables.m_ref, microbatch_size=microbatch_size)  # raises when none fits
         raise PlanningError(
             f"N = {N} nodes cannot hold f+1 = {f + 1} pipelines: the smallest template needs n0 = {n0} nodes, "
             f"(f+1)*n0 = {(f + 1) * n0} > {N}"
@@ -307,4 +403,4 @@ def generate_templates(
         raise PlanningError(
             f"N = {N} nodes cannot hold f+1 = {f + 1} pipelines of at least n0 = {n0} nodes: (f+1)*n0 = {(f + 1) * n0} > {N}"
         )
-    return [to_template(tables, layouts[n]) for n in covering_sizes(layouts, f, N)]
+    return [to_template(tables, layouts[n]) for n in usable_sizes(layouts, f, N)]

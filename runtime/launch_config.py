@@ -133,4 +133,4 @@ def initial_plan(o: LaunchOptions, profile, nodes: list[str]):
         intra_node_bandwidth=100e9,
         inter_node_bandwidth=o.copy_bandwidth,
     )
-    return plan_job(profile, cluster, o.f, o.microbatches, o.job, nodes=nodes)
+    return plan_job(profile, cluster, o.f, o.microbatches, o.job, nodes=nodes, microbatch_size=o.microbatch_size)

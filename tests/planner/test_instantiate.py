@@ -23,7 +23,14 @@ from oobleck.planner.templates import generate_templates
 T = reference.t_of
 
 
-def make_template(nodes: int, layer_ms: list[float], gpus: int = 2, comm_ms: float = 0.25, m_ref: int = 64) -> Template:
+def make_template(
+    nodes: int,
+    layer_ms: list[float],
+    gpus: int = 2,
+    comm_ms: float = 0.25,
+    m_ref: int = 64,
+    max_microbatches: int | None = None,
+) -> Template:
     """One stage per node on all its GPUs, layers split as evenly as their count allows."""
     bounds = [round(i * len(layer_ms) / nodes) for i in range(nodes + 1)]
     stages = []
@@ -36,7 +43,7 @@ def make_template(nodes: int, layer_ms: list[float], gpus: int = 2, comm_ms: flo
         )
     times = [s.forward_ms + s.backward_ms for s in stages]
     total = sum(times) + 2 * comm_ms * (nodes - 1) + (m_ref - 1) * max(times)
-    return Template(nodes=nodes, stages=stages, iteration_ms=total, m_ref=m_ref)
+    return Template(nodes=nodes, stages=stages, iteration_ms=total, m_ref=m_ref, max_microbatches=max_microbatches)
 
 
 EQUAL = [1.0] * 12
@@ -86,7 +93,7 @@ def problems(draw, max_nodes=24, max_batch=64):
     microbatches = draw(st.integers(1, max_batch))
     limits = [draw(st.one_of(st.just(microbatches), st.integers(1, microbatches))) for _ in range(nt)]
     n_nodes = draw(st.integers(1, max_nodes))
-    kmin = draw(st.integers(1, 4))
+    kmin = draw(st.integers(0, 4))  # 0: no pipeline-count axis (choose passes it when the count cannot bind)
     return sizes, base, slope, limits, n_nodes, kmin, microbatches
 
 
@@ -133,6 +140,31 @@ def test_compiled_solve_equals_reference(problem) -> None:
     if a is not None:
         assert a[0] == b[0]
         assert a[1].tolist() == b[1].tolist()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_nodes=40, max_batch=200))
+def test_pruning_dominated_templates_is_exact(problem) -> None:
+    sizes, base, slope, limits, n_nodes, kmin, microbatches = problem
+    arrays = as_arrays(sizes, base, slope, limits)
+    flags = compiled.dominated(*arrays)
+    assert flags.tolist() == reference.dominated(*arrays).tolist()
+    if compiled.max_pipelines(arrays[0], n_nodes) > microbatches:
+        return  # choose prunes only when no mix has more pipelines than microbatches
+    keep = ~flags
+    full = compiled.solve(*arrays, n_nodes, kmin, microbatches)
+    pruned = compiled.solve(*(a[keep] for a in arrays), n_nodes, kmin, microbatches)
+    assert (full is None) == (pruned is None)
+    if full is not None:
+        assert full[0] == pruned[0]
+
+
+def test_a_template_two_smaller_ones_replace_is_dominated() -> None:
+    # 2 nodes: T(m) = 3 + (m - 1); 4 nodes: T(m) = 3.5 + (m - 1) / 2: two 2-node pipelines take at least as many
+    # microbatches by any time. The 3-node template has no pair summing to 3 nodes.
+    sizes, base, slope, limits = as_arrays([2, 4, 3], [3.0, 3.5, 100.0], [1.0, 0.5, 1.0], [64, 64, 64])
+    assert compiled.dominated(sizes, base, slope, limits).tolist() == [False, True, False]
+    assert reference.dominated(sizes, base, slope, limits).tolist() == [False, True, False]
 
 
 @st.composite
@@ -314,12 +346,13 @@ def test_degraded_when_allowed() -> None:
 
 
 def test_memory_limit_caps_microbatches_per_pipeline() -> None:
-    # m_ref below the stage count: a pipeline may not run more than m_ref microbatches.
-    small = [make_template(n, EQUAL, m_ref=3) for n in (4, 5)]
+    # The template's memory holds at most max_microbatches (not m_ref): a pipeline may not run more.
+    small = [make_template(n, EQUAL, m_ref=2, max_microbatches=3) for n in (4, 5)]
     plan = instantiate(small, names(8), 0, 6, "job")
     assert [p.microbatches for p in plan.pipelines] == [3, 3]
-    with pytest.raises(PlanningError, match="global_microbatches: 7 microbatches do not fit in memory"):
+    with pytest.raises(PlanningError, match="global_microbatches: 7 microbatches do not fit in memory") as error:
         instantiate(small, names(8), 0, 7, "job")
+    assert "training.referenceMicrobatches" in str(error.value) and "regenerate" not in str(error.value)
 
 
 # ---------------------------------------------------------------- Oobleck-style scenarios
@@ -375,7 +408,7 @@ def test_plan_job_names_nodes_and_matches_instantiate() -> None:
     model = profile("equal24")
     shape = cluster(13)
     plan = plan_job(model, shape, 1, 64, "job")
-    templates = generate_templates(model, shape, f=1)
+    templates = generate_templates(model, shape, f=1, global_microbatches=64)
     assert plan.to_json() == instantiate(templates, names(13), 1, 64, "job", gpus_per_node=4).to_json()
     with pytest.raises(PlanningError, match="nodes: 2 node ids given, cluster.nodes is 13"):
         plan_job(model, shape, 1, 64, "job", nodes=["a", "b"])

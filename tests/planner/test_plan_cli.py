@@ -65,6 +65,15 @@ def test_table_shows_templates_pipelines_and_split(tmp_path: Path, capsys) -> No
     )
     for p in plan.pipelines:
         assert f"{p.microbatches:>12} {p.microbatch_offset:>6} {p.iteration_ms:>12.2f}  {','.join(p.nodes)}" in out
+    # which template sizes were considered (every usable one) and which the plan uses, how often
+    sizes = [t.nodes for t in plan.templates]
+    assert sizes == list(range(sizes[0], max(13 - sizes[0], 2 * sizes[0] - 1) + 1))
+    used = {}
+    for p in plan.pipelines:
+        used[p.template_nodes] = used.get(p.template_nodes, 0) + 1
+    shown = ", ".join(f"{n} nodes x {k}" for n, k in sorted(used.items(), reverse=True))
+    assert f"template sizes considered: {sizes[0]}-{sizes[-1]} nodes ({len(sizes)} sizes" in out
+    assert f"used: {shown}" in out
 
 
 def test_json_is_the_plan_document(tmp_path: Path, capsys) -> None:
@@ -123,7 +132,7 @@ def layers_with(index: int, **change) -> list[dict]:
         (dict(layers=[dict(LAYER, forward_ms=0.0, backward_ms=0.0)]), CLUSTER, "forward_ms + backward_ms"),
         ({}, [*CLUSTER, "--gpus-per-node", "3"], "--gpus-per-node: Value error, must be a power of two, got 3"),
         ({}, [*CLUSTER, "--nodes", "3"], "--nodes (N = 3 nodes cannot hold f+1 = 2 pipelines"),
-        ({}, [*CLUSTER, "--microbatches", "3"], "--microbatches (global_microbatches: 3 is fewer than the"),
+        ({}, [*CLUSTER, "--microbatches", "1"], "--microbatches (global_microbatches: 1 is fewer than the 2 pipelines"),
         ({}, [*CLUSTER, "--microbatches", "0"], "--microbatches: must be >= 1"),
         ({}, [*CLUSTER, "--f", "-1"], "--f: must be >= 0"),
         ({}, [*CLUSTER, "--gpu-memory", "lots"], "--gpu-memory: expected a number with an optional unit"),

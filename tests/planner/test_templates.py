@@ -19,28 +19,31 @@ from oobleck.planner.ref_templates import search_layouts_ref
 # An independent oracle: every node composition, every layer split, costs straight from the formula.
 
 
-def compositions(total: int) -> list[tuple[int, ...]]:
-    """Ordered splits of a node's GPUs into powers of two."""
+def compositions(total: int, most: int | None = None) -> list[tuple[int, ...]]:
+    """Ordered splits of a node's GPUs into powers of two (each at most `most`)."""
     if total == 0:
         return [()]
     out = []
     g = 1
-    while g <= total:
-        out += [(g,) + rest for rest in compositions(total - g)]
+    while g <= total and (most is None or g <= most):
+        out += [(g,) + rest for rest in compositions(total - g, most)]
         g *= 2
     return out
 
 
-def brute_force(profile: ModelProfile, cluster: ClusterShape, nodes: int, m: int):
-    """(objective, peak, ends, gpus) of the best template by the documented order, or None."""
+def brute_force(profile: ModelProfile, cluster: ClusterShape, nodes: int, m: int, microbatch_size: int | None = None):
+    """(objective, peak, ends, gpus) of the best template by the documented order, or None.
+
+    With a microbatch size, a stage's GPU count must divide it (every GPU gets an equal share)."""
     G, L = cluster.gpus_per_node, len(profile.layers)
+    most = None if microbatch_size is None else max(g for g in (1, 2, 4, 8, 16) if microbatch_size % g == 0)
     ticks = [round(x.forward_ms * 1e6) + round(x.backward_ms * 1e6) for x in profile.layers]
 
     def comm(layer: int, bandwidth: float) -> int:
         return round(2 * profile.layers[layer].output_bytes * 1e9 * G / bandwidth)
 
     best = None
-    for per_node in itertools.product(compositions(G), repeat=nodes):
+    for per_node in itertools.product(compositions(G, most), repeat=nodes):
         gpus = [g for node in per_node for g in node]
         node_of = [k for k, node in enumerate(per_node) for _ in node]
         S = len(gpus)
@@ -95,7 +98,7 @@ def instances(draw, max_layers=6, gpus=(1, 2, 4), max_nodes=3):
         intra_node_bandwidth=1e6,
         inter_node_bandwidth=draw(st.sampled_from([2.5e5, 1e6])),
     )
-    return profile, cluster, draw(st.integers(1, 5))
+    return profile, cluster, draw(st.integers(1, 5)), draw(st.sampled_from([None, 1, 2, 3, 4, 6, 8]))
 
 
 FAST = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -104,12 +107,12 @@ FAST = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCh
 @FAST
 @given(instances())
 def test_search_equals_brute_force(case):
-    profile, cluster, m = case
-    tables = T.cost_tables(profile, cluster, m)
+    profile, cluster, m, mbs = case
+    tables = T.cost_tables(profile, cluster, m, mbs)
     compiled = T.search_layouts(tables, cluster.nodes)
     reference = search_layouts_ref(tables, cluster.nodes)
     for n in range(1, cluster.nodes + 1):
-        expected = brute_force(profile, cluster, n, m)
+        expected = brute_force(profile, cluster, n, m, mbs)
         for name, found in (("compiled", compiled.get(n)), ("reference", reference.get(n))):
             got = None if found is None else (found.objective, found.peak, found.ends, found.gpus)
             assert got == expected, f"{name}, {n} nodes"
@@ -118,8 +121,8 @@ def test_search_equals_brute_force(case):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances(max_layers=12, gpus=(1, 2, 4, 8), max_nodes=7))
 def test_compiled_equals_reference(case):
-    profile, cluster, m = case
-    tables = T.cost_tables(profile, cluster, m)
+    profile, cluster, m, mbs = case
+    tables = T.cost_tables(profile, cluster, m, mbs)
     assert T.search_layouts(tables, cluster.nodes) == search_layouts_ref(tables, cluster.nodes)
 
 
@@ -177,8 +180,29 @@ def recompute_ms(profile: ModelProfile, cluster: ClusterShape, template, m: int)
     return sum(times) + comm + (m - 1) * max(times)
 
 
-def check_template(profile: ModelProfile, cluster: ClusterShape, template, m: int) -> None:
+def memory_holds(profile: ModelProfile, cluster: ClusterShape, template, count: int) -> bool:
+    """The memory rule for every GPU of a template's pipeline running `count` microbatches."""
+    stages = template.stages
+    for k, s in enumerate(stages):
+        layers = profile.layers[s.start : s.end]
+        state = sum(x.state_bytes for x in layers)
+        act = sum(x.activation_bytes for x in layers)
+        if s.gpus * state + min(len(stages) - k, count) * act > s.gpus * cluster.gpu_memory_bytes:
+            return False
+    return True
+
+
+def check_template(profile: ModelProfile, cluster: ClusterShape, template, m: int, mbs: int | None = None) -> None:
     G, stages = cluster.gpus_per_node, template.stages
+    if mbs is not None:
+        assert all(mbs % s.gpus == 0 for s in stages)
+    # max_microbatches is exact: memory holds at that count and not one more (None: at every count)
+    most = template.max_microbatches
+    assert most is None or most >= m
+    if most is None:
+        assert memory_holds(profile, cluster, template, len(stages))
+    else:
+        assert memory_holds(profile, cluster, template, most) and not memory_holds(profile, cluster, template, most + 1)
     assert stages[0].start == 0 and stages[-1].end == len(profile.layers)
     assert all(a.end == b.start and a.start < a.end for a, b in zip(stages, stages[1:]))
     assert [s.node for s in stages] == sorted(s.node for s in stages) and stages[-1].node == template.nodes - 1
@@ -202,9 +226,9 @@ def check_template(profile: ModelProfile, cluster: ClusterShape, template, m: in
 @FAST
 @given(instances(max_layers=10, gpus=(1, 2, 4, 8), max_nodes=6))
 def test_templates_follow_the_cost_model(case):
-    profile, cluster, m = case
-    for template in T.all_templates(profile, cluster, m_ref=m):
-        check_template(profile, cluster, template, m)
+    profile, cluster, m, mbs = case
+    for template in T.all_templates(profile, cluster, m_ref=m, microbatch_size=mbs):
+        check_template(profile, cluster, template, m, mbs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,11 +250,11 @@ def splits(sizes: list[int], total: int, parts: int) -> bool:
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 12), st.integers(0, 4), st.integers(1, 80), st.sets(st.integers(1, 80)))
-def test_covering_sizes_cover_every_count(n0, f, N, extra):
+def test_usable_sizes_are_every_feasible_size_up_to_n_minus_f_n0(n0, f, N, extra):
     feasible = set(range(n0, 2 * n0)) | {n for n in extra if n > n0}
-    sizes = T.covering_sizes(feasible, f, N)
-    assert sizes == [n for n in range(n0, 2 * n0) if n <= N]
-    if n0 <= N:
+    sizes = T.usable_sizes(feasible, f, N)
+    assert sizes == sorted(n for n in feasible if n <= min(N, max(N - f * n0, 2 * n0 - 1)))
+    if (f + 1) * n0 <= N:
         assert T.uncovered_counts(sizes, f, N) == []
     for total in range((f + 1) * n0, N + 1):
         assert splits(sizes, total, f + 1), total
@@ -238,7 +262,9 @@ def test_covering_sizes_cover_every_count(n0, f, N, extra):
 
 def test_a_size_that_does_not_fit_leaves_named_gaps():
     # Sizes 3 and 5 fit, 4 does not: 7 = 3 + 4 nodes cannot form 2 pipelines, and with f = 0 neither can 4.
-    assert T.covering_sizes({3, 5, 7, 9}, 1, 12) == [3, 5]
+    assert T.usable_sizes({3, 5, 7, 9}, 1, 12) == [3, 5, 7, 9]
+    assert T.usable_sizes({3, 5, 7, 9}, 2, 12) == [3, 5]  # up to 2*n0 - 1 = 5 (12 - 2*3 = 6)
+    assert T.usable_sizes({3, 4, 5, 7}, 1, 7) == [3, 4, 5]  # 7 - 3 = 4, but 5 <= 2*n0 - 1 stays for degraded plans
     assert T.uncovered_counts([3, 5], 1, 12) == [7]
     assert T.uncovered_counts([3, 5], 0, 12) == [4, 7]
 
@@ -278,7 +304,7 @@ def test_oobleck_scenarios(model, N, f):
             T.generate_templates(profile, cluster, f)
         return
     templates = T.generate_templates(profile, cluster, f)
-    assert [t.nodes for t in templates] == list(range(n0, min(2 * n0 - 1, N) + 1))
+    assert [t.nodes for t in templates] == list(range(n0, max(N - f * n0, 2 * n0 - 1) + 1))
     for template in templates:
         check_template(profile, cluster, template, T.DEFAULT_M_REF)
     for total in range((f + 1) * n0, N + 1):
@@ -288,8 +314,8 @@ def test_oobleck_scenarios(model, N, f):
     if model == "equal-24":
         # n0 = 4: memory forces the stages nearest the start, which hold the most microbatches, to be shorter
         assert [s.end - s.start for s in templates[0].stages] == [5, 6, 6, 7]
-        for template in templates[1:]:  # equal layers, memory not binding: the bottleneck holds ceil(24 / n) layers
-            assert max(s.end - s.start for s in template.stages) == math.ceil(24 / template.nodes)
+        for template in templates[1:]:  # memory not binding: the bottleneck holds at most ceil(24 / n) + 1 layers
+            assert max(s.end - s.start for s in template.stages) <= math.ceil(24 / template.nodes) + 1
 
 
 def test_eight_gpu_nodes_split_only_for_memory():
@@ -320,9 +346,11 @@ def test_errors_name_the_numbers():
         T.min_nodes(profile, cluster_of(3, memory=2 * 10**9))
     with pytest.raises(PlanningError, match="no template of 2 nodes fits"):
         T.best_template(profile, cluster_of(3), 2)
-    with pytest.raises(PlanningError, match="m_ref: must be >= 1, got 0"):
+    with pytest.raises(PlanningError, match="m_ref: must be an integer >= 1, got 0"):
         T.cost_tables(profile, cluster_of(3), 0)
-    with pytest.raises(PlanningError, match="f: must be >= 0, got -1"):
+    with pytest.raises(PlanningError, match="microbatch_size: must be an integer >= 1, got 0"):
+        T.cost_tables(profile, cluster_of(3), 4, 0)
+    with pytest.raises(PlanningError, match="f: must be an integer >= 0, got -1"):
         T.generate_templates(profile, cluster_of(3), -1)
     with pytest.raises(PlanningError, match=r"too large for exact planning: T\(m_ref\)"):
         T.cost_tables(
@@ -359,6 +387,7 @@ def test_compiled_boundary_rejects_bad_shapes():
             tables.comm_intra,
             tables.comm_inter,
             1,
+            1,
             2,
             4,
             10**10,
@@ -375,7 +404,8 @@ def test_compiled_boundary_rejects_bad_shapes():
 # stage per node) on 8-GPU nodes exercise all three.
 @pytest.mark.parametrize("memory_gib", [3, 5, 8, 80])
 @pytest.mark.parametrize("m", [1, 4, 9])
-def test_compiled_equals_reference_on_gpt_profiles(memory_gib, m):
+@pytest.mark.parametrize("mbs", [None, 2])
+def test_compiled_equals_reference_on_gpt_profiles(memory_gib, m, mbs):
     from oobleck.planner.synthetic import GPTShape, gpt_profile
 
     profile = gpt_profile(
@@ -392,7 +422,7 @@ def test_compiled_equals_reference_on_gpt_profiles(memory_gib, m):
         intra_node_bandwidth=4.5e11,
         inter_node_bandwidth=5e10,
     )
-    tables = T.cost_tables(profile, cluster, m)
+    tables = T.cost_tables(profile, cluster, m, mbs)
     compiled = T.search_layouts(tables, 4)
     assert compiled == search_layouts_ref(tables, 4)
-    assert compiled, "some size must fit"
+    assert compiled or (mbs == 2 and memory_gib == 3), "some size must fit"  # 2-GPU stages at most: 3 GiB is too tight

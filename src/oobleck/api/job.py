@@ -262,6 +262,15 @@ class TrainingSpec(_Model):
         description="Samples per microbatch, the unit a pipeline stage processes at a time.",
         json_schema_extra=immutable("training.microbatchSize"),
     )
+    reference_microbatches: int | None = Field(
+        default=None,
+        ge=1,
+        le=16_777_216,
+        description="Microbatches per pipeline the planner's templates are optimised for (m_ref). Absent: derived "
+        "from the batch, the global microbatches spread over the most pipelines nodes.max can form. Set it higher "
+        "when pipelines run more microbatches than that (templates then keep more in flight within memory). "
+        "Read when generation 0 is planned.",
+    )
     learning_rate: float = Field(default=3e-4, gt=0, le=10, description="Peak learning rate of AdamW.")
     warmup_steps: int = Field(
         default=0, ge=0, le=1_000_000_000, description="Steps of linear warmup from 0 to learningRate."

@@ -54,6 +54,12 @@ class Template(_Strict):
     stages: list[TemplateStage] = Field(min_length=1)
     iteration_ms: float = Field(ge=0, description="T(m_ref) of the cost model")
     m_ref: int = Field(ge=1, description="microbatch count the template was optimised for")
+    max_microbatches: int | None = Field(
+        default=None,
+        ge=1,
+        description="the most microbatches one pipeline of this template may run: the memory rule checked at that "
+        "count (in flight on stage s: min(stages - s + 1, count)); None: any count fits",
+    )
 
 
 class Stage(_Strict):

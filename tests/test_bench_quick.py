@@ -1,0 +1,81 @@
+"""Every benchmark script's --quick mode runs to the end and prints its figures, so that a change that
+breaks a benchmark fails the suite (the full runs are `make bench`, `make bench-runtime`, `make bench-operator`).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+NUMBER = r"[0-9]+(?:\.[0-9]+)?"
+
+
+def run_quick(script: str, timeout: float) -> str:
+    """Run `bench/<script> --quick`; its output, after checking it exited 0."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick"], capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, (
+        f"{script} --quick exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
+    return done.stdout
+
+
+def test_planner_templates_quick() -> None:
+    out = run_quick("planner_templates.py", 120)
+    assert re.search(rf"G=1: sizes 1\.\.16: {NUMBER} ms total \(search {NUMBER} ms\)", out), out
+    assert re.search(rf"G=8: sizes 1\.\.8: {NUMBER} ms total", out), out
+    assert re.search(
+        rf"speed-up G=1, sizes 1\.\.8: compiled {NUMBER} ms, reference {NUMBER} ms: x{NUMBER} \(same layouts\)", out
+    ), out
+
+
+def test_planner_plans_quick() -> None:
+    out = run_quick("planner_plans.py", 180)
+    assert re.search(rf"plan: {NUMBER} pipelines of \[[0-9, ]+\] nodes, 1024 ranks, iteration {NUMBER} ms", out), out
+    assert re.search(rf"with sizes [0-9]+\.\.[0-9]+ only \(the rule before\): iteration {NUMBER} ms", out), out
+    for row in (
+        "instantiation \\+ batch distribution",
+        "reconfiguration, 1 of 128 nodes lost",
+        "reconfiguration, 8 of 128 nodes lost",
+    ):
+        assert re.search(rf"{row}\s+{NUMBER} \(\s*{NUMBER}\)\s+{NUMBER} \(\s*{NUMBER}\)\s+{NUMBER}x", out), (row, out)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("control-processes")
+def test_recovery_quick() -> None:
+    out = run_quick("recovery.py", 420)
+    for name in ("oobleck", "oobleck_heartbeats_only"):
+        assert re.search(rf"{name}\s+recovery {NUMBER} s = detection {NUMBER} \+ plan {NUMBER}", out), out
+    assert re.search(rf"torchrun restart\s+recovery {NUMBER} s", out), out
+    assert re.search(rf"ratio baseline / oobleck: {NUMBER}x", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("control-processes")
+def test_overhead_quick() -> None:
+    import json
+
+    out = run_quick("overhead.py", 420)
+    result = json.loads(out[out.index("{") :])
+    assert set(result["step_ms"]["median"]) == {"on", "off"}
+    assert all(ms > 0 for ms in result["step_ms"]["median"].values())
+    assert set(result["overhead_on_vs_off"]) == {"median", "p10", "mean"}
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_operator_scale_quick() -> None:
+    import json
+
+    out = run_quick("operator_scale.py", 420)
+    assert re.search(r"all 2 jobs at generation 0 in", out), out
+    assert re.search(rf"round 1: pod-deleted x2: generation [0-9]+, failure-to-patch {NUMBER} s", out), out
+    summary = json.loads(out[out.index("{\n") : out.rindex("}") + 1])
+    assert summary["big_job_nodes"] == 8 and summary["big_p99_s"] > 0 and summary["operator_rss_mib"] > 0
