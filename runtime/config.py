@@ -110,6 +110,11 @@ class CheckpointConfig(_Strict):
     path: str | None = Field(default=None, description="directory shared by every worker; None disables")
     interval_steps: int = Field(default=100, ge=1, description="write every this many steps")
     keep: int = Field(default=2, ge=1, description="complete checkpoints to keep")
+    format: Literal["native", "huggingface"] = Field(
+        default="native",
+        description="huggingface: also a Hugging Face directory `huggingface-step<N>` at every checkpoint "
+        "(transformers models); they always write `<path>/huggingface` when training completes",
+    )
 
 
 class WorkerConfig(_Strict):

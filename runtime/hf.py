@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oobleck.api.hfpresets import PRESETS
 from oobleck.runtime.errors import ModelLoadError
 from oobleck.runtime.models import LayeredModel, seeded_build
 
@@ -39,42 +40,6 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "mistral": ("llama", "Mistral"),
     "qwen2": ("llama", "Qwen2"),
     "gpt2": ("gpt2", "GPT2"),
-}
-
-
-def _gpt3(layers: int, hidden: int, heads: int) -> dict[str, Any]:
-    # GPT-3 paper, table 2.1 (the sizes the Oobleck paper trains), as GPT-2 configs: context 2048,
-    # the GPT-2 BPE vocabulary, no dropout.
-    return {
-        "model_type": "gpt2",
-        "n_layer": layers,
-        "n_embd": hidden,
-        "n_head": heads,
-        "n_positions": 2048,
-        "vocab_size": 50257,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-    }
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "gpt3-350m": _gpt3(24, 1024, 16),
-    "gpt3-1.3b": _gpt3(24, 2048, 16),
-    "gpt3-2.7b": _gpt3(32, 2560, 32),
-    "gpt3-6.7b": _gpt3(32, 4096, 32),
-    # Trains on a 2-core CPU in well under a second per step; grouped-query attention exercised.
-    "llama-tiny": {
-        "model_type": "llama",
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 32,
-        "tie_word_embeddings": False,
-    },
 }
 
 
