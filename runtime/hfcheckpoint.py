@@ -99,3 +99,52 @@ def is_complete(directory: str | Path) -> bool:
         return False
     shards = set(json.loads(index.read_text())["weight_map"].values())
     return all((directory / shard).is_file() for shard in shards)
+
+
+def state_from_flat(module: nn.Module, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A layer's state_dict from its full-state bytes (runtime/state.py `flatten`: per parameter the
+    weights, two AdamW moments and the float32 step; then every buffer). `module` may be on the meta
+    device: only its names, shapes and dtypes are read."""
+    persistent = module.state_dict().keys()
+    state, offset = {}, 0
+
+    def take(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        nonlocal offset
+        size = shape.numel() * dtype.itemsize
+        tensor = flat[offset : offset + size].clone().view(dtype).view(shape)
+        offset += size
+        return tensor
+
+    step = torch.zeros((), dtype=torch.float32)
+    for name, parameter in module.named_parameters():
+        state[name] = take(parameter.shape, parameter.dtype)
+        offset += 2 * parameter.numel() * parameter.element_size() + step.element_size()  # moments, step
+    for name, buffer in module.named_buffers():
+        tensor = take(buffer.shape, buffer.dtype)
+        if name in persistent:
+            state[name] = tensor
+    if offset != flat.numel():
+        raise ValueError(f"layer state of {flat.numel()} bytes does not match the module's {offset}")
+    return state
+
+
+def step_directory(root: str | Path, step: int) -> Path:
+    """Where `checkpoint.format: huggingface` writes the checkpoint of `step`."""
+    return Path(root) / f"huggingface-step{step:08d}"
+
+
+def write_flat_layers(model: TransformersModel, root: str | Path, step: int, flats: dict[int, torch.Tensor]) -> None:
+    """Write checkpoint shards of `step` from captured full-state bytes (the snapshot agent's capture)."""
+    from safetensors.torch import save_file
+
+    directory = step_directory(root, step)
+    directory.mkdir(parents=True, exist_ok=True)
+    for layer, flat in sorted(flats.items()):
+        with torch.device("meta"):
+            module = model.build_layer(layer)
+        state = state_from_flat(module, flat.cpu())
+        tensors = {name: state[local].contiguous() for local, name in _names(model, layer, module).items()}
+        path = directory / shard_name(model, layer)
+        _atomic(path, lambda target, t=tensors: save_file(t, str(target), metadata={"format": "pt"}))
+    if 0 in flats:
+        write_metadata(model, directory)

@@ -654,6 +654,9 @@ def run_worker(env: PodEnv, gpu: int, client: KubeClient | None = None, first_pl
             # The operator fails the job with these words (FailureReport kind "unrecoverable").
             detector.trigger("unrecoverable", (), str(error))
             raise PodFailure(EXIT_UNRECOVERABLE, f"{me}: {error}") from error
+        if result.exit_code == EXIT_DONE:
+            # Before the final report: once the job is Succeeded the operator may delete running pods.
+            worker.final_export()  # the Hugging Face directory of a transformers model, if checkpoints are on
         if result.exit_code == EXIT_DONE and progress is not None:
             progress.update(worker.plan.generation if worker.plan else -1, worker.step)
             if not progress.flush():

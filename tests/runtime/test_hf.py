@@ -210,3 +210,32 @@ def test_init_from_errors_name_the_tensor_and_path(tmp_path):
         load_transformers(None, PRESETS["llama-tiny"], init_from=str(out)).build_layer(2)
     with pytest.raises(ModelLoadError, match=f"model.transformers.initFrom: {tmp_path / 'nope'}: is not a directory"):
         load_transformers(None, PRESETS["llama-tiny"], init_from=str(tmp_path / "nope"))
+
+
+def test_checkpoint_steps_in_huggingface_format_from_captured_layer_state(tmp_path):
+    """`checkpoint.format: huggingface`: the snapshot agent's captured bytes (weights + AdamW state) become
+    a loadable directory per checkpoint step."""
+    from transformers import AutoModelForCausalLM
+
+    from oobleck.runtime.config import OptimConfig
+    from oobleck.runtime.hfcheckpoint import step_directory, write_flat_layers
+    from oobleck.runtime.optim import LayerAdamW
+    from oobleck.runtime.state import flatten
+
+    model = load_transformers(None, TINY_GPT2, seed=4)
+    optimizer = LayerAdamW(OptimConfig())
+    layers = {i: model.build_layer(i) for i in range(model.num_layers)}
+    flats = {}
+    for i, module in layers.items():
+        optimizer.ensure_layer(i, module)
+        flats[i] = flatten(i, module, optimizer)
+    write_flat_layers(model, tmp_path, 30, {i: f for i, f in flats.items() if i % 2})
+    write_flat_layers(model, tmp_path, 30, {i: f for i, f in flats.items() if not i % 2})
+    directory = step_directory(tmp_path, 30)
+    assert directory.name == "huggingface-step00000030" and is_complete(directory)
+    tokens = torch.randint(0, model.vocab_size, (2, 8))
+    hidden = tokens
+    for i in range(model.num_layers):
+        hidden = layers[i](hidden)
+    loaded = AutoModelForCausalLM.from_pretrained(directory)
+    torch.testing.assert_close(loaded(input_ids=tokens).logits, hidden, rtol=1e-5, atol=1e-6)
