@@ -43,10 +43,6 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
-def preset_family(preset: str) -> str:
-    return PRESETS[preset]["model_type"]
-
-
 def build_config(family: str | None, fields: dict[str, Any], attn_implementation: str = "sdpa"):
     """A `transformers` config from config.json fields; `family` (the spec's) wins over `model_type`."""
     from transformers import AutoConfig
