@@ -3,9 +3,9 @@
 A small adapter per family builds each layer from the family's own `transformers` modules (the
 decoder layer, norm and rotary classes), so a split model computes what `AutoModelForCausalLM`
 computes (tests/runtime/test_hf.py checks loss, logits and gradients). Nothing comes from a model
-hub: the config is a dict of config.json fields (inline, a ConfigMap file, or a preset below), and
-weights are drawn from (seed, layer) or read from a safetensors directory (`init_from`), each layer
-reading only its own tensors (`safe_open` reads per tensor).
+hub: the config is a dict of config.json fields (inline, a ConfigMap file, or a preset of
+oobleck.api.hfpresets), and weights are drawn from (seed, layer) or read from a safetensors directory
+(`init_from`), each layer reading only its own tensors (`safe_open` reads per tensor).
 
 Layer i's local parameter names map to the Hugging Face names by prefix (`hf_name`), which is what
 both `init_from` and the checkpoint export (runtime/hfcheckpoint.py) use.
