@@ -27,6 +27,8 @@ from datetime import datetime
 from typing import Any
 
 from oobleck.api.conditions import ConditionType, Reason, is_true, phase_of, set_condition
+from oobleck.api.hfpresets import PRESETS
+from oobleck.api.hfpresets import sizes as hf_sizes
 from oobleck.api.job import (
     Condition,
     OobleckJobSpec,
@@ -120,23 +122,38 @@ def cluster_shape(spec: OobleckJobSpec, tuning: Tuning) -> ClusterShape:
 
 
 def synthetic_profile(spec: OobleckJobSpec, tuning: Tuning) -> ModelProfile:
-    """The profile of the built-in GPT from its sizes (what `profile.source: measure` uses until the
-    runtime's profiling phase runs in pods). Raises PlanningError for an entry-point model."""
+    """The profile of the model estimated from its sizes (what `profile.source: measure` uses until the
+    runtime's profiling phase runs in pods): the built-in GPT, or a transformers model given by preset or
+    inline config. Raises PlanningError for an entry-point model or a config in a ConfigMap."""
     gpt = spec.model.gpt
-    if gpt is None:
+    hf = spec.model.transformers
+    if hf is not None and hf.config_map is None:
+        # A transformers model estimated as the GPT of its sizes (embedding / blocks / head alike).
+        family = hf.family or PRESETS[str(hf.preset)]["model_type"]
+        size = hf_sizes(hf.config if hf.config is not None else PRESETS[str(hf.preset)], family)
+        shape = GPTShape(blocks=size.blocks, hidden=size.hidden, heads=size.heads, vocab=size.vocab)
+        seq_len = hf.sequence_length or size.positions
+        name = hf.preset or f"{family}-{size.blocks}x{size.hidden}"
+    elif gpt is not None:
+        shape = GPTShape(blocks=gpt.layers, hidden=gpt.hidden_size, heads=gpt.heads, vocab=gpt.vocab_size)
+        seq_len, name = gpt.sequence_length, f"gpt-{gpt.layers}x{gpt.hidden_size}"
+    else:
+        what = "model.entryPoint" if hf is None else "model.transformers.configMap (its sizes are in the ConfigMap)"
         raise PlanningError(
-            "profile.source: measure needs the runtime's profiler for model.entryPoint, which the operator does "
-            "not run yet; measure with `oobleck profile` and use profile.source: configMap"
+            f"profile.source: measure needs the runtime's profiler for {what}, and no worker reported a measured "
+            "profile; measure with `oobleck profile` and use profile.source: configMap"
         )
-    shape = GPTShape(blocks=gpt.layers, hidden=gpt.hidden_size, heads=gpt.heads, vocab=gpt.vocab_size)
-    return gpt_profile(
-        shape,
-        seq_len=gpt.sequence_length,
-        microbatch_size=spec.training.microbatch_size,
-        gpu_flops=tuning.gpu_flops,
-        hbm_bandwidth=tuning.hbm_bandwidth,
-        name=f"gpt-{gpt.layers}x{gpt.hidden_size}",
-    )
+    try:
+        return gpt_profile(
+            shape,
+            seq_len=seq_len,
+            microbatch_size=spec.training.microbatch_size,
+            gpu_flops=tuning.gpu_flops,
+            hbm_bandwidth=tuning.hbm_bandwidth,
+            name=name,
+        )
+    except ValueError as error:
+        raise PlanningError(f"model: no size estimate for this model: {error}") from error
 
 
 def check_spec(spec: OobleckJobSpec, profile: ModelProfile, tuning: Tuning) -> str | None:

@@ -50,6 +50,7 @@ from oobleck.api.job import (
     GROUP,
     JOB_LABEL,
     KIND,
+    MODEL_CONFIG_DIR,
     ROLE_LABEL,
     WORKER_ROLE,
     OobleckJobSpec,
@@ -202,6 +203,15 @@ def worker_pod(
         directory = spec.data.path.rsplit("/", 1)[0] or "/"
         mounts.append({"name": "data", "mountPath": directory, "readOnly": True})
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.claim_name, "readOnly": True}})
+    hf = spec.model.transformers
+    if hf is not None and hf.config_map is not None:  # the runtime reads MODEL_CONFIG_DIR/<key>
+        mounts.append({"name": "model-config", "mountPath": MODEL_CONFIG_DIR, "readOnly": True})
+        items = [{"key": hf.config_map.key, "path": hf.config_map.key}]
+        volumes.append({"name": "model-config", "configMap": {"name": hf.config_map.name, "items": items}})
+    if hf is not None and hf.init_from is not None and hf.init_from.claim_name:
+        mounts.append({"name": "init-from", "mountPath": hf.init_from.path, "readOnly": True})
+        claim = {"claimName": hf.init_from.claim_name, "readOnly": True}
+        volumes.append({"name": "init-from", "persistentVolumeClaim": claim})
     if spec.checkpoint is not None and spec.checkpoint.claim_name:
         mounts.append({"name": "checkpoints", "mountPath": spec.checkpoint.path})
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name}})

@@ -83,6 +83,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.metrics_port >= 0:
         worker.metrics.serve(args.metrics_port)
     worker.run_static(plan, args.steps)
+    worker.final_export()
     if args.dump:
         torch.save(worker.layer_state(), args.dump)
     return 0
@@ -91,7 +92,17 @@ def run_worker(args: argparse.Namespace) -> int:
 def add_profile_parser(subparsers) -> None:
     parser = subparsers.add_parser("profile", help="measure every layer and write the planner's profile JSON")
     parser.add_argument("--config", default=None, help="worker config naming the model (default: tiny-gpt)")
-    parser.add_argument("--model", default=None, help="override config.model.name")
+    parser.add_argument(
+        "--model", default=None, help="override config.model.name; a transformers preset (gpt3-2.7b, llama-tiny, ...)"
+    )
+    parser.add_argument(
+        "--estimate",
+        action="store_true",
+        help="write the planner's roofline estimate from the preset's sizes instead of measuring (a transformers "
+        "preset given by --model; --gpu-flops, --hbm-bandwidth)",
+    )
+    parser.add_argument("--gpu-flops", type=float, default=300e12, help="sustained FLOP/s for --estimate")
+    parser.add_argument("--hbm-bandwidth", type=float, default=2e12, help="bytes/s of GPU memory for --estimate")
     parser.add_argument("--microbatch-size", type=int, default=None, help="override config.microbatch_size")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="override config.device")
     parser.add_argument("--warmup", type=int, default=2)
@@ -103,14 +114,19 @@ def add_profile_parser(subparsers) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     import torch
 
+    from oobleck.api.hfpresets import PRESETS
     from oobleck.runtime.config import ModelConfig, WorkerConfig, build_model, load_config
     from oobleck.runtime.profiler import profile_model
     from oobleck.runtime.worker import choose_device
 
+    if args.estimate:
+        return _estimate_profile(args)
     try:
         config = load_config(args.config) if args.config else WorkerConfig()
         updates = {}
-        if args.model:
+        if args.model in PRESETS:
+            updates["model"] = ModelConfig(transformers={"preset": args.model})
+        elif args.model:
             updates["model"] = ModelConfig(name=args.model, sizes=config.model.sizes)
         if args.microbatch_size is not None:
             updates["microbatch_size"] = args.microbatch_size
@@ -134,6 +150,40 @@ def run_profile(args: argparse.Namespace) -> int:
         with open(args.out, "w") as handle:
             handle.write(text + "\n")
     return 0
+
+
+def _estimate_profile(args: argparse.Namespace) -> int:
+    """`oobleck profile --estimate --model PRESET`: the GPT roofline profile of a transformers preset's sizes."""
+    from oobleck.api.hfpresets import PRESETS, sizes
+    from oobleck.planner.synthetic import GPTShape, gpt_profile
+
+    if args.model not in PRESETS:
+        print(f"oobleck profile: --estimate needs --model naming a preset: {', '.join(PRESETS)}", file=sys.stderr)
+        return 2
+    fields = PRESETS[args.model]
+    size = sizes(fields, fields["model_type"])
+    try:
+        profile = gpt_profile(
+            GPTShape(blocks=size.blocks, hidden=size.hidden, heads=size.heads, vocab=size.vocab),
+            seq_len=size.positions,
+            microbatch_size=args.microbatch_size or 1,
+            gpu_flops=args.gpu_flops,
+            hbm_bandwidth=args.hbm_bandwidth,
+            name=args.model,
+        )
+    except ValueError as error:
+        print(f"oobleck profile: {error}", file=sys.stderr)
+        return 2
+    _write(profile.model_dump_json(indent=2), args.out)
+    return 0
+
+
+def _write(text: str, out: str) -> None:
+    if out == "-":
+        print(text)
+    else:
+        with open(out, "w") as handle:
+            handle.write(text + "\n")
 
 
 def add_launch_parser(subparsers) -> None:

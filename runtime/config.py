@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -17,16 +17,49 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TransformersConfig(_Strict):
+    """A Hugging Face `transformers` causal LM (runtime/hf.py): exactly one of `preset`, `config`, `config_path`."""
+
+    family: str | None = Field(
+        default=None, description="llama, mistral, qwen2 or gpt2; default: the config's model_type"
+    )
+    preset: str | None = Field(
+        default=None, description="a preset of runtime/hf.py PRESETS (gpt3-350m, llama-tiny, ...)"
+    )
+    config: dict[str, Any] | None = Field(default=None, description="config.json fields")
+    config_path: str | None = Field(default=None, description="a config.json file (a mounted ConfigMap key)")
+    sequence_length: int | None = Field(
+        default=None, ge=1, description="tokens per sample; default the config's maximum"
+    )
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    init_from: str | None = Field(default=None, description="safetensors directory to read initial weights from")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TransformersConfig:
+        given = [n for n in ("preset", "config", "config_path") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of preset, config and config_path (got {given or 'none'})")
+        return self
+
+
 class ModelConfig(_Strict):
     name: str = Field(default="tiny-gpt", description="'gpt', a preset ('tiny-gpt', ...) or 'module:function'")
     sizes: dict[str, int | float] = Field(
         default_factory=dict, description="size overrides (blocks, hidden, heads, seq_len, vocab, dropout)"
+    )
+    transformers: TransformersConfig | None = Field(
+        default=None, description="a Hugging Face model instead of `name` (runtime/hf.py)"
     )
 
 
 class DataConfig(_Strict):
     kind: Literal["synthetic", "file"] = "synthetic"
     path: str | None = Field(default=None, description="token file for kind=file (.npy, .bin, or any file as bytes)")
+    dtype: Literal["uint16", "uint32"] | None = Field(
+        default=None,
+        description="ids of a raw token file (any suffix but .npy); None: by suffix (.bin uint16, .i32.bin int32, "
+        "else bytes)",
+    )
     noise: float = Field(default=0.1, ge=0, le=1, description="synthetic: probability of a random token")
 
     @model_validator(mode="after")
@@ -77,6 +110,11 @@ class CheckpointConfig(_Strict):
     path: str | None = Field(default=None, description="directory shared by every worker; None disables")
     interval_steps: int = Field(default=100, ge=1, description="write every this many steps")
     keep: int = Field(default=2, ge=1, description="complete checkpoints to keep")
+    format: Literal["native", "huggingface"] = Field(
+        default="native",
+        description="huggingface: also a Hugging Face directory `huggingface-step<N>` at every checkpoint "
+        "(transformers models); they always write `<path>/huggingface` when training completes",
+    )
 
 
 class WorkerConfig(_Strict):
@@ -125,6 +163,20 @@ def build_model(config: WorkerConfig):
     """The config's LayeredModel (see oobleck.runtime.models.load_model)."""
     from oobleck.runtime.models import load_model
 
+    hf = config.model.transformers
+    if hf is not None:
+        from oobleck.runtime.hf import load_transformers
+
+        return load_transformers(
+            hf.family,
+            hf.config,
+            preset=hf.preset,
+            config_path=hf.config_path,
+            seed=config.seed,
+            sequence_length=hf.sequence_length,
+            attn_implementation=hf.attn_implementation,
+            init_from=hf.init_from,
+        )
     return load_model(config.model.name, seed=config.seed, sizes=config.model.sizes)
 
 
@@ -134,7 +186,7 @@ def build_dataset(config: WorkerConfig, model):
 
     example = model.example_input(1)
     seq_len = int(example.shape[1])
-    vocab = getattr(getattr(model, "sizes", None), "vocab", None)
+    vocab = getattr(model, "vocab_size", None) or getattr(getattr(model, "sizes", None), "vocab", None)
     if config.data.kind == "synthetic":
         if vocab is None:
             raise ValueError(
@@ -143,4 +195,6 @@ def build_dataset(config: WorkerConfig, model):
         return SyntheticTokens(vocab, seq_len, config.microbatch_size, seed=config.seed, noise=config.data.noise)
     if config.data.path is None:
         raise ValueError("data.path: required with kind=file")
-    return TokenFile(config.data.path, seq_len, config.microbatch_size, seed=config.seed, vocab=vocab)
+    return TokenFile(
+        config.data.path, seq_len, config.microbatch_size, seed=config.seed, vocab=vocab, dtype=config.data.dtype
+    )

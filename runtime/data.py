@@ -16,6 +16,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from oobleck.runtime.errors import DataError
+
 _MASK = (1 << 63) - 1
 
 
@@ -72,18 +74,25 @@ class TokenFile:
     """Windows of `seq_len + 1` tokens at offsets drawn from (seed, step, index, sample)."""
 
     def __init__(
-        self, path: str | Path, seq_len: int, microbatch_size: int, seed: int = 0, vocab: int | None = None
+        self,
+        path: str | Path,
+        seq_len: int,
+        microbatch_size: int,
+        seed: int = 0,
+        vocab: int | None = None,
+        dtype: str | None = None,
     ) -> None:
         self.path = Path(path)
         self.seq_len, self.microbatch_size, self.seed = seq_len, microbatch_size, seed
-        self.tokens = load_tokens(self.path)
+        self.tokens = load_tokens(self.path, dtype)
         if len(self.tokens) < seq_len + 1:
-            raise ValueError(
-                f"data.path: {self.path} holds {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+            raise DataError(
+                f"holds {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}",
+                field="data.path",
+                path=str(self.path),
             )
-        top = int(self.tokens.max())
-        if vocab is not None and top >= vocab:
-            raise ValueError(f"data.path: {self.path} has token id {top}, outside the model's vocabulary of {vocab}")
+        if vocab is not None:
+            check_vocabulary(self.tokens, vocab, str(self.path))
 
     def microbatch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng(mix(self.seed, step, index))
@@ -93,16 +102,41 @@ class TokenFile:
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-def load_tokens(path: Path) -> np.ndarray:
-    """Token ids from `.npy` (1-D integers), `.bin` (uint16 ids, or int32 with a `.i32.bin` suffix),
-    or any other file read as bytes."""
+def check_vocabulary(tokens: np.ndarray, vocab: int, path: str, chunk: int = 1 << 24) -> None:
+    """Raise DataError at the first id >= `vocab` (read in chunks: token files can be larger than memory)."""
+    for start in range(0, len(tokens), chunk):
+        bad = np.flatnonzero(np.asarray(tokens[start : start + chunk]) >= vocab)
+        if len(bad):
+            offset = start + int(bad[0])
+            raise DataError(
+                f"token id {int(tokens[offset])} at offset {offset} (token index) is outside the model's vocabulary "
+                f"of {vocab}",
+                field="data.path",
+                path=path,
+            )
+
+
+def load_tokens(path: Path, dtype: str | None = None) -> np.ndarray:
+    """Token ids from `.npy` (1-D integers), a raw file of `dtype` ids (uint16 or uint32, little-endian),
+    or without `dtype`: `.bin` (uint16 ids, or int32 with a `.i32.bin` suffix), any other file as bytes."""
     if not path.is_file():
-        raise ValueError(f"data.path: {path} is not a file")
+        raise DataError("is not a file", field="data.path", path=str(path))
     if path.suffix == ".npy":
         array = np.load(path, mmap_mode="r")
         if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"data.path: {path} must hold a 1-D integer array, got {array.dtype} {array.shape}")
+            raise DataError(
+                f"must hold a 1-D integer array, got {array.dtype} {array.shape}", field="data.path", path=str(path)
+            )
         return array
+    if dtype is not None:
+        width = np.dtype(dtype).itemsize
+        if path.stat().st_size % width:
+            raise DataError(
+                f"size {path.stat().st_size} is not a multiple of {width} bytes ({dtype} ids)",
+                field="data.dtype",
+                path=str(path),
+            )
+        return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
     if path.suffix == ".bin":
         dtype = np.int32 if path.name.endswith(".i32.bin") else np.uint16
         return np.memmap(path, dtype=dtype, mode="r")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ from oobleck.runtime.groups import (
     layout,
     overlap,
     rows,
+    tied_holders,
     wait,
     wait_all,
 )
@@ -81,13 +83,20 @@ class _GradientBuffers:
     """
 
     def __init__(
-        self, lay: Layout, layers: dict[int, nn.Module], num_layers: int, device: torch.device, dtype: torch.dtype
+        self,
+        lay: Layout,
+        layers: dict[int, nn.Module],
+        num_layers: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        tied: Container[tuple[int, str]] = frozenset(),
     ) -> None:
         self.sets: list[tuple[tuple[int, ...], torch.Tensor]] = []
         self.views: list[tuple[torch.Tensor, nn.Parameter]] = []
         self.loss_slot: torch.Tensor | None = None
         for members, held in sorted(lay.holder_sets.items(), key=lambda item: item[1][0]):
-            params = [p for layer in held for p in layers[layer].parameters()]
+            # tied parameters are summed by _TiedGradients instead
+            params = [p for layer in held for n, p in layers[layer].named_parameters() if (layer, n) not in tied]
             has_loss = num_layers - 1 in held
             flat = torch.zeros(sum(p.numel() for p in params) + int(has_loss), dtype=dtype, device=device)
             offset = 0
@@ -113,6 +122,58 @@ class _GradientBuffers:
         """Set every parameter's gradient to its (reduced) sum divided by the global sample count."""
         for view, p in self.views:
             p.grad = (view / samples).to(p.dtype)
+
+
+class _TiedGradients:
+    """Gradient sums of tied parameters (LayeredModel.tied_parameters: e.g. GPT-2's embedding and head).
+
+    Each tied layer owns a copy of the parameter. A rank adds the gradients of the copies it holds into
+    one accumulator per tie; the accumulators are summed over every rank holding *any* of the tie's
+    layers (the union of their holders, one group per tie) and installed into every copy, so all copies
+    get the one gradient of the shared parameter and, updated identically, stay identical."""
+
+    def __init__(
+        self,
+        model: LayeredModel,
+        plan: Plan,
+        held: dict[int, nn.Module],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.ties: list[tuple[tuple[int, ...], torch.Tensor, list[nn.Parameter]]] = []
+        for tie in model.tied_parameters():
+            copies = [held[layer].get_parameter(name) for layer, name in tie if layer in held]
+            if copies:
+                members = tied_holders(plan, [layer for layer, _ in tie])
+                self.ties.append((members, torch.zeros(copies[0].shape, dtype=dtype, device=device), copies))
+
+    @staticmethod
+    def keys(model: LayeredModel) -> set[tuple[int, str]]:
+        return {copy for tie in model.tied_parameters() for copy in tie}
+
+    def zero(self) -> None:
+        for _, total, _ in self.ties:
+            total.zero_()
+
+    def accumulate(self) -> None:
+        for _, total, copies in self.ties:
+            for p in copies:
+                if p.grad is not None:
+                    total += p.grad
+                    p.grad = None
+
+    def launch(self, groups: GenerationGroups) -> list[tuple[object, tuple[int, ...]]]:
+        works = []
+        for members, total, _ in self.ties:
+            backend = groups.tied(members)
+            if backend is not None:
+                works.append((backend.allreduce([total]), members))
+        return works
+
+    def install(self, samples: int) -> None:
+        for _, total, copies in self.ties:
+            for p in copies:
+                p.grad = (total / samples).to(p.dtype)
 
 
 class Engine:
@@ -149,9 +210,10 @@ class Engine:
         self.held = [(layer, layers[layer]) for layer in self.layout.layers]
         self.rows = rows(self.mb, len(self.layout.stage.ranks), self.layout.shard)
         self.samples = plan.global_microbatches * self.mb
-        self.buffers = _GradientBuffers(
-            self.layout, layers, plan.num_layers, device, getattr(torch, config.gradient_sum_dtype)
-        )
+        sum_dtype = getattr(torch, config.gradient_sum_dtype)
+        tied = _TiedGradients.keys(model)
+        self.buffers = _GradientBuffers(self.layout, layers, plan.num_layers, device, sum_dtype, tied)
+        self.tied = _TiedGradients(model, plan, dict(self.held), device, sum_dtype)
         # What arrives from the previous stage: layer start-1's output, a slice of its rows.
         self.input_spec = None if self.layout.first else output_spec(model, self.layout.stage.start - 1, self.mb)
         self.output_spec = None if self.layout.last else output_spec(model, self.layout.stage.end - 1, self.mb)
@@ -216,6 +278,7 @@ class Engine:
         lay = self.layout
         pipeline = lay.pipeline
         self.buffers.zero()
+        self.tied.zero()
         for _, module in self.held:
             module.zero_grad(set_to_none=True)
         lo, hi = self.rows
@@ -260,12 +323,14 @@ class Engine:
                 if source is not None:
                     self._send(source.grad, -1, BACKWARD_TAG, pending)
                 self.buffers.accumulate()
+                self.tied.accumulate()
         # One hand-off for every send of the step (most completed long ago).
         self._wait_all([(work, f"send to rank {peer}") for work, _, peer in pending])
         if self.buffers.loss_slot is not None:
             self.buffers.loss_slot += loss_sum
         self._reduce()
         self.buffers.install(self.samples)
+        self.tied.install(self.samples)
         self.optimizer.step(self.held, learning_rate(self.config.optim, step))
         for _, module in self.held:
             module.zero_grad(set_to_none=True)
@@ -288,4 +353,5 @@ class Engine:
             backend = self.groups.holders(members)
             if backend is not None:
                 works.append((backend.allreduce([flat]), members))
+        works += self.tied.launch(self.groups)
         self._wait_all([(work, f"gradient sum over ranks {list(members)}") for work, members in works])

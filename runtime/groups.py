@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -125,8 +126,14 @@ class GroupSpec:
     """("link", src, dst): one-way messages src -> dst; ("holders", *ranks): gradient sums"""
 
 
-def group_specs(plan: Plan, microbatch_size: int) -> list[GroupSpec]:
-    """Every group of the generation, in the one creation order all ranks share."""
+def tied_holders(plan: Plan, layers: Sequence[int]) -> tuple[int, ...]:
+    """Every rank holding any of `layers` (the layers of one tied parameter), ascending."""
+    return tuple(sorted({rank for layer in layers for rank in plan.holders(layer)}))
+
+
+def group_specs(plan: Plan, microbatch_size: int, ties: Sequence[Sequence[int]] = ()) -> list[GroupSpec]:
+    """Every group of the generation, in the one creation order all ranks share. `ties`: the layers of
+    each tied parameter (LayeredModel.tied_parameters), whose gradient is summed over all their holders."""
     specs: dict[str, GroupSpec] = {}
 
     def link(src: int, dst: int) -> None:
@@ -152,6 +159,11 @@ def group_specs(plan: Plan, microbatch_size: int) -> list[GroupSpec]:
         if len(holders) > 1:
             name = "holders/" + "-".join(map(str, holders))
             specs[name] = GroupSpec(name, holders, ("holders", *holders))
+    for layers in ties:
+        members = tied_holders(plan, layers)
+        if len(members) > 1:
+            name = "tied/" + "-".join(map(str, members))
+            specs[name] = GroupSpec(name, members, ("tied", *members))
     return [specs[name] for name in sorted(specs)]
 
 
@@ -185,13 +197,14 @@ class GenerationGroups:
         timeout: float,
         failed: threading.Event | None = None,
         poll: float = 0.05,
+        ties: Sequence[Sequence[int]] = (),
     ) -> None:
         self.plan, self.rank, self.device = plan, rank, device
         self.namespace = f"{plan.job}/gen{plan.generation}/"
         self._groups: dict[tuple, Any] = {}
         self._members: dict[tuple, tuple[int, ...]] = {}
         self.abandoned = False
-        mine = [spec for spec in group_specs(plan, microbatch_size) if rank in spec.members]
+        mine = [spec for spec in group_specs(plan, microbatch_size, ties) if rank in spec.members]
         # Creation blocks until every member connects; it runs in a helper thread so that a failure
         # elsewhere (the event) ends the wait instead of the connect timeout.
         done, error = threading.Event(), []
@@ -238,6 +251,12 @@ class GenerationGroups:
         if len(members) == 1:
             return None
         return self._groups[("holders", *members)]
+
+    def tied(self, members: tuple[int, ...]) -> object | None:
+        """The backend summing a tied parameter's gradient over `members`; None when this rank is the only one."""
+        if len(members) == 1:
+            return None
+        return self._groups[("tied", *members)]
 
     def abandon(self) -> None:
         """Drop every group without waiting for anything in flight.

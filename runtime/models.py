@@ -55,6 +55,12 @@ class LayeredModel(ABC):
     def layer_name(self, index: int) -> str:
         return f"layer{index}"
 
+    def tied_parameters(self) -> list[tuple[tuple[int, str], ...]]:
+        """Parameters shared between layers (GPT-2's embedding and head), each as its (layer, parameter
+        name) copies. Every layer owns its copy, initialised identically; the engine gives all copies
+        one gradient, summed over every holder of any of the layers, so they stay identical."""
+        return []
+
 
 # Module constructors draw from torch's global RNG: builds in several threads must not interleave.
 _BUILD_LOCK = threading.Lock()

@@ -216,6 +216,9 @@ def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: fl
             # The operator fails the job with these words (FailureReport kind "unrecoverable").
             detector.trigger("unrecoverable", (), str(error))
             raise PodFailure(ExitCode.UNRECOVERABLE, f"{me}: {error}") from error
+        if result.exit_code == ExitCode.DONE:
+            # Before the final report: once the job is Succeeded the operator may delete running pods.
+            worker.final_export()  # the Hugging Face directory of a transformers model, if checkpoints are on
         if result.exit_code == ExitCode.DONE and progress is not None:
             progress.update(worker.plan.generation if worker.plan else -1, worker.step)
             if not progress.flush():

@@ -7,8 +7,18 @@ from typing import Literal
 from pydantic import Field
 
 from oobleck.api.contract import WORKER_PORT, PodContract
-from oobleck.api.job import OobleckJobSpec
-from oobleck.runtime.config import CheckpointConfig, DataConfig, ModelConfig, OptimConfig, Timeouts, WorkerConfig
+from collections.abc import Callable
+
+from oobleck.api.job import MODEL_CONFIG_DIR, OobleckJobSpec, TransformersModel
+from oobleck.runtime.config import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    Timeouts,
+    TransformersConfig,
+    WorkerConfig,
+)
 
 
 class PodEnv(PodContract):
@@ -59,6 +69,8 @@ def worker_config(
                 "vocab": gpt.vocab_size,
             },
         )
+    elif spec.model.transformers is not None:
+        model = ModelConfig(transformers=transformers_config(spec.model.transformers, in_container))
     else:
         model = ModelConfig(name=str(spec.model.entry_point))
     training = spec.training
@@ -73,7 +85,7 @@ def worker_config(
     )
     if spec.data.source == "tokenFile":
         path = str(spec.data.path)
-        data = DataConfig(kind="file", path=in_container(path))
+        data = DataConfig(kind="file", path=in_container(path), dtype=spec.data.dtype)
     else:
         data = DataConfig(kind="synthetic")
     checkpoint = CheckpointConfig()
@@ -82,6 +94,7 @@ def worker_config(
             path=in_container(spec.checkpoint.path),
             interval_steps=spec.checkpoint.interval_steps,
             keep=spec.checkpoint.keep,
+            format=spec.checkpoint.format,
         )
     device = "cpu" if compute_device == "cpu" else spec.device
     return WorkerConfig(
@@ -96,4 +109,21 @@ def worker_config(
         threads=1,
         timeouts=Timeouts(connect=connect_timeout_s),
         checkpoint=checkpoint,
+    )
+
+
+def transformers_config(hf: TransformersModel, in_container: Callable[[str], str]) -> TransformersConfig:
+    """The runtime's view of spec.model.transformers: the ConfigMap key and initFrom as container paths
+    (operator/render.py mounts them)."""
+    config_path = None
+    if hf.config_map is not None:
+        config_path = in_container(f"{MODEL_CONFIG_DIR}/{hf.config_map.key}")
+    return TransformersConfig(
+        family=hf.family,
+        preset=hf.preset,
+        config=hf.config,
+        config_path=config_path,
+        sequence_length=hf.sequence_length,
+        attn_implementation=hf.attn_implementation,
+        init_from=in_container(hf.init_from.path) if hf.init_from is not None else None,
     )

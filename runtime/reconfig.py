@@ -462,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         detector.stop()
     if worker.snapshots is not None and result.exit_code == ExitCode.DONE:
         worker.snapshots.wait_idle(60.0)  # the last checkpoint files (a push to a buddy gone already just fails)
+    if result.exit_code == ExitCode.DONE:
+        worker.final_export()
     if args.dump and result.exit_code == ExitCode.DONE:
         torch.save(worker.layer_state(), args.dump)
     log.info(

@@ -36,7 +36,12 @@ def train_reference(
     model = build_model(config)
     data = build_dataset(config, model)
     layers = nn.ModuleList(model.build_layer(i) for i in range(model.num_layers)).to(device)
-    parameters = list(layers.parameters())
+    for tie in model.tied_parameters():  # one shared parameter, as in the unsplit model
+        (first, name), *others = tie
+        for layer, other in others:
+            module, _, attribute = other.rpartition(".")
+            setattr(layers[layer].get_submodule(module), attribute, layers[first].get_parameter(name))
+    parameters = list(layers.parameters())  # each shared parameter once
     optimizer = torch_adamw(parameters, config.optim)
     samples = global_microbatches * config.microbatch_size
     losses: list[float] = []

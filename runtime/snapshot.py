@@ -139,8 +139,12 @@ class Snapshotter:
         num_layers: int = 0,
         advertise: str = "127.0.0.1",
         push_timeout_s: float = 60.0,
+        export: Callable[[int, dict[int, torch.Tensor]], None] | None = None,
     ) -> None:
         self.worker = worker
+        self.export = export
+        """also called with (step, {layer: captured bytes}) for the layers written at a checkpoint step
+        (checkpoint.format huggingface: runtime/hfcheckpoint.write_flat_layers)"""
         self.interval = interval
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_interval = checkpoint_interval if checkpoint_dir else 0
@@ -283,6 +287,8 @@ class Snapshotter:
             began = time.perf_counter()
             for layer in job.write:
                 write_checkpoint_layer(self.checkpoint_dir, job.step, layer, captured[layer])
+            if self.export is not None:
+                self.export(job.step, {layer: captured[layer] for layer in job.write})
             self.stats["checkpoint_s"] += time.perf_counter() - began
             if not self.store.frozen and self.num_layers > 0:
                 prune_checkpoints(self.checkpoint_dir, self.num_layers, self.checkpoint_keep)
@@ -344,6 +350,15 @@ def snapshotter_for(config, worker: str, connect_store: Callable[[], object], st
         return None
     from oobleck.runtime.config import build_model
 
+    model = build_model(config)
+    export = None
+    if config.checkpoint.path and config.checkpoint.format == "huggingface":
+        from oobleck.runtime.hf import TransformersModel
+        from oobleck.runtime.hfcheckpoint import write_flat_layers
+
+        if isinstance(model, TransformersModel):
+            root = config.checkpoint.path
+            export = lambda step, flats: write_flat_layers(model, root, step, flats)  # noqa: E731
     return Snapshotter(
         worker,
         config.snapshot.interval_steps,
@@ -351,6 +366,7 @@ def snapshotter_for(config, worker: str, connect_store: Callable[[], object], st
         checkpoint_dir=config.checkpoint.path,
         checkpoint_interval=config.checkpoint.interval_steps,
         checkpoint_keep=config.checkpoint.keep,
-        num_layers=build_model(config).num_layers,
+        num_layers=model.num_layers,
         advertise=local_address(store_host),
+        export=export,
     )

@@ -202,6 +202,7 @@ class Worker:
             timeout,
             self.failed,
             self.config.timeouts.poll,
+            ties=[tuple(layer for layer, _ in tie) for tie in self.model.tied_parameters()],
         )
         incoming = {c.layer for c in plan.copies if c.dst_rank == rank and c.src_rank != rank}
         for layer in mine.layers:
@@ -418,6 +419,25 @@ class Worker:
                 }
             )
         )
+
+    def export_huggingface(self, directory: str | Path) -> list[int]:
+        """For a transformers model: write the layers this rank is the lowest-ranked holder of as shards of
+        a Hugging Face directory (the holder of layer 0 adds config.json and the index; runtime/hfcheckpoint.py).
+        Every worker calls it when training completes; returns the layers written."""
+        from oobleck.runtime.hf import TransformersModel
+        from oobleck.runtime.hfcheckpoint import write_checkpoint
+
+        if not isinstance(self.model, TransformersModel) or self.plan is None:
+            return []
+        mine = {layer: module for layer, module in self.layers.items() if min(self.plan.holders(layer)) == self.rank}
+        write_checkpoint(self.model, directory, mine)
+        self._log("huggingface_export", directory=str(directory), layers=sorted(mine))
+        return sorted(mine)
+
+    def final_export(self) -> None:
+        """On success: the Hugging Face directory `<checkpoint.path>/huggingface` (transformers models)."""
+        if self.config.checkpoint.path:
+            self.export_huggingface(Path(self.config.checkpoint.path) / "huggingface")
 
     def layer_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """Parameters of every held layer (CPU copies), for checks and dumps."""

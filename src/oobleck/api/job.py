@@ -177,9 +177,91 @@ class GPTModel(_Model):
     )
 
 
+TRANSFORMERS_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+TRANSFORMERS_PRESETS = ("gpt3-350m", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "llama-tiny")
+MODEL_CONFIG_DIR = "/etc/oobleck/model"
+"""Where worker pods see the model's config.json ConfigMap key (model.transformers.configMap)."""
+
+
+class ModelConfigMap(_Model):
+    """A ConfigMap key holding a Hugging Face config.json."""
+
+    name: DnsName = Field(description="ConfigMap name, in the job's namespace.")
+    key: str = Field(
+        default="config.json",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="Key within the ConfigMap.",
+    )
+
+
+class InitFrom(_Model):
+    """Initial weights from a Hugging Face safetensors directory (model.safetensors, or shards with
+    model.safetensors.index.json); each worker reads only its own layers' tensors."""
+
+    path: str = Field(
+        min_length=2, max_length=1024, pattern=r"^/", description="Absolute directory in the worker container."
+    )
+    claim_name: DnsName | None = Field(
+        default=None,
+        description="PersistentVolumeClaim mounted read-only at `path`; absent means the directory is in the image.",
+    )
+
+
+class TransformersModel(_Model):
+    """A causal language model of the `transformers` package, split into the planner's layers (embeddings,
+    each decoder block, final norm + head). The config comes from exactly one of `preset`, `config` and
+    `configMap`; nothing is downloaded: weights start from training.seed, or from `initFrom`."""
+
+    family: Literal[TRANSFORMERS_FAMILIES] | None = Field(
+        default=None,
+        description="Model family: llama (also mistral and qwen2, split the same way) or gpt2. Required "
+        "unless preset is set (the preset names its family).",
+    )
+    preset: Literal[TRANSFORMERS_PRESETS] | None = Field(
+        default=None,
+        description="A built-in config: gpt3-350m, gpt3-1.3b, gpt3-2.7b, gpt3-6.7b (the GPT-3 paper's sizes as "
+        "GPT-2 models, context 2048) or llama-tiny (trains on a laptop CPU).",
+    )
+    config: dict[str, Any] | None = Field(
+        default=None,
+        description="config.json fields inline (e.g. hidden_size, num_hidden_layers, vocab_size).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    config_map: ModelConfigMap | None = Field(default=None, description="A ConfigMap key holding config.json.")
+    sequence_length: int | None = Field(
+        default=None,
+        ge=2,
+        le=1048576,
+        description="Tokens per sample; absent means the config's max_position_embeddings (n_positions).",
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        default="sdpa", description="Attention kernel: sdpa (torch scaled_dot_product_attention) or eager."
+    )
+    init_from: InitFrom | None = Field(
+        default=None, description="Initial weights from a safetensors directory (e.g. a finished job's checkpoint)."
+    )
+
+    _RULES = (
+        Rule(
+            cel="(has(self.preset) ? 1 : 0) + (has(self.config) ? 1 : 0) + (has(self.configMap) ? 1 : 0) == 1",
+            message="set exactly one of model.transformers.preset, config and configMap",
+            check=lambda m: sum(x is not None for x in (m.preset, m.config, m.config_map)) == 1,
+        ),
+        Rule(
+            cel="has(self.preset) != has(self.family)",
+            message="model.transformers.family is required with config or configMap, and comes from the preset "
+            "with preset",
+            check=lambda m: (m.preset is None) != (m.family is None),
+            field_path=".family",
+        ),
+    )
+
+
 class ModelSpec(_Model):
-    """What to train: the built-in GPT with its sizes, or your own layers from an entry point.
-    Set exactly one of `gpt` and `entryPoint`."""
+    """What to train: the built-in GPT with its sizes, a Hugging Face `transformers` model, or your own
+    layers from an entry point. Set exactly one of `gpt`, `transformers` and `entryPoint`."""
 
     gpt: GPTModel | None = Field(default=None, description="The built-in GPT-style model with these sizes.")
     entry_point: str | None = Field(
@@ -190,11 +272,15 @@ class ModelSpec(_Model):
         "returns the model as a list of torch.nn.Module layers (the planner's unit of placement).",
     )
 
+    transformers: TransformersModel | None = Field(
+        default=None, description="A Hugging Face transformers causal LM (Llama, Mistral, Qwen2 or GPT-2 family)."
+    )
+
     _RULES = (
         Rule(
-            cel="has(self.gpt) != has(self.entryPoint)",
-            message="set exactly one of model.gpt and model.entryPoint",
-            check=lambda m: (m.gpt is None) != (m.entry_point is None),
+            cel="(has(self.gpt) ? 1 : 0) + (has(self.entryPoint) ? 1 : 0) + (has(self.transformers) ? 1 : 0) == 1",
+            message="set exactly one of model.gpt, model.transformers and model.entryPoint",
+            check=lambda m: sum(x is not None for x in (m.gpt, m.entry_point, m.transformers)) == 1,
         ),
     )
 
@@ -324,8 +410,13 @@ class DataSpec(_Model):
         min_length=1,
         max_length=1024,
         pattern=r"^/",
-        description="Absolute path of the token file in the worker container: little-endian uint16 token ids, "
-        "back to back (the nanoGPT train.bin layout). Required for tokenFile.",
+        description="Absolute path of the token file in the worker container: little-endian token ids of `dtype`, "
+        "back to back (the nanoGPT train.bin layout; `oobleck tokenize` writes one). Required for tokenFile.",
+    )
+    dtype: Literal["uint16", "uint32"] = Field(
+        default="uint16",
+        description="Width of the token ids in the file: uint16 for vocabularies up to 65536, uint32 beyond "
+        "(Llama 3's 128k).",
     )
     claim_name: DnsName | None = Field(
         default=None,
@@ -410,6 +501,12 @@ class CheckpointSpec(_Model):
     )
     interval_steps: int = Field(ge=1, le=1_000_000_000, description="Write a checkpoint every this many steps.")
     keep: int = Field(default=2, ge=1, le=100, description="Newest checkpoints to keep; older ones are deleted.")
+    format: Literal["native", "huggingface"] = Field(
+        default="native",
+        description="native: the runtime's own layer files (for rollback). huggingface (model.transformers only): "
+        "also a Hugging Face directory `huggingface-step<N>` at every checkpoint. A transformers job always "
+        "writes `<path>/huggingface` (config.json + sharded model.safetensors) when it succeeds.",
+    )
 
 
 class Toleration(_Model):
@@ -595,6 +692,14 @@ class OobleckJobSpec(_Model):
     )
 
     _RULES = (
+        Rule(
+            cel="!has(self.checkpoint) || self.checkpoint.format != 'huggingface' || has(self.model.transformers)",
+            message="checkpoint.format huggingface needs a model.transformers model",
+            check=lambda m: (
+                m.checkpoint is None or m.checkpoint.format != "huggingface" or m.model.transformers is not None
+            ),
+            field_path=".checkpoint.format",
+        ),
         Rule(
             cel="self.f + 1 <= self.nodes.max",
             message="f (%d) needs f + 1 = %d pipelines of at least one node each, but nodes.max is %d",
