@@ -135,7 +135,7 @@ def test_defaults_are_secure_and_serve_every_namespace(helm: Path) -> None:
 def test_rendered_crd_is_the_generated_one(helm: Path) -> None:
     """Round-tripping crds/ through the template only adds labels and annotations."""
     (crd,) = find(documents(template(helm).stdout), "CustomResourceDefinition")
-    (source,) = documents((REPO / "crds" / "oobleckjobs.oobleck_dev.yaml").read_text())
+    (source,) = documents((REPO / "crds" / "oobleckjobs.oobleck.dev.yaml").read_text())
     assert crd["spec"] == source["spec"]
     assert crd["metadata"]["name"] == source["metadata"]["name"]
 
@@ -235,14 +235,14 @@ def test_chart_sync_detects_and_repairs_drift(tmp_path: Path) -> None:
         else:
             target.write_bytes(source.read_bytes())
     sync = Sync(root)
-    copy = root / CHART_PATH / "files" / "crds" / "oobleckjobs.oobleck_dev.yaml"
+    copy = root / CHART_PATH / "files" / "crds" / "oobleckjobs.oobleck.dev.yaml"
     copy.write_text(copy.read_text() + "# hand edit\n")
     (root / CHART_PATH / "files" / "crds" / "old.yaml").write_text("kind: CustomResourceDefinition\n")
     chart_yaml = root / CHART_PATH / "Chart.yaml"
     chart_yaml.write_text(chart_yaml.read_text().replace('appVersion: "', 'appVersion: "9'))
     problems = sync.drift()
     assert len(problems) == 3, problems
-    assert any("differs from crds/oobleckjobs.oobleck_dev.yaml" in p for p in problems)
+    assert any("differs from crds/oobleckjobs.oobleck.dev.yaml" in p for p in problems)
     assert any("old.yaml: no such CRD" in p for p in problems)
     assert any("appVersion" in p for p in problems)
     sync.write()
