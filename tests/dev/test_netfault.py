@@ -125,3 +125,64 @@ def test_a_cut_drops_the_pods_traffic_but_not_the_api_servers_and_heals(cut_setu
     cuts.heal(pod)
     assert _connect_from(pod, api.port, peer.port) == ["ok", "ok"]
     netfault.PodCgroups.remove(other)
+
+
+HEALTH_WORKER = Path(__file__).parents[1] / "runtime" / "test_control_health.py"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("control-processes")
+def test_a_partitioned_worker_is_found_by_its_peers_within_half_a_second(cut_setup):
+    """Real FailureDetector processes (tests/runtime/test_control_health.py's worker) around a real
+    coordinator; one runs in a cut-off cgroup: no EOF, no refusal, its process lives. The survivors'
+    probes are not answered (the SYN is dropped) and they name it, within the hung-worker bound."""
+    import datetime
+    import os
+    import signal
+    import time
+
+    from oobleck.runtime import coordinator as co
+    from oobleck.runtime.coordinator import Coordinator
+    from oobleck.runtime.health import wait_alive
+
+    _, cuts, pod, _, _ = cut_setup
+    workers = [f"node{i}:0" for i in range(3)]
+    victim = workers[2]
+    env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    with Coordinator() as coordinator:
+        store = coordinator.store()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(HEALTH_WORKER), "--port", str(coordinator.port), "--worker", w]
+                + ["--peers", ",".join(workers), "--dead-after", "5"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=netfault.join_cgroup(pod) if w == victim else None,
+            )
+            for w in workers
+        ]
+        try:
+            wait_alive(store, workers, 60)
+            store.wait([f"watching/{w}/0" for w in workers], datetime.timedelta(seconds=60))
+            cuts.cut(pod, "peers")
+            cut_at = time.time()
+            reports: list[dict] = []
+            deadline = time.monotonic() + 10
+            while not any(victim in r["dead"] for r in reports) and time.monotonic() < deadline:
+                reports += co.pop_failures(store)
+                time.sleep(0.005)
+            assert procs[2].poll() is None, "a partition, not a death: the cut-off process lives"
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    named = [r for r in reports if victim in r["dead"]]
+    assert named, f"nobody named the cut-off worker: {reports}"
+    first = min(r["detected_at"] for r in named) - cut_at
+    print(f"cut -> first verdict {first:.3f} s: {named[0]['detail']}")
+    assert all(r["reporter"] != victim for r in reports), "the cut-off worker cannot report"
+    assert "not reached" in named[0]["detail"] or "did not answer" in named[0]["detail"], named[0]
+    assert first < 0.5 + (1.0 if os.getloadavg()[0] > 1.0 else 0.0)
