@@ -565,6 +565,12 @@ class FailureDetector:
             if suspects and generation >= 0:
                 try:
                     unanswered = self._probe(store, suspects)
+                    if unanswered:  # a peer that beat while it was probed is slow, not dead
+                        silent_now = list(unanswered)
+                        again = store.multi_get([keys.heartbeat_key(p) for p in silent_now])
+                        for peer, raw in zip(silent_now, again):
+                            if last_value.get(peer) != int(raw):
+                                del unanswered[peer]
                 except RuntimeError as error:
                     if not is_store_loss(error):
                         raise
