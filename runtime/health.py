@@ -56,9 +56,9 @@ class HealthTimeouts:
     (its Python is stuck), or when it has no responder (detection < dead_after + watch period)."""
     watch_period_s: float = 0.05
     """How often the watcher reads the peers' counters (one round trip)."""
-    suspect_after_s: float | None = None
+    suspect_after_s: float = 0.0
     """Silence after which a peer is probed (a suspicion costs one probe, never a verdict by itself);
-    default max(0.15, 1.5 heartbeat periods)."""
+    0: max(0.15, 1.5 heartbeat periods)."""
     probe_timeout_s: float = 0.25
     """How long a probed peer has to answer; no answer is the verdict. A hung peer is found within
     suspect_after + watch period + this (0.45 s) of its last beat; a dead one within suspect_after +
@@ -77,7 +77,7 @@ class HealthTimeouts:
     fast path; this covers a listener that gave up)."""
 
     def __post_init__(self) -> None:
-        if self.suspect_after_s is None:
+        if self.suspect_after_s == 0:
             object.__setattr__(self, "suspect_after_s", max(0.15, 1.5 * self.heartbeat_period_s))
         for name in (
             "heartbeat_period_s",
@@ -93,7 +93,7 @@ class HealthTimeouts:
             raise ValueError(
                 f"dead_after_s: must exceed two heartbeat periods: {self.dead_after_s} <= 2 * {self.heartbeat_period_s}"
             )
-        if not self.heartbeat_period_s < self.suspect_after_s <= self.dead_after_s:  # type: ignore[operator]
+        if not self.heartbeat_period_s < self.suspect_after_s <= self.dead_after_s:
             raise ValueError(
                 f"suspect_after_s: must exceed one heartbeat period and not exceed dead_after_s: "
                 f"{self.heartbeat_period_s} < {self.suspect_after_s} <= {self.dead_after_s} does not hold"

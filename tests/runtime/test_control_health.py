@@ -280,6 +280,7 @@ def test_gpu_probe_on_this_machine():
         ("dead_after_s", 0.08),
         ("probe_timeout_s", 0),
         ("suspect_after_s", 0.04),
+        ("suspect_after_s", -1),
         ("suspect_after_s", 2.0),
     ],
 )
