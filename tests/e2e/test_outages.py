@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from oobleck.operator import render
 from oobleck_dev.operatorproc import OperatorExited
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs")]
@@ -26,14 +29,19 @@ STEPS = 3000
 """Long enough that training outlasts the 30 s outage, the operator's restart and an etcd restart on a loaded host."""
 
 
-def _steps_during(run, pod: str, seconds: float) -> list[int]:
-    """The pod's worker step, scraped from its /metrics every 2 s for `seconds`."""
+def _steps_during(ip: str, seconds: float) -> list[int]:
+    """The worker step at pod IP `ip` (its /metrics; the address read before the API server went away),
+    every 2 s for `seconds`."""
     steps: list[int] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         try:
-            steps.append(int(run.scrape(pod)["oobleck_worker_step"]))
-        except OSError:
+            with urllib.request.urlopen(f"http://{ip}:{render.WORKER_PORT}/metrics", timeout=5) as response:
+                metrics = {
+                    s.name: s.value for f in text_string_to_metric_families(response.read().decode()) for s in f.samples
+                }
+            steps.append(int(metrics["oobleck_worker_step"]))
+        except (OSError, KeyError):
             pass
         time.sleep(2)
     return steps
@@ -60,16 +68,17 @@ def test_apiserver_outage_with_an_operator_restart_then_an_etcd_restart(job_run,
     first = run.wait_for(run.plan, "generation 0")
     watched = first.nodes[0]
     run.wait_for(lambda: run.step(watched) >= 10, "10 steps trained")
+    ip = run.pod(watched)["status"]["podIP"]
 
     # The API server is down for OUTAGE_S; halfway through the operator crashes and starts again (it
     # comes up while the API server is still away).
     control.stop_component("kube-apiserver")
     down_at = time.monotonic()
-    during = _steps_during(run, watched, OUTAGE_S / 2)
+    during = _steps_during(ip, OUTAGE_S / 2)
     run.operator.kill()
     restart = threading.Thread(target=_restart_until_up, args=(run.operator, time.monotonic() + 4 * OUTAGE_S))
     restart.start()
-    during += _steps_during(run, watched, OUTAGE_S - (time.monotonic() - down_at))
+    during += _steps_during(ip, OUTAGE_S - (time.monotonic() - down_at))
     control.start_component("kube-apiserver")
     print(f"API server down {time.monotonic() - down_at:.1f} s; {watched}'s step during it: {during}")
     assert len(during) >= 5 and during[-1] - during[0] >= 20, f"training stalled without the API server: {during}"
