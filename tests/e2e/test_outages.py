@@ -25,8 +25,10 @@ from oobleck_dev.operatorproc import OperatorExited
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs")]
 LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
 OUTAGE_S = 30.0
-STEPS = 3000
+STEPS = 1000
 """Long enough that training outlasts the 30 s outage, the operator's restart and an etcd restart on a loaded host."""
+SUCCEED_S = 420.0
+"""Steps run at ~5/s on the loaded 2-core host."""
 
 
 def _steps_during(ip: str, seconds: float) -> list[int]:
@@ -107,12 +109,13 @@ def test_apiserver_outage_with_an_operator_restart_then_an_etcd_restart(job_run,
     time.sleep(5)
     control.start_component("etcd")
     at_etcd = run.job()["status"]["progress"]["step"]
+    assert at_etcd < STEPS, "the job finished before the etcd restart: raise STEPS"
     run.wait_for(
         lambda: run.job().get("status", {}).get("progress", {}).get("step", 0) > at_etcd,
         "steps reported after the etcd restart",
     )
 
-    body = run.wait_succeeded()
+    body = run.wait_for(run.succeeded, "the job to succeed", timeout=SUCCEED_S)
     assert body["status"]["progress"]["step"] == STEPS
     assert run.plan().generation == 0, f"an outage made a generation: {run.plan().reason}"
     compared = run.check_losses()
