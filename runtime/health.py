@@ -4,9 +4,14 @@ Every worker runs three small daemon threads, each with its own store connection
 serialises its operations, so a blocking wait must not sit in front of a heartbeat):
 
 - `oobleck-heartbeat` increments `hb/{worker}` every `heartbeat_period_s`;
-- `oobleck-watch` reads the peers' counters and declares a peer dead when its counter has not moved
-  for `dead_after_s` (measured on this worker's own monotonic clock, so clocks need not agree);
-  it also runs the GPU probe every `gpu_probe_period_s`;
+- `oobleck-watch` reads the peers' counters (on this worker's own monotonic clock, so clocks need not
+  agree). A peer silent for `suspect_after_s` is probed: its `LivenessResponder` is asked a question
+  that C++ threads answer without Python's GIL, so a worker starved of CPU or of the GIL by its own
+  training thread still answers, while one that is dead (connection refused), stopped or hung as a
+  whole (SIGSTOP, a frozen host: no answer) or cut off by the network (no connection) does not. No
+  answer within `probe_timeout_s` is the verdict; an answer spares the peer until `dead_after_s` of
+  silence (a process whose Python is stuck but whose responder lives). It also runs the GPU probe
+  every `gpu_probe_period_s`;
 - `oobleck-abort` blocks on the `gen{g}/abort` key, so that one worker's detection reaches every
   survivor in milliseconds.
 
@@ -22,7 +27,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -42,12 +49,20 @@ log = logging.getLogger(__name__)
 class HealthTimeouts:
     """Detection timing; every value overridable (e.g. longer on a loaded machine)."""
 
-    heartbeat_period_s: float = 0.1
+    heartbeat_period_s: float = 0.05
     """How often a worker bumps its heartbeat counter."""
     dead_after_s: float = 1.0
-    """A peer whose counter has not moved for this long is dead (detection < dead_after + watch period)."""
-    watch_period_s: float = 0.1
-    """How often the watcher reads the peers' counters (one round trip; detection < dead_after + this)."""
+    """A peer whose counter has not moved for this long is dead even though its liveness responder answers
+    (its Python is stuck), or when it has no responder (detection < dead_after + watch period)."""
+    watch_period_s: float = 0.05
+    """How often the watcher reads the peers' counters (one round trip)."""
+    suspect_after_s: float = 0.0
+    """Silence after which a peer is probed (a suspicion costs one probe, never a verdict by itself);
+    0: max(0.15, 1.5 heartbeat periods)."""
+    probe_timeout_s: float = 0.25
+    """How long a probed peer has to answer; no answer is the verdict. A hung peer is found within
+    suspect_after + watch period + this (0.45 s) of its last beat; a dead one within suspect_after +
+    watch period (its port refuses the connection)."""
     abort_wait_s: float = 0.2
     """Slice of the blocking wait on the abort key (bounds how long a generation switch takes to follow)."""
     gpu_probe_period_s: float = 5.0
@@ -62,12 +77,26 @@ class HealthTimeouts:
     fast path; this covers a listener that gave up)."""
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_period_s", "dead_after_s", "watch_period_s", "abort_wait_s"):
+        if self.suspect_after_s == 0:
+            object.__setattr__(self, "suspect_after_s", max(0.15, 1.5 * self.heartbeat_period_s))
+        for name in (
+            "heartbeat_period_s",
+            "dead_after_s",
+            "watch_period_s",
+            "abort_wait_s",
+            "suspect_after_s",
+            "probe_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.dead_after_s <= 2 * self.heartbeat_period_s:
             raise ValueError(
                 f"dead_after_s: must exceed two heartbeat periods: {self.dead_after_s} <= 2 * {self.heartbeat_period_s}"
+            )
+        if not self.heartbeat_period_s < self.suspect_after_s <= self.dead_after_s:
+            raise ValueError(
+                f"suspect_after_s: must exceed one heartbeat period and not exceed dead_after_s: "
+                f"{self.heartbeat_period_s} < {self.suspect_after_s} <= {self.dead_after_s} does not hold"
             )
 
 
@@ -221,6 +250,69 @@ def _probe_nvidia_smi() -> list[GpuHealth]:
     return result
 
 
+def liveness_key(worker: str) -> str:
+    """`HOST:PORT` of `worker`'s liveness responder, in the coordinator's store (rewritten after a restart)."""
+    return f"live/{worker}"
+
+
+class LivenessResponder:
+    """Answers liveness probes from C++ threads: a TCPStore server of its own, which needs no GIL.
+
+    It lives exactly as long as the worker's process runs: a dead process refuses the connection, a
+    stopped one (or a frozen host) accepts in the kernel but never answers, a partitioned one is not
+    reached. It listens on every address and is advertised at `advertise` (the pod IP).
+    """
+
+    def __init__(self, advertise: str) -> None:
+        self._server = dist.TCPStore(advertise, 0, is_master=True, wait_for_workers=False)
+        self.address = f"{advertise}:{self._server.port}"
+
+
+def advertised_host(coordinator_host: str) -> str:
+    """The address peers reach this worker at: $OOBLECK_POD_IP, else the interface that routes to the coordinator."""
+    if os.environ.get("OOBLECK_POD_IP"):
+        return os.environ["OOBLECK_POD_IP"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        try:
+            udp.connect((coordinator_host, 9))  # UDP: nothing is sent, the kernel only picks the route
+            return udp.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def probe_liveness(address: str, timeout_s: float) -> str | None:
+    """None if the responder at `address` answers within `timeout_s`, else why not.
+
+    A plain connect first (a refused connection is a dead process, known in a round trip), then one
+    request through a TCPStore client on a helper thread: the client retries with back-off inside
+    C++, so the answer is awaited here, not there (the thread ends on its own when the client gives up).
+    """
+    host, _, port_text = address.rpartition(":")
+    started = time.monotonic()
+    try:
+        with socket.create_connection((host, int(port_text)), timeout=timeout_s):
+            pass
+    except ConnectionRefusedError:
+        return f"{address} refused the connection (the process is gone)"
+    except OSError as error:
+        return f"{address} not reached in {timeout_s:.2f}s ({error or type(error).__name__})"
+    answered = threading.Event()
+    remaining = max(0.01, timeout_s - (time.monotonic() - started))
+
+    def ask() -> None:
+        try:
+            client = dist.TCPStore(host, int(port_text), is_master=False, timeout=datetime.timedelta(seconds=remaining))
+            client.check(["probe"])
+            answered.set()
+        except RuntimeError:  # DistNetworkError / DistStoreError: no answer
+            pass
+
+    threading.Thread(target=ask, name="oobleck-probe", daemon=True).start()
+    if answered.wait(remaining):
+        return None
+    return f"{address} accepted but did not answer in {timeout_s:.2f}s (stopped or hung)"
+
+
 class FailureDetector:
     """A worker's failure detection: heartbeat, watcher and abort-listener threads.
 
@@ -241,8 +333,11 @@ class FailureDetector:
         store_timeouts: StoreTimeouts = StoreTimeouts(),
         failure: threading.Event | None = None,
         gpu_probe: Callable[[], list[GpuHealth]] = probe_gpus,
+        advertise: str | None = None,
     ) -> None:
+        """`advertise`: the address peers probe this worker's liveness responder at (default: advertised_host)."""
         self.job = job
+        self._advertise = advertise
         self.worker = worker
         self._address = (host, port)
         self.timeouts = timeouts
@@ -267,6 +362,7 @@ class FailureDetector:
 
     def start(self) -> FailureDetector:
         self._trigger_store, self.epoch = connect(*self._address, self._store_timeouts)
+        self.responder = LivenessResponder(self._advertise or advertised_host(self._address[0]))
         for name, target in (
             ("oobleck-heartbeat", self._heartbeat_loop),
             ("oobleck-watch", self._watch_loop),
@@ -390,6 +486,9 @@ class FailureDetector:
             try:
                 if store is None:
                     store = self._connect()
+                    # Before the first beat: a peer that sees us beat can also probe us. Again after
+                    # a coordinator restart (an empty store).
+                    store.set(liveness_key(self.worker), self.responder.address)
                 store.add(key, 1)
             except RuntimeError as error:
                 if not is_store_loss(error):
@@ -406,6 +505,7 @@ class FailureDetector:
         last_change: dict[str, float] = {}
         seen: set[str] = set()  # peers that have beaten at least once (in any incarnation)
         seen_version = -1
+        probed: dict[str, float] = {}  # suspects probed (monotonic time) since their last beat
         next_probe = time.monotonic()
         next_abort_check = time.monotonic()
         while not self._stop.is_set():
@@ -453,6 +553,31 @@ class FailureDetector:
                     last_value[peer] = value
                     last_change[peer] = now
                     seen.add(peer)
+                    probed.pop(peer, None)
+            suspects = [
+                p
+                for p in peers
+                if p in armed
+                and now - last_change.get(p, now) > self.timeouts.suspect_after_s
+                and now - probed.get(p, -1e9) > self.timeouts.suspect_after_s
+            ]
+            unanswered: dict[str, str] = {}
+            if suspects and generation >= 0:
+                try:
+                    unanswered = self._probe(store, suspects)
+                    if unanswered:  # a peer that beat while it was probed is slow, not dead
+                        silent_now = list(unanswered)
+                        again = store.multi_get([keys.heartbeat_key(p) for p in silent_now])
+                        for peer, raw in zip(silent_now, again):
+                            if last_value.get(peer) != int(raw):
+                                del unanswered[peer]
+                except RuntimeError as error:
+                    if not is_store_loss(error):
+                        raise
+                    store = None
+                    continue
+                probed.update((p, time.monotonic()) for p in suspects)
+                now = time.monotonic()
             # A peer is held to dead_after_s once it has adopted the generation (`ready`): before
             # that it may be importing torch or waiting in a rendezvous, where a loaded machine can
             # starve its heartbeat thread of the GIL for seconds (measured: 1.5 s at load 13 on 2
@@ -462,11 +587,12 @@ class FailureDetector:
             dead = tuple(
                 p
                 for p in peers
-                if (p in armed and now - last_change.get(p, now) > self.timeouts.dead_after_s)
+                if p in unanswered
+                or (p in armed and now - last_change.get(p, now) > self.timeouts.dead_after_s)
                 or (p not in seen and now - last_change.get(p, now) > self.timeouts.startup_grace_s)
             )
             if dead and generation >= 0:
-                silent = ", ".join(f"{p} {now - last_change[p]:.2f}s" for p in dead)
+                silent = ", ".join(f"{p} {now - last_change[p]:.2f}s{self._why(unanswered, p)}" for p in dead)
                 self.trigger("heartbeat", dead, f"no heartbeat: {silent}", generation)
             if self.timeouts.gpu_probe_period_s > 0 and now >= next_probe:
                 next_probe = now + self.timeouts.gpu_probe_period_s
@@ -475,6 +601,26 @@ class FailureDetector:
                     detail = "; ".join(f"gpu {g.index}: {g.detail}" for g in bad)
                     self.trigger("gpu", (self.worker,), detail, generation)
             self._stop.wait(self.timeouts.watch_period_s)
+
+    def _probe(self, store: dist.Store, suspects: list[str]) -> dict[str, str]:
+        """Probe the silent `suspects` at once; those that do not answer -> why. A suspect that never
+        published a responder is left to dead_after_s."""
+        addresses = {p: store.get(liveness_key(p)).decode() for p in suspects if store.check([liveness_key(p)])}
+        results: dict[str, str | None] = {}
+
+        def one(peer: str, address: str) -> None:
+            results[peer] = probe_liveness(address, self.timeouts.probe_timeout_s)
+
+        threads = [threading.Thread(target=one, args=item, daemon=True) for item in addresses.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(2 * self.timeouts.probe_timeout_s)
+        return {p: why for p, why in results.items() if why is not None}
+
+    @staticmethod
+    def _why(unanswered: dict[str, str], peer: str) -> str:
+        return f" (probe: {unanswered[peer]})" if peer in unanswered else ""
 
     def _abort_loop(self) -> None:
         store: dist.Store | None = None

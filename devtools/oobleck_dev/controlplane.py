@@ -325,6 +325,7 @@ class ControlPlane:
         self.phase_s: dict[str, float] = {}
         self.ca_cert: Path | None = None
         self._admin: KeyPair | None = None
+        self._ready: dict[str, tuple[Callable[[], bool], float, str]] = {}  # name -> (check, timeout, its name)
 
     # -- lifecycle --
 
@@ -554,6 +555,7 @@ class ControlPlane:
                     continue
                 raise
             self.ports.update(ports)
+            self._ready[name] = (lambda ports=ports: ready(ports), timeout, timeout_name)
             return process
         raise AssertionError("unreachable")
 
@@ -609,6 +611,40 @@ class ControlPlane:
             shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir = None
         self.kubeconfig = None
+
+    # -- outages (fault tests) --
+
+    def _component(self, name: str) -> ManagedProcess:
+        for process in self.processes:
+            if process.name == name:
+                return process
+        known = ", ".join(p.name for p in self.processes) or "none (not started)"
+        raise ControlPlaneError(f"no control plane component {name!r}; running: {known}")
+
+    def stop_component(self, name: str, signum: int = signal.SIGTERM) -> None:
+        """Stop one component (e.g. "kube-apiserver", "etcd") as an outage: its clients see connections
+        refused until `start_component(name)` brings it back on the same ports with the same data."""
+        process = self._component(name)
+        process.signal(signum)
+        if not process.wait(self.timeouts.stop_grace):
+            process.signal(signal.SIGKILL)
+            process.wait(self.timeouts.stop_grace)
+
+    def start_component(self, name: str) -> ManagedProcess:
+        """Start a stopped component again with its original arguments and wait until it is ready."""
+        old = self._component(name)
+        if old.alive():
+            raise ControlPlaneError(f"{name} is running (pid {old.pid}): stop_component first")
+        check, timeout, timeout_name = self._ready[name]
+        process = ManagedProcess(name, old.args, old.log)
+        self.processes[self.processes.index(old)] = process
+        try:
+            wait_for(check, timeout, f"{name} to be ready again", timeout_name, [process])
+        except _Exited:
+            raise ControlPlaneError(
+                f"{name} exited with code {process.popen.returncode} on restart\n--- log ---\n{process.log_tail()}"
+            ) from None
+        return process
 
     def pids(self) -> dict[str, int]:
         """name -> pid of every running child."""

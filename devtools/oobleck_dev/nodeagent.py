@@ -31,7 +31,9 @@ Ready) -> Succeeded/Failed (exit codes; 128+N for signal N), with restartPolicy 
 group, wait the grace period, SIGKILL, report, then delete the pod with grace 0. Processes die
 with the agent (PR_SET_PDEATHSIG); stopping the agent ends them and deletes its nodes.
 
-Fault tools for tests and demos: `kill_pod_process`, `set_gpu_health`, `set_node_ready`.
+Fault tools for tests and demos: `kill_pod_process`, `set_gpu_health`, `set_node_ready`, and
+`cut_network` / `heal_network` (a partition: each pod's processes run in a cgroup of their own, whose
+sockets nftables can cut off; see netfault.py).
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from oobleck_dev import podenv, podrunner
+from oobleck_dev import netfault, podenv, podrunner
+from oobleck_dev.netfault import NetFaultUnavailable
 from oobleck_dev.podrunner import GPU_RESOURCE, PodWorker, now_rfc3339
 
 log = logging.getLogger("oobleck_dev.nodeagent")
@@ -436,6 +439,7 @@ class _AgentCore:
         self.workdir = agent.workdir
         self.ips = agent.ips
         self.gpus = GpuSlots(len(agent.node_names), agent.gpus_per_node, agent.gpu_devices)
+        self.cgroups = agent.cgroups
         self.nodes = {name: _NodeState(name, i) for i, name in enumerate(agent.node_names)}
         self.allocatable = {"cpu": agent.cpu, "memory": agent.memory, GPU_RESOURCE: str(agent.gpus_per_node)}
         self.workers: dict[str, PodWorker] = {}  # uid -> worker
@@ -881,6 +885,9 @@ class NodeAgent:
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="oobleck-nodeagent-"))
         self.status_file = Path(status_dir) / STATUS_FILE if status_dir is not None else None
         self.ips: IpBlock | None = None  # type: ignore[assignment]
+        self.cgroups: netfault.PodCgroups | None = None
+        self._cuts: netfault.NetworkCuts | None = None
+        self._cut_pods: dict[tuple[str, str], Path] = {}
         self._core: _AgentCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -904,6 +911,9 @@ class NodeAgent:
         if self.status_file is not None:
             self.status_file.parent.mkdir(parents=True, exist_ok=True)
         self.ips = IpBlock()
+        self.cgroups = netfault.PodCgroups(self.agent_id)
+        if not self.cgroups.available:
+            log.info("pods run without cgroups (no network faults): %s", self.cgroups.reason)
         started = threading.Event()
         errors: list[BaseException] = []
         self._loop = asyncio.new_event_loop()
@@ -944,6 +954,11 @@ class NodeAgent:
                 pass
         self._thread.join()
         self._thread = None
+        if self._cuts is not None:
+            self._cuts.close()
+            self._cuts = None
+        if self.cgroups is not None:
+            self.cgroups.close()
         if self.ips is not None:
             self.ips.close()
         if self._own_workdir:
@@ -1021,6 +1036,37 @@ class NodeAgent:
     def set_node_ready(self, node: str, ready: bool) -> None:
         """Mark the node NotReady and stop its heartbeats (a node that went away), or back to Ready."""
         self._call("set_node_ready", node, ready)
+
+    def network_faults_unavailable(self) -> str | None:
+        """Why `cut_network` cannot work on this machine (tests skip with it), or None. Installs nft if
+        it is missing and we are root (netfault.ensure_nft)."""
+        if self.cgroups is None or not self.cgroups.available:
+            return self.cgroups.reason if self.cgroups is not None else "not started"
+        try:
+            netfault.ensure_nft()
+        except NetFaultUnavailable as error:
+            return str(error)
+        return None
+
+    def cut_network(self, namespace: str, pod: str, mode: str = "peers") -> None:
+        """Partition a running pod, its processes alive: "peers" drops all its traffic except with the
+        API server, "api" only that (see netfault.py). `heal_network` ends it."""
+        cgroup = self._worker(namespace, pod).cgroup
+        if cgroup is None:
+            raise NodeAgentError(f"pod {namespace}/{pod} runs without a cgroup: {self.network_faults_unavailable()}")
+        if self._cuts is None:
+            url = urlparse(self._core.server if self._core is not None else "")
+            self._cuts = netfault.NetworkCuts(
+                self.agent_id, (url.hostname or "127.0.0.1", url.port or 443), self.cgroups.mount
+            )
+        self._cuts.cut(cgroup, mode)
+        self._cut_pods[(namespace, pod)] = cgroup
+
+    def heal_network(self, namespace: str, pod: str) -> None:
+        """Undo `cut_network` for the pod (also after the pod is gone)."""
+        cgroup = self._cut_pods.pop((namespace, pod), None)
+        if cgroup is not None and self._cuts is not None:
+            self._cuts.heal(cgroup)
 
 
 def kill_from_status_file(status_dir: Path, namespace: str, pod: str, signum: int = signals.SIGKILL) -> list[int]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from oobleck.processes import die_with_parent
-from oobleck_dev import podenv
+from oobleck_dev import netfault, podenv
 from oobleck_dev.kwok import GPU_RESOURCE
 from oobleck_dev.podenv import MountError, VolumeContent, mounted_path
 
@@ -133,8 +133,15 @@ def container_root(pod_dir: Path, container: Mapping, volumes: Mapping[str, Path
 class ContainerProcess:
     """One running container: a process in its own session, logging to a file, reaped via a pidfd."""
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path):
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path, cgroup: Path | None = None):
+        """`cgroup`: the pod's cgroup, joined before exec (netfault.py matches the pod's sockets by it)."""
         log.parent.mkdir(parents=True, exist_ok=True)
+        dies_with_parent, joins = die_with_parent(os.getpid()), netfault.join_cgroup(cgroup)
+
+        def preexec() -> None:
+            dies_with_parent()
+            joins()
+
         with open(log, "ab") as out:
             self.popen = subprocess.Popen(
                 list(argv),
@@ -145,7 +152,7 @@ class ContainerProcess:
                 env=dict(env),
                 start_new_session=True,
                 # Dies with the thread that started it: the agent's event loop thread.
-                preexec_fn=die_with_parent(os.getpid()),
+                preexec_fn=preexec,
                 close_fds=True,
             )
         self.pid = self.popen.pid
@@ -288,6 +295,7 @@ class PodHost(Protocol):
     ips: Any  # nodeagent.IpBlock
     gpus: Any  # nodeagent.GpuSlots
     timeouts: Any  # nodeagent.AgentTimeouts
+    cgroups: netfault.PodCgroups
 
     def base_env(self, pod: dict, ip: str, root: Path) -> dict[str, str]: ...
     def log_path(self, namespace: str, name: str, uid: str, container: str) -> Path: ...
@@ -320,6 +328,7 @@ class PodWorker:
         self.roots: dict[str, Path] = {}
         self.gpu_slots: list[int] | None = None  # held from sandbox set-up to the end
         self.gpu_plan: dict[str, list[int]] = {}
+        self.cgroup: Path | None = None  # the pod's processes' cgroup (None where cgroups are unavailable)
         self.sandbox_ready = False
         self.init_failed = False
         self.node_shutdown = False  # the agent stops: end the processes, leave the pod to the API
@@ -491,6 +500,8 @@ class PodWorker:
         while not (self.deleting or self.stopping):
             try:
                 self._allocate_gpus()
+                if self.cgroup is None:
+                    self.cgroup = self.agent.cgroups.create(self.dir.name)
                 self.sources = await self.agent.fetch_sources(self.pod)
                 contents = podenv.volume_contents(self._pod_view(), self.sources, self.agent.allocatable)
                 folders = write_volumes(self.dir, contents, self.agent.workdir / "claims")
@@ -565,7 +576,7 @@ class PodWorker:
             log_path = self.agent.log_path(self.namespace, self.name, self.uid, container.name)
             started = now_rfc3339()
             try:
-                container.process = ContainerProcess(argv, env, cwd, log_path)
+                container.process = ContainerProcess(argv, env, cwd, log_path, self.cgroup)
             except OSError as error:  # e.g. the command is not on PATH
                 container.process = None
                 code = START_ERROR_EXIT
@@ -647,6 +658,7 @@ class PodWorker:
         while not (self.deleting or self.node_shutdown):
             await self.wait_change()
         await self.kill_processes(self._stop_grace())
+        netfault.PodCgroups.remove(self.cgroup)
         await self.report()
         if self.node_shutdown or self.gone:
             return

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,8 +28,10 @@ from oobleck.runtime.health import (
     FailureReport,
     GpuHealth,
     HealthTimeouts,
+    LivenessResponder,
     is_peer_failure,
     probe_gpus,
+    probe_liveness,
     wait_alive,
 )
 
@@ -269,11 +272,85 @@ def test_gpu_probe_on_this_machine():
 
 
 @pytest.mark.parametrize(
-    "field, value", [("heartbeat_period_s", 0), ("dead_after_s", -1), ("watch_period_s", 0), ("dead_after_s", 0.15)]
+    "field, value",
+    [
+        ("heartbeat_period_s", 0),
+        ("dead_after_s", -1),
+        ("watch_period_s", 0),
+        ("dead_after_s", 0.08),
+        ("probe_timeout_s", 0),
+        ("suspect_after_s", 0.04),
+        ("suspect_after_s", -1),
+        ("suspect_after_s", 2.0),
+    ],
 )
 def test_bad_timeouts_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         HealthTimeouts(**{field: value})
+
+
+HUNG_LIMIT_S = 0.5
+"""Stopped worker -> verdict, on a quiet machine (the issue's bound); LOADED_SLACK_S is added under load."""
+LOADED_SLACK_S = 1.0
+
+
+@GROUP
+@pytest.mark.slow
+def test_a_stopped_worker_is_found_by_probe_within_half_a_second_and_a_starved_one_is_not():
+    """SIGSTOP (a hung node: no exit, no EOF) is a heartbeat-only failure: the silent peer is probed and
+    its responder does not answer. A worker whose heartbeat thread is starved of the GIL for longer than
+    the suspicion (its main thread spins with a 5 s switch interval) answers the probe: no verdict."""
+    workers = [f"node{i}:0" for i in range(4)]
+    starved = workers[3]
+    with Coordinator() as coordinator:
+        store = coordinator.store()
+        procs = [
+            _spawn(coordinator.port, w, workers, "--dead-after", "5", *(["--starve-gil", "2"] if w == starved else []))
+            for w in workers
+        ]
+        try:
+            wait_alive(store, workers, 60)
+            _watching(store, workers)
+            store.wait([f"starving/{starved}"], datetime.timedelta(seconds=30))
+            time.sleep(2.5)  # the whole starvation and more: nobody is called dead
+            assert co.pop_failures(store) == [], "a worker starved of the GIL answered probes: no verdict"
+            victim = workers[1]
+            os.kill(procs[1].pid, signal.SIGSTOP)
+            stopped_at = time.time()
+            reports = _collect(store, {victim}, 10)
+            detected = _detections(store, [workers[0], workers[2]], 10)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGCONT)
+            _stop(procs)
+    first = min(r["detected_at"] for r in reports if victim in r["dead"])
+    print(
+        f"SIGSTOP -> first verdict {first - stopped_at:.3f} s; survivors woken {[t - stopped_at for t in detected.values()]}"
+    )
+    assert all(set(r["dead"]) == {victim} and r["kind"] == "heartbeat" for r in reports), reports
+    assert any("did not answer" in r["detail"] for r in reports), reports
+    loaded = os.getloadavg()[0] > 1.0
+    assert first - stopped_at < HUNG_LIMIT_S + (LOADED_SLACK_S if loaded else 0.0)
+
+
+def test_probe_liveness_answers_for_a_live_responder_and_names_a_dead_port():
+    responder = LivenessResponder("127.0.0.1")
+    assert probe_liveness(responder.address, 1.0) is None
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    why = probe_liveness(f"127.0.0.1:{port}", 0.5)
+    assert why is not None and "refused" in why and str(port) in why
+
+
+def _starve_gil(seconds: float) -> None:
+    """Hold the GIL in this (main) thread for `seconds`: the detector's Python threads cannot run."""
+    sys.setswitchinterval(seconds + 1)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    sys.setswitchinterval(0.005)
 
 
 def _worker_main(argv: list[str]) -> int:
@@ -283,6 +360,7 @@ def _worker_main(argv: list[str]) -> int:
     parser.add_argument("--peers", default="")
     parser.add_argument("--gloo-pair", type=int)
     parser.add_argument("--dead-after", type=float, default=HealthTimeouts.dead_after_s)
+    parser.add_argument("--starve-gil", type=float, default=0.0)
     args = parser.parse_args(argv)
     if args.gloo_pair is not None:
         _gloo_pair(args.gloo_pair, args.port)
@@ -301,6 +379,9 @@ def _worker_main(argv: list[str]) -> int:
         detector.watch(generation, args.peers.split(","))
         detector.ready()
         store = _confirmed_set(store, args.port, f"watching/{args.worker}/{generation}", "1")
+        if args.starve_gil and generation == 0:
+            store = _confirmed_set(store, args.port, f"starving/{args.worker}", "1")
+            _starve_gil(args.starve_gil)
         detector.failure.wait()
         store = _confirmed_set(store, args.port, f"detected/{args.worker}/{generation}", str(time.time()))
         # Like a worker waiting for the controller's next plan.
