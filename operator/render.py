@@ -48,6 +48,12 @@ The contract with the runtime (what a worker pod may rely on):
   `{"generation": -1, "step": 0}` before the first plan means "runtime up, waiting for a plan": a
   replacement pod is folded in only once it wrote it and the current generation has trained a
   step (jobs whose pods never write progress fold replacements in as soon as they run).
+  CAUSE_ANNOTATION (oobleck.api.causes): a failure caused by the job itself (`kind`: ModelLoadFailed,
+  DataUnavailable, InvalidConfig, OutOfMemory, NonFiniteLoss, CudaError; `message`; `field`, `path`,
+  `layer`, `step` when known), written just before the worker exits with the kind's exit code (10-15).
+  operator/faults.py fails the job with it once it is certain (see there); the worker container's
+  terminationMessagePolicy FallbackToLogsOnError puts its last log lines in a failed container's
+  status, for workers that die before they can report.
 """
 
 from __future__ import annotations
@@ -260,6 +266,8 @@ def worker_pod(
                 "env": env,
                 "ports": [{"name": "worker", "containerPort": WORKER_PORT}],
                 "resources": {"requests": requests, "limits": limits},
+                # A worker that dies before its runtime reports anything still says why (operator/faults.py).
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "securityContext": container_security,
                 "volumeMounts": mounts,
             }

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -559,6 +560,7 @@ class Launcher:
 
     def _reap(self) -> list[tuple[str, int]]:
         """Workers that exited since the last call; a worker that found a layer unrecoverable ends the job."""
+        from oobleck.api.causes import KIND_OF_EXIT
         from oobleck.runtime.reconfig import EXIT_UNRECOVERABLE
 
         exited = []
@@ -569,6 +571,8 @@ class Launcher:
                 log.info("worker %s exited with %s", child.worker, code)
                 if code == EXIT_UNRECOVERABLE:
                     raise JobFailed(f"{child.worker}: {self._last_error(child.worker)}")
+                if code in KIND_OF_EXIT:  # a failure of the job itself (oobleck.api.causes): it would repeat anywhere
+                    raise JobFailed(f"{child.worker}: {KIND_OF_EXIT[code]}: {self._last_error(child.worker)}")
         return exited
 
     def _inject(self, faults: list[Fault], progress: dict[str, dict]) -> list[Fault]:
@@ -912,7 +916,12 @@ class Launcher:
         losses: dict[int, float] = {}
         for record in sorted(records, key=lambda r: r["time"]):
             step = record["step"]
-            if step in losses and losses[step] != record["loss"]:
+            # (NaN never equals itself: a non-finite step's loss is the same on every rank that logged it)
+            if (
+                step in losses
+                and losses[step] != record["loss"]
+                and not (math.isnan(losses[step]) and math.isnan(record["loss"]))
+            ):
                 error = error or f"step {step} logged twice with different losses: {losses[step]} != {record['loss']}"
             losses[step] = record["loss"]
         for reconfiguration in self.reconfigurations:

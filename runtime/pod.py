@@ -21,9 +21,11 @@ gloo and the /metrics endpoint (port METRICS_PORT + local GPU) bind to the pod I
 several pods share one host. Logs are JSON lines carrying job, node, gpu, generation and step.
 Before its first plan a worker writes the progress annotation `{"generation": -1, "step": 0}`: "up and
 waiting", the operator's cue to fold a replacement pod in.
-Exit codes: 0 the job's last step is done; 2 bad configuration; 3 dropped from the plan; 4 no plan
+Exit codes: 0 the job's last step is done; 2 bad environment; 3 dropped from the plan; 4 no plan
 arrived in time; 5 some layer's state is gone from every worker, snapshot and checkpoint (reported to
-the operator, which fails the job with it); 1 anything else (the message says what).
+the operator, which fails the job with it); 10-15 a failure caused by the job itself (oobleck.api.causes:
+model import, data, config, memory, non-finite loss, CUDA), put on the pod as CAUSE_ANNOTATION first;
+1 anything else (the message says what).
 
 Tunables a job can set through `spec.pod.env` (OOBLECK_* names are reserved for the operator): WORKER_DEAD_AFTER_S (seconds of heartbeat silence
 before a peer is declared dead, default 3: pods on a loaded host starve threads for seconds),
@@ -50,7 +52,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from oobleck.api import planmap
+from oobleck.api.causes import CAUSE_ANNOTATION, make_cause
 from oobleck.api.job import OobleckJobSpec
+from oobleck.runtime.causes import JobFault, blame, classify, model_field
 from oobleck.runtime.config import CheckpointConfig, DataConfig, ModelConfig, OptimConfig, Timeouts, WorkerConfig
 from oobleck.runtime.kube import KubeApiError, KubeClient, KubeConfigError, KubeError, pod_path
 
@@ -212,6 +216,7 @@ def worker_config(
         microbatch_size=training.microbatch_size,
         steps=training.steps,
         seed=training.seed,
+        on_non_finite=training.on_non_finite,
         device=device,
         threads=1,
         timeouts=Timeouts(connect=connect_timeout_s),
@@ -520,12 +525,17 @@ def measure_profile(env: PodEnv, client: KubeClient, source) -> bool:
         spec = parse_spec(json.loads(env.job_spec))
         config = worker_config(spec, env.job, container_root=env.container_root, compute_device=env.compute_device)
     except ValueError as error:
-        raise PodFailure(EXIT_CONFIG, f"OOBLECK_JOB_SPEC: {error}") from error
+        raise JobFault(make_cause("InvalidConfig", f"OOBLECK_JOB_SPEC: {error}")) from error
     if spec.profile.source != "measure":
         return False
     torch.set_num_threads(config.threads)
     began = time.monotonic()
-    profile = profile_model(build_model(config), config.microbatch_size, choose_device(config, 0), 1, 3)
+    with blame("ModelLoadFailed", field=model_field(config)):
+        model = build_model(config)
+        with torch.device("meta"):
+            model.build_layer(model.num_layers - 1)  # an entry point's errors, before measuring
+    with blame("OutOfMemory", field="spec.resources.memory"):  # what else goes wrong while measuring is the model's
+        profile = profile_model(model, config.microbatch_size, choose_device(config, 0), 1, 3)
     _annotate(client, env.namespace, env.node, {planmap.MEASURED_PROFILE_ANNOTATION: profile.model_dump_json()})
     _log("profiled", env, layers=len(profile.layers), seconds=round(time.monotonic() - began, 3))
     return True
@@ -569,7 +579,7 @@ def run_worker(env: PodEnv, gpu: int, client: KubeClient | None = None, first_pl
         config = worker_config(spec, env.job, container_root=env.container_root, compute_device=env.compute_device)
         health = HealthTimeouts(heartbeat_period_s=env.heartbeat_period_s, dead_after_s=env.dead_after_s)
     except ValueError as error:  # pydantic's ValidationError is a ValueError
-        raise PodFailure(EXIT_CONFIG, f"configmap {env.plan_config_map}: {error}") from error
+        raise JobFault(make_cause("InvalidConfig", f"configmap {env.plan_config_map}: {error}")) from error
     me = worker_id(env.node, gpu)
     _log("config", env, gpu=gpu, steps=config.steps, model=config.model.model_dump(), device=config.device)
     store_timeouts = StoreTimeouts()
@@ -714,15 +724,27 @@ def main(argv: list[str] | None = None) -> int:
     except PodFailure as error:
         print(f"oobleck pod {env.node} gpu {gpu}: {error}", file=sys.stderr)
         return error.code
-    except KubeConfigError as error:
-        print(f"oobleck pod {env.node} gpu {gpu}: {error}", file=sys.stderr)
-        return EXIT_CONFIG
-    except KubeError as error:
-        print(f"oobleck pod {env.node} gpu {gpu}: Kubernetes API: {error}", file=sys.stderr)
-        return EXIT_ERROR
-    except Exception:
-        log.exception(json.dumps({"event": "crashed", "job": env.job, "node": env.node, "gpu": gpu}))
-        return EXIT_ERROR
+    except Exception as error:
+        cause = classify(error)
+        if cause is None:
+            if isinstance(error, KubeError):
+                print(f"oobleck pod {env.node} gpu {gpu}: Kubernetes API: {error}", file=sys.stderr)
+                return EXIT_CONFIG if isinstance(error, KubeConfigError) else EXIT_ERROR
+            log.exception(json.dumps({"event": "crashed", "job": env.job, "node": env.node, "gpu": gpu}))
+            return EXIT_ERROR
+        return report_cause(env, gpu, cause)
+
+
+def report_cause(env: PodEnv, gpu: int, cause, client: KubeClient | None = None) -> int:
+    """Put a job cause on the pod (CAUSE_ANNOTATION) for the operator, log it, and return its exit code."""
+    print(f"oobleck pod {env.node} gpu {gpu}: {cause.kind}: {cause.describe()}", file=sys.stderr)
+    _log("cause", env, gpu=gpu, cause=cause.model_dump(exclude_none=True))
+    try:
+        client = client or KubeClient.in_cluster()
+        _annotate(client, env.namespace, env.node, {CAUSE_ANNOTATION: cause.model_dump_json(exclude_none=True)})
+    except (KubeError, OSError) as error:  # the exit code still names the kind
+        print(f"oobleck pod {env.node}: could not report the cause: {error}", file=sys.stderr)
+    return cause.exit_code
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from oobleck.api.plan import Plan
+from oobleck.runtime.causes import blame, model_field
 from oobleck.runtime.config import WorkerConfig, build_dataset, build_model
 from oobleck.runtime.engine import Engine, StepOutcome
 from oobleck.runtime.groups import CommError, GenerationGroups, Interrupted, layout
@@ -98,8 +99,11 @@ class Worker:
         self.config, self.store, self.node, self.gpu = config, store, node, gpu
         self.failed = failed if failed is not None else threading.Event()
         self.device = choose_device(config, gpu)
-        self.model = build_model(config)
-        self.data = build_dataset(config, self.model)
+        # Errors here are the job's (runtime/causes.py): the worker reports them and the job fails with them.
+        with blame("ModelLoadFailed", field=model_field(config)):
+            self.model = build_model(config)
+        with blame("DataUnavailable", field="spec.data", path=config.data.path):
+            self.data = build_dataset(config, self.model)
         self.optimizer = _FencedOptimizer(LayerAdamW(config.optim), self)
         self.snapshots = None
         """a `snapshot.Snapshotter` when snapshots are on (set by the elastic runner)"""
@@ -120,7 +124,7 @@ class Worker:
         # Sized now, at start-up, not on the first reconfiguration's critical path (runtime/resolve.py
         # needs them): the first meta-device build takes ~1 s of lazy set-up. Not on a thread: layer
         # builders reseed the global RNG, which a training step running beside them would feel.
-        with torch.device("meta"):
+        with blame("ModelLoadFailed", field=model_field(config)), torch.device("meta"):
             self._state_bytes = [state_nbytes(self.model.build_layer(i)) for i in range(self.model.num_layers)]
 
     # -- generations -------------------------------------------------------------------------------
