@@ -12,7 +12,8 @@ The verdict (`assess`):
   status.lastWorkerFailures;
 - the job fails with the cause's kind as the reason and the worker's message when the cause is certain
   by itself (InvalidConfig, NonFiniteLoss: see oobleck.api.causes.CERTAIN), when the same kind shows on
-  two different pods (two workers at once, or a replacement again: the job's fault, not a node's), or
+  two different pods (two workers at once, or a replacement again: the job's fault, not a node's; for
+  an exit before the runtime reported, the same exit code and last log lines too), or
   when the count exceeds spec.failurePolicy.backoffLimit (BackoffLimitExceeded, naming the last);
 - a worker container held in a start failure (ImagePullBackOff, CrashLoopBackOff, ...) for
   failurePolicy.startTimeoutSeconds since its pod was created fails the job with that reason;
@@ -106,6 +107,15 @@ def pod_fault(pod: PodSummary) -> Fault | None:
     return None
 
 
+def _signature(kind: str, pod: str, message: str) -> str:
+    """What makes two failures "the same": the cause's kind; for a container that exited before its
+    runtime reported (a kind that says little) also its exit code and last log lines, so that two
+    unrelated early exits (a coordinator not reachable yet, a node going away) are not taken for one."""
+    if kind != Reason.WORKER_FAILED:
+        return kind
+    return kind + message.removeprefix(f"{pod}: ")
+
+
 def _start_failure(pod: PodSummary, timeout_s: float, now: float) -> tuple[str, str] | None:
     if pod.waiting is None or pod.waiting[0] not in START_FAILURES or pod.created is None:
         return None
@@ -144,13 +154,18 @@ def assess(
     for fault in faults:
         if fault.certain:
             return failing(fault.kind, fault.message)
-    pods_of: dict[str, dict[str, str]] = {}  # kind -> uid -> message, oldest first
+    pods_of: dict[str, dict[str, str]] = {}  # signature -> uid -> message, oldest first
     for record in records:
-        pods_of.setdefault(record.reason, {}).setdefault(record.uid, record.message)
+        pods_of.setdefault(_signature(record.reason, record.pod, record.message), {}).setdefault(
+            record.uid, record.message
+        )
     for fault in faults:
-        seen = pods_of.get(fault.kind, {})
+        signature = _signature(fault.kind, fault.pod, fault.message)
+        seen = pods_of.get(signature, {})
         if len(seen) >= 2:
-            others = [r.pod for r in records if r.reason == fault.kind and r.uid != fault.uid]
+            others = [
+                r.pod for r in records if _signature(r.reason, r.pod, r.message) == signature and r.uid != fault.uid
+            ]
             where = ", ".join(dict.fromkeys(others))
             return failing(fault.kind, f"{fault.message}; the same on {where}: the job's fault, not a node's")
     if count > policy.backoff_limit:

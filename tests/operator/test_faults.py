@@ -116,3 +116,12 @@ def test_summarize_pod_reads_the_cause_the_termination_message_and_a_waiting_rea
     pod = summarize_pod(body)
     assert pod.terminated == (1, "Error") and pod.terminated_message.endswith("ValueError: x")
     assert pod.waiting == ("CrashLoopBackOff", "back-off 10s") and '"OutOfMemory"' in pod.cause
+
+
+def test_two_different_early_exits_are_not_taken_for_one_cause(h):
+    a = failed(h, 0, 1, message="ConnectionRefusedError: coordinator")
+    b = failed(h, 1, 1, message="exec: python: not found")
+    verdict = assess(h.UID, [a, b], 0, [], POLICY, 0)
+    assert verdict.fail is None and verdict.worker_failures == 2
+    c = failed(h, 2, 1, message="exec: python: not found")
+    assert assess(h.UID, [a, b, c], 0, [], POLICY, 0).fail[0] == "WorkerFailed"
