@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from oobleck.api.causes import EXIT_CODES, parse_cause
 from oobleck.runtime.causes import JobFault, blame, classify
@@ -48,3 +49,12 @@ def test_a_worker_whose_token_file_is_missing_raises_data_unavailable(tmp_path):
     with pytest.raises(JobFault) as caught:
         Worker(config, store=None, node="n0", gpu=0)
     assert caught.value.cause.kind == "DataUnavailable" and caught.value.cause.path.endswith("none.bin")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_allocation_beyond_the_device_is_out_of_memory():
+    total = torch.cuda.get_device_properties(0).total_memory
+    with pytest.raises(JobFault) as caught, blame("ModelLoadFailed", field="spec.model.gpt"):
+        torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+    assert caught.value.cause.kind == "OutOfMemory" and "out of memory" in caught.value.cause.message.lower()
