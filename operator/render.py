@@ -303,7 +303,8 @@ def coordinator_pod(job: str, namespace: str, uid: str, spec: OobleckJobSpec, *,
                 "image": spec.image or default_image,
                 "command": ["python", "-m", "oobleck.runtime.coordinator", "--port", str(STORE_PORT)],
                 "ports": [{"name": "store", "containerPort": STORE_PORT}],
-                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
+                # The store's process imports torch: ~580 MB resident (a 512Mi limit OOM-kills it).
+                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
                 "securityContext": container_security,
             }
         ],

@@ -500,7 +500,7 @@ class PodWorker:
     def _memory_cgroup(self, name: str) -> MemoryCgroup | None:
         """The container's memory limit as a cgroup (memlimit.py); None without a limit or a cgroup."""
         limit = ((self.specs[name].get("resources") or {}).get("limits") or {}).get("memory")
-        if limit is None:
+        if limit is None or not self.agent.enforce_memory:
             return None
         try:
             size = int(podenv.parse_quantity(limit, f"{name}: resources.limits.memory"))
