@@ -513,3 +513,18 @@ def test_replacements_failing_before_the_first_plan_are_bounded_by_the_budget(h)
     failed = cond(d.status, "Failed")
     assert failed.reason in ("WorkerFailed", "BackoffLimitExceeded") and "boom" in failed.message
     assert created <= 2 and d.status["workerFailures"] <= 2
+
+
+def test_a_worker_image_that_cannot_be_pulled_fails_the_job_after_the_start_timeout(h):
+    world = World(h, h.spec(), n_nodes=4)
+    world.apply(world.step())
+    stuck = world.names(1)[0]
+    world.pods[stuck] = replace(
+        world.pods[stuck], phase="Pending", waiting=("ImagePullBackOff", 'Back-off pulling image "nope:1"')
+    )
+    assert cond(world.step().status, "Failed") is None  # created 5 s ago: the kubelet may still get it
+    world.now = world.now.replace(minute=2, second=5)
+    d = world.step()
+    failed = cond(d.status, "Failed")
+    assert failed.reason == "ImagePullBackOff" and stuck in failed.message and "nope:1" in failed.message
+    assert d.status["phase"] == "Failed" and d.create == ()
