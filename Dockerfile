@@ -48,11 +48,12 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 RUN torch=$(python3 -c 'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if d.split(">")[0].split("=")[0].split("<")[0].strip() == "torch"))') \
     && /opt/oobleck/bin/pip install --index-url "${TORCH_INDEX_URL}" "${torch}"
-# The package-dir folders of pyproject.toml: oobleck, oobleck.operator, oobleck.runtime, oobleck.planner.
+# The package-dir folders of pyproject.toml: oobleck, oobleck.operator, oobleck.runtime, oobleck.planner, oobleck.simulate.
 COPY src/ src/
 COPY operator/ operator/
 COPY runtime/ runtime/
 COPY planner_cy/ planner_cy/
+COPY simulator/ simulator/
 # Build the wheel (compiles planner_cy/_*.pyx), install it with the remaining dependencies, and
 # prove the compiled planner loads and every entry point answers.
 RUN /opt/oobleck/bin/pip wheel --no-deps --wheel-dir /wheels . \

@@ -275,13 +275,10 @@ def _worker(argv: list[str]) -> int:
         args.gpu,
         failed=detector.failure,
         losses_path=args.losses,
+        commit=None if args.without == "commit" else reconfig.StepCommit(control, detector.failure, worker=me),
+        snapshots=snapshotter_for(config, me, lambda: connect(host, port, timeouts)[0], host),
+        epoch=control.epoch,
     )
-    worker._epoch = control.epoch
-    if args.without != "commit":
-        worker.optimizer = reconfig.CommittingOptimizer(
-            worker.optimizer, worker, reconfig.StepCommit(control, detector.failure, worker=me)
-        )
-    worker.snapshots = snapshotter_for(config, me, lambda: connect(host, port, timeouts)[0], host)
     profiler = None
     if os.environ.get("OVERHEAD_PROFILE"):
         import cProfile

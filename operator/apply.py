@@ -305,15 +305,13 @@ async def apply_decision(
     default_image: str,
     default_command: list[str],
     status_before: dict[str, Any],
-    after_plan_write: Callable[[], None] | None = None,
 ) -> Applied:
     """Execute a Decision in the order decide.py's docstring gives."""
     patched_at = written = None
     if decision.plan is not None:
+        assert profile is not None, "a plan is written with the profile it was planned with"
         body = render.plan_config_map(job, namespace, uid, decision.plan, profile, spec, decision.failures_survived)
         written = await api.write_plan(body, uid, plan_version)
-        if after_plan_write is not None:
-            after_plan_write()
 
     async def patch_pods() -> float:
         await gather_all(api.patch_pod(namespace, name, annotations) for name, annotations in decision.patches)

@@ -42,7 +42,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--inter-node-gbps", type=float, default=200.0, help="inter-node bandwidth (Gbit/s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="also log every handler call")
-    parser.add_argument("--crash-after-plan-write", action="store_true", help=argparse.SUPPRESS)  # restart tests
     parser.set_defaults(func=run)
 
 
@@ -112,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
         standalone=args.peering is None,
         peering_name=args.peering or "oobleck-operator",
         priority=args.priority,
-        crash_after_plan_write=args.crash_after_plan_write,
         peering_lifetime_s=args.peering_lifetime,
     )
     if not args.verbose:

@@ -42,8 +42,9 @@ from oobleck.operator.admission import admit, gpu_memory_bytes
 from oobleck.operator.faults import Verdict
 from oobleck.operator.observe import JobObservation, Worker
 from oobleck.operator.render import ranks_table, worker_annotations, worker_index
-from oobleck.planner import LostLayersError, instantiate, reconfigure
+from oobleck.planner import instantiate
 from oobleck.planner.errors import PlanningError
+from oobleck.planner.nextgen import WORKERS_CHOOSE, next_generation
 from oobleck.planner.synthetic import GPTShape, gpt_profile
 from oobleck.planner.templates import generate_templates
 
@@ -344,12 +345,15 @@ def decide(
 ) -> Decision:
     """The next actions for a job (see the module docstring). `profile` is None only before the first
     plan of a `profile: measure` job whose workers have not reported their measurement yet. `verdict`:
-    operator/faults.py's on the worker pods (None: no worker failure is the job's)."""
-    conditions = ctx.status.conditions
-    if is_true(conditions, ConditionType.FAILED) or is_true(conditions, ConditionType.SUCCEEDED):
-        return _finished(ctx, obs, current, _Status(ctx, now, (obs.loss, obs.samples_per_second)), [])
+    operator/faults.py's on the worker pods (None: no worker failure is the job's); every worker pod it
+    counts for the first time gets a Warning event.
+
+    A pipeline of named steps: a finished job only cleans up; a job whose last step is done succeeds,
+    one that lost some layer for good fails; before generation 0 `_first_plan` decides; else the
+    members are sorted (`_membership`), the next generation planned if any changed or the generation
+    must be redone (`_change`), and the pods converged on the plan in force (`_converge`)."""
     decision = _decide(ctx, obs, current, profile, tuning, now, verdict)
-    if verdict is not None and verdict.new and verdict.fail is None:
+    if verdict is not None and verdict.new and verdict.fail is None and decision.status.get("phase") != "Failed":
         counted = tuple(
             Event("Warning", f.kind, f"{f.message} (worker failure {verdict.worker_failures})") for f in verdict.new
         )
@@ -366,16 +370,32 @@ def _decide(
     now: datetime,
     verdict: Verdict | None,
 ) -> Decision:
-    spec = ctx.spec
     status = _Status(ctx, now, (obs.loss, obs.samples_per_second), verdict)
+    ended = _ended(ctx, obs, current, status)
+    if ended is not None:
+        return ended
     if verdict is not None and verdict.fail is not None:
         # A failure of the job itself: every node would fail the same way (operator/faults.py).
         return _fail(ctx, obs, current, status, *verdict.fail)
-    plan = current.plan if current else None
-    failures = current.failures_survived if current else 0
-    wall = now.timestamp()
+    status.set(
+        ConditionType.CREATED, "True", Reason.OBJECTS_CREATED, "service, RBAC, coordinator and worker pods created"
+    )
+    create_coordinator, delete = _coordinator(obs)
+    if current is None:
+        return _first_plan(ctx, obs, profile, tuning, status, delete, create_coordinator, now.timestamp())
+    members = _membership(ctx, obs, current.plan)
+    change = _change(ctx, obs, current, profile, tuning, status, members, now.timestamp())
+    if isinstance(change, Decision):
+        return change
+    return _converge(ctx, obs, current, status, members, change, [*delete, *members.delete], create_coordinator, now)
 
-    if plan is not None and obs.step >= spec.training.steps:
+
+def _ended(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: _Status) -> Decision | None:
+    """The decision for a job that has ended or ends now (succeeded, or some layer lost for good), else None."""
+    spec, conditions = ctx.spec, ctx.status.conditions
+    if is_true(conditions, ConditionType.FAILED) or is_true(conditions, ConditionType.SUCCEEDED):
+        return _finished(ctx, obs, current, status, [])
+    if current is not None and obs.step >= spec.training.steps:
         status.set(
             ConditionType.SUCCEEDED, "True", Reason.STEPS_COMPLETED, f"{obs.step} of {spec.training.steps} steps done"
         )
@@ -388,22 +408,36 @@ def _decide(
             status,
             [Event("Normal", Reason.STEPS_COMPLETED, f"all {spec.training.steps} steps done")],
         )
-
-    if plan is not None and obs.unrecoverable:
+    if current is not None and obs.unrecoverable:
         return _fail(ctx, obs, current, status, Reason.LAYERS_LOST, obs.unrecoverable)
+    return None
 
-    status.set(
-        ConditionType.CREATED, "True", Reason.OBJECTS_CREATED, "service, RBAC, coordinator and worker pods created"
-    )
-    create_coordinator = obs.coordinator is None
+
+def _coordinator(obs: JobObservation) -> tuple[bool, list[tuple[str, str]]]:
+    """Whether to create the coordinator pod, and a failed one to delete (it is recreated on the next pass)."""
     delete: list[tuple[str, str]] = []
     if obs.coordinator is not None and not obs.coordinator.deleting and obs.coordinator.phase == "Failed":
-        delete.append((obs.coordinator.name, "coordinator failed"))  # recreated on the next pass
-    wanted = spec.nodes.wanted
+        delete.append((obs.coordinator.name, "coordinator failed"))
+    return obs.coordinator is None, delete
 
-    if plan is None:
-        return _first_plan(ctx, obs, profile, tuning, status, delete, create_coordinator, wall)
 
+@dataclass(frozen=True)
+class Membership:
+    """The plan's members sorted by what happened to them, and the newcomers to fold in."""
+
+    lost: dict[str, str]
+    """member -> why it is lost"""
+    survivors: list[str]
+    scaled: list[str]
+    """survivors dropped to scale down"""
+    added: list[str]
+    """running newcomers to fold in"""
+    delete: list[tuple[str, str]]
+    """non-member pods to delete: lost, dropped from the plan, or no longer wanted"""
+
+
+def _membership(ctx: JobContext, obs: JobObservation, plan: Plan) -> Membership:
+    wanted = ctx.spec.nodes.wanted
     members = plan.nodes
     member_set, dropped = set(members), set(plan.lost_nodes)
     lost: dict[str, str] = {}
@@ -434,6 +468,7 @@ def _decide(
     added = [w.name for w in newcomers[: max(room, 0)]]
     added_set, eligible = set(added), {w.name for w in newcomers}
     spare = max(room, 0) - len(added)  # pending (or still starting) pods beyond this are no longer wanted
+    delete: list[tuple[str, str]] = []
     for worker in obs.workers:
         if worker.name in member_set or worker.name in added_set:
             continue
@@ -443,120 +478,145 @@ def _decide(
             spare -= 1
         elif worker.status in ("running", "pending"):
             delete.append((worker.name, f"scaled to {wanted} nodes"))
+    return Membership(lost, survivors, scaled, added, delete)
 
-    events: list[Event] = []
-    new_plan = None
-    planner_s = 0.0
-    if lost or scaled or added:
-        if len(survivors) - len(scaled) + len(added) < spec.nodes.min:
-            return _fail(
-                ctx,
-                obs,
-                current,
-                status,
-                *_named(
-                    verdict,
-                    Reason.TOO_FEW_NODES,
-                    f"{len(survivors) + len(added)} nodes left after losing {sorted(lost)}; nodes.min is {spec.nodes.min}",
-                ),
-            )
-        began = time.perf_counter()
-        restore = False
-        try:
-            new_plan = reconfigure(
-                plan,
-                plan.templates,
-                profile,
-                [*lost, *scaled],
-                added,
-                bandwidth=tuning.inter_node_bandwidth,
-                horizon=tuning.horizon,
-            )
-        except LostLayersError:
-            # Every live replica of some layer is gone: a fresh layout on the survivors, and the
-            # workers restore the newest step their snapshots or the checkpoint directory hold in
-            # full (runtime/resolve.py); if none does they report "unrecoverable" and the job fails.
-            restore = True
-            try:
-                fresh = instantiate(
-                    plan.templates,
-                    [*[m for m in survivors if m not in scaled], *added],
-                    spec.f,
-                    spec.training.global_microbatches,
-                    ctx.name,
-                    gpus_per_node=spec.gpus_per_node,
-                    allow_degraded=True,
-                )
-            except PlanningError as again:
-                return _fail(ctx, obs, current, status, *_named(verdict, Reason.TOO_FEW_NODES, str(again)))
-            new_plan = fresh.model_copy(
-                update={
-                    "generation": plan.generation + 1,
-                    "lost_nodes": [m for m in members if m in lost or m in scaled],
-                    "added_nodes": added,
-                    "reason": "rollback",
-                }
-            )
-        except PlanningError as error:
-            return _fail(ctx, obs, current, status, *_named(verdict, Reason.TOO_FEW_NODES, str(error)))
-        planner_s = time.perf_counter() - began
-        failures += len(lost)
-        moved = sum(c.bytes for c in new_plan.copies)
-        for name, why in lost.items():
-            events.append(Event("Warning", Reason.NODE_LOST, f"{name}: {why}"))
-        what = []
-        if lost:
-            what.append(f"lost {sorted(lost)}")
-        if scaled:
-            what.append(f"scaled in {scaled}")
-        if added:
-            what.append(f"added {added}")
-        summary = (
-            f"generation {new_plan.generation}: {', '.join(what)}; {len(new_plan.pipelines)} pipelines on "
-            f"{len(new_plan.nodes)} nodes ({new_plan.reason}); moved {moved} bytes"
+
+@dataclass(frozen=True)
+class Change:
+    """The next generation (None: the plan in force stays) and what goes with it."""
+
+    plan: Plan | None = None
+    failures: int = 0
+    during: dict[str, Any] | None = None
+    """the status written while the patches are in flight"""
+    events: tuple[Event, ...] = ()
+    delete: tuple[tuple[str, str], ...] = ()
+    """members the new generation drops"""
+    planner_seconds: float = 0.0
+
+
+def _change(
+    ctx: JobContext,
+    obs: JobObservation,
+    current: CurrentPlan,
+    profile: ModelProfile | None,
+    tuning: Tuning,
+    status: _Status,
+    members: Membership,
+    wall: float,
+) -> Change | Decision:
+    """The next generation when members are lost, scaled in or added, or when the generation must be
+    redone on the same nodes; a failing Decision when the job cannot go on."""
+    spec, plan, failures = ctx.spec, current.plan, current.failures_survived
+    lost, scaled, added = members.lost, members.scaled, members.added
+    if not (lost or scaled or added):
+        return _retry(obs, current, profile, tuning, status, wall)
+    if len(members.survivors) - len(scaled) + len(added) < spec.nodes.min:
+        return _fail(
+            ctx,
+            obs,
+            current,
+            status,
+            *_named(
+                status.verdict,
+                Reason.TOO_FEW_NODES,
+                f"{len(members.survivors) + len(added)} nodes left after losing {sorted(lost)}; "
+                f"nodes.min is {spec.nodes.min}",
+            ),
         )
-        if restore:
-            summary += "; every replica of some layer was lost: rolling back to the newest snapshot or checkpoint"
-        events.append(Event("Normal", Reason.RECONFIGURED, summary))
-        reason = (
-            Reason.ROLLING_BACK
-            if restore
-            else (Reason.NODE_LOST if lost else Reason.SCALED if scaled else Reason.NODES_ADDED)
+    assert profile is not None, "a plan exists, so does the profile stored beside it"
+    began = time.perf_counter()
+    try:
+        # Every live replica of some layer gone: a fresh layout on the survivors, and the workers
+        # restore the newest step their snapshots or the checkpoint directory hold in full
+        # (runtime/resolve.py); if none does they report "unrecoverable" and the job fails.
+        new_plan = next_generation(
+            plan,
+            profile,
+            [*lost, *scaled],
+            added,
+            restorable=WORKERS_CHOOSE,
+            bandwidth=tuning.inter_node_bandwidth,
+            horizon=tuning.horizon,
         )
-        status.set(ConditionType.RECONFIGURING, "True", reason, summary)
-        status.set(
-            ConditionType.RUNNING, "True", Reason.TRAINING, f"generation {plan.generation} until the survivors switch"
-        )
-        during = status.render(plan, failures, obs.step)
-        status.set(ConditionType.RECONFIGURING, "False", Reason.RECONFIGURED, summary)
-        for name, why in lost.items():
-            if obs.get(name) is not None:
-                delete.append((name, why))
-        for name in scaled:
-            delete.append((name, f"scaled to {wanted} nodes"))
-    elif why := _retry_reason(obs, wall):
-        # Nobody is lost, but the generation cannot go on (its store is gone, or a failure named nobody
-        # and no pod or node explains it): the same nodes start the next generation.
-        new_plan = plan.model_copy(
-            update={
-                "generation": plan.generation + 1,
-                "copies": [],
-                "lost_nodes": [],
-                "added_nodes": [],
-                "reason": "retry",
-            }
-        )
-        summary = f"generation {new_plan.generation}: the same {len(plan.nodes)} nodes again ({why})"
-        events.append(Event("Normal", Reason.GENERATION_RETRIED, summary))
-        status.set(ConditionType.RECONFIGURING, "True", Reason.GENERATION_RETRIED, summary)
-        during = status.render(plan, failures, obs.step)
-        status.set(ConditionType.RECONFIGURING, "False", Reason.RECONFIGURED, summary)
-    else:
-        during = None
-    in_force = new_plan or plan
-    patches = []
+    except PlanningError as error:
+        return _fail(ctx, obs, current, status, *_named(status.verdict, Reason.TOO_FEW_NODES, str(error)))
+    restore = new_plan.reason == "rollback"
+    planner_s = time.perf_counter() - began
+    failures += len(lost)
+    moved = sum(c.bytes for c in new_plan.copies)
+    events = [Event("Warning", Reason.NODE_LOST, f"{name}: {why}") for name, why in lost.items()]
+    what = []
+    if lost:
+        what.append(f"lost {sorted(lost)}")
+    if scaled:
+        what.append(f"scaled in {scaled}")
+    if added:
+        what.append(f"added {added}")
+    summary = (
+        f"generation {new_plan.generation}: {', '.join(what)}; {len(new_plan.pipelines)} pipelines on "
+        f"{len(new_plan.nodes)} nodes ({new_plan.reason}); moved {moved} bytes"
+    )
+    if restore:
+        summary += "; every replica of some layer was lost: rolling back to the newest snapshot or checkpoint"
+    events.append(Event("Normal", Reason.RECONFIGURED, summary))
+    reason = (
+        Reason.ROLLING_BACK
+        if restore
+        else (Reason.NODE_LOST if lost else Reason.SCALED if scaled else Reason.NODES_ADDED)
+    )
+    status.set(ConditionType.RECONFIGURING, "True", reason, summary)
+    status.set(
+        ConditionType.RUNNING, "True", Reason.TRAINING, f"generation {plan.generation} until the survivors switch"
+    )
+    during = status.render(plan, failures, obs.step)
+    status.set(ConditionType.RECONFIGURING, "False", Reason.RECONFIGURED, summary)
+    delete = [(name, why) for name, why in lost.items() if obs.get(name) is not None]
+    delete += [(name, f"scaled to {spec.nodes.wanted} nodes") for name in scaled]
+    return Change(new_plan, failures, during, tuple(events), tuple(delete), planner_s)
+
+
+def _retry(
+    obs: JobObservation,
+    current: CurrentPlan,
+    profile: ModelProfile | None,
+    tuning: Tuning,
+    status: _Status,
+    wall: float,
+) -> Change:
+    """Nobody is lost, but the generation may not be able to go on (its store is gone, or a failure named
+    nobody and no pod or node explains it): then the same nodes start the next generation."""
+    plan, failures = current.plan, current.failures_survived
+    why = _retry_reason(obs, wall)
+    if not why:
+        return Change(failures=failures)
+    new_plan = next_generation(plan, profile or (), reason="retry", bandwidth=tuning.inter_node_bandwidth)
+    summary = f"generation {new_plan.generation}: the same {len(plan.nodes)} nodes again ({why})"
+    status.set(ConditionType.RECONFIGURING, "True", Reason.GENERATION_RETRIED, summary)
+    during = status.render(plan, failures, obs.step)
+    status.set(ConditionType.RECONFIGURING, "False", Reason.RECONFIGURED, summary)
+    return Change(new_plan, failures, during, (Event("Normal", Reason.GENERATION_RETRIED, summary),))
+
+
+def _converge(
+    ctx: JobContext,
+    obs: JobObservation,
+    current: CurrentPlan,
+    status: _Status,
+    members: Membership,
+    change: Change,
+    delete: list[tuple[str, str]],
+    create_coordinator: bool,
+    now: datetime,
+) -> Decision:
+    """Pods onto the plan in force: rank patches, the Running/Degraded/WorkersPending conditions, pods to
+    create up to the wanted count, and deletions not already under way."""
+    spec, wall = ctx.spec, now.timestamp()
+    in_force = change.plan or current.plan
+    delete = [*delete, *change.delete]
     table = ranks_table(in_force)
     by_name = {w.name: w for w in obs.workers}
+    patches = []
     for name in in_force.nodes:
         worker = by_name.get(name)
         if worker is not None and worker.status == "running" and worker.ranks != table.get(name, ""):
@@ -582,26 +642,26 @@ def _decide(
             f"{len(in_force.pipelines)} pipelines >= f + 1 = {spec.f + 1}",
         )
     in_force_set = set(in_force.nodes)
-    # Pods on their way in: pending, or running but not folded in yet (still starting, see above).
+    # Pods on their way in: pending, or running but not folded in yet (still starting, see _membership).
     pending = [w for w in obs.workers if w.status in ("pending", "running") and w.name not in in_force_set]
     doomed = {d for d, _ in delete}
     kept_pending = [w for w in pending if w.name not in doomed]
     _pending_condition(status, kept_pending, spec.pending_timeout_seconds, wall)
-    create = next_indices(obs, in_force, wanted - len(in_force.nodes) - len(kept_pending))
+    create = next_indices(obs, in_force, spec.nodes.wanted - len(in_force.nodes) - len(kept_pending))
     # A pod already being deleted needs no second request (a pod on a dead node can stay terminating).
     delete = [(name, why) for name, why in delete if not ((w := obs.get(name)) is not None and w.deleting)]
     return Decision(
-        status=status.render(in_force, failures, obs.step),
-        plan=new_plan,
-        failures_survived=failures,
-        status_during=during,
+        status=status.render(in_force, change.failures, obs.step),
+        plan=change.plan,
+        failures_survived=change.failures,
+        status_during=change.during,
         patches=tuple(patches),
         delete=tuple(dict(delete).items()),
         create=create,
         create_coordinator=create_coordinator,
-        events=tuple(events),
-        lost=tuple(lost),
-        planner_seconds=planner_s,
+        events=change.events,
+        lost=tuple(members.lost),
+        planner_seconds=change.planner_seconds,
     )
 
 
@@ -658,7 +718,7 @@ def _first_plan(
         )
     if enough and profile is None:
         waiting = f"{len(running)} worker pods running; waiting for the profile they measure on their devices"
-    elif enough:
+    elif enough and profile is not None:
         began = time.perf_counter()
         try:
             templates = generate_templates(profile, cluster_shape(spec, tuning), f=spec.f)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -251,11 +250,6 @@ async def job_daemon(
         memo.metrics.set_phases(r.phase for r in memo.runners.values())
 
 
-def _crash() -> None:
-    log.warning("crash_after_plan_write: exiting between the plan write and the pod patches")
-    os._exit(137)
-
-
 def _now() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
 
@@ -404,7 +398,6 @@ async def reconcile(
             default_image=config.default_image,
             default_command=list(config.default_command),
             status_before=parse_status(raw_status).to_kubernetes(),
-            after_plan_write=_crash if config.crash_after_plan_write else None,
         )
     latency = None
     if decision.lost:

@@ -9,51 +9,25 @@ that deleting the job garbage-collects them and a retried create answers 409 ins
     <job>-plan           the ConfigMap holding the versioned plan (the source of truth)
     <job>-worker         the ServiceAccount, Role and RoleBinding of the workers
 
-The contract with the runtime (what a worker pod may rely on):
-
-- Environment of the worker container:
-  OOBLECK_JOB (job name), OOBLECK_NAMESPACE, OOBLECK_NODE (this pod's name: the plan's node id),
-  OOBLECK_PLAN_CONFIGMAP (`<job>-plan`), OOBLECK_STORE (`<job>-coordinator.<job>-workers.<ns>.svc:29400`,
-  the coordinator's TCPStore), OOBLECK_GPUS_PER_NODE, OOBLECK_DEVICE (cuda or cpu), OOBLECK_JOB_SPEC
-  (the job's spec as JSON, camelCase). The worker
-  (`python -m oobleck.runtime.pod`) connects to the coordinator pod's status.podIP, read through the
-  API (the first label of OOBLECK_STORE is that pod's name), and uses the DNS name only when it cannot
-  read it: the Service's names do not resolve on local nodes.
-- The plan ConfigMap: `plan.json` (oobleck.api.plan.Plan as JSON) or, when that would exceed
-  PLAN_INLINE_LIMIT bytes, `plan.json.gz` in binaryData (gzip of the same JSON); `profile.json` (the
-  ModelProfile planned with) and `job.json` (the job's spec, camelCase). The annotation
-  GENERATION_ANNOTATION equals the plan's generation. `read_plan` decodes either form (the encoding and
-  these names live in oobleck.api.planmap, shared with the runtime, which never imports the operator). The operator
-  replaces the plan as a whole and only ever increases its generation.
-- Annotations on worker pods, written by the operator: RANKS_ANNOTATION (comma-separated ranks of
-  local GPUs 0..G-1 in the plan in force; empty: not in it) and GENERATION_ANNOTATION (the generation
-  those ranks were written for: they last changed at or before it). The operator patches a pod only
-  when its ranks change, and only *after* the ConfigMap holds the generation; a pod whose ranks stay
-  keeps its older GENERATION_ANNOTATION (the planner keeps ranks across generations, so one lost node
-  renumbers about one node). A worker takes the current generation from the ConfigMap, never from
-  its pod. `annotations_current` says whether a pod's annotations match a plan.
-- Annotations on worker pods, written by the worker about itself (RBAC allows it to patch pods):
-  MEASURED_PROFILE_ANNOTATION: for a `profile: measure` job with no plan yet, the ModelProfile JSON the
-  pod's first worker measured on its device; the operator plans generation 0 with the lowest-indexed
-  worker's, and stores it in the plan ConfigMap (`profile.json`) for every later generation.
-  FAILURE_ANNOTATION: a oobleck.runtime.health.FailureReport as JSON (`job`, `generation`,
-  `reporter`, `kind`, `dead` (plan node ids), `detail`); kind "gpu" with `dead` empty or naming the
-  reporter marks the reporter's own GPU unhealthy; kind "unrecoverable" (some layer's state is gone
-  from every worker, snapshot and checkpoint) fails the job with `detail`; kind
-  "coordinator-restart", or a report naming nobody that no pod or node status explains within
-  5 s, makes the operator redo the generation on the same nodes. Reports for another generation
-  than the current plan's are ignored. PROGRESS_ANNOTATION: `{"generation": g, "step": s, "loss":
-  l, "samplesPerSecond": r}` (loss and throughput when known) after optimizer steps, at most about
-  once a second and always for the last step; a step >= spec.training.steps completes the job.
-  `{"generation": -1, "step": 0}` before the first plan means "runtime up, waiting for a plan": a
-  replacement pod is folded in only once it wrote it and the current generation has trained a
-  step (jobs whose pods never write progress fold replacements in as soon as they run).
-  CAUSE_ANNOTATION (oobleck.api.causes): a failure caused by the job itself (`kind`: ModelLoadFailed,
-  DataUnavailable, InvalidConfig, OutOfMemory, NonFiniteLoss, CudaError; `message`; `field`, `path`,
-  `layer`, `step` when known), written just before the worker exits with the kind's exit code (10-15).
-  operator/faults.py fails the job with it once it is certain (see there); the worker container's
-  terminationMessagePolicy FallbackToLogsOnError puts its last log lines in a failed container's
-  status, for workers that die before they can report.
+The contract with the runtime - the worker container's environment (built here as a
+oobleck.api.contract.PodContract, parsed by the pod), the ports, the exit codes and the annotations -
+is oobleck.api.contract. The plan ConfigMap's keys and the plan's encoding are oobleck.api.planmap's:
+`plan.json` (or `plan.json.gz` in binaryData above PLAN_INLINE_LIMIT bytes), `profile.json` (the
+ModelProfile planned with), `job.json` (the spec, camelCase); GENERATION_ANNOTATION on it equals the
+plan's generation. The operator replaces the plan as a whole and only ever increases its generation,
+and patches a worker pod's RANKS_ANNOTATION only when its ranks change and only *after* the ConfigMap
+holds the generation (the planner keeps ranks across generations, so one lost node renumbers about
+one pod). A worker takes the current generation from the ConfigMap, never from its pod; it connects
+to the coordinator pod's status.podIP read through the API, and to OOBLECK_STORE's DNS name only when
+it cannot read it. On its own pod it reports failures (kind "unrecoverable" fails the job; a report
+naming nobody that no pod or node status explains within 5 s makes the operator redo the generation
+on the same nodes), progress (a step >= spec.training.steps completes the job; a replacement pod is
+folded in only once it wrote "up, waiting for a plan" and the current generation has trained a step)
+and, for `profile: measure`, the profile it measured (the lowest-indexed worker's plans generation 0).
+A worker that fails because of the job itself writes CAUSE_ANNOTATION first (oobleck.api.causes: kind,
+message, field/path/layer/step) and exits with the kind's code; operator/faults.py fails the job with it
+once it is certain. The worker container's terminationMessagePolicy FallbackToLogsOnError puts a failed
+container's last log lines in its status, for workers that die before they can report.
 """
 
 from __future__ import annotations
@@ -61,6 +35,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from oobleck.api.contract import (  # noqa: F401  (re-exported: the operator's modules and tests use them from here)
+    FAILURE_ANNOTATION,
+    FAILURES_SURVIVED_ANNOTATION,
+    GENERATION_ANNOTATION,
+    MEASURED_PROFILE_ANNOTATION,
+    PROGRESS_ANNOTATION,
+    RANKS_ANNOTATION,
+    STORE_PORT,
+    WORKER_PORT,
+    PodContract,
+)
 from oobleck.api.job import (
     API_VERSION,
     COORDINATOR_ROLE,
@@ -73,17 +58,11 @@ from oobleck.api.job import (
 )
 from oobleck.api.plan import Plan
 from oobleck.api.planmap import (  # noqa: F401  (re-exported: the operator's modules and tests use them from here)
-    FAILURE_ANNOTATION,
-    FAILURES_SURVIVED_ANNOTATION,
-    GENERATION_ANNOTATION,
     JOB_KEY,
-    MEASURED_PROFILE_ANNOTATION,
     PLAN_GZ_KEY,
     PLAN_INLINE_LIMIT,
     PLAN_KEY,
     PROFILE_KEY,
-    PROGRESS_ANNOTATION,
-    RANKS_ANNOTATION,
     encode_plan,
     read_failures_survived,
     read_plan,
@@ -92,9 +71,6 @@ from oobleck.api.planmap import (  # noqa: F401  (re-exported: the operator's mo
 from oobleck.api.profile import ModelProfile
 
 INDEX_LABEL = f"{GROUP}/worker-index"
-
-STORE_PORT = 29400
-WORKER_PORT = 29500
 
 # Pod names are `<job>-worker-<index>`: the job name is at most 40 characters (api.job), which
 # leaves room for any index below a million within the 63-character hostname limit.
@@ -213,20 +189,20 @@ def worker_pod(
     if spec.device == "cuda":
         requests[spec.gpu_resource_name] = str(spec.gpus_per_node)
         limits[spec.gpu_resource_name] = str(spec.gpus_per_node)
-    env = [
-        {"name": "OOBLECK_JOB", "value": job},
-        {"name": "OOBLECK_NAMESPACE", "value": namespace},
-        {"name": "OOBLECK_NODE", "value": name},
-        {"name": "OOBLECK_PLAN_CONFIGMAP", "value": plan_name(job)},
-        {"name": "OOBLECK_STORE", "value": store_address(job, namespace)},
-        {"name": "OOBLECK_GPUS_PER_NODE", "value": str(spec.gpus_per_node)},
-        {"name": "OOBLECK_DEVICE", "value": spec.device},
+    contract = PodContract(
+        job=job,
+        namespace=namespace,
+        node=name,
+        plan_config_map=plan_name(job),
+        store=store_address(job, namespace),
+        gpus_per_node=spec.gpus_per_node,
+        device=spec.device,
         # The model to profile before the first plan exists (`profile: measure`); afterwards the plan
         # ConfigMap's job.json is what the worker reads.
-        {
-            "name": "OOBLECK_JOB_SPEC",
-            "value": json.dumps(spec.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True),
-        },
+        job_spec=json.dumps(spec.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True),
+    )
+    env = [
+        *contract.to_env(),
         *({"name": e.name, "value": e.value} for e in spec.pod.env),
     ]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]

@@ -57,8 +57,6 @@ class OperatorConfig:
     peering_lifetime_s: int = 15
     """How long a silent peer counts as alive (failover time after a crash)."""
     log_level: int = logging.INFO
-    crash_after_plan_write: bool = False
-    """Tests only: exit abruptly right after writing a new plan generation (before patching pods)."""
 
 
 class JobsOnlyDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):

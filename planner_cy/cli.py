@@ -186,6 +186,7 @@ def _plan_text(args: argparse.Namespace) -> str:
             f"candidates (cost = copy bytes / {cluster.inter_node_bandwidth:.3g} B/s + {horizon} x iteration):",
             f"  {'reason':<22} {'pipelines':>9} {'copy GiB':>10} {'iteration ms':>12} {'cost ms':>12}",
         ]
+        assert chosen is not None
         for index, c in enumerate(chosen.considered):
             mark = "  <- chosen" if index == chosen.chosen else ""
             rows.append(

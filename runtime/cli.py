@@ -137,8 +137,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def add_launch_parser(subparsers) -> None:
-    """`oobleck launch`: the local elastic launcher (defined beside it, runtime/launcher.py)."""
-    from oobleck.runtime.launcher import add_parser
+    """`oobleck launch`: the local elastic launcher (runtime/launcher.py, its command line in launch_cli.py)."""
+    from oobleck.runtime.launch_cli import add_parser
 
     add_parser(subparsers)
 

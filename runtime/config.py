@@ -144,4 +144,6 @@ def build_dataset(config: WorkerConfig, model):
                 "data.kind: synthetic data needs a model with sizes.vocab (use kind=file for custom models)"
             )
         return SyntheticTokens(vocab, seq_len, config.microbatch_size, seed=config.seed, noise=config.data.noise)
+    if config.data.path is None:
+        raise ValueError("data.path: required with kind=file")
     return TokenFile(config.data.path, seq_len, config.microbatch_size, seed=config.seed, vocab=vocab)

@@ -231,9 +231,11 @@ class Engine:
             if kind == "F":
                 batch = self.data.microbatch(step, index) if lay.first or lay.last else None
                 if lay.first:
+                    assert batch is not None
                     x = batch[0][lo:hi].to(self.device)
                     source = None
                 else:
+                    assert self.input_spec is not None
                     x = self._receive(-1, self.input_spec, FORWARD_TAG, f"activations of microbatch {index}")
                     x.requires_grad_(True)
                     source = x
@@ -243,6 +245,7 @@ class Engine:
                         torch.manual_seed(layer_seed(self.config.seed, step, index, layer))
                     out = module(out)
                 if lay.last:
+                    assert batch is not None
                     targets = batch[1][lo:hi].to(self.device)
                     out = self.model.loss(out, targets).sum()
                     loss_sum += out.detach().double()
@@ -254,6 +257,7 @@ class Engine:
                 if lay.last:
                     out.backward()
                 else:
+                    assert self.output_spec is not None
                     grad = self._receive(+1, self.output_spec, BACKWARD_TAG, f"gradients of microbatch {index}")
                     out.backward(grad)
                 if source is not None:

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
@@ -165,7 +166,7 @@ def _backend(store: Store, rank: int, size: int, device: torch.device, timeout: 
         return ProcessGroupNCCL(store, rank, size, options)
     if _BIND_ADDRESS is None:
         return ProcessGroupGloo(store, rank, size, timeout)
-    options = ProcessGroupGloo._Options()
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's private API: the one way to bind gloo
     options._timeout = timeout
     options._devices = [ProcessGroupGloo.create_device(hostname=_BIND_ADDRESS)]
     return ProcessGroupGloo(store, rank, size, options)
@@ -187,7 +188,7 @@ class GenerationGroups:
     ) -> None:
         self.plan, self.rank, self.device = plan, rank, device
         self.namespace = f"{plan.job}/gen{plan.generation}/"
-        self._groups: dict[tuple, object] = {}
+        self._groups: dict[tuple, Any] = {}
         self._members: dict[tuple, tuple[int, ...]] = {}
         self.abandoned = False
         mine = [spec for spec in group_specs(plan, microbatch_size) if rank in spec.members]
@@ -224,7 +225,7 @@ class GenerationGroups:
             name, exc = error[0]
             raise CommError(f"building group {self.namespace}{name} (rank {rank}): {exc}") from exc
 
-    def link(self, src: int, dst: int) -> tuple[object, int]:
+    def link(self, src: int, dst: int) -> tuple[Any, int]:
         """The backend carrying messages src -> dst, and the peer's (the other end's) rank in it."""
         key = ("link", src, dst)
         if key not in self._groups:
@@ -232,7 +233,7 @@ class GenerationGroups:
         peer = dst if src == self.rank else src
         return self._groups[key], self._members[key].index(peer)
 
-    def holders(self, members: tuple[int, ...]) -> object | None:
+    def holders(self, members: tuple[int, ...]) -> Any | None:
         """The backend of a holder set; None when this rank is the only holder."""
         if len(members) == 1:
             return None
@@ -274,7 +275,7 @@ def wait(work, failed: threading.Event | None, poll: float, timeout: float, what
 
 
 def wait_all(
-    works: list[tuple[object, str]], failed: threading.Event | None, poll: float, timeout: float, cuda: bool = False
+    works: list[tuple[Any, str]], failed: threading.Event | None, poll: float, timeout: float, cuda: bool = False
 ) -> None:
     """`wait` for each (work, what) in turn, with one hand-off to the helper thread for all of them.
 
@@ -325,9 +326,7 @@ class _Waiter:
             finally:
                 done.set()
 
-    def wait(
-        self, works: list[tuple[object, str]], failed: threading.Event | None, poll: float, timeout: float
-    ) -> None:
+    def wait(self, works: list[tuple[Any, str]], failed: threading.Event | None, poll: float, timeout: float) -> None:
         """Wait for every (work, what) in `works`, in order, in the helper thread."""
         done, progress, error = threading.Event(), [0], []
         self._queue.put((works, done, progress, error))

@@ -162,7 +162,7 @@ class KubeClient:
         payload = None if body is None else json.dumps(body).encode()
         headers = self._headers(content_type if payload is not None else None)
         for attempt in range(2):
-            connection = getattr(self._local, "connection", None)
+            connection: Any = getattr(self._local, "connection", None)
             fresh = connection is None
             if fresh:
                 connection = self._local.connection = self._connect(self.config.request_timeout_s)

@@ -19,6 +19,7 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -239,7 +240,7 @@ def load_model(name: str, seed: int = 0, sizes: dict[str, float] | None = None) 
         return _load_entry_point(name, seed, overrides)
     if name == "gpt":
         try:
-            return GPT(GPTSizes(**overrides), seed=seed, name="gpt")
+            return GPT(GPTSizes(**cast(dict[str, Any], overrides)), seed=seed, name="gpt")
         except Exception as error:
             raise ValueError(f"model.sizes: invalid sizes for 'gpt': {error}") from error
     if name in PRESETS:

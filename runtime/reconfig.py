@@ -39,24 +39,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from oobleck.api.contract import ExitCode
 from oobleck.api.plan import Plan
 from oobleck.runtime import coordinator as keys
-from oobleck.runtime import nonfinite
 from oobleck.runtime.causes import JobFault, classify
 from oobleck.runtime.coordinator import StoreTimeouts, connect, is_store_loss, worker_id
 from oobleck.runtime.health import FailureDetector, HealthTimeouts
 from oobleck.runtime.plansource import FilePlanSource, PlanSource, PlanWatcher
 
 log = logging.getLogger("oobleck.runtime.reconfig")
-
-# Exit codes of an elastic worker (the launcher reads them).
-EXIT_DONE = 0
-EXIT_DROPPED = 3
-"""this worker was in a plan and a newer plan left it out (declared dead, or its node removed)"""
-EXIT_NO_PLAN = 4
-"""no plan arrived in time"""
-EXIT_UNRECOVERABLE = 5
-"""some layer's state is gone from every worker, snapshot and checkpoint (runtime/resolve.py)"""
 
 
 class ControlStore:
@@ -209,39 +200,6 @@ class StepCommit:
         return False
 
 
-class CommittingOptimizer:
-    """Wraps the worker's optimizer: `step()` first asks `StepCommit`, everything else passes through."""
-
-    def __init__(self, inner, worker, commit: StepCommit) -> None:
-        self._inner = inner
-        self._worker = worker
-        self._commit = commit
-
-    def step(self, *args, **kwargs):
-        from oobleck.runtime.groups import Interrupted
-
-        plan = self._worker.plan
-        self._commit.members = tuple(f"{a.node}:{a.gpu}" for a in plan.ranks)
-        try:
-            engine = self._worker.engine
-            found = engine.non_finite if engine is not None else None
-            applied = self._commit.decide(plan.generation, plan.world_size, self._worker.step, found)
-        except RuntimeError as error:  # the coordinator is gone: nobody can commit, so nobody does
-            if not is_store_loss(error):
-                raise
-            raise Interrupted(f"commit of step {self._worker.step}: coordinator lost: {error}") from error
-        if not applied:
-            raise Interrupted(
-                f"step {self._worker.step} of generation {plan.generation} aborted by the commit decision"
-            )
-        if self._commit.non_finite is not None:
-            return nonfinite.handle(self._worker, self._commit.non_finite, self._commit.control)
-        return self._inner.step(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
-
-
 @dataclass(frozen=True)
 class ElasticTimeouts:
     first_plan_s: float = 300.0
@@ -255,7 +213,8 @@ class ElasticResult:
     steps: int
     generations: list[int] = field(default_factory=list)
     interruptions: int = 0
-    exit_code: int = EXIT_DONE
+    exit_code: int = ExitCode.DONE
+    """an oobleck.api.contract.ExitCode (the launcher and the pod read it)"""
 
 
 def run_elastic(
@@ -282,7 +241,7 @@ def run_elastic(
         while plan is not None:
             if plan.rank_of(worker.node, worker.gpu) is None:
                 log.warning(json.dumps({"event": "dropped", "worker": me, "generation": plan.generation}))
-                result.exit_code = EXIT_DROPPED
+                result.exit_code = ExitCode.DROPPED
                 return result
             result.generations.append(plan.generation)
             watcher.adopt(plan.generation)  # first: the watcher must not flag this generation as newer
@@ -347,7 +306,7 @@ def run_elastic(
             _ensure_epoch(worker, control)  # after a coordinator loss the report must reach the new one
             _publish_held(control, me, worker, generation=plan.generation, phase="left")
             plan = _wait_for_plan(source, plan.generation, me, timeouts.next_plan_s, joined=True)
-        result.exit_code = EXIT_NO_PLAN
+        result.exit_code = ExitCode.NO_PLAN
         return result
     finally:
         watcher.stop()
@@ -359,11 +318,11 @@ def _settle_sources(plan: Plan, worker, control: ControlStore, me: str, detector
     Every member posts what it holds and waits for the others, so each computes the same plan: the
     proposal when sound, else the copies (or a rollback) recomputed from the records. Interrupted
     or timed out like any rendezvous of the generation (a RuntimeError ends the generation)."""
+    from oobleck.runtime.checkpoint import checkpoint_holdings
     from oobleck.runtime.groups import Interrupted
     from oobleck.runtime.resolve import Holding, exchange, resolve
-    from oobleck.runtime.snapshot import checkpoint_holdings
 
-    snapshots = getattr(worker, "snapshots", None)
+    snapshots = worker.snapshots
     mine = Holding(
         step=worker.step,
         layers=tuple(sorted(worker.layers)),
@@ -426,11 +385,11 @@ def _ensure_epoch(worker, control: ControlStore) -> None:
         if not is_store_loss(error):
             raise
         control.reconnect()
-    if getattr(worker, "_epoch", None) != control.epoch:
+    if worker.epoch != control.epoch:
         # Group names must not repeat within a store incarnation, and a new incarnation may have
         # seen half of a rendezvous: the epoch in the prefix makes every name new.
         worker.store = dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store)
-        worker._epoch = control.epoch
+        worker.epoch = control.epoch
 
 
 def _quietly(control: ControlStore, action) -> None:
@@ -448,7 +407,7 @@ def _publish_held(
     """phase "adopted": after joining `generation`; "left": after leaving it (final for that generation)."""
     generation = worker.plan.generation if generation is None and worker.plan is not None else generation
     value = {"generation": generation, "step": worker.step, "layers": sorted(worker.layers), "phase": phase}
-    snapshots = getattr(worker, "snapshots", None)
+    snapshots = worker.snapshots
     if snapshots is not None:
         # What a rollback may restore from (frozen while the worker is between generations), and
         # where its buddy pushes (runtime/snapshot.py).
@@ -496,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     me = worker_id(args.node, args.gpu)
     detector = FailureDetector(config.job, me, host, port, timeouts=health, store_timeouts=store_timeouts).start()
     control = ControlStore(host, port, store_timeouts)
+    from oobleck.runtime.snapshot import snapshotter_for
+
     worker = Worker(
         config,
         dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store),
@@ -503,12 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         args.gpu,
         failed=detector.failure,
         losses_path=args.losses,
+        commit=StepCommit(control, detector.failure, worker=me),
+        snapshots=snapshotter_for(config, me, lambda: connect(host, port, store_timeouts)[0], host),
+        epoch=control.epoch,
     )
-    worker._epoch = control.epoch
-    worker.optimizer = CommittingOptimizer(worker.optimizer, worker, StepCommit(control, detector.failure, worker=me))
-    from oobleck.runtime.snapshot import snapshotter_for
-
-    worker.snapshots = snapshotter_for(config, me, lambda: connect(host, port, store_timeouts)[0], host)
     from oobleck.runtime.resolve import Unrecoverable
 
     try:
@@ -522,15 +481,15 @@ def main(argv: list[str] | None = None) -> int:
     except Unrecoverable as error:
         log.error(json.dumps({"event": "unrecoverable", "worker": me, "error": str(error)}))
         detector.trigger("unrecoverable", (), str(error))
-        return EXIT_UNRECOVERABLE
+        return ExitCode.UNRECOVERABLE
     except JobFault as error:  # the job's own (runtime/causes.py): the launcher fails the job with it
         log.error(json.dumps({"event": "cause", "worker": me, "error": str(error)}))
         return error.cause.exit_code
     finally:
         detector.stop()
-    if worker.snapshots is not None and result.exit_code == EXIT_DONE:
+    if worker.snapshots is not None and result.exit_code == ExitCode.DONE:
         worker.snapshots.wait_idle(60.0)  # the last checkpoint files (a push to a buddy gone already just fails)
-    if args.dump and result.exit_code == EXIT_DONE:
+    if args.dump and result.exit_code == ExitCode.DONE:
         torch.save(worker.layer_state(), args.dump)
     log.info(
         json.dumps(

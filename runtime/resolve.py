@@ -95,8 +95,8 @@ def resolve(plan: Plan, holdings: Mapping[str, Holding], state_bytes: list[int])
     """The plan whose copies the members' `holdings` (worker "node:gpu" -> Holding) can serve (see module doc).
 
     Deterministic: every member computes the same plan from the same records. Raises Unrecoverable."""
+    from oobleck.planner.nextgen import restore_copies, restore_point, snapshots_at
     from oobleck.planner.reconfigure import LostLayersError, layout_copies
-    from oobleck.runtime.snapshot import restore_copies, restore_point, snapshots_at
 
     if plan.restore_step is not None:
         return plan  # the controller already chose a rollback from the workers' reports

@@ -33,44 +33,46 @@ waits for its last writes. The capture of a checkpoint step also stays in the wo
 (counted as a step being built): a survivor then restores its own layers from memory, not from disk.
 
 Reports: every worker adds `"snapshots": {step: [layers]}` (own and buddy-held) and its snapshot
-server's address to its `held/{worker}` report. The controller (`restore_point`) picks the newest
+server's address to its `held/{worker}` report. The controller (`oobleck.planner.nextgen.restore_point`) picks the newest
 step s such that every layer at s is held in memory by a survivor or present in the directory, and
-`rollback_plan` builds the next generation: the planner's layout for the survivors (priced as if
+`next_generation` builds the next generation: the planner's layout for the survivors (priced as if
 each survivor held what its snapshots hold), `restore_step = s`, and one LayerCopy for every
 (rank, layer) of the new layout naming its source: `snapshot` (from the rank's own host memory when
 src == dst, else sent by a snapshot holder over the generation's link group), or `checkpoint` (read
 by the rank itself, src == dst). Every worker then resets to step s (all layers from the copies,
 step counter s) before it builds its groups, and replays; snapshots newer than s stay valid (the
 replay recomputes the same states). The launcher also rolls back when survivors report live states
-at different steps. A worker entry point sets `worker.snapshots = snapshotter_for(...)`.
+at different steps. A worker entry point passes `snapshotter_for(...)` to the Worker's constructor.
+
+Where it lives: this module is the worker's agent (`Snapshotter`: capture, push, checkpoint writes,
+retention); `buddy_of` places them; the restore choice and the rollback plan are the planner's
+(planner_cy/nextgen.py);
+runtime/checkpoint.py the directory; runtime/snapshotstore.py host memory; runtime/snaptransport.py
+the buddy TCP transport.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
-import socket
-import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from oobleck.api.plan import LayerCopy, Plan
+from oobleck.api.plan import Plan
+from oobleck.runtime.checkpoint import prune_checkpoints, write_checkpoint_layer
 from oobleck.runtime.coordinator import held_key, is_store_loss
 from oobleck.runtime.coordinator import snapshot_complete_key as complete_key
 from oobleck.runtime.coordinator import snapshot_done_key as done_key
+from oobleck.runtime.snapshotstore import SnapshotStore
+from oobleck.runtime.snaptransport import SnapshotServer, local_address, push
 
 log = logging.getLogger("oobleck.runtime.snapshot")
-
-
-# -- placement and the restore choice (pure) -------------------------------------------------------
 
 
 def buddy_of(plan: Plan, node: str, gpu: int) -> tuple[str, int] | None:
@@ -102,358 +104,6 @@ def buddy_of(plan: Plan, node: str, gpu: int) -> tuple[str, int] | None:
             return disjoint[0].node, disjoint[0].gpu
     first = min(by_node[others[0]], key=lambda a: a.gpu)
     return first.node, first.gpu
-
-
-def restore_point(
-    memory: Mapping[str, Mapping[int, Iterable[int]]],
-    checkpoint: Mapping[int, Iterable[int]],
-    num_layers: int,
-    latest: int | None = None,
-) -> int | None:
-    """The newest step whose every layer is in a survivor's memory (`memory`: worker -> step -> layers)
-    or in the checkpoint directory (`checkpoint`: step -> layers); None if there is none.
-
-    `latest`: the job's current step; newer steps (a directory left by an earlier run) are ignored."""
-    cover: dict[int, set[int]] = {}
-    for steps in memory.values():
-        for step, layers in steps.items():
-            cover.setdefault(int(step), set()).update(layers)
-    for step, layers in checkpoint.items():
-        cover.setdefault(int(step), set()).update(layers)
-    everything = set(range(num_layers))
-    complete = [step for step, layers in cover.items() if everything <= layers and (latest is None or step <= latest)]
-    return max(complete, default=None)
-
-
-def restore_copies(
-    plan: Plan, memory: Mapping[str, Iterable[int]], checkpoint: Iterable[int], state_bytes: list[int]
-) -> list[LayerCopy]:
-    """The source of every (rank, layer) of `plan` at the restore step.
-
-    `memory`: worker ("node:gpu") -> layers whose snapshot at the step it holds; `checkpoint`: the
-    layers in the directory at that step. Preference: the rank's own memory (no transfer), then the
-    snapshot holder that has sent the fewest bytes so far (ties: the lower rank), then the directory.
-    Raises ValueError naming a layer with no source.
-    """
-    held = {w: set(layers) for w, layers in memory.items()}
-    on_disk = set(checkpoint)
-    holders: dict[int, list[int]] = {}
-    for a in plan.ranks:
-        for layer in held.get(f"{a.node}:{a.gpu}", ()):
-            holders.setdefault(layer, []).append(a.rank)
-    load = [0] * plan.world_size
-    copies = []
-    for a in plan.ranks:
-        mine = held.get(f"{a.node}:{a.gpu}", set())
-        for layer in range(a.start, a.end):
-            size = state_bytes[layer]
-            if layer in mine:
-                src, kind = a, "snapshot"
-            elif holders.get(layer):
-                rank = min(holders[layer], key=lambda r: (load[r], r))
-                load[rank] += size
-                src, kind = plan.ranks[rank], "snapshot"
-            elif layer in on_disk:
-                src, kind = a, "checkpoint"
-            else:
-                raise ValueError(f"restore: layer {layer} is neither in a survivor's snapshots nor in the checkpoint")
-            copies.append(
-                LayerCopy(
-                    layer=layer,
-                    src_node=src.node,
-                    src_gpu=src.gpu,
-                    src_rank=src.rank,
-                    dst_node=a.node,
-                    dst_gpu=a.gpu,
-                    dst_rank=a.rank,
-                    bytes=size,
-                    source_kind=kind,
-                )
-            )
-    return copies
-
-
-def snapshots_at(reports: Mapping[str, Mapping[int, Iterable[int]]], step: int) -> dict[str, set[int]]:
-    """worker -> layers of its snapshot at `step` (workers without any are left out)."""
-    out = {w: set(steps.get(step, ())) for w, steps in reports.items()}
-    return {w: layers for w, layers in out.items() if layers}
-
-
-def rollback_plan(
-    previous: Plan,
-    profile,
-    nodes_lost: list[str],
-    nodes_added: list[str],
-    memory: Mapping[str, Mapping[int, Iterable[int]]],
-    checkpoint: Mapping[int, Iterable[int]],
-    *,
-    bandwidth: float,
-    latest: int | None = None,
-) -> Plan | None:
-    """The generation after `previous` that restores the newest restorable step, or None if none is.
-
-    `memory`: survivor -> step -> layers of its snapshots; `checkpoint`: step -> layers on disk. The
-    layout is the planner's reconfiguration of `previous` with each survivor priced as holding its
-    snapshots of that step (layers only on disk as held by every survivor: a read costs the same
-    anywhere); the copies are `restore_copies`.
-    """
-    from oobleck.planner.reconfigure import reconfigure
-
-    step = restore_point(memory, checkpoint, previous.num_layers, latest)
-    if step is None:
-        return None
-    at = snapshots_at(memory, step)
-    disk = set(checkpoint.get(step, ()))
-    only_disk = disk - set().union(*at.values()) if at else disk
-    survivors = [f"{a.node}:{a.gpu}" for a in previous.ranks if a.node not in set(nodes_lost)]
-    holdings = {}
-    for worker in survivors:
-        node, _, gpu = worker.rpartition(":")
-        holdings[(node, int(gpu))] = frozenset(at.get(worker, set()) | only_disk)
-    plan = reconfigure(
-        previous, previous.templates, profile, nodes_lost, nodes_added, bandwidth=bandwidth, holdings=holdings
-    )
-    state_bytes = [layer.state_bytes for layer in profile.layers] if hasattr(profile, "layers") else list(profile)
-    copies = restore_copies(plan, at, disk, state_bytes)
-    return plan.model_copy(update={"copies": copies, "restore_step": step, "reason": f"rollback+{plan.reason}"})
-
-
-# -- the checkpoint directory ----------------------------------------------------------------------
-
-
-def _step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
-
-
-def _layer_file(root: Path, step: int, layer: int) -> Path:
-    return _step_dir(root, step) / f"layer-{layer:05d}.bin"
-
-
-def write_checkpoint_layer(root: str | Path, step: int, layer: int, data: torch.Tensor) -> Path:
-    """Write one layer's state bytes atomically: a file that exists is complete."""
-    path = _layer_file(Path(root), step, layer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as handle:
-        handle.write(memoryview(data.contiguous().numpy()))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    return path
-
-
-def read_checkpoint_layer(root: str | Path, step: int, layer: int) -> torch.Tensor:
-    data = bytearray(_layer_file(Path(root), step, layer).read_bytes())
-    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def checkpoint_holdings(root: str | Path | None) -> dict[int, set[int]]:
-    """step -> layers whose file is in the directory (absent directory: nothing)."""
-    out: dict[int, set[int]] = {}
-    if root is None or not Path(root).is_dir():
-        return out
-    for step_dir in Path(root).glob("step-*"):
-        try:
-            step = int(step_dir.name[5:])
-            layers = {int(p.name[6:-4]) for p in step_dir.glob("layer-*.bin")}
-        except (ValueError, OSError):
-            continue  # a foreign name, or a directory being deleted by a writer's pruning
-        out[step] = layers
-    return out
-
-
-def prune_checkpoints(root: str | Path, num_layers: int, keep: int) -> None:
-    """Delete steps older than the `keep`-th newest complete one (several writers may race: harmless)."""
-    held = checkpoint_holdings(root)
-    complete = sorted(s for s, layers in held.items() if len(layers) >= num_layers)
-    if len(complete) < keep:
-        return
-    oldest_kept = complete[-keep]
-    for step in [s for s in held if s < oldest_kept]:
-        directory = _step_dir(Path(root), step)
-        for path in directory.glob("*"):
-            path.unlink(missing_ok=True)
-        try:
-            directory.rmdir()
-        except OSError:
-            pass
-
-
-# -- host memory -----------------------------------------------------------------------------------
-
-
-class SnapshotStore:
-    """Snapshots this worker holds in host memory, own and buddy-held: step -> layer -> state bytes."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._steps: dict[int, dict[int, torch.Tensor]] = {}
-        self.complete: set[int] = set()
-        """steps this worker knows complete (every rank of a generation captured and pushed them)"""
-        self.frozen = False
-
-    def put(self, step: int, layer: int, data: torch.Tensor) -> None:
-        with self._lock:
-            self._steps.setdefault(step, {})[layer] = data
-
-    def get(self, step: int, layer: int) -> torch.Tensor:
-        with self._lock:
-            try:
-                return self._steps[step][layer]
-            except KeyError:
-                raise KeyError(
-                    f"snapshot of layer {layer} at step {step}: not held here (held: {self._holdings_locked()})"
-                ) from None
-
-    def steps(self) -> list[int]:
-        with self._lock:
-            return sorted(self._steps)
-
-    def holdings(self) -> dict[str, list[int]]:
-        """{step: layers} as reported in `held/{worker}` (JSON keys are strings)."""
-        with self._lock:
-            return self._holdings_locked()
-
-    def _holdings_locked(self) -> dict[str, list[int]]:
-        return {str(step): sorted(layers) for step, layers in sorted(self._steps.items())}
-
-    def nbytes(self) -> int:
-        with self._lock:
-            return sum(t.numel() for layers in self._steps.values() for t in layers.values())
-
-    def mark_complete(self, step: int) -> None:
-        with self._lock:
-            self.complete.add(step)
-
-    def freeze(self) -> None:
-        """No pruning until `thaw`: the controller may be planning a restore from what we reported."""
-        with self._lock:
-            self.frozen = True
-
-    def thaw(self) -> None:
-        with self._lock:
-            self.frozen = False
-
-    def prune(self) -> None:
-        """Keep the newest complete step and the newest step being built (see the module docstring)."""
-        with self._lock:
-            if self.frozen:
-                return
-            steps = sorted(self._steps)
-            complete = [s for s in steps if s in self.complete]
-            keep = set(steps[-1:])
-            if complete:
-                keep.add(complete[-1])
-            else:
-                keep.update(steps[-2:])  # nothing known complete: the two newest
-            for step in steps:
-                if step not in keep:
-                    del self._steps[step]
-
-
-# -- the buddy transport ---------------------------------------------------------------------------
-
-_HEADER = struct.Struct("!I")
-
-
-def _send_message(sock: socket.socket, header: dict, payload: torch.Tensor | None = None) -> None:
-    data = json.dumps(header).encode()
-    sock.sendall(_HEADER.pack(len(data)) + data)
-    if payload is not None and payload.numel():
-        sock.sendall(memoryview(payload.contiguous().numpy()))
-
-
-def _receive_exactly(sock: socket.socket, size: int) -> bytearray:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise ConnectionError(f"peer closed the connection after {got} of {size} bytes")
-        got += n
-    return buffer
-
-
-def _receive_message(sock: socket.socket) -> dict:
-    (size,) = _HEADER.unpack(_receive_exactly(sock, _HEADER.size))
-    return json.loads(_receive_exactly(sock, size))
-
-
-class SnapshotServer:
-    """Accepts a peer's pushed snapshots into `store` (one thread per connection, all daemons).
-
-    Protocol per push: messages {"kind": "layer", "step", "layer", "nbytes"} + payload, then
-    {"kind": "end"}, answered {"ok": true} once every layer is stored.
-    """
-
-    def __init__(self, store: SnapshotStore, host: str = "0.0.0.0", port: int = 0) -> None:
-        self.store = store
-        self._listener = socket.create_server((host, port))
-        self.port = self._listener.getsockname()[1]
-        self._closed = False
-
-    def start(self) -> SnapshotServer:
-        threading.Thread(target=self._accept, name="snapshot-server", daemon=True).start()
-        return self
-
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), name="snapshot-push", daemon=True).start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        received = []
-        try:
-            with sock:
-                while True:
-                    header = _receive_message(sock)
-                    if header["kind"] == "end":
-                        for step, layer, data in received:
-                            self.store.put(step, layer, data)
-                        _send_message(sock, {"ok": True, "layers": len(received)})
-                        received = []
-                        return
-                    data = _receive_exactly(sock, header["nbytes"])
-                    tensor = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-                    received.append((header["step"], header["layer"], tensor))
-        except (OSError, ConnectionError, ValueError) as error:
-            # The owner died mid-push: what it sent is dropped (a half push is never reported).
-            log.warning(json.dumps({"event": "snapshot-push-broken", "error": str(error)[:200]}))
-
-
-def push(address: str, step: int, layers: dict[int, torch.Tensor], timeout_s: float = 60.0) -> None:
-    """Send one step's snapshots to a buddy's server and wait for its acknowledgement."""
-    host, _, port = address.rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
-        for layer, data in sorted(layers.items()):
-            _send_message(sock, {"kind": "layer", "step": step, "layer": layer, "nbytes": data.numel()}, data)
-        _send_message(sock, {"kind": "end"})
-        reply = _receive_message(sock)
-        if not reply.get("ok"):
-            raise ConnectionError(f"snapshot push of step {step} to {address}: refused: {reply}")
-
-
-def local_address(peer_host: str) -> str:
-    """The address peers reach this worker at: $OOBLECK_POD_IP, else the interface that routes to `peer_host`."""
-    if os.environ.get("OOBLECK_POD_IP"):
-        return os.environ["OOBLECK_POD_IP"]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((peer_host, 9))  # UDP: no packet is sent, the kernel just picks the route
-            return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-# -- the worker's agent ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -629,6 +279,7 @@ class Snapshotter:
                 )
             self.stats["push_s"] += time.perf_counter() - began
         if job.write:
+            assert self.checkpoint_dir is not None, "writes are planned only with a checkpoint directory"
             began = time.perf_counter()
             for layer in job.write:
                 write_checkpoint_layer(self.checkpoint_dir, job.step, layer, captured[layer])
@@ -688,7 +339,7 @@ class Snapshotter:
 
 def snapshotter_for(config, worker: str, connect_store: Callable[[], object], store_host: str) -> Snapshotter | None:
     """The worker's Snapshotter as its config asks (None when both tiers are off); every entry point
-    that runs `reconfig.run_elastic` sets `worker.snapshots` to this."""
+    that runs `reconfig.run_elastic` passes this to the Worker's constructor."""
     if not (config.snapshot.interval_steps or config.checkpoint.path):
         return None
     from oobleck.runtime.config import build_model

@@ -20,19 +20,24 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 from torch import nn
 
 from oobleck.api.plan import Plan
+from oobleck.runtime import nonfinite
 from oobleck.runtime.causes import blame, model_field
 from oobleck.runtime.config import WorkerConfig, build_dataset, build_model
+from oobleck.runtime.coordinator import is_store_loss
 from oobleck.runtime.engine import Engine, StepOutcome
 from oobleck.runtime.groups import CommError, GenerationGroups, Interrupted, layout
 from oobleck.runtime.metrics import WorkerMetrics
 from oobleck.runtime.optim import LayerAdamW
 from oobleck.runtime.state import state_nbytes, transfer, unflatten
+
+if TYPE_CHECKING:
+    from oobleck.runtime.snapshot import Snapshotter
 
 log = logging.getLogger("oobleck.runtime.worker")
 
@@ -68,6 +73,50 @@ class _FencedOptimizer:
         return getattr(self._inner, name)
 
 
+class StepCommitter(Protocol):
+    """Decides whether every member of a generation applies a step (reconfig.StepCommit)."""
+
+    members: tuple[str, ...]
+    non_finite: str | None
+    """after a commit: what some rank found NaN/Inf in the step (runtime/nonfinite.py), else None"""
+    control: Any
+    """the coordinator's store connection (`.store`): a rollback agrees on its snapshot step there"""
+
+    def decide(self, generation: int, world_size: int, step: int, non_finite: str | None = None) -> bool: ...
+
+
+class CommittingOptimizer:
+    """The worker's optimizer when steps commit all-or-nothing: `step()` first asks the committer (an
+    aborted decision or a lost coordinator interrupts the step); everything else passes through."""
+
+    def __init__(self, inner, worker: Worker, commit: StepCommitter) -> None:
+        self._inner = inner
+        self._worker = worker
+        self._commit = commit
+
+    def step(self, *args, **kwargs):
+        plan = self._worker.plan
+        assert plan is not None, "a step runs only under an adopted plan"
+        self._commit.members = tuple(f"{a.node}:{a.gpu}" for a in plan.ranks)
+        found = self._worker.engine.non_finite if self._worker.engine is not None else None
+        try:
+            applied = self._commit.decide(plan.generation, plan.world_size, self._worker.step, found)
+        except RuntimeError as error:  # the coordinator is gone: nobody can commit, so nobody does
+            if not is_store_loss(error):
+                raise
+            raise Interrupted(f"commit of step {self._worker.step}: coordinator lost: {error}") from error
+        if not applied:
+            raise Interrupted(
+                f"step {self._worker.step} of generation {plan.generation} aborted by the commit decision"
+            )
+        if self._commit.non_finite is not None:  # every rank takes this branch (the decision said so)
+            return nonfinite.handle(self._worker, self._commit.non_finite, self._commit.control)
+        return self._inner.step(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
 def choose_device(config: WorkerConfig, gpu: int) -> torch.device:
     """cuda:<gpu> when asked for (or auto and available), else cpu."""
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
@@ -94,7 +143,14 @@ class Worker:
         failed: threading.Event | None = None,
         losses_path: str | Path | None = None,
         metrics: WorkerMetrics | None = None,
+        *,
+        commit: StepCommitter | None = None,
+        snapshots: Snapshotter | None = None,
+        epoch: str | None = None,
     ) -> None:
+        """`commit`: agrees with the generation's other members on applying each step (reconfig.StepCommit;
+        None: every step applies, as in a static job). `snapshots`: the snapshot agent (None: off).
+        `epoch`: the coordinator incarnation whose prefix `store` carries (reconfig._ensure_epoch)."""
         torch.set_num_threads(config.threads)
         self.config, self.store, self.node, self.gpu = config, store, node, gpu
         self.failed = failed if failed is not None else threading.Event()
@@ -104,9 +160,11 @@ class Worker:
             self.model = build_model(config)
         with blame("DataUnavailable", field="spec.data", path=config.data.path):
             self.data = build_dataset(config, self.model)
-        self.optimizer = _FencedOptimizer(LayerAdamW(config.optim), self)
-        self.snapshots = None
-        """a `snapshot.Snapshotter` when snapshots are on (set by the elastic runner)"""
+        optimizer = _FencedOptimizer(LayerAdamW(config.optim), self)
+        # The wrappers pass everything but step() through: to the engine and transfers, a LayerAdamW.
+        self.optimizer = cast(LayerAdamW, optimizer if commit is None else CommittingOptimizer(optimizer, self, commit))
+        self.snapshots = snapshots
+        self.epoch = epoch
         self.layers: dict[int, nn.Module] = {}
         self.step = 0
         """the next global step to run (= steps completed)"""
@@ -217,9 +275,10 @@ class Worker:
     def _restore_local(self, plan: Plan, rank: int) -> None:
         """Reset to `plan.restore_step`: drop every live layer, restore those whose source is this rank
         (its own host snapshot, or the checkpoint directory); the others arrive by `transfer`."""
-        from oobleck.runtime.snapshot import read_checkpoint_layer
+        from oobleck.runtime.checkpoint import read_checkpoint_layer
 
         step = plan.restore_step
+        assert step is not None, "a rollback plan"
         self.layers.clear()
         self.optimizer.state.clear()
         self.step = step
@@ -288,6 +347,7 @@ class Worker:
         """Run global step `self.step` under the adopted plan; advances the counter only on success."""
         if self.engine is None:
             raise RuntimeError("train_step: no plan adopted (call adopt(plan) first)")
+        assert self.plan is not None and self.rank is not None, "an engine runs an adopted plan"
         if self.snapshots is not None and self.snapshots.due(self.plan.generation, self.step):
             # The state before this step (the last committed one), captured while the step runs;
             # the optimizer update waits for the capture (_FencedOptimizer).

@@ -26,8 +26,8 @@ class OperatorExited(RuntimeError):
 class OperatorProcess:
     """`python -m oobleck.cli operator` serving `namespaces` of the cluster behind `kubeconfig`.
 
-    `start(*extra)` waits for the liveness probe (`extra`: arguments for this start only, e.g. a staged
-    crash); `metrics()` reads the Prometheus endpoint (a restarted operator's counters start at zero);
+    `start(*extra, program=)` waits for the liveness probe (`extra`: arguments for this start only;
+    `program`: a script to run in place of `-m oobleck.cli`, e.g. one that stages a crash); `metrics()` reads the Prometheus endpoint (a restarted operator's counters start at zero);
     `kill()` is a crash (SIGKILL), `stop()` a clean shutdown, `wait_exit()` waits for one the
     process stages itself. Ports are picked free at every start; `log()` is every start's log.
     """
@@ -41,14 +41,15 @@ class OperatorProcess:
         self.metrics_port = self.liveness_port = 0
         self.starts = 0
 
-    def start(self, *extra: str, timeout_s: float = 90.0) -> OperatorProcess:
+    def start(self, *extra: str, program: str | Path | None = None, timeout_s: float = 90.0) -> OperatorProcess:
+        """Start the operator: `python -m oobleck.cli operator ...`, or with `program` (a script that
+        runs `oobleck.cli.main`, e.g. one wrapping an operator function to inject a fault) in its place."""
         self.metrics_port, self.liveness_port = free_port(), free_port()
         self.starts += 1
         self.log_dir.mkdir(parents=True, exist_ok=True)
         command = [
             sys.executable,
-            "-m",
-            "oobleck.cli",
+            *(["-m", "oobleck.cli"] if program is None else [str(program)]),
             "operator",
             "--kubeconfig",
             self.kubeconfig,

@@ -18,8 +18,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "crds": ("oobleck.api.cli", "print, write or check the CRD YAML generated from the API models"),
     "worker": ("oobleck.runtime.cli", "run one training worker"),
     "profile": ("oobleck.runtime.cli", "measure every layer and write the planner's profile JSON"),
-    "launch": ("oobleck.runtime.launcher", "run an elastic job locally: coordinator, plan controller, workers"),
+    "launch": ("oobleck.runtime.launch_cli", "run an elastic job locally: coordinator, plan controller, workers"),
     "operator": ("oobleck.operator.cli", "run the OobleckJob operator (kopf)"),
+    "simulate": (
+        "oobleck.simulate.cli",
+        "goodput under failure traces: oobleck vs checkpoint-restart, Bamboo, torchft",
+    ),
 }
 
 

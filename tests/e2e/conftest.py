@@ -112,7 +112,7 @@ def reference_losses(spec: dict[str, Any]) -> tuple[float, ...]:
     depend on (model, data, optimizer, steps, seed, global batch), not by the job's shape: tests that
     share a training section share one reference run."""
     from oobleck.api.job import parse_spec
-    from oobleck.runtime.pod import worker_config
+    from oobleck.runtime.pod_config import worker_config
 
     parsed = parse_spec(spec)
     config = worker_config(parsed, JOB, compute_device="cpu")

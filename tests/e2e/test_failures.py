@@ -15,8 +15,8 @@ The faults (test_training.py has one worker SIGKILLed):
 - a node's GPUs marked unhealthy (the node agent lowers allocatable nvidia.com/gpu to 0 and sets
   GPUHealthy=False, as a device plugin would) -> a generation without the node's worker;
 - the operator crashing right after writing the plan that drops a killed worker, before any pod patch,
-  delete or create (its `--crash-after-plan-write`, an os._exit(137) as abrupt as SIGKILL, staged at
-  that exact point), then restarting: the restart finishes that reconfiguration and plans nothing;
+  delete or create (run through tests/e2e/crash_after_plan_write.py, which wraps the operator's plan
+  write with an os._exit(137) as abrupt as SIGKILL, staged at that exact point), then restarting: the restart finishes that reconfiguration and plans nothing;
 - the operator SIGKILLed together with a worker, then restarting: one generation for the loss.
 Where a generation count must be exact, the victim's node and the spare node are cordoned, so the
 replacement pod stays Pending and no further generation folds it in.
@@ -29,6 +29,7 @@ are counted resources, not devices.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,6 +40,8 @@ from oobleck.operator import render
 # One xdist worker runs every job on local nodes: two jobs at once would compete for the CPU.
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs")]
 LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
+
+CRASH_AFTER_PLAN_WRITE = Path(__file__).with_name("crash_after_plan_write.py")
 
 
 def start(run, spec: dict, warm_steps: int = 10):
@@ -202,7 +205,7 @@ def test_operator_crash_mid_reconfiguration_is_finished_by_its_restart(job_run, 
     first = start(run, run.job_spec(nodes=3))
     survivor, victim = first.nodes[0], first.nodes[1]
     run.operator.kill()
-    run.operator.start("--crash-after-plan-write")  # it exits (137) right after its next plan write
+    run.operator.start(program=CRASH_AFTER_PLAN_WRITE)  # it exits (137) right after its next plan write
     run.cordon_spare_nodes()
     run.cordon(run.node_of(victim))
     assert local_nodes.kill_pod_process(run.ns, victim)

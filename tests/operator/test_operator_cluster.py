@@ -402,7 +402,7 @@ def test_killed_between_plan_write_and_patches_converges(cluster, env):
     apply_job(cluster, env, nodes={"min": 2, "max": 4, "target": 3})
     plan = wait_for(lambda: settled(cluster, ns, 0), "generation 0")
     operator.kill()
-    operator.start("--crash-after-plan-write")
+    operator.start(program=Path(__file__).parents[1] / "e2e" / "crash_after_plan_write.py")
     victim = plan.nodes[0]
     cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
     wait_for(lambda: operator.process.poll() is not None, "the operator to crash after writing generation 1")

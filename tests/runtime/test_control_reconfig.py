@@ -10,7 +10,7 @@ import pytest
 from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
 from oobleck.planner.errors import PlanningError
 from oobleck.runtime.coordinator import Coordinator, StoreTimeouts
-from oobleck.runtime.launcher import copy_plan, layout_holdings, replan
+from oobleck.runtime.plancontrol import copy_plan, layout_holdings, replan
 from oobleck.runtime.reconfig import ControlStore, StepCommit
 
 FAST = StoreTimeouts(connect_s=5.0, op_s=2.0, reconnect_s=30.0, retry_s=0.02)

@@ -26,7 +26,8 @@ from oobleck.operator.decide import Tuning, cluster_shape, synthetic_profile
 from oobleck.runtime.health import FailureReport
 from oobleck.runtime.kube import KubeApiError, KubeClient, WatchTimeouts
 from oobleck.runtime.plansource import ConfigMapPlanSource
-from oobleck.runtime.pod import CoordinatorAddress, PodFailureReporter, ProgressReporter
+from oobleck.runtime.pod_coordinator import CoordinatorAddress
+from oobleck.runtime.pod_report import PodFailureReporter, ProgressReporter
 
 pytestmark = [pytest.mark.cluster]
 JOB = "kube"
@@ -183,7 +184,7 @@ def test_store_connection_follows_the_coordinator_pod_to_a_new_ip(cluster, world
     """connect_resolving reads the pod IP again between attempts: a recreated coordinator pod may have a
     new IP. The store listens on every local address, so the stale IP is one no packet reaches."""
     from oobleck.runtime.coordinator import Coordinator, StoreTimeouts
-    from oobleck.runtime.pod import connect_resolving
+    from oobleck.runtime.pod_coordinator import connect_resolving
     from oobleck_dev.controlplane import free_port
 
     ns, pod = world["ns"], render.coordinator_name(JOB)

@@ -8,18 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from oobleck.api.contract import WORKER_PORT, ExitCode, PodContract
 from oobleck.api.job import parse_spec
 from oobleck.runtime.config import build_model
 from oobleck.runtime.health import FailureReport
 from oobleck.runtime.optim import learning_rate
-from oobleck.runtime.pod import (
-    METRICS_PORT,
-    PodEnv,
-    coordinator_ip,
-    failure_annotation,
-    progress_annotation,
-    worker_config,
-)
+from oobleck.runtime.pod_config import PodEnv, worker_config
+from oobleck.runtime.pod_coordinator import coordinator_ip
+from oobleck.runtime.pod_report import failure_annotation, progress_annotation
 
 REPO = Path(__file__).parents[2]
 
@@ -103,7 +99,7 @@ def test_worker_device_runs_a_cuda_spec_on_the_cpu():
     assert worker_config(cuda, "j", compute_device="cpu").device == "cpu"
     assert PodEnv.from_env({**ENV, "OOBLECK_DEVICE": "cuda", "WORKER_DEVICE": "cpu"}).compute_device == "cpu"
     assert PodEnv.from_env(ENV).compute_device is None
-    with pytest.raises(ValueError, match="WORKER_DEVICE: expected cpu"):
+    with pytest.raises(ValueError, match="WORKER_DEVICE: Input should be 'cpu', got 'tpu'"):
         PodEnv.from_env({**ENV, "WORKER_DEVICE": "tpu"})
 
 
@@ -157,7 +153,10 @@ def test_env_contract_parses_what_the_operator_renders():
     assert (env.job, env.namespace, env.node, env.plan_config_map) == ("tiny", "ns", "tiny-worker-2", "tiny-plan")
     assert (env.store_port, env.gpus_per_node, env.device, env.pod_ip) == (render.STORE_PORT, 2, "cpu", "127.16.0.5")
     assert env.coordinator_pod == render.coordinator_name("tiny")
-    assert METRICS_PORT == render.WORKER_PORT
+    assert env.metrics_port == WORKER_PORT == render.WORKER_PORT
+    assert PodContract.from_env(rendered).to_env() == [
+        e for e in pod["spec"]["containers"][0]["env"] if e["name"] in rendered and e["name"].startswith("OOBLECK_")
+    ], "the env round-trips through the contract"
 
 
 def test_env_errors_name_the_variable():
@@ -165,9 +164,18 @@ def test_env_errors_name_the_variable():
         PodEnv.from_env({k: v for k, v in ENV.items() if k != "OOBLECK_NODE"})
     with pytest.raises(ValueError, match="OOBLECK_STORE: expected HOST:PORT"):
         PodEnv.from_env({**ENV, "OOBLECK_STORE": "nohost"})
-    with pytest.raises(ValueError, match="WORKER_DEAD_AFTER_S: expected a float"):
+    with pytest.raises(ValueError, match="WORKER_DEAD_AFTER_S: Input should be a valid number.*, got 'soon'"):
         PodEnv.from_env({**ENV, "WORKER_DEAD_AFTER_S": "soon"})
+    with pytest.raises(ValueError, match="OOBLECK_GPUS_PER_NODE: Input should be greater than or equal to 1, got '0'"):
+        PodEnv.from_env({**ENV, "OOBLECK_GPUS_PER_NODE": "0"})
+    with pytest.raises(ValueError, match="OOBLECK_DEVICE: Input should be 'cuda' or 'cpu', got 'tpu'"):
+        PodEnv.from_env({**ENV, "OOBLECK_DEVICE": "tpu"})
     assert PodEnv.from_env({**ENV, "WORKER_DEAD_AFTER_S": "7.5"}).dead_after_s == 7.5
+
+
+def test_exit_codes_are_the_contract_s():
+    assert [int(code) for code in ExitCode] == [0, 1, 2, 3, 4, 5]
+    assert (ExitCode.DONE, ExitCode.CONFIG, ExitCode.UNRECOVERABLE) == (0, 2, 5)
 
 
 def test_failure_annotation_names_plan_nodes():
@@ -200,7 +208,7 @@ def test_supervisor_takes_the_pod_down_with_its_first_failed_gpu_worker():
     import sys
     import time
 
-    from oobleck.runtime.pod import supervise
+    from oobleck.runtime.pod_supervise import supervise
 
     env = PodEnv.from_env(ENV)  # 2 GPUs per node
     # Child `--gpu 0` fails at once with 7; `--gpu 1` would run for a minute unless terminated.

@@ -16,21 +16,18 @@ import torch
 
 from oobleck.api.profile import ClusterShape, ModelProfile
 from oobleck.planner.instantiate import plan_job
-from oobleck.runtime.config import WorkerConfig, build_model
-from oobleck.runtime.optim import LayerAdamW
-from oobleck.runtime.snapshot import (
-    SnapshotServer,
-    SnapshotStore,
-    buddy_of,
+from oobleck.planner.nextgen import NoRestorePoint, Restorable, next_generation, restore_copies, restore_point
+from oobleck.runtime.checkpoint import (
     checkpoint_holdings,
     prune_checkpoints,
-    push,
     read_checkpoint_layer,
-    restore_copies,
-    restore_point,
-    rollback_plan,
     write_checkpoint_layer,
 )
+from oobleck.runtime.config import WorkerConfig, build_model
+from oobleck.runtime.optim import LayerAdamW
+from oobleck.runtime.snapshot import buddy_of
+from oobleck.runtime.snapshotstore import SnapshotStore
+from oobleck.runtime.snaptransport import SnapshotServer, push
 from oobleck.runtime.state import capture, flatten, unflatten
 
 PIPELINED_MEMORY = 1_400_000
@@ -121,7 +118,8 @@ def test_rollback_plan_restores_the_newest_step_on_the_survivors(profile):
         "node1:0": {0: {0, 1, 2, 3, 4, 5}, 4: {0, 1, 2, 3, 4, 5}, 8: {3, 4, 5}},
         "node3:0": {0: {0, 1, 2, 3, 4, 5}, 4: {0, 1, 2, 3, 4, 5}},
     }
-    plan = rollback_plan(previous, profile, ["node0", "node2"], [], memory, {}, bandwidth=10e9)
+    lost = ["node0", "node2"]
+    plan = next_generation(previous, profile, lost, restorable=Restorable(memory, {}), bandwidth=10e9)
     assert plan.generation == 1 and plan.restore_step == 4 and plan.lost_nodes == ["node0", "node2"]
     assert sorted(plan.nodes) == ["node1", "node3"]
     assert all(c.source_kind == "snapshot" for c in plan.copies)
@@ -129,14 +127,12 @@ def test_rollback_plan_restores_the_newest_step_on_the_survivors(profile):
     assert len(plan.copies) == sum(a.end - a.start for a in plan.ranks)
     type(plan).model_validate_json(plan.to_json())  # a valid document the workers can read
     # Nothing in memory at any one step: the directory's step 6 is the restore point.
-    plan = rollback_plan(
-        previous, profile, ["node0", "node2"], [], {"node1:0": {4: {3, 4, 5}}}, {6: set(range(6))}, bandwidth=10e9
+    plan = next_generation(
+        previous, profile, lost, restorable=Restorable({"node1:0": {4: {3, 4, 5}}}, {6: set(range(6))}), bandwidth=10e9
     )
     assert plan.restore_step == 6 and {c.source_kind for c in plan.copies} == {"checkpoint"}
-    assert (
-        rollback_plan(previous, profile, ["node0", "node2"], [], {"node1:0": {4: {3, 4, 5}}}, {}, bandwidth=10e9)
-        is None
-    )
+    with pytest.raises(NoRestorePoint, match="no in-memory snapshot or checkpoint holds every layer at one step"):
+        next_generation(previous, profile, lost, restorable=Restorable({"node1:0": {4: {3, 4, 5}}}, {}), bandwidth=10e9)
 
 
 # -- host memory and transport ----------------------------------------------------------------------
@@ -172,7 +168,7 @@ def test_a_push_lands_in_the_buddys_store_and_a_broken_one_does_not():
         assert torch.equal(store.get(8, 2), layers[2])
         # An owner that dies mid-push: nothing of that push is reported.
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
-            from oobleck.runtime.snapshot import _send_message
+            from oobleck.runtime.snaptransport import _send_message
 
             _send_message(
                 sock, {"kind": "layer", "step": 12, "layer": 1, "nbytes": 1000}, torch.zeros(10, dtype=torch.uint8)
@@ -255,8 +251,7 @@ def test_workers_roll_back_from_own_and_peer_snapshots_and_replay_exactly(profil
     client = lambda: TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)  # noqa: E731
     workers = {}
     for node in ("node0", "node1"):
-        worker = Worker(config, client(), node, 0)
-        worker.snapshots = Snapshotter(f"{node}:0", 2, client)
+        worker = Worker(config, client(), node, 0, snapshots=Snapshotter(f"{node}:0", 2, client))
         master.set(held_key(f"{node}:0"), json.dumps({"snapshot_address": worker.snapshots.address}))
         workers[node] = worker
 

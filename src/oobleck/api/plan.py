@@ -21,12 +21,13 @@ older operator stays readable.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-PLAN_API_VERSION = "oobleck.dev/plan-v2"
+PLAN_API_VERSION: Final = "oobleck.dev/plan-v2"
 PLAN_V1 = "oobleck.dev/plan-v1"
 
 
@@ -180,7 +181,7 @@ class Plan(_Strict):
         """Ranks holding `layer` (every GPU of every stage containing it), ascending."""
         return sorted(rank for stage in self._stages() if stage.start <= layer < stage.end for rank in stage.ranks)
 
-    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Plan:
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Plan:
         copied = super().model_copy(update=update, deep=deep)
         if update:  # the derived values may no longer hold: rebuilt on first use
             copied.__dict__.pop(_INDEX, None)
@@ -261,19 +262,19 @@ class Plan(_Strict):
                 gpus += len(stage.gpus)
                 index.update(zip([(node, gpu) for gpu in stage.gpus], stage.ranks))
                 if len(index) < gpus:
-                    twice = next(
+                    shared = next(
                         g for g in stage.gpus if stage.gpus.count(g) > 1 or self._runs_elsewhere(node, g, stage)
                     )
-                    raise ValueError(f"{where}.stages[{s}]: GPU {twice} of {node!r} runs two ranks")
+                    raise ValueError(f"{where}.stages[{s}]: GPU {shared} of {node!r} runs two ranks")
             if hosts != members:
                 raise ValueError(f"{where}: nodes {sorted(members - hosts)} host no stage")
         ranks = set(index.values())
         if len(ranks) != len(index) or max(ranks) != len(index) - 1:
             used = sorted(r for p in self.pipelines for st in p.stages for r in st.ranks)
-            twice = sorted({r for r, nxt in zip(used, used[1:]) if r == nxt})
+            repeated = sorted({r for r, nxt in zip(used, used[1:]) if r == nxt})
             missing = sorted(set(range(len(index))) - ranks)
             raise ValueError(
-                f"ranks: must be 0..{len(index) - 1}, each on one GPU; listed twice {twice}, missing {missing}"
+                f"ranks: must be 0..{len(index) - 1}, each on one GPU; listed twice {repeated}, missing {missing}"
             )
         for c, copy in enumerate(self.copies):
             for side, node, gpu, claimed in (
@@ -313,7 +314,7 @@ def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
             places = [assignments.get(r) for r in ranks]
             if not ranks or None in places:
                 raise ValueError(f"pipelines[{i}].stages[{s}]: v1 ranks {ranks} are not all listed in ranks")
-            nodes = {p["node"] for p in places}
+            nodes = {p["node"] for p in places if p is not None}
             if len(nodes) != 1:
                 raise ValueError(f"pipelines[{i}].stages[{s}]: v1 ranks {ranks} span nodes {sorted(nodes)}")
             stages.append(
@@ -321,7 +322,7 @@ def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
                     "start": stage["start"],
                     "end": stage["end"],
                     "node": nodes.pop(),
-                    "gpus": [p["gpu"] for p in places],
+                    "gpus": [p["gpu"] for p in places if p is not None],
                     "ranks": ranks,
                 }
             )

@@ -1,8 +1,8 @@
 """The plan ConfigMap `<job>-plan` and the pod annotations: the operator <-> worker contract's encoding.
 
 Both sides import this module (the operator writes, the runtime in a worker pod reads), so that the
-runtime never imports the operator. See the docstring of oobleck.operator.render for the contract
-itself. Pure functions of plain dicts (Kubernetes objects as JSON), no I/O.
+runtime never imports the operator. The contract itself (env, ports, exit codes, annotations) is
+oobleck.api.contract; the children's roles are in the docstring of oobleck.operator.render. Pure functions of plain dicts (Kubernetes objects as JSON), no I/O.
 
 Keys of the ConfigMap:
     plan.json       the Plan as JSON, or "" when it is gzipped into binaryData
@@ -19,18 +19,9 @@ import gzip
 import json
 from typing import Any
 
-from oobleck.api.job import GROUP
+from oobleck.api.contract import FAILURES_SURVIVED_ANNOTATION, GENERATION_ANNOTATION
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ModelProfile
-
-GENERATION_ANNOTATION = f"{GROUP}/plan-generation"
-RANKS_ANNOTATION = f"{GROUP}/ranks"
-FAILURE_ANNOTATION = f"{GROUP}/failure-report"
-PROGRESS_ANNOTATION = f"{GROUP}/progress"
-FAILURES_SURVIVED_ANNOTATION = f"{GROUP}/failures-survived"
-MEASURED_PROFILE_ANNOTATION = f"{GROUP}/measured-profile"
-"""On a worker pod, by its runtime, before the first plan of a `profile: measure` job: the ModelProfile
-JSON it measured on its own device (the operator plans generation 0 with it)"""
 
 PLAN_KEY = "plan.json"
 PLAN_GZ_KEY = "plan.json.gz"

@@ -1,0 +1,76 @@
+"""Host memory for snapshots: the captured state bytes of layers by step, own and a buddy's."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class SnapshotStore:
+    """Snapshots this worker holds in host memory, own and buddy-held: step -> layer -> state bytes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps: dict[int, dict[int, torch.Tensor]] = {}
+        self.complete: set[int] = set()
+        """steps this worker knows complete (every rank of a generation captured and pushed them)"""
+        self.frozen = False
+
+    def put(self, step: int, layer: int, data: torch.Tensor) -> None:
+        with self._lock:
+            self._steps.setdefault(step, {})[layer] = data
+
+    def get(self, step: int, layer: int) -> torch.Tensor:
+        with self._lock:
+            try:
+                return self._steps[step][layer]
+            except KeyError:
+                raise KeyError(
+                    f"snapshot of layer {layer} at step {step}: not held here (held: {self._holdings_locked()})"
+                ) from None
+
+    def steps(self) -> list[int]:
+        with self._lock:
+            return sorted(self._steps)
+
+    def holdings(self) -> dict[str, list[int]]:
+        """{step: layers} as reported in `held/{worker}` (JSON keys are strings)."""
+        with self._lock:
+            return self._holdings_locked()
+
+    def _holdings_locked(self) -> dict[str, list[int]]:
+        return {str(step): sorted(layers) for step, layers in sorted(self._steps.items())}
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(t.numel() for layers in self._steps.values() for t in layers.values())
+
+    def mark_complete(self, step: int) -> None:
+        with self._lock:
+            self.complete.add(step)
+
+    def freeze(self) -> None:
+        """No pruning until `thaw`: the controller may be planning a restore from what we reported."""
+        with self._lock:
+            self.frozen = True
+
+    def thaw(self) -> None:
+        with self._lock:
+            self.frozen = False
+
+    def prune(self) -> None:
+        """Keep the newest complete step and the newest step being built (see the module docstring)."""
+        with self._lock:
+            if self.frozen:
+                return
+            steps = sorted(self._steps)
+            complete = [s for s in steps if s in self.complete]
+            keep = set(steps[-1:])
+            if complete:
+                keep.add(complete[-1])
+            else:
+                keep.update(steps[-2:])  # nothing known complete: the two newest
+            for step in steps:
+                if step not in keep:
+                    del self._steps[step]

@@ -1,0 +1,27 @@
+"""oobleck.simulate: goodput of a training job under node failure traces, for oobleck and its peers.
+
+Traces (traces.py) drive four policies (policies.py) whose costs are explicit inputs (costs.py); the
+planner is reached through one adapter (planning.py); engine.py sums up, report.py prints and plots,
+cli.py is `oobleck simulate`. Pure and deterministic: no GPU, no clock, seeded randomness only.
+"""
+
+from __future__ import annotations
+
+from .costs import BambooCosts, CheckpointCosts, Costs, OobleckCosts, ReplicaCosts
+from .engine import POLICIES, Job, Result, recommend_f, simulate
+from .traces import Trace, TraceError
+
+__all__ = [
+    "POLICIES",
+    "BambooCosts",
+    "CheckpointCosts",
+    "Costs",
+    "Job",
+    "OobleckCosts",
+    "ReplicaCosts",
+    "Result",
+    "Trace",
+    "TraceError",
+    "recommend_f",
+    "simulate",
+]

@@ -1,0 +1,448 @@
+"""The four policies: how each turns a trace's events into states over time and work lost.
+
+Shared rules, so the policies differ only in what the papers say they do:
+- Between events a policy trains at its layout's throughput (global batch / iteration time), or sits in a
+  named state (reconfiguring, restarting, checkpointing, failover, waiting) at zero throughput.
+- Work lost to a failure (the iteration in flight, or everything since the last snapshot or checkpoint) is
+  recorded as samples and seconds taken back at the failure's time.
+- An event during a recovery starts the recovery over at the event's time, with the nodes up then.
+- Nodes are taken in the order they first appeared, so the same trace always gives the same layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .costs import BambooCosts, CheckpointCosts, OobleckCosts, ReplicaCosts
+from .planning import Layout, LostLayersError, NoPipeline, Planner, copy_seconds
+from .traces import Trace
+
+TRAINING = "training"
+
+
+@dataclass(frozen=True)
+class Segment:
+    start_s: float
+    end_s: float
+    state: str
+    samples_per_s: float
+
+
+@dataclass(frozen=True)
+class Loss:
+    time_s: float
+    samples: float
+    seconds: float  # training time whose work was thrown away
+    why: str
+
+
+@dataclass
+class Timeline:
+    """What one policy did over one trace."""
+
+    policy: str
+    segments: list[Segment] = field(default_factory=list)
+    losses: list[Loss] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)  # (time, what the policy did)
+    note: str = ""
+
+    def add(self, start: float, end: float, state: str, rate: float) -> None:
+        if end <= start:
+            return
+        last = self.segments[-1] if self.segments else None
+        if last and last.state == state and last.samples_per_s == rate and last.end_s == start:
+            self.segments[-1] = Segment(last.start_s, end, state, rate)
+        else:
+            self.segments.append(Segment(start, end, state, rate))
+
+
+class Policy:
+    """Event loop shared by the policies: current state + a schedule of state changes to come."""
+
+    name = "policy"
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.timeline = Timeline(self.name)
+        self.alive: dict[str, None] = dict.fromkeys(trace.initial)  # insertion order = first appearance
+        self.now = 0.0
+        self.state = "waiting"
+        self.rate = 0.0
+        self.iteration_s = math.inf
+        self.samples_per_iteration = 0
+        self.train_rate = 0.0  # throughput of the current layout when training
+        self.steps = 0.0  # iterations since the last restore point (fractional: the one in flight)
+        self.schedule: list[tuple[float, str, float]] = []
+
+    # -- machinery -------------------------------------------------------------------------------------
+    def set_layout(self, layout: Layout | None) -> None:
+        if layout is None:
+            self.iteration_s, self.samples_per_iteration, self.train_rate = math.inf, 0, 0.0
+        else:
+            self.iteration_s = layout.iteration_s
+            self.samples_per_iteration = layout.samples_per_iteration
+            self.train_rate = layout.samples_per_s
+
+    def pause(self, state: str, seconds: float, then_rate: float | None = None) -> None:
+        """Sit in `state` for `seconds` from now, then train (at the layout's throughput by default)."""
+        rate = self.train_rate if then_rate is None else then_rate
+        self.schedule = [(self.now + seconds, TRAINING if rate > 0 else "waiting", rate)]
+        self.state, self.rate = state, 0.0
+
+    def hold(self, state: str) -> None:
+        """Stay in `state` (zero throughput) until an event changes it."""
+        self.state, self.rate, self.schedule = state, 0.0, []
+
+    def lose(self, samples: float, seconds: float, why: str) -> None:
+        if samples > 0:
+            self.timeline.losses.append(Loss(self.now, samples, seconds, why))
+
+    def lose_steps(self, steps: float, why: str) -> None:
+        self.lose(steps * self.samples_per_iteration, steps * self.iteration_s, why)
+        self.steps -= steps
+
+    def train(self, start: float, end: float) -> None:
+        """Record training over [start, end); policies that checkpoint split it."""
+        self.timeline.add(start, end, TRAINING, self.rate)
+        if self.iteration_s < math.inf:
+            self.steps += (end - start) / self.iteration_s
+
+    def advance(self, until: float) -> None:
+        while True:
+            upcoming = self.schedule[0][0] if self.schedule else math.inf
+            end = min(until, upcoming)
+            if self.state == TRAINING and self.rate > 0:
+                self.train(self.now, end)
+            else:
+                self.timeline.add(self.now, end, self.state, 0.0)
+            self.now = end
+            if upcoming > until:
+                return
+            _, self.state, self.rate = self.schedule.pop(0)
+
+    def run(self) -> Timeline:
+        self.start()
+        for time_s, removed, added in self.trace.batches():
+            self.advance(time_s)
+            for node in removed:
+                self.alive.pop(node, None)
+            for node in added:
+                self.alive[node] = None
+            self.handle(set(removed), list(added))
+        self.advance(self.trace.duration_s)
+        return self.timeline
+
+    def nodes(self) -> list[str]:
+        return list(self.alive)
+
+    def note(self, what: str) -> None:
+        self.timeline.events.append((self.now, what))
+
+    # -- policy hooks ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def handle(self, removed: set[str], added: list[str]) -> None:
+        raise NotImplementedError
+
+
+class OobleckPolicy(Policy):
+    """Our planner's reconfiguration in place; rollback to a snapshot beyond f; scale-up on additions."""
+
+    name = "oobleck"
+
+    def __init__(self, trace: Trace, planner: Planner, f: int, costs: OobleckCosts) -> None:
+        super().__init__(trace)
+        self.planner, self.f, self.costs = planner, f, costs
+        self.plan = None
+        self.bandwidth = planner.cluster.inter_node_bandwidth
+
+    def _adopt(self, plan) -> Layout:
+        self.plan = plan
+        layout = self.planner.layout(plan)
+        self.set_layout(layout)
+        return layout
+
+    def start(self) -> None:
+        try:
+            self._adopt(self.planner.initial(self.nodes(), self.f))
+            self.state, self.rate = TRAINING, self.train_rate
+        except NoPipeline as error:
+            self.timeline.note = f"cannot start: {error}"
+
+    def _restart(self, why: str) -> None:
+        """A fresh layout on the nodes up, every GPU restoring its layers from snapshots over the network."""
+        try:
+            layout = self._adopt(self.planner.initial(self.nodes(), self.f))
+        except NoPipeline:
+            self.plan = None
+            self.set_layout(None)
+            self.hold("waiting")
+            self.note(f"{why}: waiting for nodes")
+            return
+        restore_s = layout.state_bytes_per_node / self.bandwidth
+        self.pause("rollback", self.costs.pause_s(restore_s))
+        self.note(f"{why}: fresh layout of {len(layout.groups)} pipelines, Z = {layout.iteration_s * 1e3:.1f} ms")
+
+    def handle(self, removed: set[str], added: list[str]) -> None:
+        if self.plan is None:
+            if added:
+                self._restart("nodes back")
+            return
+        in_plan = {n for p in self.plan.pipelines for n in p.nodes}
+        lost = sorted(removed & in_plan, key=lambda n: n)
+        if lost:
+            self.lose_steps(self.steps - math.floor(self.steps), "iteration in flight")
+        try:
+            plan = self.planner.reconfigure(self.plan, lost, added)
+        except LostLayersError:
+            self.lose_steps(self.steps % self.costs.snapshot_interval_steps, "rollback to the last snapshot")
+            self.steps = 0.0
+            self._restart(f"lost {len(lost)} nodes holding every replica of some layers")
+            return
+        except NoPipeline:
+            self.lose_steps(self.steps % self.costs.snapshot_interval_steps, "rollback to the last snapshot")
+            self.steps = 0.0
+            self.plan = None
+            self.set_layout(None)
+            self.hold("waiting")
+            self.note("too few nodes for a pipeline: waiting")
+            return
+        layout = self._adopt(plan)
+        self.pause("reconfiguring", self.costs.pause_s(copy_seconds(plan, self.bandwidth)))
+        self.note(
+            f"-{len(lost)} +{len(added)} nodes: {len(layout.groups)} pipelines, Z = {layout.iteration_s * 1e3:.1f} ms"
+        )
+
+
+class CheckpointPolicy(Policy):
+    """Checkpoint + restart, re-planned for the nodes up (Varuna's job morphing, torchrun)."""
+
+    name = "checkpoint-restart"
+
+    def __init__(self, trace: Trace, planner: Planner, costs: CheckpointCosts, slowdown: float = 1.0) -> None:
+        super().__init__(trace)
+        self.planner, self.costs, self.slowdown = planner, costs, slowdown
+        self.layout: Layout | None = None
+        self.trained_since_checkpoint = 0.0  # seconds of training since the last completed checkpoint
+        self.samples_since_checkpoint = 0.0
+        self.interval_s = math.inf
+        self.checkpoint_s = 0.0
+        self.writing_until: float | None = None  # a checkpoint write an event interrupted ends then
+
+    def set_layout(self, layout: Layout | None) -> None:
+        if layout is not None and self.slowdown != 1.0:
+            layout = Layout(
+                layout.iteration_s * self.slowdown,
+                layout.samples_per_iteration,
+                layout.groups,
+                tuple(t * self.slowdown for t in layout.group_iteration_s),
+                layout.group_samples,
+                layout.degraded,
+                layout.state_bytes_per_node,
+            )
+        self.layout = layout
+        super().set_layout(layout)
+        if layout is not None:
+            self.checkpoint_s = self.costs.checkpoint_s(layout.state_bytes_per_node)
+
+    def _layout_on(self, nodes: list[str]) -> Layout | None:
+        try:
+            return self.planner.fresh(nodes, 0)
+        except NoPipeline:
+            return None
+
+    def start(self) -> None:
+        self.set_layout(self._layout_on(self.nodes()))
+        if self.layout is None:
+            self.timeline.note = "cannot start: too few nodes for a pipeline"
+            return
+        self.state, self.rate = TRAINING, self.train_rate
+        if self.costs.interval_s is not None:
+            self.interval_s = self.costs.interval_s
+        else:  # Young's optimum for the trace's job-level MTBF
+            mtbf = self.trace.duration_s / max(1, self.trace.losses())
+            self.interval_s = math.sqrt(2 * max(self.checkpoint_s, 1e-9) * mtbf)
+
+    def train(self, start: float, end: float) -> None:
+        t = start
+        while t < end:
+            due = t + self.interval_s - self.trained_since_checkpoint
+            stop = min(due, end)
+            self.timeline.add(t, stop, TRAINING, self.rate)
+            self.trained_since_checkpoint += stop - t
+            self.samples_since_checkpoint += (stop - t) * self.rate
+            t = stop
+            if t < end:  # a checkpoint is due: the job stalls while it is written
+                written = t + self.checkpoint_s
+                if written > end:
+                    # interrupted by the next event: recorded up to it, the rest written afterwards
+                    self.timeline.add(t, end, "checkpointing", 0.0)
+                    self.schedule.insert(0, (written, TRAINING, self.rate))
+                    self.state, self.rate = "checkpointing", 0.0
+                    self.writing_until = written
+                    return
+                self.timeline.add(t, written, "checkpointing", 0.0)
+                self.trained_since_checkpoint = self.samples_since_checkpoint = 0.0
+                t = written
+
+    def advance(self, until: float) -> None:
+        # A checkpoint whose write finished before this event counts as taken.
+        if self.writing_until is not None and self.writing_until <= until:
+            self.trained_since_checkpoint = self.samples_since_checkpoint = 0.0
+            self.writing_until = None
+        super().advance(until)
+
+    def lose_since_checkpoint(self, why: str) -> None:
+        self.writing_until = None  # a checkpoint still being written when the failure hit is useless
+        self.lose(self.samples_since_checkpoint, self.trained_since_checkpoint, why)
+        self.trained_since_checkpoint = self.samples_since_checkpoint = 0.0
+
+    def restart(self, why: str, *, save_first: bool) -> None:
+        layout = self._layout_on(self.nodes())
+        if layout is None:
+            self.set_layout(None)
+            self.hold("waiting")
+            self.note(f"{why}: waiting for nodes")
+            return
+        saving = self.checkpoint_s if save_first and self.trained_since_checkpoint > 0 else 0.0
+        if saving:
+            self.trained_since_checkpoint = self.samples_since_checkpoint = 0.0
+        self.set_layout(layout)
+        self.pause("restarting", saving + self.costs.restart_cost_s(layout.state_bytes_per_node))
+        self.note(f"{why}: restart on {layout.nodes} nodes, Z = {layout.iteration_s * 1e3:.1f} ms")
+
+    def used(self) -> set[str]:
+        return {n for g in self.layout.groups for n in g} if self.layout else set()
+
+    def handle(self, removed: set[str], added: list[str]) -> None:
+        if removed & self.used():
+            self.lose_since_checkpoint("work since the last checkpoint")
+            self.restart(f"lost {len(removed & self.used())} nodes", save_first=False)
+        elif added or self.layout is None:
+            bigger = self._layout_on(self.nodes())
+            if bigger is not None and (self.layout is None or bigger.samples_per_s > self.layout.samples_per_s):
+                self.restart(f"+{len(added)} nodes", save_first=self.layout is not None)
+
+
+class BambooPolicy(CheckpointPolicy):
+    """Redundant computation: failover onto the predecessor, pipelines re-formed; neighbours lost together
+    (or a one-node pipeline's node) fall back to a checkpoint restart."""
+
+    name = "redundant-computation"
+
+    def __init__(
+        self, trace: Trace, planner: Planner, costs: BambooCosts, checkpoint: CheckpointCosts, slowdown: float
+    ) -> None:
+        super().__init__(trace, planner, checkpoint, slowdown)
+        self.bamboo = costs
+        self.pending: set[str] = set()  # nodes lost whose redundancy has not been rebuilt yet
+
+    def handle(self, removed: set[str], added: list[str]) -> None:
+        used = self.used()
+        hit = removed & used
+        if self.state == TRAINING:
+            self.pending = set()
+        if hit:
+            gone = hit | self.pending
+            fatal = any(
+                (len(group) == 1 and group[0] in gone)
+                or any(group[i] in gone and group[(i + 1) % len(group)] in gone for i in range(len(group)))
+                for group in self.layout.groups
+            )
+            if fatal:
+                self.pending = set()
+                self.lose_since_checkpoint("neighbours lost together: work since the last checkpoint")
+                self.restart("redundancy lost", save_first=False)
+                return
+            self.pending |= hit
+        if hit or added or self.layout is None:
+            layout = self._layout_on(self.nodes())
+            if layout is None:
+                self.lose_since_checkpoint("too few nodes: work since the last checkpoint")
+                self.set_layout(None)
+                self.hold("waiting")
+                return
+            was_running = self.layout is not None
+            self.set_layout(layout)
+            if was_running:
+                self.pause("failover", self.bamboo.failover_s)
+                self.note(f"-{len(hit)} +{len(added)} nodes: failover, {len(layout.groups)} pipelines")
+            else:
+                self.restart("nodes back", save_first=False)
+
+
+class ReplicaPolicy(Policy):
+    """Replica dropping (torchft): fixed pipelines as data-parallel replicas, never reshaped."""
+
+    name = "replica-dropping"
+
+    def __init__(self, trace: Trace, planner: Planner, costs: ReplicaCosts) -> None:
+        super().__init__(trace)
+        self.planner, self.costs = planner, costs
+        self.slots: list[list[str | None]] = []
+        self.layout: Layout | None = None
+        self.bandwidth = planner.cluster.inter_node_bandwidth
+
+    def start(self) -> None:
+        try:
+            self.layout = self.planner.fresh(self.nodes(), 0)
+        except NoPipeline as error:
+            self.timeline.note = f"cannot start: {error}"
+            return
+        self.slots = [list(g) for g in self.layout.groups]
+        self._update_rate()
+        self.state, self.rate = TRAINING, self.train_rate
+
+    def _whole(self) -> list[int]:
+        return [i for i, slots in enumerate(self.slots) if None not in slots]
+
+    def _update_rate(self) -> None:
+        whole = self._whole()
+        if not whole:
+            self.iteration_s, self.samples_per_iteration, self.train_rate = math.inf, 0, 0.0
+            return
+        # Synchronous data parallelism: every whole replica runs its own share; the slowest sets the pace.
+        self.iteration_s = max(self.layout.group_iteration_s[i] for i in whole)
+        self.samples_per_iteration = sum(self.layout.group_samples[i] for i in whole)
+        self.train_rate = self.samples_per_iteration / self.iteration_s
+
+    def handle(self, removed: set[str], added: list[str]) -> None:
+        if self.layout is None:
+            return
+        broke = [i for i, slots in enumerate(self.slots) if removed & {s for s in slots if s}]
+        for slots in self.slots:
+            for k, node in enumerate(slots):
+                if node in removed:
+                    slots[k] = None
+        if broke:
+            self.lose_steps(self.steps - math.floor(self.steps), "iteration in flight")
+        healed = []
+        for node in added:
+            open_replicas = [i for i, slots in enumerate(self.slots) if None in slots]
+            if not open_replicas:
+                break  # spare: replicas never grow
+            i = min(open_replicas, key=lambda i: (self.slots[i].count(None), i))
+            self.slots[i][self.slots[i].index(None)] = node
+            if None not in self.slots[i]:
+                healed.append(i)
+        before = self.train_rate
+        self._update_rate()
+        if not broke and not healed:
+            return
+        if healed:
+            # The healed replicas fetch their state from a live one while the others keep training.
+            heal = self.costs.heal_s(self.layout.state_bytes_per_node, self.bandwidth)
+            with_healed = self.train_rate
+            whole = set(self._whole()) - set(healed)
+            without = (
+                sum(self.layout.group_samples[i] for i in whole) / max(self.layout.group_iteration_s[i] for i in whole)
+                if whole
+                else 0.0
+            )
+            self.pause("quorum", self.costs.quorum_s, then_rate=without)
+            self.schedule.append((self.now + max(heal, self.costs.quorum_s), TRAINING, with_healed))
+        else:
+            self.pause("quorum", self.costs.quorum_s)
+        self.note(f"{len(self._whole())}/{len(self.slots)} replicas whole (was {before:.1f} samples/s)")

@@ -1,0 +1,142 @@
+"""The operator <-> worker pod contract: one model the operator renders and the pod parses.
+
+What a worker pod may rely on, and what the operator may rely on from it:
+
+- `PodContract`: the worker container's environment. The operator builds one per worker pod
+  (operator/render.py `worker_pod`: `contract.to_env()`); the pod parses it back
+  (runtime/pod_config.py: `PodContract.from_env(os.environ)`, errors naming the variable).
+- Ports: STORE_PORT (the coordinator's TCPStore) and WORKER_PORT (a worker pod's /metrics; local GPU g
+  serves on WORKER_PORT + g).
+- `ExitCode`: what a worker pod's exit status means.
+- Annotations: RANKS_ANNOTATION and GENERATION_ANNOTATION are written by the operator on worker pods;
+  FAILURE_ANNOTATION, PROGRESS_ANNOTATION and MEASURED_PROFILE_ANNOTATION by a worker on its own pod;
+  GENERATION_ANNOTATION and FAILURES_SURVIVED_ANNOTATION by the operator on the plan ConfigMap. Their
+  values are described where each is defined below; the ConfigMap's keys and the plan's encoding are in
+  oobleck.api.planmap, the pods' and ConfigMap's roles in operator/render.py's docstring.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from oobleck.api.job import GROUP
+
+STORE_PORT = 29400
+"""The coordinator pod's TCPStore (`OOBLECK_STORE`'s port)"""
+WORKER_PORT = 29500
+"""A worker pod's container port: /metrics of local GPU g on WORKER_PORT + g"""
+
+
+class ExitCode(enum.IntEnum):
+    """A worker pod's exit status (and an elastic worker process's, runtime/reconfig.py)."""
+
+    DONE = 0
+    """the job's last step is done"""
+    ERROR = 1
+    """anything else (the message says what)"""
+    CONFIG = 2
+    """bad configuration: the environment, the job spec or the plan ConfigMap"""
+    DROPPED = 3
+    """a newer plan left this worker out (declared dead, or scaled in)"""
+    NO_PLAN = 4
+    """no plan arrived in time"""
+    UNRECOVERABLE = 5
+    """some layer's state is gone from every worker, snapshot and checkpoint (the job fails with it)"""
+
+
+GENERATION_ANNOTATION = f"{GROUP}/plan-generation"
+"""On the plan ConfigMap: the plan's generation. On a worker pod (by the operator): the generation its
+RANKS_ANNOTATION was written for (the ranks last changed at or before it)"""
+RANKS_ANNOTATION = f"{GROUP}/ranks"
+"""On a worker pod, by the operator: comma-separated ranks of local GPUs 0..G-1 in the plan in force
+(empty: not in it); patched only after the ConfigMap holds the generation, and only when they change"""
+FAILURE_ANNOTATION = f"{GROUP}/failure-report"
+"""On a worker pod, by its runtime: a oobleck.runtime.health.FailureReport as JSON (`job`, `generation`,
+`reporter`, `kind`, `dead` as plan node ids, `detail`)"""
+PROGRESS_ANNOTATION = f"{GROUP}/progress"
+"""On a worker pod, by its runtime: `{"generation", "step", "loss", "samplesPerSecond"}` (rate-limited,
+the final step always); `{"generation": -1, "step": 0}` before the first plan: "up, waiting for a plan\""""
+FAILURES_SURVIVED_ANNOTATION = f"{GROUP}/failures-survived"
+"""On the plan ConfigMap, by the operator: the failure counter stored with the plan"""
+MEASURED_PROFILE_ANNOTATION = f"{GROUP}/measured-profile"
+"""On a worker pod, by its runtime, before the first plan of a `profile: measure` job: the ModelProfile
+JSON it measured on its own device (the operator plans generation 0 with it)"""
+
+
+class PodContract(BaseModel):
+    """The worker container's environment, set by the operator (field aliases are the variable names).
+
+    OOBLECK_POD_IP and OOBLECK_CONTAINER_ROOT are the node's to set, not the operator's: the local
+    nodes (devtools) set them, where several pods share one host and one filesystem; a kubelet does not.
+    """
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="ignore")
+
+    job: str = Field(alias="OOBLECK_JOB", min_length=1, description="the OobleckJob's name")
+    namespace: str = Field(alias="OOBLECK_NAMESPACE", min_length=1)
+    node: str = Field(alias="OOBLECK_NODE", min_length=1, description="this pod's name: the plan's node id")
+    plan_config_map: str = Field(alias="OOBLECK_PLAN_CONFIGMAP", min_length=1, description="`<job>-plan`")
+    store: str = Field(
+        alias="OOBLECK_STORE",
+        description="HOST:PORT of the coordinator's TCPStore, HOST `<job>-coordinator.<service>...`: its first "
+        "label names the coordinator pod, whose status.podIP the worker prefers (Service names do not "
+        "resolve on local nodes)",
+    )
+    gpus_per_node: int = Field(1, alias="OOBLECK_GPUS_PER_NODE", ge=1)
+    device: Literal["cuda", "cpu"] = Field("cuda", alias="OOBLECK_DEVICE")
+    job_spec: str | None = Field(
+        None,
+        alias="OOBLECK_JOB_SPEC",
+        description="the job's spec as JSON (camelCase): what to profile before any plan exists; afterwards "
+        "the plan ConfigMap's job.json is what the worker reads",
+    )
+    pod_ip: str | None = Field(None, alias="OOBLECK_POD_IP", description="set by the node: bind here")
+    container_root: str | None = Field(
+        None, alias="OOBLECK_CONTAINER_ROOT", description="set by the node: where the pod's filesystem starts"
+    )
+
+    @field_validator("store")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"expected HOST:PORT, got {value!r}")
+        return value
+
+    @property
+    def store_host(self) -> str:
+        return self.store.rpartition(":")[0]
+
+    @property
+    def store_port(self) -> int:
+        return int(self.store.rpartition(":")[2])
+
+    @property
+    def coordinator_pod(self) -> str:
+        """The coordinator pod's name: the first label of OOBLECK_STORE's host."""
+        return self.store_host.split(".", 1)[0]
+
+    def to_env(self) -> list[dict[str, str]]:
+        """The container's `env` entries (unset optional variables left out)."""
+        values = self.model_dump(by_alias=True, exclude_none=True)
+        return [{"name": name, "value": str(value)} for name, value in values.items()]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Self:
+        """Parse a container's environment; ValueError names the variable that is missing or malformed."""
+        names = {field.alias for field in cls.model_fields.values() if field.alias}
+        present = {name: env[name] for name in names if env.get(name)}
+        try:
+            return cls.model_validate(present)
+        except ValidationError as error:
+            problem = error.errors()[0]
+            name = problem["loc"][0] if problem["loc"] else "environment"
+            if problem["type"] == "missing":
+                raise ValueError(f"{name}: not set (the operator sets it on worker pods)") from None
+            if problem["type"] == "value_error":  # our validators name the value themselves
+                raise ValueError(f"{name}: {problem['msg'].removeprefix('Value error, ')}") from None
+            raise ValueError(f"{name}: {problem['msg']}, got {present.get(str(name), '')!r}") from None
