@@ -24,7 +24,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from oobleck.api.job import worker_selector
-from oobleck.api.planmap import PROGRESS_ANNOTATION, read_plan
+from oobleck.api.contract import PROGRESS_ANNOTATION
+from oobleck.api.planmap import read_plan
 from oobleck.operator import render
 from oobleck_dev.operatorproc import OperatorProcess
 from oobleck_dev.poll import wait_until
