@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -40,6 +40,8 @@ from oobleck.api.job import (
 )
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ClusterShape, ModelProfile
+from oobleck.operator.admission import admit, gpu_memory_bytes
+from oobleck.operator.faults import Verdict
 from oobleck.operator.observe import JobObservation, Worker
 from oobleck.operator.render import ranks_table, worker_annotations, worker_index
 from oobleck.planner import instantiate
@@ -115,7 +117,7 @@ def cluster_shape(spec: OobleckJobSpec, tuning: Tuning) -> ClusterShape:
     return ClusterShape(
         nodes=spec.nodes.max,
         gpus_per_node=spec.gpus_per_node,
-        gpu_memory_bytes=tuning.gpu_memory_bytes,
+        gpu_memory_bytes=gpu_memory_bytes(spec, tuning),
         intra_node_bandwidth=tuning.intra_node_bandwidth,
         inter_node_bandwidth=tuning.inter_node_bandwidth,
     )
@@ -218,9 +220,15 @@ class _Status:
     """Builds the next status from the previous one (conditions keep their transition times)."""
 
     def __init__(
-        self, ctx: JobContext, now: datetime, measured: tuple[float | None, float | None] | None = None
+        self,
+        ctx: JobContext,
+        now: datetime,
+        measured: tuple[float | None, float | None] | None = None,
+        verdict: Verdict | None = None,
     ) -> None:
         self.ctx, self.now = ctx, now
+        self.verdict = verdict
+        """operator/faults.py's: the worker failures counted (status.workerFailures), and whether to fail"""
         self.conditions: list[Condition] = list(ctx.status.conditions)
         self.measured = measured
         """(loss, samples/s) of the newest step the workers reported"""
@@ -267,6 +275,10 @@ class _Status:
             progress=progress,
             failures_survived=failures,
             reconfigurations=plan.generation if plan is not None else 0,
+            worker_failures=self.verdict.worker_failures if self.verdict else prior.worker_failures,
+            last_worker_failures=list(
+                self.verdict.last_worker_failures if self.verdict else prior.last_worker_failures
+            ),
             start_time=prior.start_time or (self.now if plan is not None else None),
             completion_time=prior.completion_time or (self.now if completed else None),
         )
@@ -312,6 +324,14 @@ def _fail(
     return _finished(ctx, obs, current, status, [Event("Warning", reason, message)])
 
 
+def _named(verdict: Verdict | None, reason: str, message: str) -> tuple[str, str]:
+    """The reason to fail with: a worker's unconfirmed job cause, if one is why nodes were lost."""
+    if verdict is not None and verdict.suspect is not None:
+        kind, said = verdict.suspect
+        return kind, f"{said} ({message})"
+    return reason, message
+
+
 RETRY_AFTER_S = 5.0
 """A failure that names nobody and that no pod or node explains within this long redoes the generation."""
 
@@ -346,18 +366,42 @@ def decide(
     profile: ModelProfile | None,
     tuning: Tuning,
     now: datetime,
+    verdict: Verdict | None = None,
 ) -> Decision:
     """The next actions for a job (see the module docstring). `profile` is None only before the first
-    plan of a `profile: measure` job whose workers have not reported their measurement yet.
+    plan of a `profile: measure` job whose workers have not reported their measurement yet. `verdict`:
+    operator/faults.py's on the worker pods (None: no worker failure is the job's); every worker pod it
+    counts for the first time gets a Warning event.
 
     A pipeline of named steps: a finished job only cleans up; a job whose last step is done succeeds,
     one that lost some layer for good fails; before generation 0 `_first_plan` decides; else the
     members are sorted (`_membership`), the next generation planned if any changed or the generation
     must be redone (`_change`), and the pods converged on the plan in force (`_converge`)."""
-    status = _Status(ctx, now, (obs.loss, obs.samples_per_second))
+    decision = _decide(ctx, obs, current, profile, tuning, now, verdict)
+    if verdict is not None and verdict.new and verdict.fail is None and decision.status.get("phase") != "Failed":
+        counted = tuple(
+            Event("Warning", f.kind, f"{f.message} (worker failure {verdict.worker_failures})") for f in verdict.new
+        )
+        decision = replace(decision, events=(*counted, *decision.events))
+    return decision
+
+
+def _decide(
+    ctx: JobContext,
+    obs: JobObservation,
+    current: CurrentPlan | None,
+    profile: ModelProfile | None,
+    tuning: Tuning,
+    now: datetime,
+    verdict: Verdict | None,
+) -> Decision:
+    status = _Status(ctx, now, (obs.loss, obs.samples_per_second), verdict)
     ended = _ended(ctx, obs, current, status)
     if ended is not None:
         return ended
+    if verdict is not None and verdict.fail is not None:
+        # A failure of the job itself: every node would fail the same way (operator/faults.py).
+        return _fail(ctx, obs, current, status, *verdict.fail)
     status.set(
         ConditionType.CREATED, "True", Reason.OBJECTS_CREATED, "service, RBAC, coordinator and worker pods created"
     )
@@ -498,9 +542,12 @@ def _change(
             obs,
             current,
             status,
-            Reason.TOO_FEW_NODES,
-            f"{len(members.survivors) + len(added)} nodes left after losing {sorted(lost)}; "
-            f"nodes.min is {spec.nodes.min}",
+            *_named(
+                status.verdict,
+                Reason.TOO_FEW_NODES,
+                f"{len(members.survivors) + len(added)} nodes left after losing {sorted(lost)}; "
+                f"nodes.min is {spec.nodes.min}",
+            ),
         )
     assert profile is not None, "a plan exists, so does the profile stored beside it"
     began = time.perf_counter()
@@ -518,7 +565,7 @@ def _change(
             horizon=tuning.horizon,
         )
     except PlanningError as error:
-        return _fail(ctx, obs, current, status, Reason.TOO_FEW_NODES, str(error))
+        return _fail(ctx, obs, current, status, *_named(status.verdict, Reason.TOO_FEW_NODES, str(error)))
     restore = new_plan.reason == "rollback"
     planner_s = time.perf_counter() - began
     failures += len(lost)
@@ -657,9 +704,15 @@ def _first_plan(
     `profile: measure`, once a worker has reported the profile it measured; until then the spec is
     checked against the synthetic estimate of its model)."""
     spec = ctx.spec
-    problem = check_spec(spec, profile if profile is not None else synthetic_profile(spec, tuning), tuning)
-    if problem is not None:
-        return _fail(ctx, obs, None, status, Reason.INVALID_SPEC, f"the planner cannot serve this spec: {problem}")
+    # An entry point's profile is known only once a worker measured it: nothing to check before.
+    basis = profile if profile is not None else synthetic_profile(spec, tuning) if spec.model.gpt else None
+    if basis is not None:
+        problem = admit(spec, basis, tuning)
+        if problem is not None:
+            return _fail(ctx, obs, None, status, Reason.INVALID_SPEC, problem)
+        problem = check_spec(spec, basis, tuning)
+        if problem is not None:
+            return _fail(ctx, obs, None, status, Reason.INVALID_SPEC, f"the planner cannot serve this spec: {problem}")
     wanted = spec.nodes.wanted
     for worker in obs.workers:
         if worker.status in ("lost", "succeeded"):

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from oobleck.api.conditions import ConditionType, Reason, is_true, phase_of, set_condition
 from oobleck.api.job import GROUP, JOB_LABEL, PLURAL, VERSION, OobleckJobSpec, parse_spec, parse_status
 from oobleck.api.profile import ModelProfile
-from oobleck.operator import observe
+from oobleck.operator import faults, observe
 from oobleck.operator.apply import (
     Api,
     ApiError,
@@ -371,7 +371,15 @@ async def reconcile(
     status = parse_status(raw_status)
     ctx = JobContext(name, namespace, runner.uid, int(body.metadata.get("generation") or 0), spec, status)
     with GcPause() as pause:  # no collector pause between a failure and the patches (apply.GcPause)
-        decision = decide(ctx, obs, runner.current, profile, config.tuning, _now())
+        verdict = faults.assess(
+            runner.uid,
+            job_pods.get(runner.key, ()),
+            status.worker_failures,
+            status.last_worker_failures,
+            spec.failure_policy,
+            time.time(),
+        )
+        decision = decide(ctx, obs, runner.current, profile, config.tuning, _now(), verdict)
         if decision.profile is not None:
             profile = runner.profile = decision.profile  # generation 0's: stored beside the plan
         if decision.plan is None:

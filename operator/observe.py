@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+from oobleck.api.causes import CAUSE_ANNOTATION
 from oobleck.api.plan import Plan
 from oobleck.operator.render import (
     COORDINATOR_ROLE,
@@ -74,6 +75,9 @@ class PodSummary:
     progress: str | None = None
     owner_uid: str | None = None
     measured_profile: str | None = None  # MEASURED_PROFILE_ANNOTATION (profile: measure, before the first plan)
+    cause: str | None = None  # CAUSE_ANNOTATION: a job-caused failure the worker reported (operator/faults.py)
+    terminated_message: str = ""  # the first terminated container's message (its last log lines)
+    waiting: tuple[str, str] | None = None  # (reason, message) of the first container waiting with a reason
 
 
 @dataclass(frozen=True)
@@ -95,11 +99,18 @@ def summarize_pod(body: Mapping[str, Any]) -> PodSummary:
     status = body.get("status") or {}
     labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
-    terminated = None
+    terminated = waiting = None
+    terminated_message = ""
     for container in status.get("containerStatuses") or []:
         state = (container.get("state") or {}).get("terminated")
         if state:
             terminated = (int(state.get("exitCode", 0)), state.get("reason") or "")
+            terminated_message = (state.get("message") or "")[-2000:]
+            break
+    for container in status.get("containerStatuses") or []:
+        state = (container.get("state") or {}).get("waiting")
+        if state and state.get("reason") not in (None, "", "ContainerCreating", "PodInitializing"):
+            waiting = (state["reason"], (state.get("message") or "")[:1000])
             break
     disrupted = unschedulable = None
     for condition in status.get("conditions") or []:
@@ -126,6 +137,9 @@ def summarize_pod(body: Mapping[str, Any]) -> PodSummary:
         progress=annotations.get(PROGRESS_ANNOTATION),
         owner_uid=owner,
         measured_profile=annotations.get(MEASURED_PROFILE_ANNOTATION),
+        cause=annotations.get(CAUSE_ANNOTATION),
+        terminated_message=terminated_message,
+        waiting=waiting,
     )
 
 

@@ -24,6 +24,10 @@ naming nobody that no pod or node status explains within 5 s makes the operator 
 on the same nodes), progress (a step >= spec.training.steps completes the job; a replacement pod is
 folded in only once it wrote "up, waiting for a plan" and the current generation has trained a step)
 and, for `profile: measure`, the profile it measured (the lowest-indexed worker's plans generation 0).
+A worker that fails because of the job itself writes CAUSE_ANNOTATION first (oobleck.api.causes: kind,
+message, field/path/layer/step) and exits with the kind's code; operator/faults.py fails the job with it
+once it is certain. The worker container's terminationMessagePolicy FallbackToLogsOnError puts a failed
+container's last log lines in its status, for workers that die before they can report.
 """
 
 from __future__ import annotations
@@ -242,6 +246,8 @@ def worker_pod(
                 "env": env,
                 "ports": [{"name": "worker", "containerPort": WORKER_PORT}],
                 "resources": {"requests": requests, "limits": limits},
+                # A worker that dies before its runtime reports anything still says why (operator/faults.py).
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "securityContext": container_security,
                 "volumeMounts": mounts,
             }
@@ -277,7 +283,8 @@ def coordinator_pod(job: str, namespace: str, uid: str, spec: OobleckJobSpec, *,
                 "image": spec.image or default_image,
                 "command": ["python", "-m", "oobleck.runtime.coordinator", "--port", str(STORE_PORT)],
                 "ports": [{"name": "store", "containerPort": STORE_PORT}],
-                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
+                # The store's process imports torch: ~580 MB resident (a 512Mi limit OOM-kills it).
+                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
                 "securityContext": container_security,
             }
         ],

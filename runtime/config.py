@@ -125,6 +125,9 @@ class WorkerConfig(_Strict):
     microbatch_size: int = Field(default=4, ge=1, description="samples per microbatch")
     steps: int = Field(default=20, ge=0, description="global steps to train")
     seed: int = Field(default=0, ge=0, description="seeds weights (per layer) and data (per microbatch)")
+    on_non_finite: Literal["fail", "skipStep", "rollback"] = Field(
+        default="fail", description="a step with a NaN/Inf loss or gradient: runtime/nonfinite.py"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available")
     threads: int = Field(default=1, ge=1, description="torch intra-op threads (fixed for determinism)")
     timeouts: Timeouts = Timeouts()

@@ -18,7 +18,9 @@ Key layout (every name is built by a function below; nothing else spells keys):
                             its snapshots {step: layers} and its snapshot server's address (snapshot.py)
     snap/gen{g}/step{t}/done  ranks of generation g whose snapshot of step t reached their buddy
     snap/complete/{t}       present once some generation's ranks all finished their snapshot of step t
-    gen{g}/commit/{step}/   "arrived" counter and "decision" (commit | abort) of a step (reconfig.py)
+    gen{g}/commit/{step}/   "arrived" counter and "decision" (commit | commit-nonfinite | abort) of a step,
+                            "nonfinite": what a rank found NaN/Inf (reconfig.py, nonfinite.py)
+    nonfinite/{g}/{step}/{worker}  the newest snapshot step a worker holds, to agree on a rollback (nonfinite.py)
     e{epoch}/{job}/gen{g}/  the rendezvous namespace of generation g (process groups, see groups.py)
 
 Losing the coordinator is recoverable: a recreated server on the same address has a new `epoch`.

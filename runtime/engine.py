@@ -50,6 +50,7 @@ from oobleck.runtime.groups import (
     wait_all,
 )
 from oobleck.runtime.models import LayeredModel, layer_seed, output_spec
+from oobleck.runtime.nonfinite import find_non_finite
 from oobleck.runtime.optim import LayerAdamW, learning_rate
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
@@ -208,6 +209,8 @@ class Engine:
         if missing:
             raise ValueError(f"rank {rank} lacks layers {missing} that generation {plan.generation} assigns to it")
         self.held = [(layer, layers[layer]) for layer in self.layout.layers]
+        self.non_finite: str | None = None
+        """what was NaN/Inf in the last step's reduced sums (None: all finite)"""
         self.rows = rows(self.mb, len(self.layout.stage.ranks), self.layout.shard)
         self.samples = plan.global_microbatches * self.mb
         sum_dtype = getattr(torch, config.gradient_sum_dtype)
@@ -331,6 +334,10 @@ class Engine:
         self._reduce()
         self.buffers.install(self.samples)
         self.tied.install(self.samples)
+        # Checked here, applied by the optimizer's commit: every rank takes the same branch (runtime/nonfinite.py).
+        self.non_finite = find_non_finite(
+            [flat for _, flat in self.buffers.sets], self.buffers.loss_slot, self.buffers.views, self._param_name
+        )
         self.optimizer.step(self.held, learning_rate(self.config.optim, step))
         for _, module in self.held:
             module.zero_grad(set_to_none=True)
@@ -345,6 +352,9 @@ class Engine:
             tokens=self.samples * self.tokens_per_sample,
             seconds=time.perf_counter() - started,
         )
+
+    def _param_name(self, parameter: torch.Tensor) -> tuple[int, str]:
+        return next((layer, n) for layer, m in self.held for n, p in m.named_parameters() if p is parameter)
 
     def _reduce(self) -> None:
         """Sum every holder set's buffer over its members (all launched, then all awaited)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -151,7 +152,8 @@ def summarize(
     losses: dict[int, float] = {}
     for record in sorted(records, key=lambda r: r["time"]):
         step = record["step"]
-        if step in losses and losses[step] != record["loss"]:
+        # (NaN never equals itself: a non-finite step's loss is the same on every rank that logged it)
+        if step in losses and losses[step] != record["loss"] and not (_nan(losses[step]) and _nan(record["loss"])):
             error = error or f"step {step} logged twice with different losses: {losses[step]} != {record['loss']}"
         losses[step] = record["loss"]
     for reconfig in reconfigurations:
@@ -176,3 +178,7 @@ def summarize(
         seconds=seconds,
         workdir=workdir,
     )
+
+
+def _nan(value: object) -> bool:
+    return isinstance(value, float) and math.isnan(value)

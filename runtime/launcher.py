@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oobleck.api.causes import KIND_OF_EXIT
 from oobleck.api.contract import ExitCode
 from oobleck.runtime.launch_children import Child, spawn_worker
 from oobleck.runtime.launch_config import Fault, LaunchOptions, initial_plan, load_profile, worker_config
@@ -245,6 +246,8 @@ class Launcher:
                 log.info("worker %s exited with %s", child.worker, code)
                 if code == ExitCode.UNRECOVERABLE:
                     raise JobFailed(f"{child.worker}: {child.last_error()}")
+                if code in KIND_OF_EXIT:  # a failure of the job itself (oobleck.api.causes): it would repeat anywhere
+                    raise JobFailed(f"{child.worker}: {KIND_OF_EXIT[code]}: {child.last_error()}")
         return exited
 
     def _on_failure(self, exited: list[str]) -> None:

@@ -23,6 +23,8 @@ Before its first plan a worker writes the progress annotation `{"generation": -1
 waiting", the operator's cue to fold a replacement pod in.
 Exit codes: oobleck.api.contract.ExitCode (an unrecoverable loss is also reported to the operator,
 which fails the job with it).
+A failure caused by the job itself (runtime/causes.py: model import, data, config, memory, non-finite
+loss, CUDA) is put on the pod as CAUSE_ANNOTATION first and exits with oobleck.api.causes.EXIT_CODES (10-15).
 
 Tunables a job can set through `spec.pod.env` (OOBLECK_* names are reserved for the operator; parsed
 with the contract by runtime/pod_config.py PodEnv): WORKER_DEAD_AFTER_S (seconds of heartbeat silence
@@ -44,7 +46,9 @@ import time
 from typing import Any
 
 from oobleck.api import planmap
+from oobleck.api.causes import CAUSE_ANNOTATION, make_cause
 from oobleck.api.contract import MEASURED_PROFILE_ANNOTATION, ExitCode
+from oobleck.runtime.causes import JobFault, blame, classify, model_field
 from oobleck.runtime.kube import TRANSPORT_ERRORS, ApiException, Kube, KubeConfigError, api_error_text
 from oobleck.runtime.pod_config import PodEnv, worker_config
 from oobleck.runtime.pod_coordinator import CoordinatorAddress, connect_resolving, elastic_classes
@@ -110,12 +114,17 @@ def measure_profile(env: PodEnv, kube: Kube, source) -> bool:
         spec = parse_spec(json.loads(env.job_spec))
         config = worker_config(spec, env.job, container_root=env.container_root, compute_device=env.compute_device)
     except ValueError as error:
-        raise PodFailure(ExitCode.CONFIG, f"OOBLECK_JOB_SPEC: {error}") from error
+        raise JobFault(make_cause("InvalidConfig", f"OOBLECK_JOB_SPEC: {error}")) from error
     if spec.profile.source != "measure":
         return False
     torch.set_num_threads(config.threads)
     began = time.monotonic()
-    profile = profile_model(build_model(config), config.microbatch_size, choose_device(config, 0), 1, 3)
+    with blame("ModelLoadFailed", field=model_field(config)):
+        model = build_model(config)
+        with torch.device("meta"):
+            model.build_layer(model.num_layers - 1)  # an entry point's errors, before measuring
+    with blame("OutOfMemory", field="spec.resources.memory"):  # what else goes wrong while measuring is the model's
+        profile = profile_model(model, config.microbatch_size, choose_device(config, 0), 1, 3)
     annotate(kube, env.namespace, env.node, {MEASURED_PROFILE_ANNOTATION: profile.model_dump_json()})
     _log("profiled", env, layers=len(profile.layers), seconds=round(time.monotonic() - began, 3))
     return True
@@ -161,7 +170,7 @@ def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: fl
         config = worker_config(spec, env.job, container_root=env.container_root, compute_device=env.compute_device)
         health = HealthTimeouts(heartbeat_period_s=env.heartbeat_period_s, dead_after_s=env.dead_after_s)
     except ValueError as error:  # pydantic's ValidationError is a ValueError
-        raise PodFailure(ExitCode.CONFIG, f"configmap {env.plan_config_map}: {error}") from error
+        raise JobFault(make_cause("InvalidConfig", f"configmap {env.plan_config_map}: {error}")) from error
     me = worker_id(env.node, gpu)
     _log("config", env, gpu=gpu, steps=config.steps, model=config.model.model_dump(), device=config.device)
     store_timeouts = StoreTimeouts()
@@ -275,18 +284,33 @@ def main(argv: list[str] | None = None) -> int:
     except PodFailure as error:
         print(f"oobleck pod {env.node} gpu {gpu}: {error}", file=sys.stderr)
         return error.code
-    except KubeConfigError as error:
-        print(f"oobleck pod {env.node} gpu {gpu}: {error}", file=sys.stderr)
-        return ExitCode.CONFIG
-    except ApiException as error:
-        print(f"oobleck pod {env.node} gpu {gpu}: Kubernetes API: {api_error_text(error)}", file=sys.stderr)
-        return ExitCode.ERROR
-    except TRANSPORT_ERRORS as error:
-        print(f"oobleck pod {env.node} gpu {gpu}: Kubernetes API: {error}", file=sys.stderr)
-        return ExitCode.ERROR
-    except Exception:
+    except Exception as error:
+        cause = classify(error)
+        if cause is not None:
+            return report_cause(env, gpu, cause)
+        if isinstance(error, KubeConfigError):
+            print(f"oobleck pod {env.node} gpu {gpu}: {error}", file=sys.stderr)
+            return ExitCode.CONFIG
+        if isinstance(error, ApiException):
+            print(f"oobleck pod {env.node} gpu {gpu}: Kubernetes API: {api_error_text(error)}", file=sys.stderr)
+            return ExitCode.ERROR
+        if isinstance(error, TRANSPORT_ERRORS):
+            print(f"oobleck pod {env.node} gpu {gpu}: Kubernetes API: {error}", file=sys.stderr)
+            return ExitCode.ERROR
         log.exception(json.dumps({"event": "crashed", "job": env.job, "node": env.node, "gpu": gpu}))
         return ExitCode.ERROR
+
+
+def report_cause(env: PodEnv, gpu: int, cause, kube: Kube | None = None) -> int:
+    """Put a job cause on the pod (CAUSE_ANNOTATION) for the operator, log it, and return its exit code."""
+    print(f"oobleck pod {env.node} gpu {gpu}: {cause.kind}: {cause.describe()}", file=sys.stderr)
+    _log("cause", env, gpu=gpu, cause=cause.model_dump(exclude_none=True))
+    try:
+        kube = kube or Kube.in_cluster()
+        annotate(kube, env.namespace, env.node, {CAUSE_ANNOTATION: cause.model_dump_json(exclude_none=True)})
+    except (ApiException, KubeConfigError, *TRANSPORT_ERRORS) as error:  # the exit code still names the kind
+        print(f"oobleck pod {env.node}: could not report the cause: {error}", file=sys.stderr)
+    return cause.exit_code
 
 
 if __name__ == "__main__":

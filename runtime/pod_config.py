@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import Field
 
 from oobleck.api.contract import WORKER_PORT, PodContract
-from collections.abc import Callable
-
 from oobleck.api.job import MODEL_CONFIG_DIR, OobleckJobSpec, TransformersModel
 from oobleck.runtime.config import (
     CheckpointConfig,
@@ -105,6 +104,7 @@ def worker_config(
         microbatch_size=training.microbatch_size,
         steps=training.steps,
         seed=training.seed,
+        on_non_finite=training.on_non_finite,
         device=device,
         threads=1,
         timeouts=Timeouts(connect=connect_timeout_s),

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from oobleck.api.contract import ExitCode
 from oobleck.api.plan import Plan
 from oobleck.runtime import coordinator as keys
+from oobleck.runtime.causes import JobFault, classify
 from oobleck.runtime.coordinator import StoreTimeouts, connect, is_store_loss, worker_id
 from oobleck.runtime.health import FailureDetector, HealthTimeouts
 from oobleck.runtime.plansource import FilePlanSource, PlanSource, PlanWatcher
@@ -59,6 +60,12 @@ class ControlStore:
 
     def reconnect(self) -> None:
         self.store, self.epoch = connect(*self.address, self.timeouts)
+
+
+NON_FINITE_MARK = 1 << 24
+"""Added to a commit's arrival count by a rank that found a NaN/Inf (world sizes stay far below it)."""
+COMMIT_NON_FINITE = "commit-nonfinite"
+"""The decision when some rank found a NaN/Inf: every rank applies the job's policy (runtime/nonfinite.py)."""
 
 
 class StepCommit:
@@ -91,44 +98,58 @@ class StepCommit:
         self.recover_timeout_s = recover_timeout_s
         self.self_decide_s = self_decide_s
         self.members: tuple[str, ...] = ()
+        self.non_finite: str | None = None
+        """what some rank found NaN/Inf in the step just committed (see `decide`)"""
         """the generation's workers ("node:gpu"), whose reports a self-decided re-post reads"""
 
-    def decide(self, generation: int, world_size: int, step: int) -> bool:
-        """Arrive and wait for the decision; True: apply the step, False: abort it."""
+    def decide(self, generation: int, world_size: int, step: int, non_finite: str | None = None) -> bool:
+        """Arrive and wait for the decision; True: apply the step, False: abort it. `non_finite`: what this
+        rank found NaN/Inf; after a commit, `self.non_finite` says what any rank found (else None)."""
+        self.non_finite = None
         try:
-            return self._decide(generation, world_size, step)
+            return self._decide(generation, world_size, step, non_finite)
         except RuntimeError as error:
             if not is_store_loss(error):
                 raise
             return self._recover(generation, step)
 
-    def _decide(self, generation: int, world_size: int, step: int) -> bool:
+    def _decide(self, generation: int, world_size: int, step: int, non_finite: str | None) -> bool:
         store = self.control.store
         prefix = keys.commit_prefix(generation, step)
         decision = prefix + "decision"
-        arrived = store.add(prefix + "arrived", 1)
-        if arrived == world_size:
+        if non_finite is not None:  # the slow path only: the detail first, then the marked arrival
+            store.compare_set(prefix + "nonfinite", "", non_finite)
+        arrived = store.add(prefix + "arrived", 1 + (NON_FINITE_MARK if non_finite is not None else 0))
+        count, marked = arrived % NON_FINITE_MARK, arrived >= NON_FINITE_MARK
+        if count == world_size:
             # The last arrival decides: compare_set's reply is the decision in force ("commit", or an
             # "abort" posted first), so waiting for the key and reading it back would only add two
             # round trips to the step's critical path (every other rank is waiting on this one).
-            applied = store.compare_set(decision, "", "commit").decode() == "commit"
+            # A marked count carries "some rank saw NaN/Inf" at no extra round trip.
+            value = store.compare_set(decision, "", COMMIT_NON_FINITE if marked else "commit").decode()
             if world_size == 1:
                 self._collect(store, generation, step - 2)
-            return applied
-        if arrived == 1:
+            return self._read(store, prefix, value)
+        if count == 1:
             # The first arrival waits for the others anyway: it drops old keys meanwhile.
             self._collect(store, generation, step - 2)
         while True:
             if self.failed.is_set():
                 # compare_set returns the value in force: ours if we were first, else the winner's.
-                return store.compare_set(decision, "", "abort").decode() == "commit"
+                return self._read(store, prefix, store.compare_set(decision, "", "abort").decode())
             try:
                 store.wait([decision], datetime.timedelta(seconds=self.poll_s))
-                return store.get(decision).decode() == "commit"
+                return self._read(store, prefix, store.get(decision).decode())
             except RuntimeError as error:
                 if is_store_loss(error):
                     raise
                 # A wait timeout: look at the failure Event again.
+
+    def _read(self, store, prefix: str, value: str) -> bool:
+        """Whether `value` (a decision) commits; sets `non_finite` from a COMMIT_NON_FINITE decision."""
+        if value == COMMIT_NON_FINITE:
+            self.non_finite = store.get(prefix + "nonfinite").decode() or "a rank found a NaN/Inf"
+        return value in ("commit", COMMIT_NON_FINITE)
 
     @staticmethod
     def _collect(store, generation: int, step: int) -> None:
@@ -139,6 +160,7 @@ class StepCommit:
         old = keys.commit_prefix(generation, step)
         store.delete_key(old + "arrived")
         store.delete_key(old + "decision")
+        store.delete_key(old + "nonfinite")
 
     def _recover(self, generation: int, step: int) -> bool:
         log.warning(
@@ -162,7 +184,7 @@ class StepCommit:
                 )
             else:
                 time.sleep(self.poll_s)
-        return store.get(decision).decode() == "commit"
+        return self._read(store, keys.commit_prefix(generation, step), store.get(decision).decode())
 
     def _applied_by_a_peer(self, store, generation: int, step: int) -> bool:
         """Whether a member reported leaving `generation` with `step` applied (its next step is step + 1)."""
@@ -253,6 +275,8 @@ def run_elastic(
                     if outcome.loss is not None and not worker.logs_loss:
                         _append_loss(worker, outcome)
             except RuntimeError as error:
+                if classify(error) is not None:
+                    raise  # out of memory, a CUDA error: the job's (runtime/causes.py), not a peer's
                 # Interrupted / CommError, a lost coordinator, or a rendezvous that failed (gloo
                 # raises plain RuntimeErrors there): all end this generation, none ends the worker.
                 if not isinstance(error, (Interrupted, CommError)):
@@ -458,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error(json.dumps({"event": "unrecoverable", "worker": me, "error": str(error)}))
         detector.trigger("unrecoverable", (), str(error))
         return ExitCode.UNRECOVERABLE
+    except JobFault as error:  # the job's own (runtime/causes.py): the launcher fails the job with it
+        log.error(json.dumps({"event": "cause", "worker": me, "error": str(error)}))
+        return error.cause.exit_code
     finally:
         detector.stop()
     if worker.snapshots is not None and result.exit_code == ExitCode.DONE:

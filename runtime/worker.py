@@ -20,12 +20,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 from torch import nn
 
 from oobleck.api.plan import Plan
+from oobleck.runtime import nonfinite
+from oobleck.runtime.causes import blame, model_field
 from oobleck.runtime.config import WorkerConfig, build_dataset, build_model
 from oobleck.runtime.coordinator import is_store_loss
 from oobleck.runtime.engine import Engine, StepOutcome
@@ -75,8 +77,12 @@ class StepCommitter(Protocol):
     """Decides whether every member of a generation applies a step (reconfig.StepCommit)."""
 
     members: tuple[str, ...]
+    non_finite: str | None
+    """after a commit: what some rank found NaN/Inf in the step (runtime/nonfinite.py), else None"""
+    control: Any
+    """the coordinator's store connection (`.store`): a rollback agrees on its snapshot step there"""
 
-    def decide(self, generation: int, world_size: int, step: int) -> bool: ...
+    def decide(self, generation: int, world_size: int, step: int, non_finite: str | None = None) -> bool: ...
 
 
 class CommittingOptimizer:
@@ -92,8 +98,9 @@ class CommittingOptimizer:
         plan = self._worker.plan
         assert plan is not None, "a step runs only under an adopted plan"
         self._commit.members = tuple(f"{a.node}:{a.gpu}" for a in plan.ranks)
+        found = self._worker.engine.non_finite if self._worker.engine is not None else None
         try:
-            applied = self._commit.decide(plan.generation, plan.world_size, self._worker.step)
+            applied = self._commit.decide(plan.generation, plan.world_size, self._worker.step, found)
         except RuntimeError as error:  # the coordinator is gone: nobody can commit, so nobody does
             if not is_store_loss(error):
                 raise
@@ -102,6 +109,8 @@ class CommittingOptimizer:
             raise Interrupted(
                 f"step {self._worker.step} of generation {plan.generation} aborted by the commit decision"
             )
+        if self._commit.non_finite is not None:  # every rank takes this branch (the decision said so)
+            return nonfinite.handle(self._worker, self._commit.non_finite, self._commit.control)
         return self._inner.step(*args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -146,8 +155,11 @@ class Worker:
         self.config, self.store, self.node, self.gpu = config, store, node, gpu
         self.failed = failed if failed is not None else threading.Event()
         self.device = choose_device(config, gpu)
-        self.model = build_model(config)
-        self.data = build_dataset(config, self.model)
+        # Errors here are the job's (runtime/causes.py): the worker reports them and the job fails with them.
+        with blame("ModelLoadFailed", field=model_field(config)):
+            self.model = build_model(config)
+        with blame("DataUnavailable", field="spec.data", path=config.data.path):
+            self.data = build_dataset(config, self.model)
         optimizer = _FencedOptimizer(LayerAdamW(config.optim), self)
         # The wrappers pass everything but step() through: to the engine and transfers, a LayerAdamW.
         self.optimizer = cast(LayerAdamW, optimizer if commit is None else CommittingOptimizer(optimizer, self, commit))
@@ -170,7 +182,7 @@ class Worker:
         # Sized now, at start-up, not on the first reconfiguration's critical path (runtime/resolve.py
         # needs them): the first meta-device build takes ~1 s of lazy set-up. Not on a thread: layer
         # builders reseed the global RNG, which a training step running beside them would feel.
-        with torch.device("meta"):
+        with blame("ModelLoadFailed", field=model_field(config)), torch.device("meta"):
             self._state_bytes = [state_nbytes(self.model.build_layer(i)) for i in range(self.model.num_layers)]
 
     # -- generations -------------------------------------------------------------------------------

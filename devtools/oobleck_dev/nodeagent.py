@@ -436,6 +436,7 @@ class _AgentCore:
     def __init__(self, agent: NodeAgent):
         self.config = agent
         self.timeouts = agent.timeouts
+        self.enforce_memory = agent.enforce_memory
         self.workdir = agent.workdir
         self.ips = agent.ips
         self.gpus = GpuSlots(len(agent.node_names), agent.gpus_per_node, agent.gpu_devices)
@@ -839,6 +840,8 @@ class NodeAgent:
     `extra_env`: added to every container's base environment. `gpu_devices`: physical GPU ids
     behind the nodes' GPUs (see `GpuSlots`); when given, each container gets CUDA_VISIBLE_DEVICES
     and NVIDIA_VISIBLE_DEVICES for the GPUs it was allocated (none: ""), as on a GPU node.
+    `enforce_memory`: hold each container to its `limits.memory` as a kubelet does (a memory cgroup,
+    oobleck_dev.memlimit; OOMKilled over it), where this machine allows; off, containers are unlimited.
 
     `start()` returns once the nodes are Ready, schedulable, and the pod watch runs; `stop()`
     (also the context manager) ends every pod process and deletes the nodes. The agent runs on a
@@ -861,6 +864,7 @@ class NodeAgent:
         extra_env: dict[str, str] | None = None,
         gpu_devices: list[str] | None = None,
         timeouts: AgentTimeouts = AgentTimeouts(),
+        enforce_memory: bool = False,
     ) -> None:
         if nodes < 1 or nodes > 254:
             raise ValueError(f"nodes: must be between 1 and 254, got {nodes}")
@@ -881,6 +885,7 @@ class NodeAgent:
         self.extra_env = dict(extra_env or {})
         self.gpu_devices = list(gpu_devices) if gpu_devices else None
         self.timeouts = timeouts
+        self.enforce_memory = enforce_memory
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="oobleck-nodeagent-"))
         self.status_file = Path(status_dir) / STATUS_FILE if status_dir is not None else None

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from oobleck.processes import die_with_parent
 from oobleck_dev import netfault, podenv
 from oobleck_dev.kwok import GPU_RESOURCE
+from oobleck_dev.memlimit import MemoryCgroup, tail
 from oobleck_dev.podenv import MountError, VolumeContent, mounted_path
 
 log = logging.getLogger("oobleck_dev.nodeagent")
@@ -133,12 +134,25 @@ def container_root(pod_dir: Path, container: Mapping, volumes: Mapping[str, Path
 class ContainerProcess:
     """One running container: a process in its own session, logging to a file, reaped via a pidfd."""
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path, cgroup: Path | None = None):
-        """`cgroup`: the pod's cgroup, joined before exec (netfault.py matches the pod's sockets by it)."""
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path,
+        log: Path,
+        net_cgroup: Path | None = None,
+        memory: MemoryCgroup | None = None,
+    ):
+        """`net_cgroup`: the pod's cgroup (v2), joined before exec (netfault.py matches the pod's sockets by
+        it); `memory`: this run's memory cgroup (v1, memlimit.py), joined before exec so that every
+        allocation of the command counts against the container's limit."""
         log.parent.mkdir(parents=True, exist_ok=True)
-        dies_with_parent, joins = die_with_parent(os.getpid()), netfault.join_cgroup(cgroup)
+        dies_with_parent, joins = die_with_parent(os.getpid()), netfault.join_cgroup(net_cgroup)
+        enter = memory.join() if memory is not None else None
 
         def preexec() -> None:
+            if enter is not None:
+                enter()
             dies_with_parent()
             joins()
 
@@ -158,6 +172,7 @@ class ContainerProcess:
         self.pid = self.popen.pid
         self.pidfd = os.pidfd_open(self.pid)
         self.log = log
+        self.cgroup = memory
         self._exited: asyncio.Future[None] | None = None  # one pidfd reader, shared by every waiter
 
     @property
@@ -192,11 +207,13 @@ class ContainerProcess:
         return exit_code(self.popen.wait())
 
     def close(self) -> None:
-        """Release the pidfd (after the process exited)."""
+        """Release the pidfd and the memory cgroup (after the process exited)."""
         try:
             os.close(self.pidfd)
         except OSError:
             pass
+        if self.cgroup is not None:
+            self.cgroup.remove()
 
 
 async def terminate(
@@ -315,6 +332,7 @@ class PodWorker:
         self.node_index = node_index
         metadata = pod["metadata"]
         self.namespace, self.name, self.uid = metadata["namespace"], metadata["name"], metadata["uid"]
+        self.runs = 0  # container runs so far (each gets a fresh memory cgroup)
         spec = pod["spec"]
         self.policy = spec.get("restartPolicy", "Always")
         self.init = [ContainerRun(c["name"], c.get("image", "")) for c in spec.get("initContainers") or []]
@@ -491,6 +509,18 @@ class PodWorker:
             for task in stuck:
                 task.cancel()
 
+    def _memory_cgroup(self, name: str) -> MemoryCgroup | None:
+        """The container's memory limit as a cgroup (memlimit.py); None without a limit or a cgroup."""
+        limit = ((self.specs[name].get("resources") or {}).get("limits") or {}).get("memory")
+        if limit is None or not self.agent.enforce_memory:
+            return None
+        try:
+            size = int(podenv.parse_quantity(limit, f"{name}: resources.limits.memory"))
+        except podenv.PodConfigError:
+            return None
+        self.runs += 1
+        return MemoryCgroup.create(f"{self.uid}-{name}-{self.runs}", size)
+
     def _stop_grace(self) -> float:
         grace = self.grace_s()
         return min(grace, self.agent.timeouts.stop_grace) if self.node_shutdown else grace
@@ -575,9 +605,12 @@ class PodWorker:
                 continue
             log_path = self.agent.log_path(self.namespace, self.name, self.uid, container.name)
             started = now_rfc3339()
+            cgroup = self._memory_cgroup(container.name)
             try:
-                container.process = ContainerProcess(argv, env, cwd, log_path, self.cgroup)
+                container.process = ContainerProcess(argv, env, cwd, log_path, self.cgroup, cgroup)
             except OSError as error:  # e.g. the command is not on PATH
+                if cgroup is not None:
+                    cgroup.remove()
                 container.process = None
                 code = START_ERROR_EXIT
                 container.terminated = {
@@ -591,14 +624,19 @@ class PodWorker:
                 container.started_at, container.waiting = started, ("", "")
                 await self.report()
                 code = await container.process.wait()
+                oom = cgroup is not None and cgroup.oom_killed()
                 container.process.close()
                 container.terminated = {
                     "exitCode": code,
-                    "reason": "Completed" if code == 0 else "Error",
+                    "reason": "OOMKilled" if oom else "Completed" if code == 0 else "Error",
                     "startedAt": started,
                     "finishedAt": now_rfc3339(),
                     "containerID": f"oobleck-local://{container.process.pid}",
                 }
+                # As a kubelet: the container's last log lines when it failed and its spec asks for them.
+                policy = self.specs[container.name].get("terminationMessagePolicy")
+                if code != 0 and policy == "FallbackToLogsOnError" and (last := tail(log_path)):
+                    container.terminated["message"] = last
                 if code > SIGNAL_EXIT_BASE:
                     container.terminated["signal"] = code - SIGNAL_EXIT_BASE
             if self.stopping or self.deleting or not should_restart(policy, code):

@@ -10,6 +10,7 @@ from oobleck.api.conditions import ConditionType, find_condition
 from oobleck.api.job import parse_status
 from oobleck.operator import render
 from oobleck.operator.decide import CurrentPlan, Decision, Tuning, decide, synthetic_profile
+from oobleck.operator.faults import assess
 from oobleck.operator.observe import observe
 
 TUNING = Tuning()
@@ -33,7 +34,16 @@ class World:
         gpu = "nvidia.com/gpu" if self.spec.device == "cuda" else None
         obs = observe(self.h.JOB, self.h.UID, list(self.pods.values()), self.nodes, plan, gpu_resource=gpu)
         ctx = replace(self.h.context(self.spec), status=self.status)
-        return decide(ctx, obs, self.current, self.profile, self.tuning, self.now)
+        # As the operator does (handlers.reconcile): the verdict on job-caused failures first.
+        verdict = assess(
+            self.h.UID,
+            self.pods.values(),
+            self.status.worker_failures,
+            self.status.last_worker_failures,
+            self.spec.failure_policy,
+            self.now.timestamp(),
+        )
+        return decide(ctx, obs, self.current, self.profile, self.tuning, self.now, verdict)
 
     def apply(self, d: Decision, *, patches: bool = True) -> None:
         if d.plan is not None:
@@ -254,12 +264,23 @@ def test_too_few_nodes_fails_and_cleans_up(h):
     assert sorted(n for n, _ in d.delete) == sorted([world.names(3)[0], "tiny-coordinator"])
 
 
-def test_spec_the_planner_cannot_serve_fails_with_the_reason(h):
+def test_a_model_larger_than_the_gpu_memory_fails_before_any_pod_naming_both_numbers(h):
     world = World(h, h.spec(), tuning=Tuning(gpu_memory_bytes=1000))
     d = world.step()
     failed = cond(d.status, "Failed")
-    assert failed.reason == "InvalidSpec" and "planner cannot serve" in failed.message
+    assert failed.reason == "InvalidSpec" and "spec.gpuMemory" in failed.message
+    assert "more than the 1000 bytes" in failed.message and "needs at least" in failed.message
     assert d.create == () and d.events[0].type == "Warning"
+
+
+def test_the_spec_gpu_memory_overrides_the_operators(h):
+    # The operator assumes too little; the job says its GPUs hold 80 GiB: it plans.
+    world = World(h, h.spec(gpuMemory="80Gi"), tuning=Tuning(gpu_memory_bytes=1000))
+    assert cond(world.step().status, "Failed") is None
+    # And the other way round: the job's own figure is too small.
+    world = World(h, h.spec(gpuMemory="1Ki"))
+    failed = cond(world.step().status, "Failed")
+    assert failed.reason == "InvalidSpec" and "1024 bytes" in failed.message and "(spec.gpuMemory)" in failed.message
 
 
 def test_waits_for_nodes_then_plans_without_pending_after_the_timeout(h):
@@ -428,3 +449,81 @@ def test_a_measure_job_plans_with_the_workers_profile_or_after_the_timeout_with_
     late = first(now=world.now + timedelta(seconds=TUNING.measure_timeout_s + 1))
     assert late.plan is not None and late.profile == synthetic_profile(world.spec, TUNING)
     assert [e.reason for e in late.events if e.type == "Warning"] == ["ProfileNotMeasured"]
+
+
+# -- failures caused by the job itself (operator/faults.py through decide) ---------------------------
+
+
+def _cause(kind: str, message: str) -> str:
+    from oobleck.api.causes import make_cause
+
+    return make_cause(kind, message).model_dump_json()
+
+
+def _fails_with(world: World, index: int, kind: str, message: str, code: int) -> str:
+    from oobleck.api.causes import CAUSE_ANNOTATION  # noqa: F401  (the annotation summarize_pod reads)
+
+    name = world.names(index)[0]
+    world.pods[name] = replace(
+        world.pods[name], phase="Failed", terminated=(code, "Error"), cause=_cause(kind, message)
+    )
+    return name
+
+
+def test_a_job_cause_on_two_workers_fails_the_job_with_its_reason_and_an_event(h):
+    world = _running(h)
+    _fails_with(world, 0, "DataUnavailable", "FileNotFoundError: /data/none.bin", 11)
+    d = world.step()  # one report: maybe its node's; the job re-plans and counts it
+    assert cond(d.status, "Failed") is None and d.status["workerFailures"] == 1
+    assert any(e.reason == "DataUnavailable" and e.type == "Warning" for e in d.events)
+    world.apply(d)
+    _fails_with(world, 1, "DataUnavailable", "FileNotFoundError: /data/none.bin", 11)
+    d = world.step()
+    failed = cond(d.status, "Failed")
+    assert failed.reason == "DataUnavailable" and "/data/none.bin" in failed.message
+    assert d.status["phase"] == "Failed" and d.plan is None and d.create == ()
+    assert d.events[-1].reason == "DataUnavailable" and d.events[-1].type == "Warning"
+
+
+def test_losing_too_many_nodes_to_an_unconfirmed_cause_names_the_cause(h):
+    world = _running(h, nodes={"min": 4, "max": 4})
+    _fails_with(world, 2, "OutOfMemory", "RuntimeError: DefaultCPUAllocator: can't allocate memory", 13)
+    failed = cond(world.step().status, "Failed")
+    assert (
+        failed.reason == "OutOfMemory" and "can't allocate memory" in failed.message and "nodes.min" in failed.message
+    )
+
+
+def test_replacements_failing_before_the_first_plan_are_bounded_by_the_budget(h):
+    world = World(h, h.spec(failurePolicy={"backoffLimit": 1}, nodes={"min": 1, "max": 1}, f=0), n_nodes=2)
+    created = 0
+    for attempt in range(10):
+        d = world.step()
+        if cond(d.status, "Failed") is not None:
+            break
+        created += len(d.create)
+        world.apply(d)
+        for name, pod in list(world.pods.items()):
+            if pod.role == "worker" and pod.phase == "Running":  # it exits before its runtime starts
+                # (a new pod of a reused name has a new uid)
+                world.pods[name] = replace(
+                    pod, uid=f"{pod.uid}-{attempt}", phase="Failed", terminated=(1, "Error"), terminated_message="boom"
+                )
+    failed = cond(d.status, "Failed")
+    assert failed.reason in ("WorkerFailed", "BackoffLimitExceeded") and "boom" in failed.message
+    assert created <= 2 and d.status["workerFailures"] <= 2
+
+
+def test_a_worker_image_that_cannot_be_pulled_fails_the_job_after_the_start_timeout(h):
+    world = World(h, h.spec(), n_nodes=4)
+    world.apply(world.step())
+    stuck = world.names(1)[0]
+    world.pods[stuck] = replace(
+        world.pods[stuck], phase="Pending", waiting=("ImagePullBackOff", 'Back-off pulling image "nope:1"')
+    )
+    assert cond(world.step().status, "Failed") is None  # created 5 s ago: the kubelet may still get it
+    world.now = world.now.replace(minute=2, second=5)
+    d = world.step()
+    failed = cond(d.status, "Failed")
+    assert failed.reason == "ImagePullBackOff" and stuck in failed.message and "nope:1" in failed.message
+    assert d.status["phase"] == "Failed" and d.create == ()

@@ -192,7 +192,9 @@ class LaunchKit:
     ENV = LAUNCH_ENV
 
     @staticmethod
-    def launch(workdir: Path, *args: str, timeout: float = 400) -> tuple[int, dict, str]:
+    def launch(
+        workdir: Path, *args: str, timeout: float = 400, env: dict[str, str] | None = None
+    ) -> tuple[int, dict, str]:
         summary = workdir / "summary.json"
         proc = subprocess.run(
             [
@@ -211,7 +213,7 @@ class LaunchKit:
             capture_output=True,
             text=True,
             timeout=timeout,
-            env=LAUNCH_ENV,
+            env={**LAUNCH_ENV, **(env or {})},
         )
         data = json.loads(summary.read_text()) if summary.exists() else {}
         return proc.returncode, data, proc.stdout + proc.stderr[-4000:]

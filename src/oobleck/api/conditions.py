@@ -66,6 +66,20 @@ class Reason:
     LAYERS_LOST = "LayersLost"
     PENDING_TIMEOUT = "PendingTimeout"
     WORKER_ERROR = "WorkerError"
+    # ... because of the job itself (oobleck.api.causes: a Cause's kind is its reason)
+    MODEL_LOAD_FAILED = "ModelLoadFailed"
+    DATA_UNAVAILABLE = "DataUnavailable"
+    INVALID_CONFIG = "InvalidConfig"
+    OUT_OF_MEMORY = "OutOfMemory"
+    NON_FINITE_LOSS = "NonFiniteLoss"
+    CUDA_ERROR = "CudaError"
+    BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+    """more worker pods failed by themselves (a job cause, or exiting before the runtime ran) than
+    failurePolicy.backoffLimit allows"""
+    WORKER_FAILED = "WorkerFailed"
+    """a worker container exited non-zero before its runtime reported anything, on more than one pod"""
+    # ... or the pod's own waiting reason held past failurePolicy.startTimeoutSeconds
+    # (ImagePullBackOff, ErrImagePull, CrashLoopBackOff, CreateContainerConfigError, ...)
     # Any condition turning False because another took over (e.g. Running after Succeeded).
     NOT_APPLICABLE = "NotApplicable"
 

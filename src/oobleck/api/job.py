@@ -373,6 +373,14 @@ class TrainingSpec(_Model):
         json_schema_extra=immutable("training.seed"),
     )
 
+    on_non_finite: Literal["fail", "skipStep", "rollback"] = Field(
+        default="fail",
+        description="What a step whose loss or gradients are NaN or Inf does (every rank agrees before the "
+        "update): fail ends the job Failed/NonFiniteLoss; skipStep drops that update and goes on with the next "
+        "step's data; rollback restores the newest in-memory snapshot (snapshots must be on) and goes on with "
+        "the next step's data.",
+    )
+
     @property
     def global_microbatches(self) -> int:
         return self.global_batch_size // self.microbatch_size
@@ -439,6 +447,25 @@ class DataSpec(_Model):
             field_path=".source",
             reason="FieldValueForbidden",
         ),
+    )
+
+
+class FailurePolicy(_Model):
+    """How worker failures that follow the job itself, not a node, are bounded (like a Job's backoffLimit)."""
+
+    backoff_limit: int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description="Worker pods that may fail by themselves (a job cause such as an import error or OOM, or an "
+        "exit before the runtime started) before the job fails; status.workerFailures counts them.",
+    )
+    start_timeout_seconds: int = Field(
+        default=120,
+        ge=10,
+        le=86400,
+        description="How long a worker container may wait to start (ImagePullBackOff, CrashLoopBackOff, "
+        "CreateContainerConfigError, ...) before the job fails with that reason.",
     )
 
 
@@ -684,6 +711,16 @@ class OobleckJobSpec(_Model):
         description="Worker pods deleted when the job finishes: None keeps all (for logs), Running deletes those "
         "still running, All deletes every one.",
     )
+    gpu_memory: Quantity | None = Field(
+        default=None,
+        description="Memory per GPU the planner may fill (a quantity, e.g. 80Gi); absent means the operator's "
+        "--gpu-memory-gib. A job whose plan needs more per GPU fails InvalidSpec before any pod is created.",
+    )
+    failure_policy: FailurePolicy = Field(
+        default_factory=FailurePolicy,
+        description="Bounds on worker failures caused by the job itself.",
+        json_schema_extra=defaulted(FailurePolicy),
+    )
     pending_timeout_seconds: int = Field(
         default=300,
         ge=10,
@@ -798,6 +835,15 @@ class Progress(_Model):
     last_checkpoint_step: int | None = Field(default=None, ge=0, description="Step of the newest complete checkpoint.")
 
 
+class WorkerFailure(_Model):
+    """A worker pod that failed by itself, as the operator counted it."""
+
+    pod: str = Field(max_length=253, description="The pod's name.")
+    uid: str = Field(max_length=64, description="The pod's uid (names of replacements can repeat).")
+    reason: str = Field(max_length=128, description="The cause's kind, or the container's reason.")
+    message: str = Field(default="", max_length=4096, description="What the worker or its container said.")
+
+
 class OobleckJobStatus(_Model):
     """What the operator observed: written through the status subresource only."""
 
@@ -820,6 +866,15 @@ class OobleckJobStatus(_Model):
     failures_survived: int = Field(default=0, ge=0, description="Node failures recovered from without a restart.")
     reconfigurations: int = Field(
         default=0, ge=0, description="Plans after the first (failures, scaling, nodes returning)."
+    )
+    worker_failures: int = Field(
+        default=0,
+        ge=0,
+        description="Worker pods that failed by themselves (a job cause, or before the runtime started); the job "
+        "fails once this exceeds spec.failurePolicy.backoffLimit.",
+    )
+    last_worker_failures: list[WorkerFailure] = Field(
+        default_factory=list, max_length=8, description="The newest worker failures counted, oldest first."
     )
     start_time: datetime | None = Field(default=None, description="When the first plan started training.")
     completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")
