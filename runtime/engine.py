@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from oobleck.api.plan import Plan
+from oobleck.runtime.compute import autocast, run_layer
 from oobleck.runtime.config import Timeouts, WorkerConfig
 from oobleck.runtime.data import Dataset
 from oobleck.runtime.groups import (
@@ -156,6 +157,11 @@ class Engine:
         self.input_spec = None if self.layout.first else output_spec(model, self.layout.stage.start - 1, self.mb)
         self.output_spec = None if self.layout.last else output_spec(model, self.layout.stage.end - 1, self.mb)
         self.tokens_per_sample = int(model.example_input(1).numel())
+        self.recompute = config.recompute == "full"
+        # Each layer's squared gradient norm is counted by one rank only: the lowest of its holders.
+        self.norm_layers = [
+            layer for members, held in self.layout.holder_sets.items() if min(members) == rank for layer in held
+        ]
 
     # -- communication helpers -------------------------------------------------------------------
 
@@ -235,15 +241,18 @@ class Engine:
                     x.requires_grad_(True)
                     source = x
                 out = x
-                for layer, module in self.held:
-                    if self.model.stochastic:
-                        torch.manual_seed(layer_seed(self.config.seed, step, index, layer))
-                    out = module(out)
-                if lay.last:
-                    targets = batch[1][lo:hi].to(self.device)
-                    out = self.model.loss(out, targets).sum()
-                    loss_sum += out.detach().double()
-                else:
+                with autocast(self.device, self.config.precision):
+                    for layer, module in self.held:
+                        if self.model.stochastic:
+                            torch.manual_seed(layer_seed(self.config.seed, step, index, layer))
+                        out = run_layer(module, out, self.recompute)
+                    if lay.last:
+                        targets = batch[1][lo:hi].to(self.device)
+                        out = self.model.loss(out, targets).sum()
+                        loss_sum += out.detach().double()
+                if not lay.last:
+                    # Autocast may hand back another dtype than the (autocast-free) spec the receiver expects.
+                    out = out.to(self.output_spec[1])
                     self._send(out.detach(), +1, FORWARD_TAG, pending)
                 saved[m] = (source, out)
             else:
@@ -262,6 +271,8 @@ class Engine:
             self.buffers.loss_slot += loss_sum
         self._reduce()
         self.buffers.install(self.samples)
+        if self.config.max_grad_norm is not None:
+            self._clip(self.config.max_grad_norm)
         self.optimizer.step(self.held, learning_rate(self.config.optim, step))
         for _, module in self.held:
             module.zero_grad(set_to_none=True)
@@ -276,6 +287,34 @@ class Engine:
             tokens=self.samples * self.tokens_per_sample,
             seconds=time.perf_counter() - started,
         )
+
+    def _clip(self, max_norm: float) -> float:
+        """Scale every gradient by max_norm / (global norm + 1e-6) when that is below 1, as
+        torch.nn.utils.clip_grad_norm_ does on one process; returns the global norm.
+
+        The global norm covers every layer once: replicas of a layer hold identical reduced gradients,
+        so only the lowest-ranked holder adds the layer's squared norm into a per-layer vector (float64),
+        summed over all ranks by one all-reduce; every rank then computes the same norm from it."""
+        squares = torch.zeros(self.plan.num_layers, dtype=torch.float64, device=self.device)
+        counted = set(self.norm_layers)
+        shared = self.model.tied_parameters
+        for layer, module in self.held:
+            if layer not in counted:
+                continue
+            for name, p in module.named_parameters():
+                if p.grad is not None and not any((layer, name) in group[1:] for group in shared):
+                    squares[layer] += p.grad.double().square().sum()
+        backend = self.groups.everyone()
+        if backend is not None:
+            self._wait(backend.allreduce([squares]), "gradient norms over all ranks")
+        norm = float(squares.sum().sqrt())
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1.0:
+            for _, module in self.held:
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        return norm
 
     def _reduce(self) -> None:
         """Sum every holder set's buffer over its members (all launched, then all awaited)."""

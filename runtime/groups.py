@@ -124,8 +124,9 @@ class GroupSpec:
     """("link", src, dst): one-way messages src -> dst; ("holders", *ranks): gradient sums"""
 
 
-def group_specs(plan: Plan, microbatch_size: int) -> list[GroupSpec]:
-    """Every group of the generation, in the one creation order all ranks share."""
+def group_specs(plan: Plan, microbatch_size: int, everyone: bool = False) -> list[GroupSpec]:
+    """Every group of the generation, in the one creation order all ranks share; `everyone` adds a group
+    of all ranks (the global gradient norm of clipping needs one small all-reduce over it)."""
     specs: dict[str, GroupSpec] = {}
 
     def link(src: int, dst: int) -> None:
@@ -151,6 +152,8 @@ def group_specs(plan: Plan, microbatch_size: int) -> list[GroupSpec]:
         if len(holders) > 1:
             name = "holders/" + "-".join(map(str, holders))
             specs[name] = GroupSpec(name, holders, ("holders", *holders))
+    if everyone and plan.world_size > 1:
+        specs["everyone"] = GroupSpec("everyone", tuple(range(plan.world_size)), ("everyone",))
     return [specs[name] for name in sorted(specs)]
 
 
@@ -184,13 +187,14 @@ class GenerationGroups:
         timeout: float,
         failed: threading.Event | None = None,
         poll: float = 0.05,
+        everyone: bool = False,
     ) -> None:
         self.plan, self.rank, self.device = plan, rank, device
         self.namespace = f"{plan.job}/gen{plan.generation}/"
         self._groups: dict[tuple, object] = {}
         self._members: dict[tuple, tuple[int, ...]] = {}
         self.abandoned = False
-        mine = [spec for spec in group_specs(plan, microbatch_size) if rank in spec.members]
+        mine = [spec for spec in group_specs(plan, microbatch_size, everyone) if rank in spec.members]
         # Creation blocks until every member connects; it runs in a helper thread so that a failure
         # elsewhere (the event) ends the wait instead of the connect timeout.
         done, error = threading.Event(), []
@@ -237,6 +241,14 @@ class GenerationGroups:
         if len(members) == 1:
             return None
         return self._groups[("holders", *members)]
+
+    def everyone(self) -> object | None:
+        """The backend of all ranks (built with `everyone=True`); None in a world of one rank."""
+        if self.plan.world_size == 1:
+            return None
+        if ("everyone",) not in self._groups:
+            raise KeyError(f"generation {self.plan.generation}'s groups were built without the all-ranks group")
+        return self._groups[("everyone",)]
 
     def abandon(self) -> None:
         """Drop every group without waiting for anything in flight.

@@ -186,6 +186,8 @@ class LaunchOptions:
     """checkpoint directory (None: the config's `checkpoint.path`)"""
     checkpoint_interval: int | None = None
     """checkpoint every this many steps (None: the config's `checkpoint.interval_steps`)"""
+    gradient_sum_dtype: str | None = None
+    """float32 or float64 (None: the config's `gradient_sum_dtype`)"""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "microbatch_size", "microbatches"):
@@ -333,6 +335,8 @@ class Launcher:
             base["checkpoint"] = {**base["checkpoint"], "path": str(Path(o.checkpoint_dir).resolve())}
         if o.checkpoint_interval is not None:
             base["checkpoint"] = {**base["checkpoint"], "interval_steps": o.checkpoint_interval}
+        if o.gradient_sum_dtype is not None:
+            base["gradient_sum_dtype"] = o.gradient_sum_dtype
         return WorkerConfig.model_validate(base)
 
     def _profile(self, config):
@@ -346,7 +350,9 @@ class Launcher:
         from oobleck.runtime.profiler import profile_model
 
         torch.set_num_threads(config.threads)
-        return profile_model(build_model(config), config.microbatch_size, torch.device("cpu"), 1, 2)
+        return profile_model(
+            build_model(config), config.microbatch_size, torch.device("cpu"), 1, 2, config.precision, config.recompute
+        )
 
     def _initial_plan(self, profile, nodes: list[str]):
         from oobleck.api.profile import ClusterShape
@@ -1007,6 +1013,13 @@ def add_parser(subparsers) -> None:
         help="base copies on the workers' reported holdings, or on plans alone as the operator "
         "does (the workers then settle the sources among themselves)",
     )
+    parser.add_argument(
+        "--gradient-sum-dtype",
+        choices=["float32", "float64"],
+        default=None,
+        help="accumulator of the gradient sums (default: the config's, float32); float64 matches "
+        "single-process training to rounding",
+    )
     parser.add_argument("--summary", type=Path, default=None, help="also write the summary here (JSON)")
     parser.set_defaults(func=run_launch)
 
@@ -1048,6 +1061,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         snapshot_interval=args.snapshot_interval,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_interval=args.checkpoint_interval,
+        gradient_sum_dtype=args.gradient_sum_dtype,
     )
 
 

@@ -212,6 +212,10 @@ def worker_config(
         microbatch_size=training.microbatch_size,
         steps=training.steps,
         seed=training.seed,
+        precision=training.precision,
+        recompute=training.recompute,
+        max_grad_norm=training.max_grad_norm,
+        gradient_sum_dtype=training.gradient_sum_dtype,
         device=device,
         threads=1,
         timeouts=Timeouts(connect=connect_timeout_s),
@@ -525,7 +529,10 @@ def measure_profile(env: PodEnv, client: KubeClient, source) -> bool:
         return False
     torch.set_num_threads(config.threads)
     began = time.monotonic()
-    profile = profile_model(build_model(config), config.microbatch_size, choose_device(config, 0), 1, 3)
+    device = choose_device(config, 0)
+    profile = profile_model(
+        build_model(config), config.microbatch_size, device, 1, 3, config.precision, config.recompute
+    )
     _annotate(client, env.namespace, env.node, {planmap.MEASURED_PROFILE_ANNOTATION: profile.model_dump_json()})
     _log("profiled", env, layers=len(profile.layers), seconds=round(time.monotonic() - began, 3))
     return True

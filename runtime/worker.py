@@ -152,6 +152,7 @@ class Worker:
             timeout,
             self.failed,
             self.config.timeouts.poll,
+            everyone=self.config.max_grad_norm is not None,
         )
         incoming = {c.layer for c in plan.copies if c.dst_rank == rank and c.src_rank != rank}
         for layer in mine.layers:
