@@ -65,7 +65,7 @@ def _plain(argv: list[str]) -> int:
 
     from oobleck.runtime.compute import autocast
     from oobleck.runtime.config import build_dataset, build_model, load_config
-    from oobleck.runtime.optim import learning_rate
+    from oobleck.runtime.optim import decays, learning_rate
 
     config_path, microbatches, out = argv[0], int(argv[1]), Path(argv[2])
     config = load_config(config_path)
@@ -75,12 +75,16 @@ def _plain(argv: list[str]) -> int:
     data = build_dataset(config, model)
     net = nn.Sequential(*(model.build_layer(i) for i in range(model.num_layers))).to(device)
     c = config.optim
+    params = list(net.parameters())
+    groups = [
+        {"params": [p for p in params if decays(p)], "weight_decay": c.weight_decay},
+        {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(
-        net.parameters(),
+        groups,
         lr=c.lr,
         betas=(c.beta1, c.beta2),
         eps=c.eps,
-        weight_decay=c.weight_decay,
         fused=device.type == "cuda",
     )
     samples = microbatches * config.microbatch_size

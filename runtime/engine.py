@@ -3,10 +3,13 @@
 The mathematics equals single-process training on the global batch (runtime/reference.py):
 - every pipeline runs its own microbatches (global indices offset..offset+M-1); a stage of g ranks
   splits each microbatch by rows; the loss is the per-sample loss *summed*, so the pieces add up;
-- after each microbatch's backward, gradients are added into float64 accumulators (one flat buffer
-  per set of ranks holding the same layers), then summed over those holders by one all-reduce per
-  set and divided by the global sample count.
-Tolerance: with g = 1 stages each microbatch's float32 gradient is bitwise the reference's (same
+- after each microbatch's backward, gradients are added into accumulators of `gradient_sum_dtype`
+  (one flat buffer per set of ranks holding the same layers), then summed over those holders by one
+  all-reduce per set and divided by the global sample count;
+- optionally (`max_grad_norm`) clipped by the global norm over all layers (`Engine._clip`).
+Layers run through runtime/compute.py: bf16 autocast (`precision`) and recomputation (`recompute`) are
+the same operations the reference runs, so they keep the guarantees below.
+Tolerance (float64 sums; float32 sums add float32 rounding): with g = 1 stages each microbatch's float32 gradient is bitwise the reference's (same
 ops, same inputs, one thread); the only difference is the order of float64 additions (~1e-16
 relative), which survives the cast to float32 as at most one ulp. Splitting a microbatch across g > 1
 ranks changes float32 reduction shapes inside the matmuls (~1e-7 relative), and AdamW's
@@ -76,9 +79,13 @@ def one_f_one_b(stages: int, stage: int, microbatches: int) -> list[tuple[str, i
 
 
 class _GradientBuffers:
-    """One flat accumulator (float64 by default) per holder set, with a view per (layer, parameter name).
+    """One flat accumulator per holder set, with a view per (layer, parameter name).
 
     The set holding the last layer carries one extra slot: the loss sum, reduced with the gradients.
+    When the accumulator has the parameters' dtype (float32 sums of float32 master weights), each
+    parameter's `.grad` *is* its view: autograd adds every microbatch's gradient into the buffer in
+    place (as DDP's buckets do), with no copy per microbatch, and the sum is divided in place. Float64
+    sums add each microbatch's float32 gradient into the view instead.
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class _GradientBuffers:
     ) -> None:
         self.sets: list[tuple[tuple[int, ...], torch.Tensor]] = []
         self.views: list[tuple[torch.Tensor, nn.Parameter]] = []
+        self.grad_parts: list[torch.Tensor] = []
         self.loss_slot: torch.Tensor | None = None
         for members, held in sorted(lay.holder_sets.items(), key=lambda item: item[1][0]):
             params = [p for layer in held for p in layers[layer].parameters()]
@@ -95,23 +103,35 @@ class _GradientBuffers:
             for p in params:
                 self.views.append((flat[offset : offset + p.numel()].view(p.shape), p))
                 offset += p.numel()
+            self.grad_parts.append(flat[:offset])
             if has_loss:
                 self.loss_slot = flat[offset:]
             self.sets.append((members, flat))
+        self.aliased = all(p.dtype == dtype for _, p in self.views)
 
     def zero(self) -> None:
+        """Clear the sums (and, aliased, point every `.grad` at its view); call after zero_grad."""
         for _, flat in self.sets:
             flat.zero_()
+        if self.aliased:
+            for view, p in self.views:
+                p.grad = view
 
     def accumulate(self) -> None:
-        """Move the parameters' gradients (one microbatch) into the sums."""
+        """Make sure the parameters' gradients (one microbatch) are in the sums."""
         for view, p in self.views:
-            if p.grad is not None:
-                view += p.grad
-                p.grad = None
+            grad = p.grad
+            if grad is None or (self.aliased and grad.data_ptr() == view.data_ptr()):
+                continue  # no gradient, or autograd accumulated into the view in place
+            view += grad
+            p.grad = view if self.aliased else None
 
     def install(self, samples: int) -> None:
         """Set every parameter's gradient to its (reduced) sum divided by the global sample count."""
+        if self.aliased:
+            for part in self.grad_parts:
+                part.div_(samples)
+            return
         for view, p in self.views:
             p.grad = (view / samples).to(p.dtype)
 
@@ -221,9 +241,9 @@ class Engine:
         started = time.perf_counter()
         lay = self.layout
         pipeline = lay.pipeline
-        self.buffers.zero()
         for _, module in self.held:
             module.zero_grad(set_to_none=True)
+        self.buffers.zero()
         lo, hi = self.rows
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         pending: list = []  # sends in flight: (work, tensor kept alive, peer)
