@@ -161,6 +161,7 @@ def main() -> int:
         gradient_sum_dtype="float32",
     )
     model = build_model(config)
+    torch.set_num_threads(config.threads)  # as the workers run
     profile = profile_model(
         model, config.microbatch_size, torch.device(device), warmup=1, iterations=2, precision="bf16"
     )
