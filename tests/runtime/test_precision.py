@@ -8,6 +8,8 @@ reference trainer (runtime/reference.py), which runs the same layer code and cli
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from oobleck.runtime.config import ModelConfig, OptimConfig, WorkerConfig, build
 from oobleck.runtime.groups import group_specs
 from oobleck.runtime.models import layer_seed
 from oobleck.runtime.profiler import profile_model
-from oobleck.runtime.reference import train_reference
+from oobleck.runtime.reference import ReferenceResult, train_reference
 
 CPU = torch.device("cpu")
 BASE = WorkerConfig(
@@ -154,6 +156,27 @@ def test_clipping_by_the_global_norm_matches_clip_grad_norm(tmp_path, plan_build
     print(f"clipped: worst loss rel diff {worst[0]:.2e}, param diff {worst[1]:.2e}")
 
 
+def reference_in_a_fresh_process(config: WorkerConfig, microbatches: int, folder):
+    """train_reference in its own process, as the workers run: CPU bf16 kernels (oneDNN) can round
+    differently in a process whose earlier bf16 calls ran with another thread count (the tests above)."""
+    (folder / "reference-config.json").write_text(config.model_dump_json())
+    script = (
+        "import sys, torch\n"
+        "from oobleck.runtime.config import load_config\n"
+        "from oobleck.runtime.reference import train_reference\n"
+        "r = train_reference(load_config(sys.argv[1]), int(sys.argv[2]))\n"
+        "torch.save({'losses': r.losses, 'layers': r.layers}, sys.argv[3])\n"
+    )
+    out = folder / "reference.pt"
+    subprocess.run(
+        [sys.executable, "-c", script, str(folder / "reference-config.json"), str(microbatches), str(out)],
+        check=True,
+        timeout=600,
+    )
+    saved = torch.load(out)
+    return ReferenceResult(losses=saved["losses"], layers=saved["layers"])
+
+
 @pytest.mark.slow
 def test_bf16_with_recompute_matches_the_reference(tmp_path, plan_builder, workers):
     """bf16 autocast + recomputation with dropout on two 1-GPU-stage layouts: the same operations as the
@@ -166,7 +189,7 @@ def test_bf16_with_recompute_matches_the_reference(tmp_path, plan_builder, worke
     config = BASE.model_copy(
         update={"precision": "bf16", "recompute": "full", "model": ModelConfig(name="tiny-gpt", sizes={"dropout": 0.1})}
     )
-    reference = train_reference(config, plan.global_microbatches)
+    reference = reference_in_a_fresh_process(config, plan.global_microbatches, tmp_path)
     fp32 = train_reference(config.model_copy(update={"precision": "fp32"}), plan.global_microbatches)
     assert reference.losses != fp32.losses, "bf16 changed nothing: the test would prove little"
     result = workers(tmp_path, config, plan, timeout=400)
