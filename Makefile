@@ -40,6 +40,7 @@ bench: venv
 bench-runtime: venv
 	$(PY) bench/recovery.py
 	$(PY) bench/overhead.py
+	$(PY) bench/vs_torch.py
 
 bench-operator: venv k8s-tools
 	$(PY) bench/operator_scale.py

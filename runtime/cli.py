@@ -105,6 +105,8 @@ def add_profile_parser(subparsers) -> None:
     parser.add_argument("--hbm-bandwidth", type=float, default=2e12, help="bytes/s of GPU memory for --estimate")
     parser.add_argument("--microbatch-size", type=int, default=None, help="override config.microbatch_size")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="override config.device")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="override config.precision")
+    parser.add_argument("--recompute", choices=["none", "full"], default=None, help="override config.recompute")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--out", default="-", help="output file ('-': stdout)")
@@ -132,6 +134,9 @@ def run_profile(args: argparse.Namespace) -> int:
             updates["microbatch_size"] = args.microbatch_size
         if args.device:
             updates["device"] = args.device
+        for name in ("precision", "recompute"):
+            if getattr(args, name) is not None:
+                updates[name] = getattr(args, name)
         config = WorkerConfig.model_validate(
             config.model_dump()
             | {k: v for k, v in updates.items() if not isinstance(v, ModelConfig)}
@@ -142,7 +147,15 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"oobleck profile: {error}", file=sys.stderr)
         return 2
     torch.set_num_threads(config.threads)
-    profile = profile_model(model, config.microbatch_size, choose_device(config, 0), args.warmup, args.iterations)
+    profile = profile_model(
+        model,
+        config.microbatch_size,
+        choose_device(config, 0),
+        args.warmup,
+        args.iterations,
+        precision=config.precision,
+        recompute=config.recompute,
+    )
     text = profile.model_dump_json(indent=2)
     if args.out == "-":
         print(text)

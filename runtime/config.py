@@ -131,11 +131,24 @@ class WorkerConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available")
     threads: int = Field(default=1, ge=1, description="torch intra-op threads (fixed for determinism)")
     timeouts: Timeouts = Timeouts()
-    gradient_sum_dtype: Literal["float64", "float32"] = Field(
-        default="float64",
-        description="accumulator of the per-layer gradient sums: float64 makes every layout agree with the "
-        "single-process reference to ~1 ulp (costs 8 bytes per parameter); float32 halves that, and layouts "
-        "then differ by float32 rounding",
+    precision: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="bf16: forward (and the backward it records) under bfloat16 autocast; weights, gradients and "
+        "AdamW state stay float32 (master weights)",
+    )
+    recompute: Literal["none", "full"] = Field(
+        default="none",
+        description="full: keep only each layer's input and recompute its activations in the backward "
+        "(torch.utils.checkpoint, non-reentrant, the same dropout masks)",
+    )
+    max_grad_norm: float | None = Field(
+        default=None, gt=0, description="clip gradients to this global L2 norm over every layer; None: no clipping"
+    )
+    gradient_sum_dtype: Literal["float32", "float64"] = Field(
+        default="float32",
+        description="accumulator of the per-layer gradient sums: float32 (the default, as DDP); float64 makes every "
+        "layout agree with the single-process reference to ~1 ulp (costs 8 bytes per parameter and a slower "
+        "all-reduce), which the equivalence tests use",
     )
     interruptible_waits: bool = Field(
         default=True, description="watch the failure event during every wait; False only to measure its overhead"

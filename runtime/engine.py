@@ -3,10 +3,13 @@
 The mathematics equals single-process training on the global batch (runtime/reference.py):
 - every pipeline runs its own microbatches (global indices offset..offset+M-1); a stage of g ranks
   splits each microbatch by rows; the loss is the per-sample loss *summed*, so the pieces add up;
-- after each microbatch's backward, gradients are added into float64 accumulators (one flat buffer
-  per set of ranks holding the same layers), then summed over those holders by one all-reduce per
-  set and divided by the global sample count.
-Tolerance: with g = 1 stages each microbatch's float32 gradient is bitwise the reference's (same
+- after each microbatch's backward, gradients are added into accumulators of `gradient_sum_dtype`
+  (one flat buffer per set of ranks holding the same layers), then summed over those holders by one
+  all-reduce per set and divided by the global sample count;
+- optionally (`max_grad_norm`) clipped by the global norm over all layers (`Engine._clip`).
+Layers run through runtime/compute.py: bf16 autocast (`precision`) and recomputation (`recompute`) are
+the same operations the reference runs, so they keep the guarantees below.
+Tolerance (float64 sums; float32 sums add float32 rounding): with g = 1 stages each microbatch's float32 gradient is bitwise the reference's (same
 ops, same inputs, one thread); the only difference is the order of float64 additions (~1e-16
 relative), which survives the cast to float32 as at most one ulp. Splitting a microbatch across g > 1
 ranks changes float32 reduction shapes inside the matmuls (~1e-7 relative), and AdamW's
@@ -35,6 +38,7 @@ import torch
 from torch import nn
 
 from oobleck.api.plan import Plan
+from oobleck.runtime.compute import autocast, run_layer
 from oobleck.runtime.config import Timeouts, WorkerConfig
 from oobleck.runtime.data import Dataset
 from oobleck.runtime.groups import (
@@ -78,9 +82,13 @@ def one_f_one_b(stages: int, stage: int, microbatches: int) -> list[tuple[str, i
 
 
 class _GradientBuffers:
-    """One flat accumulator (float64 by default) per holder set, with a view per (layer, parameter name).
+    """One flat accumulator per holder set, with a view per (layer, parameter name).
 
     The set holding the last layer carries one extra slot: the loss sum, reduced with the gradients.
+    When the accumulator has the parameters' dtype (float32 sums of float32 master weights), each
+    parameter's `.grad` *is* its view: autograd adds every microbatch's gradient into the buffer in
+    place (as DDP's buckets do), with no copy per microbatch, and the sum is divided in place. Float64
+    sums add each microbatch's float32 gradient into the view instead.
     """
 
     def __init__(
@@ -94,6 +102,7 @@ class _GradientBuffers:
     ) -> None:
         self.sets: list[tuple[tuple[int, ...], torch.Tensor]] = []
         self.views: list[tuple[torch.Tensor, nn.Parameter]] = []
+        self.grad_parts: list[torch.Tensor] = []
         self.loss_slot: torch.Tensor | None = None
         for members, held in sorted(lay.holder_sets.items(), key=lambda item: item[1][0]):
             # tied parameters are summed by _TiedGradients instead
@@ -104,23 +113,35 @@ class _GradientBuffers:
             for p in params:
                 self.views.append((flat[offset : offset + p.numel()].view(p.shape), p))
                 offset += p.numel()
+            self.grad_parts.append(flat[:offset])
             if has_loss:
                 self.loss_slot = flat[offset:]
             self.sets.append((members, flat))
+        self.aliased = all(p.dtype == dtype for _, p in self.views)
 
     def zero(self) -> None:
+        """Clear the sums (and, aliased, point every `.grad` at its view); call after zero_grad."""
         for _, flat in self.sets:
             flat.zero_()
+        if self.aliased:
+            for view, p in self.views:
+                p.grad = view
 
     def accumulate(self) -> None:
-        """Move the parameters' gradients (one microbatch) into the sums."""
+        """Make sure the parameters' gradients (one microbatch) are in the sums."""
         for view, p in self.views:
-            if p.grad is not None:
-                view += p.grad
-                p.grad = None
+            grad = p.grad
+            if grad is None or (self.aliased and grad.data_ptr() == view.data_ptr()):
+                continue  # no gradient, or autograd accumulated into the view in place
+            view += grad
+            p.grad = view if self.aliased else None
 
     def install(self, samples: int) -> None:
         """Set every parameter's gradient to its (reduced) sum divided by the global sample count."""
+        if self.aliased:
+            for part in self.grad_parts:
+                part.div_(samples)
+            return
         for view, p in self.views:
             p.grad = (view / samples).to(p.dtype)
 
@@ -221,6 +242,11 @@ class Engine:
         self.input_spec = None if self.layout.first else output_spec(model, self.layout.stage.start - 1, self.mb)
         self.output_spec = None if self.layout.last else output_spec(model, self.layout.stage.end - 1, self.mb)
         self.tokens_per_sample = int(model.example_input(1).numel())
+        self.recompute = config.recompute == "full"
+        # Each layer's squared gradient norm is counted by one rank only: the lowest of its holders.
+        self.norm_layers = [
+            layer for members, held in self.layout.holder_sets.items() if min(members) == rank for layer in held
+        ]
 
     # -- communication helpers -------------------------------------------------------------------
 
@@ -280,10 +306,10 @@ class Engine:
         started = time.perf_counter()
         lay = self.layout
         pipeline = lay.pipeline
-        self.buffers.zero()
-        self.tied.zero()
         for _, module in self.held:
             module.zero_grad(set_to_none=True)
+        self.buffers.zero()
+        self.tied.zero()
         lo, hi = self.rows
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         pending: list = []  # sends in flight: (work, tensor kept alive, peer)
@@ -303,16 +329,19 @@ class Engine:
                     x.requires_grad_(True)
                     source = x
                 out = x
-                for layer, module in self.held:
-                    if self.model.stochastic:
-                        torch.manual_seed(layer_seed(self.config.seed, step, index, layer))
-                    out = module(out)
-                if lay.last:
-                    assert batch is not None
-                    targets = batch[1][lo:hi].to(self.device)
-                    out = self.model.loss(out, targets).sum()
-                    loss_sum += out.detach().double()
-                else:
+                with autocast(self.device, self.config.precision):
+                    for layer, module in self.held:
+                        if self.model.stochastic:
+                            torch.manual_seed(layer_seed(self.config.seed, step, index, layer))
+                        out = run_layer(module, out, self.recompute)
+                    if lay.last:
+                        assert batch is not None
+                        targets = batch[1][lo:hi].to(self.device)
+                        out = self.model.loss(out, targets).sum()
+                        loss_sum += out.detach().double()
+                if not lay.last:
+                    # Autocast may hand back another dtype than the (autocast-free) spec the receiver expects.
+                    out = out.to(self.output_spec[1])
                     self._send(out.detach(), +1, FORWARD_TAG, pending)
                 saved[m] = (source, out)
             else:
@@ -338,6 +367,8 @@ class Engine:
         self.non_finite = find_non_finite(
             [flat for _, flat in self.buffers.sets], self.buffers.loss_slot, self.buffers.views, self._param_name
         )
+        if self.config.max_grad_norm is not None:
+            self._clip(self.config.max_grad_norm)
         self.optimizer.step(self.held, learning_rate(self.config.optim, step))
         for _, module in self.held:
             module.zero_grad(set_to_none=True)
@@ -355,6 +386,34 @@ class Engine:
 
     def _param_name(self, parameter: torch.Tensor) -> tuple[int, str]:
         return next((layer, n) for layer, m in self.held for n, p in m.named_parameters() if p is parameter)
+
+    def _clip(self, max_norm: float) -> float:
+        """Scale every gradient by max_norm / (global norm + 1e-6) when that is below 1, as
+        torch.nn.utils.clip_grad_norm_ does on one process; returns the global norm.
+
+        The global norm covers every layer once: replicas of a layer hold identical reduced gradients,
+        so only the lowest-ranked holder adds the layer's squared norm into a per-layer vector (float64),
+        summed over all ranks by one all-reduce; every rank then computes the same norm from it."""
+        squares = torch.zeros(self.plan.num_layers, dtype=torch.float64, device=self.device)
+        counted = set(self.norm_layers)
+        shared = self.model.tied_parameters()
+        for layer, module in self.held:
+            if layer not in counted:
+                continue
+            for name, p in module.named_parameters():
+                if p.grad is not None and not any((layer, name) in group[1:] for group in shared):
+                    squares[layer] += p.grad.double().square().sum()
+        backend = self.groups.everyone()
+        if backend is not None:
+            self._wait(backend.allreduce([squares]), "gradient norms over all ranks")
+        norm = float(squares.sum().sqrt())
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1.0:
+            for _, module in self.held:
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        return norm
 
     def _reduce(self) -> None:
         """Sum every holder set's buffer over its members (all launched, then all awaited)."""

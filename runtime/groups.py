@@ -131,9 +131,12 @@ def tied_holders(plan: Plan, layers: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted({rank for layer in layers for rank in plan.holders(layer)}))
 
 
-def group_specs(plan: Plan, microbatch_size: int, ties: Sequence[Sequence[int]] = ()) -> list[GroupSpec]:
+def group_specs(
+    plan: Plan, microbatch_size: int, ties: Sequence[Sequence[int]] = (), everyone: bool = False
+) -> list[GroupSpec]:
     """Every group of the generation, in the one creation order all ranks share. `ties`: the layers of
-    each tied parameter (LayeredModel.tied_parameters), whose gradient is summed over all their holders."""
+    each tied parameter (LayeredModel.tied_parameters), whose gradient is summed over all their holders;
+    `everyone` adds a group of all ranks (the global gradient norm of clipping needs one small all-reduce)."""
     specs: dict[str, GroupSpec] = {}
 
     def link(src: int, dst: int) -> None:
@@ -164,6 +167,8 @@ def group_specs(plan: Plan, microbatch_size: int, ties: Sequence[Sequence[int]] 
         if len(members) > 1:
             name = "tied/" + "-".join(map(str, members))
             specs[name] = GroupSpec(name, members, ("tied", *members))
+    if everyone and plan.world_size > 1:
+        specs["everyone"] = GroupSpec("everyone", tuple(range(plan.world_size)), ("everyone",))
     return [specs[name] for name in sorted(specs)]
 
 
@@ -198,13 +203,14 @@ class GenerationGroups:
         failed: threading.Event | None = None,
         poll: float = 0.05,
         ties: Sequence[Sequence[int]] = (),
+        everyone: bool = False,
     ) -> None:
         self.plan, self.rank, self.device = plan, rank, device
         self.namespace = f"{plan.job}/gen{plan.generation}/"
         self._groups: dict[tuple, Any] = {}
         self._members: dict[tuple, tuple[int, ...]] = {}
         self.abandoned = False
-        mine = [spec for spec in group_specs(plan, microbatch_size, ties) if rank in spec.members]
+        mine = [spec for spec in group_specs(plan, microbatch_size, ties, everyone) if rank in spec.members]
         # Creation blocks until every member connects; it runs in a helper thread so that a failure
         # elsewhere (the event) ends the wait instead of the connect timeout.
         done, error = threading.Event(), []
@@ -257,6 +263,14 @@ class GenerationGroups:
         if len(members) == 1:
             return None
         return self._groups[("tied", *members)]
+
+    def everyone(self) -> object | None:
+        """The backend of all ranks (built with `everyone=True`); None in a world of one rank."""
+        if self.plan.world_size == 1:
+            return None
+        if ("everyone",) not in self._groups:
+            raise KeyError(f"generation {self.plan.generation}'s groups were built without the all-ranks group")
+        return self._groups[("everyone",)]
 
     def abandon(self) -> None:
         """Drop every group without waiting for anything in flight.

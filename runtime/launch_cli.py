@@ -72,6 +72,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="write checkpoints to this directory")
     parser.add_argument("--checkpoint-interval", type=int, default=None, help="... every this many steps")
     parser.add_argument(
+        "--gradient-sum-dtype",
+        choices=["float32", "float64"],
+        default=None,
+        help="accumulator of the gradient sums (default: the config's, float32); float64 matches "
+        "single-process training to rounding",
+    )
+    parser.add_argument(
         "--controller",
         choices=["reports", "layouts"],
         default="reports",
@@ -119,6 +126,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         snapshot_interval=args.snapshot_interval,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_interval=args.checkpoint_interval,
+        gradient_sum_dtype=args.gradient_sum_dtype,
     )
 
 

@@ -64,6 +64,8 @@ class LaunchOptions:
     """checkpoint directory (None: the config's `checkpoint.path`)"""
     checkpoint_interval: int | None = None
     """checkpoint every this many steps (None: the config's `checkpoint.interval_steps`)"""
+    gradient_sum_dtype: str | None = None
+    """float32 or float64 (None: the config's `gradient_sum_dtype`)"""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "microbatch_size", "microbatches"):
@@ -103,6 +105,8 @@ def worker_config(o: LaunchOptions):
         base["checkpoint"] = {**base["checkpoint"], "path": str(Path(o.checkpoint_dir).resolve())}
     if o.checkpoint_interval is not None:
         base["checkpoint"] = {**base["checkpoint"], "interval_steps": o.checkpoint_interval}
+    if o.gradient_sum_dtype is not None:
+        base["gradient_sum_dtype"] = o.gradient_sum_dtype
     return WorkerConfig.model_validate(base)
 
 
@@ -118,7 +122,9 @@ def load_profile(o: LaunchOptions, config):
     from oobleck.runtime.profiler import profile_model
 
     torch.set_num_threads(config.threads)
-    return profile_model(build_model(config), config.microbatch_size, torch.device("cpu"), 1, 2)
+    return profile_model(
+        build_model(config), config.microbatch_size, torch.device("cpu"), 1, 2, config.precision, config.recompute
+    )
 
 
 def initial_plan(o: LaunchOptions, profile, nodes: list[str]):

@@ -124,7 +124,9 @@ def measure_profile(env: PodEnv, kube: Kube, source) -> bool:
         with torch.device("meta"):
             model.build_layer(model.num_layers - 1)  # an entry point's errors, before measuring
     with blame("OutOfMemory", field="spec.resources.memory"):  # what else goes wrong while measuring is the model's
-        profile = profile_model(model, config.microbatch_size, choose_device(config, 0), 1, 3)
+        profile = profile_model(
+            model, config.microbatch_size, choose_device(config, 0), 1, 3, config.precision, config.recompute
+        )
     annotate(kube, env.namespace, env.node, {MEASURED_PROFILE_ANNOTATION: profile.model_dump_json()})
     _log("profiled", env, layers=len(profile.layers), seconds=round(time.monotonic() - began, 3))
     return True

@@ -5,6 +5,12 @@ Per layer, for one microbatch: forward and backward milliseconds (median of `ite
 activation bytes (what autograd keeps until the backward: measured on CUDA as the memory still
 allocated after the forward, estimated on CPU as the saved tensors of the autograd graph) and output
 bytes (the tensor sent to the next layer).
+
+The layer runs as training will run it (runtime/compute.py): under the job's precision (bf16 autocast
+saves smaller activations and runs other kernels) and, with `recompute="full"`, checkpointed, so
+activation bytes shrink to the kept input (on CPU: the input's bytes, which is all the checkpoint
+keeps; on CUDA: measured as always) and backward milliseconds include the forward rerun. The planner's
+cost model needs no recompute term of its own: the profile carries it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from torch import nn
 
 from oobleck.api.profile import LayerProfile, ModelProfile
+from oobleck.runtime.compute import autocast, run_layer
 from oobleck.runtime.models import LayeredModel
 
 
@@ -53,7 +60,14 @@ def _saved_bytes(output: torch.Tensor) -> int:
 
 
 def profile_layer(
-    module: nn.Module, x: torch.Tensor, device: torch.device, warmup: int, iterations: int, name: str
+    module: nn.Module,
+    x: torch.Tensor,
+    device: torch.device,
+    warmup: int,
+    iterations: int,
+    name: str,
+    precision: str = "fp32",
+    recompute: bool = False,
 ) -> tuple[LayerProfile, torch.Tensor]:
     """Profile one layer on input `x`; returns its profile and its output (the next layer's input)."""
     needs_grad = x.is_floating_point()
@@ -64,11 +78,15 @@ def profile_layer(
         _sync(device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         start = time.perf_counter()
-        out = module(inp)
+        with autocast(device, precision):
+            out = run_layer(module, inp, recompute)
         _sync(device)
         middle = time.perf_counter()
         if device.type == "cuda":
             activation = torch.cuda.memory_allocated(device) - before
+        elif recompute:
+            # The checkpoint keeps its input (its saved tensors are placeholders until the rerun).
+            activation = inp.untyped_storage().nbytes()
         else:
             activation = _saved_bytes(out)
         out.backward(torch.ones_like(out))
@@ -94,16 +112,27 @@ def profile_layer(
 
 
 def profile_model(
-    model: LayeredModel, microbatch_size: int, device: torch.device, warmup: int = 2, iterations: int = 5
+    model: LayeredModel,
+    microbatch_size: int,
+    device: torch.device,
+    warmup: int = 2,
+    iterations: int = 5,
+    precision: str = "fp32",
+    recompute: str = "none",
 ) -> ModelProfile:
-    """Profile every layer of `model` in order, feeding each the previous one's real output."""
+    """Profile every layer of `model` in order, feeding each the previous one's real output, run with
+    `precision` and `recompute` as training runs it."""
+    if recompute not in ("none", "full"):
+        raise ValueError(f"recompute: expected 'none' or 'full', got {recompute!r}")
     if iterations < 1:
         raise ValueError(f"iterations: must be >= 1, got {iterations}")
     x = model.example_input(microbatch_size).to(device)
     layers = []
     for index in range(model.num_layers):
         module = model.build_layer(index).to(device)
-        layer, x = profile_layer(module, x, device, warmup, iterations, model.layer_name(index))
+        layer, x = profile_layer(
+            module, x, device, warmup, iterations, model.layer_name(index), precision, recompute == "full"
+        )
         layers.append(layer)
         del module
     described = (

@@ -2,8 +2,10 @@
 
 The whole model in one process, the same global batch (microbatches 0..B-1 of each step), the mean
 loss over all samples, and the stock `torch.optim.AdamW` with the same schedule. Gradients of each
-microbatch are accumulated in float64 exactly as the engine does (runtime/engine.py), so the two
-differ only in the order of float64 additions (~1e-16 relative) — far inside the test tolerance.
+microbatch are accumulated in `gradient_sum_dtype` as the engine does (runtime/engine.py); with float64
+the two differ only in the order of float64 additions (~1e-16 relative), far inside the test tolerance.
+Precision and recomputation run through the engine's own `run_layer` under the same autocast, and
+`max_grad_norm` clips with the stock `torch.nn.utils.clip_grad_norm_`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from oobleck.runtime.compute import autocast, run_layer
 from oobleck.runtime.config import WorkerConfig, build_dataset, build_model
 from oobleck.runtime.models import layer_seed
 from oobleck.runtime.optim import learning_rate, torch_adamw
@@ -44,25 +47,30 @@ def train_reference(
     parameters = list(layers.parameters())  # each shared parameter once
     optimizer = torch_adamw(parameters, config.optim)
     samples = global_microbatches * config.microbatch_size
+    sum_dtype = getattr(torch, config.gradient_sum_dtype)
+    recompute = config.recompute == "full"
     losses: list[float] = []
     for step in range(config.steps if steps is None else steps):
-        sums = [torch.zeros_like(p, dtype=torch.float64) for p in parameters]
+        sums = [torch.zeros_like(p, dtype=sum_dtype) for p in parameters]
         loss_sum = 0.0
         for index in range(global_microbatches):
             inputs, targets = data.microbatch(step, index)
             x, targets = inputs.to(device), targets.to(device)
-            for number, layer in enumerate(layers):
-                if model.stochastic:
-                    torch.manual_seed(layer_seed(config.seed, step, index, number))
-                x = layer(x)
-            loss = model.loss(x, targets).sum()
+            with autocast(torch.device(device), config.precision):
+                for number, layer in enumerate(layers):
+                    if model.stochastic:
+                        torch.manual_seed(layer_seed(config.seed, step, index, number))
+                    x = run_layer(layer, x, recompute)
+                loss = model.loss(x, targets).sum()
             loss.backward()
             loss_sum += float(loss.detach().double())
             for total, parameter in zip(sums, parameters):
-                total += parameter.grad.double()
+                total += parameter.grad
                 parameter.grad = None
         for total, parameter in zip(sums, parameters):
             parameter.grad = (total / samples).to(parameter.dtype)
+        if config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm, foreach=False)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config.optim, step)
         optimizer.step()

@@ -215,6 +215,7 @@ class Worker:
             self.failed,
             self.config.timeouts.poll,
             ties=[tuple(layer for layer, _ in tie) for tie in self.model.tied_parameters()],
+            everyone=self.config.max_grad_norm is not None,
         )
         incoming = {c.layer for c in plan.copies if c.dst_rank == rank and c.src_rank != rank}
         for layer in mine.layers:

@@ -71,6 +71,7 @@ def job_spec(
     spec["device"] = device
     spec["f"] = f
     spec["training"]["steps"] = steps
+    spec["training"]["gradientSumDtype"] = "float64"  # every layout matches the reference run to 1e-5
     spec["profile"] = {"source": "measure"}
     # Report progress often (the tests wait on it) and keep heartbeat verdicts lenient on a loaded host.
     variables = {"WORKER_PROGRESS_INTERVAL_S": "0.2", "WORKER_DEAD_AFTER_S": "5", **(env or {})}

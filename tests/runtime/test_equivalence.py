@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow  # real worker processes
 STEPS = 20
 CONFIG = WorkerConfig(
     job="equivalence",
+    gradient_sum_dtype="float64",  # compared with the single-process reference to 1e-5
     model={"name": "tiny-gpt"},
     microbatch_size=4,
     steps=STEPS,

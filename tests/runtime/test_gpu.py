@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 CONFIG = WorkerConfig(
     job="gpu",
+    gradient_sum_dtype="float64",  # compared with the single-process reference to 1e-5
     device="cuda",
     microbatch_size=4,
     steps=10,
@@ -22,29 +23,43 @@ CONFIG = WorkerConfig(
 )
 
 
-def test_single_rank_on_cuda_matches_cuda_reference(plan_builder):
+# fp32; bf16 autocast with recomputation and clipping (float32 master weights); bf16 with the default
+# float32 sums (the same order of additions as the reference's float32 sums on one rank).
+VARIANTS = [
+    {},
+    {"precision": "bf16", "recompute": "full", "max_grad_norm": 0.05},
+    {"precision": "bf16", "gradient_sum_dtype": "float32"},
+]
+
+
+@pytest.mark.parametrize("update", VARIANTS, ids=["fp32", "bf16-recompute-clip", "bf16-fp32-sums"])
+def test_single_rank_on_cuda_matches_cuda_reference(plan_builder, update):
     make_plan, Spec = plan_builder
+    config = CONFIG.model_copy(update=update)
     plan = make_plan([Spec(stages=[(0, 6, 0, 1)], microbatches=3)], num_layers=6, f=0, job="gpu")
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    worker = Worker(CONFIG, store, "n0", 0)
+    worker = Worker(config, store, "n0", 0)
     outcomes = worker.run_static(plan)
-    reference = train_reference(CONFIG, 3, device="cuda")
+    reference = train_reference(config, 3, device="cuda")
     for outcome, expected in zip(outcomes, reference.losses):
         assert outcome.loss == pytest.approx(expected, rel=1e-5)
     for layer, params in worker.layer_state().items():
         for name, value in params.items():
+            assert value.dtype == torch.float32, f"layer {layer} {name}: {value.dtype} master weights"
             assert torch.allclose(value, reference.layers[layer][name], rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL refuses two ranks on one GPU)")
-def test_nccl_pipeline_matches_reference(tmp_path, plan_builder, workers):
+@pytest.mark.parametrize("update", VARIANTS[:2], ids=["fp32", "bf16-recompute-clip"])
+def test_nccl_pipeline_matches_reference(tmp_path, plan_builder, workers, update):
+    config = CONFIG.model_copy(update=update)
     make_plan, Spec = plan_builder
     # Two stages on GPUs 0 and 1 of one node: NCCL p2p both ways (1F1B), no replicas.
     plan = make_plan(
         [Spec(stages=[(0, 3, 0, 1), (3, 6, 0, 1)], microbatches=4)], num_layers=6, gpus_per_node=2, f=0, job="gpu"
     )
-    result = workers(tmp_path, CONFIG, plan)
-    reference = train_reference(CONFIG, plan.global_microbatches, device="cuda")
+    result = workers(tmp_path, config, plan)
+    reference = train_reference(config, plan.global_microbatches, device="cuda")
     for record, expected in zip(result.losses, reference.losses):
         assert record["loss"] == pytest.approx(expected, rel=1e-5)
     for layer, params in result.layers.items():

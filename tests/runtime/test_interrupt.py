@@ -24,6 +24,7 @@ from oobleck.runtime.worker import Worker
 
 CONFIG = WorkerConfig(
     job="interrupt",
+    gradient_sum_dtype="float64",  # compared with the single-process reference to 1e-5
     microbatch_size=2,
     steps=8,
     seed=11,

@@ -42,6 +42,32 @@ def test_tiny_gpt_example_maps_to_the_worker_config():
     assert build_model(config).num_layers == 4 + 2
 
 
+def test_precision_recompute_clipping_and_sums_map_to_the_worker_config():
+    default = worker_config(example_spec(), "j")
+    assert (default.precision, default.recompute, default.max_grad_norm, default.gradient_sum_dtype) == (
+        "fp32",
+        "none",
+        None,
+        "float32",
+    )
+    training = {"steps": 4, "globalBatchSize": 4, "microbatchSize": 2, "precision": "bf16", "recompute": "full"}
+    config = worker_config(example_spec(training={**training, "maxGradNorm": 1.0, "gradientSumDtype": "float64"}), "j")
+    assert (config.precision, config.recompute, config.max_grad_norm, config.gradient_sum_dtype) == (
+        "bf16",
+        "full",
+        1.0,
+        "float64",
+    )
+    for field, value in (
+        ("precision", "fp16"),
+        ("recompute", "some"),
+        ("maxGradNorm", 0),
+        ("gradientSumDtype", "half"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            example_spec(training={**training, field: value})
+
+
 def test_schedules_end_at_a_tenth_of_the_rate_or_stay_constant():
     for schedule, last in (("cosine", 1e-4), ("linear", 1e-4), ("constant", 1e-3)):
         spec = example_spec(

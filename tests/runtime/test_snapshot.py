@@ -231,7 +231,7 @@ def test_workers_roll_back_from_own_and_peer_snapshots_and_replay_exactly(profil
     from oobleck.runtime.snapshot import Snapshotter
     from oobleck.runtime.worker import Worker
 
-    config = WorkerConfig(job="rollback", microbatch_size=2, steps=6, device="cpu")
+    config = WorkerConfig(job="rollback", microbatch_size=2, steps=6, device="cpu", gradient_sum_dtype="float64")
     first = plan_job(
         profile,
         ClusterShape(

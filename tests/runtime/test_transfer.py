@@ -23,6 +23,7 @@ STEPS = 12
 SWITCH = 5
 CONFIG = WorkerConfig(
     job="transfer",
+    gradient_sum_dtype="float64",  # compared with the single-process reference to 1e-5
     model={"name": "tiny-gpt"},
     microbatch_size=2,
     steps=STEPS,

@@ -372,6 +372,28 @@ class TrainingSpec(_Model):
         description="Seed for weight initialisation and synthetic data.",
         json_schema_extra=immutable("training.seed"),
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="fp32, or bf16: the forward under bfloat16 autocast with float32 master weights, gradients and "
+        "AdamW state. The measured profile reflects it.",
+    )
+    recompute: Literal["none", "full"] = Field(
+        default="none",
+        description="full: each layer keeps only its input and recomputes its activations in the backward (less "
+        "activation memory, about one more forward of time). The measured profile reflects it.",
+    )
+    max_grad_norm: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e6,
+        description="Clip gradients to this global L2 norm over all layers (as torch.nn.utils.clip_grad_norm_); "
+        "unset: no clipping.",
+    )
+    gradient_sum_dtype: Literal["float32", "float64"] = Field(
+        default="float32",
+        description="Accumulator of the gradient sums over microbatches and replicas: float32 (as DDP), or float64 "
+        "so that every layout matches single-process training to rounding (8 bytes per parameter, slower sums).",
+    )
 
     on_non_finite: Literal["fail", "skipStep", "rollback"] = Field(
         default="fail",

@@ -1,0 +1,209 @@
+"""One GPU, bf16: the elastic runtime against plain PyTorch on the same model, back to back.
+
+- runtime: the model is profiled on the GPU with the job's precision (`profile_model`, what
+  `profile: measure` does), then trained by one `python -m oobleck.runtime.reconfig` worker against a
+  coordinator (failure detector, interruptible waits, step commit, progress, snapshots of the layers to
+  host memory every `snapshot.interval_steps`): bf16 autocast, float32 master weights and AdamW state,
+  float32 gradient sums. A one-rank plan has no peer, so the runtime builds no collective group (the
+  NCCL path of its waits is exercised by tests/runtime/test_gpu.py).
+- plain PyTorch: the same layers as one `nn.Sequential` on the GPU, the same microbatches, bf16
+  autocast, `torch.optim.AdamW(fused=True)`.
+
+Step time is the interval between consecutive step completions after `--warmup` steps (median per
+run, median over `--repeats` interleaved runs). tokens/s = global batch tokens / step time. MFU =
+training FLOPs per token x tokens/s / peak bf16 FLOP/s, with FLOPs per token = 6 N + 12 L H S (N
+parameters, L blocks, H hidden, S sequence: PaLM's appendix B); peak from `--peak-tflops` or the device
+name (H100/H200 SXM: 989 TFLOP/s dense bf16; A100: 312).
+
+usage: .venv/bin/python bench/gpu_single.py [--model gpt2-medium] [--steps 30] [--repeats 3]
+       .venv/bin/python bench/gpu_single.py --quick     (CPU smoke run: tiny-gpt, bf16 autocast on CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overhead  # bench/overhead.py: the elastic runtime's launch, shared
+from vs_torch import plan_of
+
+GPT2_MEDIUM = {"name": "gpt", "sizes": {"blocks": 24, "hidden": 1024, "heads": 16, "seq_len": 1024, "vocab": 50304}}
+"""GPT-2 medium (the paper's GPT-3 350M shape): 24 blocks, hidden 1024, 16 heads, 1024 tokens: ~355M parameters."""
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def model_config(name: str) -> dict:
+    return dict(GPT2_MEDIUM) if name == "gpt2-medium" else {"name": name}
+
+
+def flops_per_token(model) -> float | None:
+    """6 N + 12 L H S, or None when the model does not say its blocks, hidden size and sequence length."""
+    import torch
+
+    sizes = getattr(model, "sizes", None)
+    parameters = 0
+    with torch.device("meta"):
+        for index in range(model.num_layers):
+            parameters += sum(p.numel() for p in model.build_layer(index).parameters())
+    if sizes is None or not all(hasattr(sizes, k) for k in ("blocks", "hidden", "seq_len")):
+        return None
+    return 6 * parameters + 12 * sizes.blocks * sizes.hidden * sizes.seq_len
+
+
+def _plain(argv: list[str]) -> int:
+    """Plain PyTorch training of the config's model on its device; writes step completion times."""
+    import torch
+    from torch import nn
+
+    from oobleck.runtime.compute import autocast
+    from oobleck.runtime.config import build_dataset, build_model, load_config
+    from oobleck.runtime.optim import decays, learning_rate
+
+    config_path, microbatches, out = argv[0], int(argv[1]), Path(argv[2])
+    config = load_config(config_path)
+    torch.set_num_threads(config.threads)
+    device = torch.device(config.device)
+    model = build_model(config)
+    data = build_dataset(config, model)
+    net = nn.Sequential(*(model.build_layer(i) for i in range(model.num_layers))).to(device)
+    c = config.optim
+    params = list(net.parameters())
+    groups = [
+        {"params": [p for p in params if decays(p)], "weight_decay": c.weight_decay},
+        {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(
+        groups,
+        lr=c.lr,
+        betas=(c.beta1, c.beta2),
+        eps=c.eps,
+        fused=device.type == "cuda",
+    )
+    samples = microbatches * config.microbatch_size
+    times = []
+    for step in range(config.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(c, step)
+        for index in range(microbatches):
+            inputs, targets = data.microbatch(step, index)
+            with autocast(device, config.precision):
+                loss = model.loss(net(inputs.to(device)), targets.to(device)).sum() / samples
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.time())
+    out.write_text(json.dumps(times))
+    return 0
+
+
+def run_plain(config, microbatches: int, folder: Path) -> list[float]:
+    (folder / "config.json").write_text(config.model_dump_json())
+    out = folder / "plain.json"
+    env = dict(os.environ, OMP_NUM_THREADS=str(config.threads))
+    process = subprocess.Popen(
+        [sys.executable, __file__, "_plain", str(folder / "config.json"), str(microbatches), str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    overhead._communicate([process])
+    times = json.loads(out.read_text())
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def main() -> int:
+    import torch
+
+    from oobleck.runtime.config import WorkerConfig, build_model
+    from oobleck.runtime.profiler import profile_model
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2-medium", help="gpt2-medium or a model preset name")
+    parser.add_argument("--microbatch-size", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4, help="microbatches accumulated per step")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="step intervals left out of the statistics")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s (default: by device)")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny-gpt, a few steps, one round")
+    parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
+    args = parser.parse_args()
+    device = "cpu" if args.quick else "cuda"
+    if args.quick:
+        args.model, args.microbatch_size, args.microbatches, args.steps, args.warmup, args.repeats = (
+            "tiny-gpt",
+            2,
+            2,
+            5,
+            1,
+            1,
+        )
+    elif not torch.cuda.is_available():
+        parser.error("no CUDA device: this benchmark measures a GPU (use --quick for the CPU smoke run)")
+    config = WorkerConfig(
+        job="gpu-single",
+        model=model_config(args.model),
+        microbatch_size=args.microbatch_size,
+        steps=args.steps,
+        device=device,
+        precision="bf16",
+        gradient_sum_dtype="float32",
+    )
+    model = build_model(config)
+    torch.set_num_threads(config.threads)  # as the workers run
+    profile = profile_model(
+        model, config.microbatch_size, torch.device(device), warmup=1, iterations=2, precision="bf16"
+    )
+    step_ms = sum(layer.forward_ms + layer.backward_ms for layer in profile.layers) * args.microbatches
+    print(f"profile ({profile.device}, bf16): {len(profile.layers)} layers, forward+backward {step_ms:.1f} ms per step")
+    plan = plan_of(model.num_layers, [[(0, model.num_layers)]], [args.microbatches], "gpu-single")
+    medians: dict[str, list[float]] = {"runtime": [], "plain": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.repeats):
+            for name in medians:
+                folder = Path(tmp) / f"{name}-{round_}"
+                folder.mkdir()
+                intervals = (
+                    overhead.run_variant("on", config, plan, folder)
+                    if name == "runtime"
+                    else run_plain(config, args.microbatches, folder)
+                )
+                medians[name].append(statistics.median(intervals[args.warmup :] or intervals))
+                print(f"round {round_}: {name:8s} {medians[name][-1] * 1e3:9.2f} ms/step", flush=True)
+    tokens = args.microbatches * args.microbatch_size * int(model.example_input(1).numel())
+    per_token = flops_per_token(model)
+    peak = args.peak_tflops
+    if peak is None and device == "cuda":
+        name = torch.cuda.get_device_name(0)
+        peak = next((value for key, value in PEAK_TFLOPS.items() if key in name), None)
+    result = {"model": args.model, "device": profile.device, "tokens_per_step": tokens}
+    for name, values in medians.items():
+        seconds = statistics.median(values)
+        rate = tokens / seconds
+        mfu = per_token * rate / (peak * 1e12) if per_token and peak else None
+        result[name] = {"step_ms": seconds * 1e3, "tokens_per_s": rate, "mfu": mfu}
+        shown = f"{mfu:.3f}" if mfu is not None else "n/a (no peak FLOP/s for this device)"
+        print(f"{name:8s}: {seconds * 1e3:9.2f} ms/step, {rate:12.1f} tokens/s, MFU {shown}")
+    ratio = result["runtime"]["tokens_per_s"] / result["plain"]["tokens_per_s"]
+    result["ratio"] = ratio
+    print(f"runtime / plain tokens/s: {ratio:.3f} (target >= 0.95)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_plain":
+        sys.exit(_plain(sys.argv[2:]))
+    sys.exit(main())

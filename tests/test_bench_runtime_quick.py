@@ -1,0 +1,40 @@
+"""The runtime benchmarks' `--quick` modes run end to end and print their ratios (figures, not timed tests)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # real worker processes
+BENCH = Path(__file__).parents[1] / "bench"
+
+
+def _run(script: str, tmp_path: Path) -> dict:
+    out = tmp_path / "figures.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_vs_torch_quick(tmp_path):
+    figures = _run("vs_torch.py", tmp_path)
+    assert set(figures["ratios"]) == {"ddp", "pipe"}
+    assert all(math.isfinite(r) and r > 0 for r in figures["ratios"].values())
+    assert set(figures["medians_ms"]) == {"ddp: runtime", "ddp: torch DDP", "pipe: runtime", "pipe: torch Schedule1F1B"}
+
+
+def test_gpu_single_quick_on_cpu(tmp_path):
+    figures = _run("gpu_single.py", tmp_path)
+    for side in ("runtime", "plain"):
+        assert figures[side]["tokens_per_s"] > 0 and figures[side]["mfu"] is None  # no peak FLOP/s on a CPU
+    assert math.isfinite(figures["ratio"]) and figures["ratio"] > 0
