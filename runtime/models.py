@@ -35,9 +35,6 @@ class LayeredModel(ABC):
     """True when layers draw random numbers in forward (dropout): the engine then seeds torch's RNG
     from (seed, step, microbatch, layer) before every layer, so masks do not depend on the layout,
     a redone step draws the same masks, and no RNG state needs to move with a layer."""
-    tied_parameters: tuple[tuple[tuple[int, str], ...], ...] = ()
-    """Groups of (layer, parameter name) that are one weight held by several layers (tied embeddings):
-    the global gradient norm of clipping counts each group once, by its first member."""
 
     @property
     @abstractmethod
