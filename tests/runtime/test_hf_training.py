@@ -36,6 +36,7 @@ def config(**transformers) -> WorkerConfig:
         steps=STEPS,
         seed=7,
         optim=OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=STEPS, weight_decay=0.1),
+        gradient_sum_dtype="float64",  # compared with the single-process reference
     )
 
 
