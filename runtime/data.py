@@ -138,6 +138,6 @@ def load_tokens(path: Path, dtype: str | None = None) -> np.ndarray:
             )
         return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
     if path.suffix == ".bin":
-        dtype = np.int32 if path.name.endswith(".i32.bin") else np.uint16
-        return np.memmap(path, dtype=dtype, mode="r")
+        ids = np.int32 if path.name.endswith(".i32.bin") else np.uint16
+        return np.memmap(path, dtype=ids, mode="r")
     return np.frombuffer(path.read_bytes(), dtype=np.uint8)

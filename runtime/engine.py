@@ -341,6 +341,7 @@ class Engine:
                         loss_sum += out.detach().double()
                 if not lay.last:
                     # Autocast may hand back another dtype than the (autocast-free) spec the receiver expects.
+                    assert self.output_spec is not None
                     out = out.to(self.output_spec[1])
                     self._send(out.detach(), +1, FORWARD_TAG, pending)
                 saved[m] = (source, out)

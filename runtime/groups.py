@@ -258,13 +258,13 @@ class GenerationGroups:
             return None
         return self._groups[("holders", *members)]
 
-    def tied(self, members: tuple[int, ...]) -> object | None:
+    def tied(self, members: tuple[int, ...]) -> Any | None:
         """The backend summing a tied parameter's gradient over `members`; None when this rank is the only one."""
         if len(members) == 1:
             return None
         return self._groups[("tied", *members)]
 
-    def everyone(self) -> object | None:
+    def everyone(self) -> Any | None:
         """The backend of all ranks (built with `everyone=True`); None in a world of one rank."""
         if self.plan.world_size == 1:
             return None

@@ -398,5 +398,6 @@ def load_transformers(
             raise ModelLoadError(
                 "config.json must hold an object", field="model.transformers.configMap", path=config_path
             )
+    assert fields is not None  # exactly one source was given (checked above)
     config = build_config(family, dict(fields), attn_implementation)
     return TransformersModel(config, seed=seed, sequence_length=sequence_length, init_from=init_from, name=preset)

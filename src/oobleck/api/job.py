@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic.alias_generators import to_camel
@@ -177,8 +177,10 @@ class GPTModel(_Model):
     )
 
 
-TRANSFORMERS_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
-TRANSFORMERS_PRESETS = ("gpt3-350m", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "llama-tiny")
+TransformersFamily = Literal["llama", "mistral", "qwen2", "gpt2"]
+TransformersPreset = Literal["gpt3-350m", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "llama-tiny"]
+TRANSFORMERS_FAMILIES: tuple[str, ...] = get_args(TransformersFamily)
+TRANSFORMERS_PRESETS: tuple[str, ...] = get_args(TransformersPreset)
 MODEL_CONFIG_DIR = "/etc/oobleck/model"
 """Where worker pods see the model's config.json ConfigMap key (model.transformers.configMap)."""
 
@@ -214,12 +216,12 @@ class TransformersModel(_Model):
     each decoder block, final norm + head). The config comes from exactly one of `preset`, `config` and
     `configMap`; nothing is downloaded: weights start from training.seed, or from `initFrom`."""
 
-    family: Literal[TRANSFORMERS_FAMILIES] | None = Field(
+    family: TransformersFamily | None = Field(
         default=None,
         description="Model family: llama (also mistral and qwen2, split the same way) or gpt2. Required "
         "unless preset is set (the preset names its family).",
     )
-    preset: Literal[TRANSFORMERS_PRESETS] | None = Field(
+    preset: TransformersPreset | None = Field(
         default=None,
         description="A built-in config: gpt3-350m, gpt3-1.3b, gpt3-2.7b, gpt3-6.7b (the GPT-3 paper's sizes as "
         "GPT-2 models, context 2048) or llama-tiny (trains on a laptop CPU).",
