@@ -634,8 +634,8 @@ class PodWorker:
                     "containerID": f"oobleck-local://{container.process.pid}",
                 }
                 # As a kubelet: the container's last log lines when it failed and its spec asks for them.
-                policy = self.specs[container.name].get("terminationMessagePolicy")
-                if code != 0 and policy == "FallbackToLogsOnError" and (last := tail(log_path)):
+                message_policy = self.specs[container.name].get("terminationMessagePolicy")
+                if code != 0 and message_policy == "FallbackToLogsOnError" and (last := tail(log_path)):
                     container.terminated["message"] = last
                 if code > SIGNAL_EXIT_BASE:
                     container.terminated["signal"] = code - SIGNAL_EXIT_BASE
