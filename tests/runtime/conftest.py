@@ -98,7 +98,7 @@ class RunResult:
     seconds: float
 
 
-def run_workers(tmp: Path, config: WorkerConfig, plan: Plan, timeout: float = 120) -> RunResult:
+def run_workers(tmp: Path, config: WorkerConfig, plan: Plan, timeout: float = 300) -> RunResult:
     """Run every rank of `plan` as a real worker process; return losses and final parameters."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     (tmp / "config.json").write_text(config.model_dump_json())
