@@ -157,7 +157,7 @@ def config_map(p: Plan, inline_limit: int = planmap.PLAN_INLINE_LIMIT, rv: str =
 
 def source() -> ConfigMapPlanSource:
     # Never started: the test plays the watch.
-    src = ConfigMapPlanSource(client=None, namespace="ns", name="job-plan")
+    src = ConfigMapPlanSource(kube=None, namespace="ns", name="job-plan")
     src._thread = threading.current_thread()  # type: ignore[assignment]  (start() is then a no-op)
     return src
 
