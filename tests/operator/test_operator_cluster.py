@@ -405,10 +405,6 @@ def test_simultaneous_losses_make_one_generation(cluster, env):
 # -- restart safety -------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="its Operator helper gained program= (the crash hook moved into tests/e2e) at the end of the session; not yet run since",
-)
 def test_killed_between_plan_write_and_patches_converges(cluster, env):
     ns = env["ns"]
     env["add_nodes"](4)
