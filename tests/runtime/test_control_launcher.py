@@ -83,10 +83,6 @@ def test_kill_rank_reconfigures_and_finishes_every_step_exactly(kit, tmp_path, d
     assert kit.leftovers(tmp_path) == []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="its assertion on the generation record predates the probe-confirmed heartbeat verdicts (issue 10 item 6); not yet updated",
-)
 def test_heartbeats_alone_detect_the_kill(kit, tmp_path):
     """Without the launcher's process-exit signal, the survivors' heartbeat watchers find the dead worker."""
     code, summary, output = kit.launch(
@@ -112,9 +108,10 @@ def test_heartbeats_alone_detect_the_kill(kit, tmp_path):
     assert code == 0, output
     [reconfiguration] = summary["reconfigurations"]
     assert reconfiguration["lost"] == ["node2"]
-    # Functional bounds only (a 3 s verdict keeps a CPU-starved peer from being called dead on a loaded
-    # machine); the 2 s detection target is measured by bench/recovery.py with the default verdict.
-    assert 2.5 <= reconfiguration["detected_s"] < 6.0, reconfiguration
+    # A killed process no longer answers its liveness probe, so the verdict comes well before the 3 s
+    # `--dead-after` (which only spares peers that still answer: slow, not dead). Functional bound only;
+    # bench/recovery.py measures the detection time.
+    assert reconfiguration["detected_s"] < 2.5, reconfiguration
     print(f"heartbeat path: {reconfiguration}")
     kit.check_against_reference(tmp_path, summary, 8)
 
