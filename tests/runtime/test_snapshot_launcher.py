@@ -67,10 +67,6 @@ def test_losing_every_replica_of_a_layer_rolls_back_to_the_in_memory_snapshot(ki
     assert kit.leftovers(tmp_path) == []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="a ValueError (unpacking) after the snapshot split and the next-generation function met the precision merge; not yet found",
-)
 def test_layers_no_snapshot_holds_are_restored_from_the_checkpoint_directory(kit, tmp_path, uniform_profile):
     """In-memory peer snapshots off: the survivors keep only their own layers of the checkpoint
     steps in memory; layers 0-2, whose every holder died, come from the directory."""
