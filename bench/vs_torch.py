@@ -40,8 +40,15 @@ BENCH_GPT = overhead.MODEL
 
 
 def model_config(name: str) -> dict:
-    """`--model`: "bench-gpt" or any model name the runtime knows (a preset such as llama-tiny)."""
-    return dict(BENCH_GPT) if name == "bench-gpt" else {"name": name}
+    """`--model`: "bench-gpt", a `transformers` preset of runtime/hf.py (llama-tiny, gpt3-350m, ...), or any
+    other model name the runtime knows (tiny-gpt, ...)."""
+    from oobleck.api.hfpresets import PRESETS
+
+    if name == "bench-gpt":
+        return dict(BENCH_GPT)
+    if name in PRESETS:
+        return {"transformers": {"preset": name}}
+    return {"name": name}
 
 
 def plan_of(num_layers: int, pipelines: list[list[tuple[int, int]]], microbatches: list[int], job: str):
@@ -235,11 +242,11 @@ def main() -> int:
     parser.add_argument(
         "--gradient-sum-dtype", choices=["float32", "float64"], default="float32", help="the runtime's sums"
     )
-    parser.add_argument("--quick", action="store_true", help="a smoke run in seconds: tiny-gpt, few steps, one round")
+    parser.add_argument("--quick", action="store_true", help="a smoke run in seconds: llama-tiny, few steps, one round")
     parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
     args = parser.parse_args()
     if args.quick:
-        args.model, args.steps, args.warmup, args.repeats, args.microbatches = "tiny-gpt", 6, 2, 1, 4
+        args.model, args.steps, args.warmup, args.repeats, args.microbatches = "llama-tiny", 6, 2, 1, 4
         args.ranks = 2
     which = [w for w in args.which.split(",") if w]
     unknown = set(which) - {"ddp", "pipe"}
