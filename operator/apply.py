@@ -21,7 +21,7 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio import config as kube_config
 
-from oobleck.api.job import API_VERSION, GROUP, KIND, PLURAL, VERSION, OobleckJobSpec
+from oobleck.api.job import API_VERSION, GROUP, KIND, PLURAL, VERSION, OobleckJobSpec, Phase
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ModelProfile
 from oobleck.operator import render
@@ -30,6 +30,7 @@ from oobleck.operator.metrics import Metrics
 
 log = logging.getLogger(__name__)
 MERGE = "application/merge-patch+json"
+TERMINAL_PHASES = (Phase.SUCCEEDED.value, Phase.FAILED.value)
 
 
 class ApiError(RuntimeError):
@@ -100,6 +101,24 @@ class Api:
         return json.loads(body) if body else {}
 
     # -- reads --
+
+    async def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The OobleckJob as etcd has it now (a quorum read, not kopf's cache); None if it is gone."""
+        try:
+            return await self._call(
+                "get",
+                f"{PLURAL} {namespace}/{name}",
+                self.custom.get_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                name,
+            )
+        except ApiError as error:
+            if error.status == 404:
+                return None
+            raise
 
     async def read_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -325,6 +344,12 @@ async def apply_decision(
     done = await gather_all(calls)
     if decision.plan is not None:
         patched_at = done[0]
+    ends = decision.status.get("phase") in TERMINAL_PHASES and status_before.get("phase") not in TERMINAL_PHASES
+    if ends:
+        # The end is recorded before the cleanup deletes pods: were it the other way round and the status
+        # patch failed (an API-server or etcd restart), the next pass would find the workers gone and
+        # take them for lost nodes.
+        await api.patch_status(namespace, job, decision.status)
     deletions = [api.delete_pod(namespace, name) for name, _ in decision.delete]
     pods = [
         render.worker_pod(
@@ -337,7 +362,7 @@ async def apply_decision(
     results = await gather_all([*deletions, *(api.create_owned(pod, uid) for pod in pods)])
     deleted = sum(1 for r in results[: len(deletions)] if r)
     created = sum(1 for r in results[len(deletions) :] if r)
-    if decision.status != status_before:
+    if decision.status != status_before and not ends:
         await api.patch_status(namespace, job, decision.status)
     await gather_all(api.post_event(namespace, job, uid, event) for event in decision.events)
     return Applied(patched_at=patched_at, created=created, deleted=deleted, plan_version=written)

@@ -420,9 +420,11 @@ def _ended(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, st
     spec, conditions = ctx.spec, ctx.status.conditions
     if is_true(conditions, ConditionType.FAILED) or is_true(conditions, ConditionType.SUCCEEDED):
         return _finished(ctx, obs, current, status, [])
-    if current is not None and obs.step >= spec.training.steps:
+    # The steps the workers reported: now on their pods, or earlier in the status (pods cleaned up since).
+    reported = max(obs.step, ctx.status.progress.step if ctx.status.progress else 0)
+    if current is not None and reported >= spec.training.steps:
         status.set(
-            ConditionType.SUCCEEDED, "True", Reason.STEPS_COMPLETED, f"{obs.step} of {spec.training.steps} steps done"
+            ConditionType.SUCCEEDED, "True", Reason.STEPS_COMPLETED, f"{reported} of {spec.training.steps} steps done"
         )
         status.set(ConditionType.RUNNING, "False", Reason.NOT_APPLICABLE, "the job succeeded")
         status.set(ConditionType.RECONFIGURING, "False", Reason.NOT_APPLICABLE, "the job succeeded")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -22,10 +23,20 @@ from kubernetes_asyncio import config as kube_config
 from pydantic import ValidationError
 
 from oobleck.api.conditions import ConditionType, Reason, is_true, phase_of, set_condition
-from oobleck.api.job import GROUP, JOB_LABEL, PLURAL, VERSION, OobleckJobSpec, parse_spec, parse_status
+from oobleck.api.job import (
+    GROUP,
+    JOB_LABEL,
+    PLURAL,
+    VERSION,
+    OobleckJobSpec,
+    OobleckJobStatus,
+    parse_spec,
+    parse_status,
+)
 from oobleck.api.profile import ModelProfile
 from oobleck.operator import faults, observe
 from oobleck.operator.apply import (
+    TERMINAL_PHASES,
     Api,
     ApiError,
     ForeignObject,
@@ -309,6 +320,11 @@ async def _profile(
     return runner.profile
 
 
+def _ends(new: dict[str, Any], before: OobleckJobStatus) -> bool:
+    """Whether the status `new` ends a job whose status was `before`."""
+    return new.get("phase") in TERMINAL_PHASES and before.phase.value not in TERMINAL_PHASES
+
+
 async def reconcile(
     runner: JobRunner,
     body: kopf.Body,
@@ -317,13 +333,16 @@ async def reconcile(
     node_health: kopf.Index,
     first_event_at: float | None,
     logger: logging.Logger,
+    fresh: Mapping[str, Any] | None = None,
 ) -> None:
-    """One pass: read (cache or API), observe, decide, apply."""
+    """One pass: read (cache or API), observe, decide, apply. `fresh`: the job as just read from the API
+    server, to decide on instead of kopf's cached `body` (see `_stale`)."""
     config: OperatorConfig = memo.config
     api: Api = memo.api
     metrics: Metrics = memo.metrics
     namespace, name = runner.key
-    raw_spec, raw_status = dict(body.get("spec") or {}), dict(body.get("status") or {})
+    view: Mapping[str, Any] = body if fresh is None else fresh
+    raw_spec, raw_status = dict(view.get("spec") or {}), dict(view.get("status") or {})
     try:
         spec = parse_spec(raw_spec)
     except ValidationError as error:
@@ -369,7 +388,8 @@ async def reconcile(
         memo.node_jobs.setdefault(node, set()).add(runner.key)
     runner.nodes = on_nodes
     status = parse_status(raw_status)
-    ctx = JobContext(name, namespace, runner.uid, int(body.metadata.get("generation") or 0), spec, status)
+    generation = int((view.get("metadata") or {}).get("generation") or 0)
+    ctx = JobContext(name, namespace, runner.uid, generation, spec, status)
     with GcPause() as pause:  # no collector pause between a failure and the patches (apply.GcPause)
         verdict = faults.assess(
             runner.uid,
@@ -380,6 +400,18 @@ async def reconcile(
             time.time(),
         )
         decision = decide(ctx, obs, runner.current, profile, config.tuning, _now(), verdict)
+        if fresh is None and _ends(decision.status, status):
+            # Ending is irreversible: confirmed on a quorum read. After an API-server or etcd restart (or
+            # an operator restart during one) kopf's cached body can lag behind the job, e.g. miss the
+            # Succeeded status an earlier pass wrote before its cleanup deleted the workers, which would
+            # then look lost.
+            job_now = await api.read_job(namespace, name)
+            if job_now is None:
+                return  # deleted meanwhile
+            if (job_now.get("metadata") or {}).get("resourceVersion") != body.metadata.get("resourceVersion"):
+                logger.info("kopf's copy of the job is behind the API server's; deciding on a fresh read")
+                await reconcile(runner, body, memo, job_pods, node_health, first_event_at, logger, fresh=job_now)
+                return
         if decision.profile is not None:
             profile = runner.profile = decision.profile  # generation 0's: stored beside the plan
         if decision.plan is None:

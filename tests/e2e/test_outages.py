@@ -69,10 +69,6 @@ def _up(operator) -> bool:
         return operator.healthy()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the job failed after the etcd restart in the last full run; cause not yet found (issue 10 item 5 left open)",
-)
 def test_apiserver_outage_with_an_operator_restart_then_an_etcd_restart(job_run, local_nodes, cluster):
     run = job_run
     control = cluster.control_plane

@@ -317,6 +317,21 @@ def test_progress_to_the_last_step_succeeds(h):
     assert world.step().plan is None and not world.step().create
 
 
+def test_last_step_in_the_status_succeeds_even_with_the_workers_gone(h):
+    """A pass that saw the last step wrote it to the status; if its Succeeded patch was then lost (an etcd
+    restart) and the cleanup took the pods, the next pass must still succeed, not count the pods lost."""
+    world = _running(h)
+    name = world.names(0)[0]
+    world.pods[name] = replace(world.pods[name], progress=json.dumps({"generation": 0, "step": 39}))
+    world.apply(world.step())
+    assert world.status.progress.step == 39 and world.status.phase == "Running"
+    world.status = world.status.model_copy(update={"progress": world.status.progress.model_copy(update={"step": 40})})
+    world.pods = {n: p for n, p in world.pods.items() if n == "c"}  # every worker pod gone
+    d = world.step()
+    assert d.status["phase"] == "Succeeded" and cond(d.status, "Succeeded").reason == "StepsCompleted", d.status
+    assert d.plan is None and not d.create
+
+
 def _two_node_pipelines(h) -> World:
     # Memory for half the model per GPU: every pipeline spans two nodes.
     spec = h.spec()
