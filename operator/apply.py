@@ -15,13 +15,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes_asyncio import client
 from kubernetes_asyncio import config as kube_config
 
-from oobleck.api.job import API_VERSION, GROUP, KIND, PLURAL, VERSION, OobleckJobSpec, Phase
+from oobleck.api.job import GROUP, PLURAL, VERSION, OobleckJobSpec, Phase
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ModelProfile
 from oobleck.operator import render
@@ -228,33 +227,6 @@ class Api:
             _content_type=MERGE,
         )
 
-    async def post_event(self, namespace: str, job: str, uid: str, event: Event) -> None:
-        now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{job}.", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": API_VERSION,
-                "kind": KIND,
-                "name": job,
-                "namespace": namespace,
-                "uid": uid,
-            },
-            "type": event.type,
-            "reason": event.reason,
-            "message": event.message[:1024],
-            "source": {"component": "oobleck-operator"},
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-            "reportingComponent": "oobleck-operator",
-        }
-        try:
-            await self._call("create", f"event {namespace}/{job}", self.core.create_namespaced_event, namespace, body)
-        except ApiError as error:  # an event is best effort: never fail a reconcile over it
-            log.warning("%s", error)
-
 
 class GcPause:
     """Holds off Python's cyclic garbage collector over a latency-critical section: deciding on and
@@ -324,8 +296,10 @@ async def apply_decision(
     default_image: str,
     default_command: list[str],
     status_before: dict[str, Any],
+    post_event: Callable[[Event], None],
 ) -> Applied:
-    """Execute a Decision in the order decide.py's docstring gives."""
+    """Execute a Decision in the order decide.py's docstring gives. `post_event` queues an Event on the
+    job without waiting for it (kopf's poster writes it in the background: kopf.event)."""
     patched_at = written = None
     if decision.plan is not None:
         assert profile is not None, "a plan is written with the profile it was planned with"
@@ -364,7 +338,8 @@ async def apply_decision(
     created = sum(1 for r in results[len(deletions) :] if r)
     if decision.status != status_before and not ends:
         await api.patch_status(namespace, job, decision.status)
-    await gather_all(api.post_event(namespace, job, uid, event) for event in decision.events)
+    for event in decision.events:
+        post_event(event)
     return Applied(patched_at=patched_at, created=created, deleted=deleted, plan_version=written)
 
 

@@ -45,7 +45,7 @@ from oobleck.operator.apply import (
     ensure_static_children,
     read_current,
 )
-from oobleck.operator.decide import CurrentPlan, Event, JobContext, decide, synthetic_profile
+from oobleck.operator.decide import CurrentPlan, JobContext, decide, synthetic_profile
 from oobleck.operator.metrics import Metrics
 from oobleck.operator.settings import OperatorConfig, configure_kopf
 from oobleck.planner.errors import PlanningError
@@ -265,7 +265,7 @@ def _now() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
 
 
-async def _fail_invalid(api: Api, namespace: str, name: str, uid: str, body: kopf.Body, message: str) -> str:
+async def _fail_invalid(api: Api, namespace: str, name: str, body: kopf.Body, message: str) -> str:
     """Mark a job whose spec the operator cannot use as Failed (once), with an event."""
     status = parse_status(dict(body.get("status") or {}))
     if is_true(status.conditions, ConditionType.FAILED):
@@ -283,7 +283,7 @@ async def _fail_invalid(api: Api, namespace: str, name: str, uid: str, body: kop
         }
     )
     await api.patch_status(namespace, name, new.to_kubernetes())
-    await api.post_event(namespace, name, uid, Event("Warning", Reason.INVALID_SPEC, message))
+    kopf.warn(body, reason=Reason.INVALID_SPEC, message=message)
     return new.phase.value
 
 
@@ -346,7 +346,7 @@ async def reconcile(
     try:
         spec = parse_spec(raw_spec)
     except ValidationError as error:
-        runner.phase = await _fail_invalid(api, namespace, name, runner.uid, body, f"invalid spec: {error}")
+        runner.phase = await _fail_invalid(api, namespace, name, body, f"invalid spec: {error}")
         return
     if not runner.loaded:
         await ensure_static_children(api, namespace, name, runner.uid)
@@ -378,7 +378,7 @@ async def reconcile(
     try:
         profile = await _profile(api, runner, spec, namespace, config, obs.measured_profile)
     except (PlanningError, ValueError) as error:
-        runner.phase = await _fail_invalid(api, namespace, name, runner.uid, body, str(error))
+        runner.phase = await _fail_invalid(api, namespace, name, body, str(error))
         return
     # Node events wake the jobs with pods on that node.
     on_nodes = frozenset(w.node_name for w in obs.workers if w.node_name)
@@ -430,6 +430,7 @@ async def reconcile(
             default_image=config.default_image,
             default_command=list(config.default_command),
             status_before=parse_status(raw_status).to_kubernetes(),
+            post_event=lambda e: kopf.event(body, type=e.type, reason=e.reason, message=e.message),
         )
     latency = None
     if decision.lost:

@@ -75,7 +75,8 @@ class Operator:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        wait_for(self.healthy, "the operator's liveness probe", timeout=90)
+        # Generous: importing kopf and kubernetes_asyncio alone took 10 s at load ~18 on the 2-core host.
+        wait_for(self.healthy, "the operator's liveness probe", timeout=180)
         return self
 
     def healthy(self) -> bool:
