@@ -10,7 +10,8 @@ pod being deleted; pod Failed (evicted included); worker container terminated wi
 code; pod marked as a disruption target; its node deleted, NotReady or unreachable (Ready
 condition or the node-lifecycle taints); the node's allocatable GPUs below its capacity; a node
 condition listed as a GPU failure reporting True; the worker reporting its own GPU unhealthy; a
-live peer of the current generation reporting it dead.
+live peer of the current generation reporting it dead. Except: when every member's node goes silent at
+once (Ready Unknown: no lease renewed), the control plane was blind, not the nodes dead (`_blind`).
 
 Other reports of the current generation: "unrecoverable" (a layer's state is gone from every worker,
 snapshot and checkpoint: the job fails with the worker's words), "coordinator-restart" (the store was
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal
 
@@ -201,6 +202,31 @@ def node_problem(
     return None
 
 
+def _silent(node: NodeSummary | None) -> bool:
+    """Whether the node is suspected only because its kubelet stopped posting status (Ready Unknown, the
+    node lifecycle controller's verdict from an expired lease), not reported unwell by the node itself."""
+    return node is not None and (node.ready == "Unknown" or "node.kubernetes.io/unreachable" in node.taints)
+
+
+def _blind(plan: Plan | None, workers: Mapping[str, Worker], silent: set[str]) -> tuple[str, ...]:
+    """The members to keep although their nodes went silent: all members' nodes did at once (two or more;
+    members that failed for a reason of their own aside).
+
+    That is what the control plane's own blindness looks like - an API-server, etcd or controller-manager
+    outage during which no node could renew its lease - not that many simultaneous node failures; the
+    node lifecycle controller likewise stops evicting in such a "full disruption". The runtime's own
+    detector (sub-second, over the data network) still reports a worker that really died, and a node
+    that stays silent loses its pods to taint-based eviction, which then counts."""
+    if plan is None:
+        return ()
+    members = [n for n in plan.nodes if n in workers and workers[n].scheduled]
+    quiet = [n for n in members if n in silent]
+    # Every member is silent or failed for a reason of its own (a crash seen once the API server is back).
+    if len(quiet) >= 2 and all(n in silent or workers[n].status == "lost" for n in members):
+        return tuple(quiet)
+    return ()
+
+
 def pod_problem(pod: PodSummary) -> str | None:
     """Why the pod itself shows its worker lost, or None (a succeeded worker is not lost)."""
     if pod.deleting:
@@ -251,6 +277,7 @@ class JobObservation:
     stalled_since: float | None = None  # earliest report of a failure that names no dead worker (wall time)
     generation_trained: bool | None = None  # a member reported a step in the current generation (None: no reports)
     measured_profile: str | None = None  # the lowest-indexed live worker's measured profile JSON, if any
+    silent_held: tuple[str, ...] = ()  # members kept although every member's node went silent at once (`_blind`)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {w.name: w for w in self.workers})
@@ -293,6 +320,7 @@ def observe(
     summaries: dict[str, PodSummary] = {}
     step = 0
     latest: tuple[float | None, float | None] = (None, None)  # loss, samples/s of the newest step
+    silent: set[str] = set()  # running workers lost only because their node's status went silent
     for pod in pods:
         if pod.owner_uid != uid:
             foreign.append(pod.name)
@@ -315,6 +343,8 @@ def observe(
         problem = pod_problem(pod)
         if problem is None and pod.node_name is not None and pod.phase != "Succeeded":
             problem = node_problem(nodes.get(pod.node_name), pod.node_name, gpu_resource, gpu_conditions)
+            if problem is not None and pod.phase == "Running" and _silent(nodes.get(pod.node_name)):
+                silent.add(pod.name)
         if problem is not None:
             status: WorkerStatus = "lost"
         elif pod.phase == "Succeeded" or pod.terminated is not None:
@@ -338,6 +368,9 @@ def observe(
             reported=progress is not None,
         )
 
+    held = _blind(plan, workers, silent)
+    for name in held:
+        workers[name] = replace(workers[name], status="running", reason="")
     accepted = []
     unrecoverable = retry = ""
     stalled_since: float | None = None
@@ -404,4 +437,5 @@ def observe(
         retry=retry,
         stalled_since=stalled_since,
         generation_trained=generation_trained,
+        silent_held=held,
     )

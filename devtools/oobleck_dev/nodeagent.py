@@ -119,23 +119,33 @@ def now_micro() -> str:
 # --- pure: the objects the agent writes ---------------------------------------------------------
 
 
+def _condition(kind: str, status: str, reason: str, message: str, stamp: str) -> dict:
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastHeartbeatTime": stamp,
+        "lastTransitionTime": stamp,
+    }
+
+
+def kubelet_conditions(stamp: str) -> list[dict]:
+    """The conditions a healthy kubelet posts: Ready and no pressure."""
+    return [
+        _condition("Ready", "True", "KubeletReady", "local node agent is posting ready status", stamp),
+        _condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "no memory pressure", stamp),
+        _condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "no disk pressure", stamp),
+        _condition("PIDPressure", "False", "KubeletHasSufficientPID", "no PID pressure", stamp),
+    ]
+
+
 def node_object(
     name: str, *, ip: str, gpus: int, cpu: str, memory: str, pods: int, agent_id: str, labels: dict[str, str]
 ) -> dict:
     """The Node of one local node: Ready, all GPUs healthy (capacity == allocatable)."""
     resources = {"cpu": cpu, "memory": memory, "pods": str(pods), GPU_RESOURCE: str(gpus)}
     stamp = now_rfc3339()
-
-    def condition(kind: str, status: str, reason: str, message: str) -> dict:
-        return {
-            "type": kind,
-            "status": status,
-            "reason": reason,
-            "message": message,
-            "lastHeartbeatTime": stamp,
-            "lastTransitionTime": stamp,
-        }
-
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -155,11 +165,8 @@ def node_object(
             "capacity": resources,
             "allocatable": dict(resources),
             "conditions": [
-                condition("Ready", "True", "KubeletReady", "local node agent is posting ready status"),
-                condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "no memory pressure"),
-                condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "no disk pressure"),
-                condition("PIDPressure", "False", "KubeletHasSufficientPID", "no PID pressure"),
-                condition(GPU_CONDITION, "True", "GPUsHealthy", f"{gpus} of {gpus} GPUs healthy"),
+                *kubelet_conditions(stamp),
+                _condition(GPU_CONDITION, "True", "GPUsHealthy", f"{gpus} of {gpus} GPUs healthy", stamp),
             ],
             "addresses": [{"type": "InternalIP", "address": ip}, {"type": "Hostname", "address": name}],
             "nodeInfo": {
@@ -603,8 +610,21 @@ class _AgentCore:
                     continue
                 try:
                     await self.renew_lease(state)
+                    await self.reassert_ready(state)
                 except ApiError as error:
                     log.warning("node %s: lease renewal failed: %s", state.name, error)
+
+    async def reassert_ready(self, state: _NodeState) -> None:
+        """As a kubelet's status sync does: a Ready condition that is not True although this agent keeps the
+        node alive (the node lifecycle controller set it Unknown while the API server was out of reach and
+        no lease could be renewed) is posted again; a renewed lease alone does not undo it."""
+        node = await self.api.call("GET", f"/api/v1/nodes/{state.name}")
+        conditions = (node.get("status") or {}).get("conditions") or []
+        ready = next((c.get("status") for c in conditions if c.get("type") == "Ready"), None)
+        if ready != "True":
+            log.info("node %s: Ready was %s; posting the node status again", state.name, ready)
+            patch = {"status": {"conditions": kubelet_conditions(now_rfc3339())}}
+            await self.api.patch(f"/api/v1/nodes/{state.name}/status", patch)
 
     async def wait_nodes_ready(self) -> None:
         deadline = time.monotonic() + self.timeouts.nodes_ready

@@ -69,6 +69,7 @@ def _up(operator) -> bool:
         return operator.healthy()
 
 
+@pytest.mark.timeout(900)  # 1000 steps at ~4/s under the suite's load, after a 30-50 s outage and two restarts
 def test_apiserver_outage_with_an_operator_restart_then_an_etcd_restart(job_run, local_nodes, cluster):
     run = job_run
     control = cluster.control_plane

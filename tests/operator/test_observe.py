@@ -139,3 +139,24 @@ def test_worker_reports_count_only_for_the_current_generation_from_live_members(
         observe("tiny", h.UID, pods, h.nodes(4), None, gpu_resource="nvidia.com/gpu").get("tiny-worker-1").status
         == "running"
     )
+
+
+def test_every_member_node_silent_at_once_is_the_control_plane_not_node_failures(h):
+    """After an API-server outage the node lifecycle controller marks every node Unknown (their leases
+    could not be renewed): the members are kept, except one that failed for a reason of its own. One
+    silent node among healthy ones is still lost."""
+    plan = _plan(h)
+    unreachable = ("node.kubernetes.io/unreachable",)
+    silent = {f"node-{i}": h.node(f"node-{i}", ready="Unknown", taints=unreachable) for i in range(4)}
+    pods = [h.worker(i) for i in range(4)]
+    obs = observe("tiny", h.UID, pods, silent, plan, gpu_resource="nvidia.com/gpu")
+    assert [_status(obs, i) for i in range(4)] == [("running", "")] * 4
+    assert obs.silent_held == tuple(render.worker_name("tiny", i) for i in range(4))
+
+    crashed = [*pods[:3], h.worker(3, terminated=(1, "Error"))]
+    obs = observe("tiny", h.UID, crashed, silent, plan, gpu_resource="nvidia.com/gpu")
+    assert [_status(obs, i)[0] for i in range(4)] == ["running", "running", "running", "lost"]
+
+    one_silent = {**h.nodes(4), "node-1": silent["node-1"]}
+    obs = observe("tiny", h.UID, pods, one_silent, plan, gpu_resource="nvidia.com/gpu")
+    assert _status(obs, 1)[0] == "lost" and "unreachable" in _status(obs, 1)[1] and obs.silent_held == ()
