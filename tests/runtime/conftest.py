@@ -192,6 +192,27 @@ class LaunchKit:
     ENV = LAUNCH_ENV
 
     @staticmethod
+    def flags(**options: object) -> list[str]:
+        """`oobleck launch` flags from keywords, in order: `gpu_memory=5` -> --gpu-memory 5, a list repeats
+        the flag (kill_node=["node0", "node2"]), True is a bare flag (heartbeats_only=True)."""
+        argv: list[str] = []
+        for key, value in options.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                argv.append(flag)
+                continue
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                argv += [flag, str(item)]
+        return argv
+
+    @classmethod
+    def pipelined(cls, **options: object) -> list[str]:
+        """`flags` of the usual job: 4 nodes, f = 1, 10 steps of 8 microbatches, memory for tiny-gpt
+        pipelines of 2-3 nodes; `options` add flags or override these."""
+        usual = {"nodes": 4, "f": 1, "steps": 10, "microbatches": 8, "gpu_memory": cls.PIPELINED_MEMORY}
+        return cls.flags(**{**usual, **options})
+
+    @staticmethod
     def launch(
         workdir: Path, *args: str, timeout: float = 400, env: dict[str, str] | None = None
     ) -> tuple[int, dict, str]:

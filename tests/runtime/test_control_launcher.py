@@ -24,16 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-processes")]
 def test_a_job_without_faults_matches_the_reference(kit, tmp_path):
     code, summary, output = kit.launch(
         tmp_path,
-        "--nodes",
-        "4",
-        "--f",
-        "1",
-        "--steps",
-        "6",
-        "--microbatches",
-        "8",
-        "--gpu-memory",
-        str(kit.PIPELINED_MEMORY),
+        *kit.pipelined(steps=6),
     )
     assert code == 0, output
     assert summary["ok"] and summary["generations"] == 1 and summary["reconfigurations"] == []
@@ -50,24 +41,7 @@ def test_kill_rank_reconfigures_and_finishes_every_step_exactly(kit, tmp_path, d
     """
     code, summary, output = kit.launch(
         tmp_path,
-        "--nodes",
-        "4",
-        "--f",
-        "1",
-        "--steps",
-        "10",
-        "--microbatches",
-        "8",
-        "--gpu-memory",
-        str(kit.PIPELINED_MEMORY),
-        "--profile",
-        str(uniform_profile),
-        "--kill-rank",
-        "1",
-        "--at-step",
-        "4",
-        "--kill-delay",
-        delay,
+        *kit.pipelined(profile=uniform_profile, kill_rank=1, at_step=4, kill_delay=delay),
     )
     assert code == 0, output
     print(output.split("\n\n")[-1][-1500:])
@@ -87,23 +61,7 @@ def test_heartbeats_alone_detect_the_kill(kit, tmp_path):
     """Without the launcher's process-exit signal, the survivors' heartbeat watchers find the dead worker."""
     code, summary, output = kit.launch(
         tmp_path,
-        "--nodes",
-        "4",
-        "--f",
-        "1",
-        "--steps",
-        "8",
-        "--microbatches",
-        "8",
-        "--gpu-memory",
-        str(kit.PIPELINED_MEMORY),
-        "--kill-rank",
-        "2",
-        "--at-step",
-        "3",
-        "--heartbeats-only",
-        "--dead-after",
-        "3",
+        *kit.pipelined(steps=8, kill_rank=2, at_step=3, heartbeats_only=True, dead_after=3),
     )
     assert code == 0, output
     [reconfiguration] = summary["reconfigurations"]
@@ -119,22 +77,15 @@ def test_heartbeats_alone_detect_the_kill(kit, tmp_path):
 def test_two_simultaneous_kills_with_f2_on_7_nodes(kit, tmp_path):
     code, summary, output = kit.launch(
         tmp_path,
-        "--nodes",
-        "7",
-        "--f",
-        "2",
-        "--steps",
-        "8",
-        "--microbatches",
-        "8",
-        "--gpu-memory",
-        str(kit.PIPELINED_MEMORY),
-        "--kill-node",
-        "node1",
-        "--kill-node",
-        "node3",
-        "--at-step",
-        "3",
+        *kit.flags(
+            nodes=7,
+            f=2,
+            steps=8,
+            microbatches=8,
+            gpu_memory=kit.PIPELINED_MEMORY,
+            kill_node=["node1", "node3"],
+            at_step=3,
+        ),
         timeout=500,
     )
     assert code == 0, output
@@ -148,20 +99,7 @@ def test_the_coordinator_lost_and_recreated_mid_run(kit, tmp_path, uniform_profi
     """The store dies with every key; workers reconnect and re-rendezvous under the new epoch's prefix."""
     code, summary, output = kit.launch(
         tmp_path,
-        "--nodes",
-        "4",
-        "--f",
-        "1",
-        "--steps",
-        "10",
-        "--microbatches",
-        "8",
-        "--gpu-memory",
-        str(kit.PIPELINED_MEMORY),
-        "--profile",
-        str(uniform_profile),
-        "--restart-coordinator-at-step",
-        "4",
+        *kit.pipelined(profile=uniform_profile, restart_coordinator_at_step=4),
     )
     assert code == 0, output
     [reconfiguration] = summary["reconfigurations"]
@@ -194,9 +132,7 @@ def test_a_kill_during_a_reconfiguration(kit, tmp_path):
 
 
 def test_a_node_added_mid_run_joins_and_trains(kit, tmp_path):
-    code, summary, output = kit.launch(
-        tmp_path, "--nodes", "2", "--f", "1", "--steps", "8", "--microbatches", "4", "--add-node-at-step", "3"
-    )
+    code, summary, output = kit.launch(tmp_path, *kit.flags(nodes=2, f=1, steps=8, microbatches=4, add_node_at_step=3))
     assert code == 0, output
     [reconfiguration] = summary["reconfigurations"]
     assert reconfiguration["reason"] == "add" and reconfiguration["added"] == ["node2"]

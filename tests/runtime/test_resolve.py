@@ -143,28 +143,9 @@ def resolved_events(workdir: Path) -> list[dict]:
 def test_workers_roll_back_on_their_own_when_the_controller_knows_only_layouts(kit, tmp_path, uniform_profile):
     code, summary, output = kit.launch(
         tmp_path,
-        "--controller",
-        "layouts",
-        "--nodes",
-        "4",
-        "--f",
-        "1",
-        "--steps",
-        "10",
-        "--microbatches",
-        "8",
-        "--gpu-memory",
-        str(PIPELINED_MEMORY),
-        "--profile",
-        str(uniform_profile),
-        "--snapshot-interval",
-        "4",
-        "--kill-node",
-        "node0",
-        "--kill-node",
-        "node2",
-        "--at-step",
-        "7",
+        *kit.pipelined(
+            controller="layouts", profile=uniform_profile, snapshot_interval=4, kill_node=["node0", "node2"], at_step=7
+        ),
     )
     assert code == 0, output
     [reconfiguration] = summary["reconfigurations"]
@@ -205,28 +186,9 @@ def test_a_kill_during_a_reconfiguration_with_a_controller_that_knows_only_layou
 def test_workers_that_cannot_restore_a_layer_end_the_job_with_the_reason(kit, tmp_path, uniform_profile):
     code, summary, output = kit.launch(
         tmp_path,
-        "--controller",
-        "layouts",
-        "--nodes",
-        "4",
-        "--f",
-        "1",
-        "--steps",
-        "10",
-        "--microbatches",
-        "8",
-        "--gpu-memory",
-        str(PIPELINED_MEMORY),
-        "--profile",
-        str(uniform_profile),
-        "--snapshot-interval",
-        "0",
-        "--kill-node",
-        "node0",
-        "--kill-node",
-        "node2",
-        "--at-step",
-        "5",
+        *kit.pipelined(
+            controller="layouts", profile=uniform_profile, snapshot_interval=0, kill_node=["node0", "node2"], at_step=5
+        ),
         timeout=200,
     )
     assert code == 1 and not summary["ok"], output

@@ -16,25 +16,10 @@ import pytest
 # Serial with the other launcher tests (each runs 4+ processes): see test_control_launcher.py.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-processes")]
 
-PIPELINED_MEMORY = 1_400_000  # bytes: tiny-gpt needs 2-3 nodes per pipeline
 
-
-BASE = (
-    "--nodes",
-    "4",
-    "--f",
-    "1",
-    "--steps",
-    "10",
-    "--microbatches",
-    "8",
-    "--gpu-memory",
-    str(PIPELINED_MEMORY),
-    "--kill-node",
-    "node0",
-    "--kill-node",
-    "node2",
-)
+def base(kit) -> list[str]:
+    """The flags every test here shares: 4 nodes, f = 1, node0 and node2 killed."""
+    return kit.pipelined(kill_node=["node0", "node2"])
 
 
 def loss_records(workdir: Path) -> list[dict]:
@@ -46,7 +31,7 @@ def loss_records(workdir: Path) -> list[dict]:
 def test_losing_every_replica_of_a_layer_rolls_back_to_the_in_memory_snapshot(kit, tmp_path, uniform_profile):
     # Killed at step 7: the snapshot of step 4 has had three steps to reach the buddies.
     code, summary, output = kit.launch(
-        tmp_path, *BASE, "--profile", str(uniform_profile), "--snapshot-interval", "4", "--at-step", "7"
+        tmp_path, *base(kit), "--profile", str(uniform_profile), "--snapshot-interval", "4", "--at-step", "7"
     )
     assert code == 0, output
     assert summary["ok"] and summary["steps"] == 10
@@ -73,7 +58,7 @@ def test_layers_no_snapshot_holds_are_restored_from_the_checkpoint_directory(kit
     checkpoints = tmp_path / "checkpoints"
     code, summary, output = kit.launch(
         tmp_path,
-        *BASE,
+        *base(kit),
         "--profile",
         str(uniform_profile),
         "--snapshot-interval",
@@ -101,7 +86,7 @@ def test_layers_no_snapshot_holds_are_restored_from_the_checkpoint_directory(kit
 
 
 def test_without_snapshots_the_job_fails_with_the_clear_message(kit, tmp_path):
-    code, summary, output = kit.launch(tmp_path, *BASE, "--snapshot-interval", "0", "--at-step", "3")
+    code, summary, output = kit.launch(tmp_path, *base(kit), "--snapshot-interval", "0", "--at-step", "3")
     assert code != 0
     assert not summary["ok"]
     assert "more than f failures; restore from a checkpoint" in summary["error"], summary["error"]
