@@ -19,7 +19,7 @@ from oobleck_dev.demo import EXAMPLE, Observation, Timeline, observe, steps_per_
 @pytest.mark.xdist_group("local-node-jobs")  # one training job at a time on the 2-core machine
 def test_demo_trains_survives_a_kill_and_cleans_up(tmp_path: Path) -> None:
     manifest = yaml.safe_load(EXAMPLE.read_text())
-    manifest["spec"]["training"]["steps"] = 300  # the example's shape, fewer steps: the suite stays fast
+    manifest["spec"]["training"]["steps"] = 200  # the example's shape, fewer steps: the suite stays fast
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(manifest))
     result = subprocess.run(
@@ -41,9 +41,9 @@ def test_demo_trains_survives_a_kill_and_cleans_up(tmp_path: Path) -> None:
     )
     out = result.stdout
     assert result.returncode == 0, out[-5000:] + result.stderr[-3000:]
-    assert "oobleckjob.oobleck.dev/tiny-gpt created" in out
-    assert re.search(r"job Succeeded: 300/300 steps, plan generation [1-9]", out), out[-3000:]
-    assert "killed tiny-gpt-worker-1 at step" in out
+    assert "oobleckjob.oobleck.dev/llama-tiny created" in out
+    assert re.search(r"job Succeeded: 200/200 steps, plan generation [1-9]", out), out[-3000:]
+    assert "killed llama-tiny-worker-1 at step" in out
     assert re.search(r"training resumed \(step \d+ completed\) [\d.]+ s after the kill", out), out[-3000:]
     assert "done: nothing left running" in out
     # The API server's port is free again: its process is gone (SO_REUSEADDR: closed connections
@@ -59,7 +59,7 @@ def test_demo_rejects_bad_arguments(tmp_path: Path) -> None:
     for args, message in (
         (["--job", str(tmp_path / "none.yaml")], "no such file"),
         (["--nodes", "0"], "--nodes: must be >= 1"),
-        (["--kill-at-step", "999"], "--kill-at-step: must be in 1..599"),
+        (["--kill-at-step", "999"], "--kill-at-step: must be in 1..299"),
     ):
         result = subprocess.run([sys.executable, "-m", "oobleck_dev", "demo", *args], capture_output=True, text=True)
         assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -2,7 +2,7 @@
 
 It starts the local control plane (etcd, kube-apiserver, scheduler, controller-manager, CRDs), the
 local node agent (N nodes whose pods run as processes of this machine) and the operator, applies the
-example tiny-GPT job, and follows it the way a user would: phase, step, loss, throughput, plan
+example tiny-Llama job (a Hugging Face LlamaForCausalLM), and follows it the way a user would: phase, step, loss, throughput, plan
 generation and pipelines. Midway it kills one worker's process (a node failure as the job sees it);
 the job reconfigures in place and continues. It ends with a summary (steps, recovery seconds,
 throughput before and after, how to scrape the metrics) and tears everything down.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-gpt.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama-tiny.yaml"
 NAMESPACE = "oobleck-demo"
 
 
