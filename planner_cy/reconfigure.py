@@ -204,11 +204,12 @@ def _fresh(groups: list[list[str]], intact: list[bool], added: list[str], needed
 
 @dataclass(frozen=True)
 class Scored:
-    """A candidate as priced: copy bytes, iteration time Z and cost = bytes / bandwidth + horizon * Z (ms)."""
+    """A candidate as priced: cost = busiest_bytes / bandwidth + horizon * Z (ms); copy_bytes breaks ties."""
 
     reason: str
     pipelines: int
-    copy_bytes: int
+    copy_bytes: int  # all layer state copied
+    busiest_bytes: int  # what the node receiving the most takes in: the copies run in parallel, node by node
     iteration_ms: float
     cost_ms: float
     degraded: bool
@@ -356,12 +357,19 @@ def next_layout(
         candidates.append(Candidate("reinstantiate", tuple((len(g), tuple(g)) for g in fresh)))
 
     rank_in_order = {n: i for i, n in enumerate(current + added)}
-    per_gpu = {n: _gpu_table(by_size[n]) for n in {n for c in candidates for n, _ in c.groups}}  # sizes in use only
+    in_use = {n for c in candidates for n, _ in c.groups}  # sizes in use only
+    per_gpu = {n: _gpu_table(by_size[n]) for n in in_use}
+    per_node = {n: _node_table(per_gpu[n], n, gpus_per_node) for n in in_use}
+    kept = {(p.template_nodes, tuple(p.nodes)) for p in plan.pipelines}  # laid out as before: order kept
     best = None
     considered: list[Scored] = []
     for index, candidate in enumerate(dict.fromkeys(candidates)):
         # Plan order: largest template first, then by where the first node stood before.
         groups_sorted = sorted(candidate.groups, key=lambda g: (-g[0], rank_in_order[g[1][0]]))
+        groups_sorted = [
+            (n, nodes if (n, nodes) in kept else _arrange(nodes, per_node[n], held, prefix))
+            for n, nodes in groups_sorted
+        ]
         pipelines = [(by_size[n], nodes) for n, nodes in groups_sorted]
         base = np.array([costs[n].base_ms for n, _ in groups_sorted], dtype=np.float64)
         slope = np.array([costs[n].slope_ms for n, _ in groups_sorted], dtype=np.float64)
@@ -372,11 +380,11 @@ def next_layout(
         nb = [int(v) for v in nb]
         z = max(costs[n].at(m) for (n, _), m in zip(groups_sorted, nb))
         places = _places(groups_sorted, per_gpu, held.index)
-        moved = held.missing_bytes(places, prefix)
-        cost = moved / bandwidth * 1e3 + horizon * z
+        moved, busiest = held.missing_bytes(places, prefix)
+        cost = busiest / bandwidth * 1e3 + horizon * z
         degraded = len(pipelines) < plan.f + 1
-        considered.append(Scored(candidate.reason, len(pipelines), moved, z, cost, degraded))
-        score = (degraded, cost, index)
+        considered.append(Scored(candidate.reason, len(pipelines), moved, busiest, z, cost, degraded))
+        score = (degraded, cost, moved, index)
         if best is None or score < best[0]:
             best = (score, candidate.reason, pipelines, nb, len(considered) - 1, places)
     if best is None:
@@ -512,6 +520,55 @@ def _gpu_table(template: Template) -> np.ndarray:
     )
 
 
+def _node_table(per_gpu: np.ndarray, nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """A template's layer range per (node, local GPU), as two (nodes, G) arrays; an unused GPU holds [0, 0)."""
+    start = np.zeros((nodes, gpus_per_node), dtype=np.int64)
+    end = start.copy()
+    start[per_gpu[:, 0], per_gpu[:, 1]] = per_gpu[:, 2]
+    end[per_gpu[:, 0], per_gpu[:, 1]] = per_gpu[:, 3]
+    return start, end
+
+
+def _arrange(
+    nodes: tuple[str, ...], table: tuple[np.ndarray, np.ndarray], held: _Held, prefix: np.ndarray
+) -> tuple[str, ...]:
+    """The nodes of a pipeline in template order, each placed where it keeps the most of what it holds.
+
+    Template node j runs the layers `table` gives it on each local GPU; a node placed there keeps the
+    state its GPUs already hold of those layers. Greedy: the (node, place) pairs that keep the most bytes
+    first (ties: earlier node, then earlier place), each taken while both are free; the nodes keeping
+    nothing fill the free places in order. Losing one node of a pipeline with one layer per node then
+    moves one node, not every node after the lost one.
+    """
+    t_start, t_end = table
+    gpus = t_start.shape[1]
+    index = np.array([held.index[n] for n in nodes], dtype=np.int64)
+    keys = index[:, None] * gpus + np.arange(gpus)
+    o_start, o_end = held.start[keys], held.end[keys]  # (nodes, G); -1: holds nothing
+    holds = o_start >= 0
+    # Node-level spans first (cheap), then exact per-GPU bytes only for the pairs whose spans meet.
+    lo = np.where(holds, o_start, held.state.size).min(axis=1)
+    hi = np.where(holds, o_end, -1).max(axis=1)
+    t_lo, t_hi = t_start.min(axis=1), t_end.max(axis=1)
+    u, v = np.nonzero((lo[:, None] < t_hi[None, :]) & (t_lo[None, :] < hi[:, None]))
+    low = np.maximum(o_start[u], t_start[v])
+    high = np.minimum(o_end[u], t_end[v])
+    keep = np.where(low < high, prefix[np.maximum(high, 0)] - prefix[np.maximum(low, 0)], 0).sum(axis=1)
+    order = np.lexsort((v, u, -keep))
+    place = [-1] * len(nodes)
+    taken = [False] * len(nodes)
+    for a, b, w in zip(u[order].tolist(), v[order].tolist(), keep[order].tolist()):
+        if w <= 0:
+            break
+        if place[a] < 0 and not taken[b]:
+            place[a], taken[b] = b, True
+    free = iter(j for j, t in enumerate(taken) if not t)
+    out = [""] * len(nodes)
+    for a, node in enumerate(nodes):
+        out[place[a] if place[a] >= 0 else next(free)] = node
+    return tuple(out)
+
+
 def _places(
     groups: Sequence[tuple[int, tuple[str, ...]]], per_gpu: dict[int, np.ndarray], index: dict[str, int]
 ) -> np.ndarray:
@@ -609,14 +666,23 @@ class _Held:
         inside = (places[ranks, 2] <= layers) & (layers < places[ranks, 3])
         return ranks[inside], layers[inside]
 
-    def missing_bytes(self, places: np.ndarray, prefix: np.ndarray) -> int:
-        """State bytes the GPUs of a layout lack (prefix: cumulative state_bytes by layer)."""
+    def missing_bytes(self, places: np.ndarray, prefix: np.ndarray) -> tuple[int, int]:
+        """State bytes the GPUs of a layout lack (prefix: cumulative state_bytes by layer): in all, and the
+        most that one node's GPUs lack together."""
         keys, start, end = self._keys(places), places[:, 2], places[:, 3]
         old_start, old_end = self.start[keys], self.end[keys]
         low = np.maximum(start, old_start)
         high = np.minimum(end, old_end)
         kept = np.where((old_start >= 0) & (low < high), prefix[np.maximum(high, 0)] - prefix[np.maximum(low, 0)], 0)
-        return int((prefix[end] - prefix[start] - kept).sum() + self.state[self._gaps_in(places)[1]].sum())
+        lack = prefix[end] - prefix[start] - kept
+        ranks, layers = self._gaps_in(places)
+        np.add.at(lack, ranks, self.state[layers])
+        short = np.flatnonzero(lack)
+        if not len(short):
+            return 0, 0
+        per_node = np.zeros(len(self.names), dtype=np.int64)
+        np.add.at(per_node, places[short, 0], lack[short])
+        return int(lack.sum()), int(per_node.max())
 
     def copies(self, places: np.ndarray, state: list[int]) -> list[dict]:
         """Sources for every layer a GPU of the layout lacks (LayerCopy fields), least-loaded holder first.
