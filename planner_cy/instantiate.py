@@ -98,6 +98,11 @@ class _ByIdentity:
 _KNOWN = _ByIdentity()
 
 
+def known(obj: object, what: Hashable, compute: Callable[[], _T]) -> _T:
+    """`compute()`, cached per (object identity, what): for facts derived from immutable templates."""
+    return _KNOWN.get(obj, what, compute)
+
+
 def template_cost(template: Template) -> TemplateCost:
     """Recover T(1) and the slowest stage time from a template's T(m_ref) (cached per template object)."""
     return _KNOWN.get(template, "cost", lambda: _template_cost(template))
@@ -127,7 +132,7 @@ def check_templates(templates: Sequence[Template], gpus_per_node: int | None = N
     sizes = [t.nodes for t in templates]
     if len(set(sizes)) != len(sizes):
         raise PlanningError(f"templates: node counts must be distinct, got {sorted(sizes)}")
-    widest = max(stage.gpu_offset + stage.gpus for t in templates for stage in t.stages)
+    widest = max(_KNOWN.get(t, "widest", partial(_widest, t)) for t in templates)
     if gpus_per_node is None:
         gpus_per_node = widest
     if gpus_per_node < 1 or gpus_per_node & (gpus_per_node - 1):
@@ -136,6 +141,10 @@ def check_templates(templates: Sequence[Template], gpus_per_node: int | None = N
     for t in templates:
         _KNOWN.get(t, ("layout", gpus_per_node, num_layers), partial(_check_layout, t, gpus_per_node, num_layers))
     return num_layers, gpus_per_node
+
+
+def _widest(t: Template) -> int:
+    return max(stage.gpu_offset + stage.gpus for stage in t.stages)
 
 
 def _check_layout(t: Template, gpus_per_node: int, num_layers: int) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from oobleck.api.plan import LayerCopy, Plan, Template
 from oobleck.api.profile import ModelProfile
 
 from .errors import PlanningError
-from .instantiate import Engine, build_plan, check_templates, choose, core, template_cost
+from .instantiate import Engine, build_plan, check_templates, choose, core, known, template_cost
 
 DEFAULT_HORIZON = 100
 """Iterations a new layout is expected to run: weighs its iteration time against its copy time."""
@@ -296,10 +297,11 @@ def next_layout(
     if not lost and not added and holdings is None:
         raise PlanningError("lost, added: both empty; nothing to reconfigure")
     current = plan.nodes
-    unknown = [n for n in lost if n not in set(current)]
+    present = set(current)
+    unknown = [n for n in lost if n not in present]
     if unknown:
         raise PlanningError(f"lost: nodes {unknown} are not in plan generation {plan.generation}")
-    again = [n for n in added if n in set(current)]
+    again = [n for n in added if n in present]
     if again:
         raise PlanningError(f"added: nodes {again} are already in plan generation {plan.generation}")
     if not bandwidth > 0:
@@ -359,17 +361,17 @@ def next_layout(
     rank_in_order = {n: i for i, n in enumerate(current + added)}
     in_use = {n for c in candidates for n, _ in c.groups}  # sizes in use only
     per_gpu = {n: _gpu_table(by_size[n]) for n in in_use}
-    per_node = {n: _node_table(per_gpu[n], n, gpus_per_node) for n in in_use}
     kept = {(p.template_nodes, tuple(p.nodes)) for p in plan.pipelines}  # laid out as before: order kept
+    # Pipelines laid out as before keep their order; the others are arranged once (two candidates may share one).
+    arranged: dict[tuple[int, tuple[str, ...]], tuple[str, ...]] = {g: g[1] for g in kept}
     best = None
     considered: list[Scored] = []
     for index, candidate in enumerate(dict.fromkeys(candidates)):
         # Plan order: largest template first, then by where the first node stood before.
         groups_sorted = sorted(candidate.groups, key=lambda g: (-g[0], rank_in_order[g[1][0]]))
-        groups_sorted = [
-            (n, nodes if (n, nodes) in kept else _arrange(nodes, per_node[n], held, prefix))
-            for n, nodes in groups_sorted
-        ]
+        todo = [g for g in dict.fromkeys(groups_sorted) if g not in arranged]
+        arranged.update(zip(todo, _arrange([(by_size[n], nodes) for n, nodes in todo], held) if todo else ()))
+        groups_sorted = [(n, arranged[n, nodes]) for n, nodes in groups_sorted]
         pipelines = [(by_size[n], nodes) for n, nodes in groups_sorted]
         base = np.array([costs[n].base_ms for n, _ in groups_sorted], dtype=np.float64)
         slope = np.array([costs[n].slope_ms for n, _ in groups_sorted], dtype=np.float64)
@@ -431,25 +433,17 @@ class _GpuTable:
 def _gpus_of(plan: Plan, index: Mapping[str, int]) -> _GpuTable:
     """The GPU table of `plan`, its nodes numbered by `index` (which must name every node of the plan).
 
-    One pass over the stages filling flat lists, then numpy: no Python loop per GPU.
+    Flat lists per stage attribute (comprehensions, no Python loop per GPU), then numpy.
     """
-    nodes: list[int] = []
-    gpus: list[int] = []
-    ranks: list[int] = []
-    starts: list[int] = []
-    ends: list[int] = []
-    for pipeline in plan.pipelines:
-        for stage in pipeline.stages:
-            width = len(stage.gpus)
-            nodes += [index[stage.node]] * width
-            gpus += stage.gpus
-            ranks += stage.ranks
-            starts += [stage.start] * width
-            ends += [stage.end] * width
-    key = np.array(nodes, dtype=np.int64) * plan.gpus_per_node + np.array(gpus, dtype=np.int64)
-    return _GpuTable(
-        key, np.array(ranks, dtype=np.int64), np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
-    )
+    stages = [stage for pipeline in plan.pipelines for stage in pipeline.stages]
+    width = np.fromiter((len(s.gpus) for s in stages), dtype=np.int64, count=len(stages))
+    node = np.fromiter((index[s.node] for s in stages), dtype=np.int64, count=len(stages))
+    gpus = np.fromiter(chain.from_iterable(s.gpus for s in stages), dtype=np.int64)
+    ranks = np.fromiter(chain.from_iterable(s.ranks for s in stages), dtype=np.int64)
+    key = np.repeat(node * plan.gpus_per_node, width) + gpus
+    start = np.repeat(np.fromiter((s.start for s in stages), dtype=np.int64, count=len(stages)), width)
+    end = np.repeat(np.fromiter((s.end for s in stages), dtype=np.int64, count=len(stages)), width)
+    return _GpuTable(key, ranks, start, end)
 
 
 Holdings = Mapping[tuple[str, int], Iterable[int]]
@@ -509,8 +503,14 @@ def layout_copies(plan: Plan, holdings: Holdings, state_bytes: Sequence[int]) ->
 
 
 def _gpu_table(template: Template) -> np.ndarray:
-    """Per GPU of a template, in rank order: (node within the pipeline, local GPU, start, end)."""
-    return np.array(
+    """Per GPU of a template, in rank order: (node within the pipeline, local GPU, start, end).
+
+    Cached per template object (read-only: callers copy before changing it)."""
+    return known(template, "gpu table", lambda: _make_gpu_table(template))
+
+
+def _make_gpu_table(template: Template) -> np.ndarray:
+    table = np.array(
         [
             (st.node, gpu, st.start, st.end)
             for st in template.stages
@@ -518,55 +518,76 @@ def _gpu_table(template: Template) -> np.ndarray:
         ],
         dtype=np.int64,
     )
+    table.flags.writeable = False
+    return table
 
 
-def _node_table(per_gpu: np.ndarray, nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
-    """A template's layer range per (node, local GPU), as two (nodes, G) arrays; an unused GPU holds [0, 0)."""
-    start = np.zeros((nodes, gpus_per_node), dtype=np.int64)
-    end = start.copy()
-    start[per_gpu[:, 0], per_gpu[:, 1]] = per_gpu[:, 2]
-    end[per_gpu[:, 0], per_gpu[:, 1]] = per_gpu[:, 3]
-    return start, end
+def _layer_places(template: Template, gpus_per_node: int, num_layers: int) -> np.ndarray:
+    """(G, layers): the template node whose local GPU g runs layer l, -1 where none does. Cached per template."""
+    key = ("layer places", gpus_per_node, num_layers)
+    return known(template, key, lambda: _make_layer_places(template, gpus_per_node, num_layers))
 
 
-def _arrange(
-    nodes: tuple[str, ...], table: tuple[np.ndarray, np.ndarray], held: _Held, prefix: np.ndarray
-) -> tuple[str, ...]:
-    """The nodes of a pipeline in template order, each placed where it keeps the most of what it holds.
+def _make_layer_places(template: Template, gpus_per_node: int, num_layers: int) -> np.ndarray:
+    table = np.full((gpus_per_node, num_layers), -1, dtype=np.int64)
+    for node, gpu, start, end in _gpu_table(template).tolist():
+        table[gpu, start:end] = node
+    table.flags.writeable = False
+    return table
 
-    Template node j runs the layers `table` gives it on each local GPU; a node placed there keeps the
-    state its GPUs already hold of those layers. Greedy: the (node, place) pairs that keep the most bytes
-    first (ties: earlier node, then earlier place), each taken while both are free; the nodes keeping
-    nothing fill the free places in order. Losing one node of a pipeline with one layer per node then
-    moves one node, not every node after the lost one.
+
+def _arrange(groups: Sequence[tuple[Template, tuple[str, ...]]], held: _Held) -> list[tuple[str, ...]]:
+    """The nodes of each pipeline in template order, each placed where it keeps the most of what it holds.
+
+    Template node j runs given layers on each local GPU; a node placed there keeps the state its GPUs
+    already hold of them (reported gaps aside). Greedy, per pipeline: the (node, place) pairs that keep
+    the most bytes first (ties: earlier node, then earlier place), each taken while both are free; the
+    nodes keeping nothing fill the free places in order. Losing one node of a pipeline with one layer
+    per node then moves one node's layers, not those of every node after the lost one. All pipelines
+    at once (their nodes and places numbered one after another), so that numpy sees one batch.
     """
-    t_start, t_end = table
-    gpus = t_start.shape[1]
-    index = np.array([held.index[n] for n in nodes], dtype=np.int64)
-    keys = index[:, None] * gpus + np.arange(gpus)
-    o_start, o_end = held.start[keys], held.end[keys]  # (nodes, G); -1: holds nothing
-    holds = o_start >= 0
-    # Node-level spans first (cheap), then exact per-GPU bytes only for the pairs whose spans meet.
-    lo = np.where(holds, o_start, held.state.size).min(axis=1)
-    hi = np.where(holds, o_end, -1).max(axis=1)
-    t_lo, t_hi = t_start.min(axis=1), t_end.max(axis=1)
-    u, v = np.nonzero((lo[:, None] < t_hi[None, :]) & (t_lo[None, :] < hi[:, None]))
-    low = np.maximum(o_start[u], t_start[v])
-    high = np.minimum(o_end[u], t_end[v])
-    keep = np.where(low < high, prefix[np.maximum(high, 0)] - prefix[np.maximum(low, 0)], 0).sum(axis=1)
-    order = np.lexsort((v, u, -keep))
-    place = [-1] * len(nodes)
-    taken = [False] * len(nodes)
-    for a, b, w in zip(u[order].tolist(), v[order].tolist(), keep[order].tolist()):
-        if w <= 0:
-            break
-        if place[a] < 0 and not taken[b]:
-            place[a], taken[b] = b, True
-    free = iter(j for j, t in enumerate(taken) if not t)
-    out = [""] * len(nodes)
-    for a, node in enumerate(nodes):
-        out[place[a] if place[a] >= 0 else next(free)] = node
-    return tuple(out)
+    gpus = held.gpus
+    counts = [len(nodes) for _, nodes in groups]
+    offsets = np.cumsum([0, *counts])
+    flat = [node for _, nodes in groups for node in nodes]
+    total = len(flat)
+    # Place maps of every pipeline, its places numbered globally: (pipelines, G, layers).
+    layers = len(held.state)
+    maps = np.stack(
+        [np.where(m >= 0, m + off, -1) for (t, _), off in zip(groups, offsets) for m in [_layer_places(t, gpus, layers)]]
+    )
+    group_of = np.repeat(np.arange(len(groups)), counts)
+    index = np.fromiter((held.index[n] for n in flat), dtype=np.int64, count=total)
+    keys = (index[:, None] * gpus + np.arange(gpus)).ravel()  # (node, GPU) rows, node-major
+    start, end = held.start[keys], held.end[keys]
+    length = np.where(start >= 0, end - start, 0)
+    row = np.repeat(np.arange(len(keys)), length)  # one item per (row, layer it holds)
+    layer = start[row] + np.arange(len(row)) - np.repeat(np.cumsum(length) - length, length)
+    node = row // gpus
+    place = maps[group_of[node], row % gpus, layer]
+    ok = place >= 0
+    pair, where = np.unique(node[ok] * total + place[ok], return_inverse=True)
+    kept = np.bincount(where, weights=held.state[layer[ok]], minlength=len(pair))
+    u, v = pair // total, pair % total
+    order = np.lexsort((v, u, -kept))
+    u, v = u[order], v[order]
+    place_of = np.full(total, -1, dtype=np.int64)
+    first = np.unique(u, return_index=True)[1]
+    if len(np.unique(v[first])) == len(first):  # every node's best place is its own: that is the greedy result
+        place_of[u[first]] = v[first]
+    else:
+        taken = np.zeros(total, dtype=bool)
+        for a, b in zip(u.tolist(), v.tolist()):
+            if place_of[a] < 0 and not taken[b]:
+                place_of[a], taken[b] = b, True
+    # The rest, in order, take the free places; each pipeline has as many of both, so one zip serves all.
+    free = np.ones(total, dtype=bool)
+    free[place_of[place_of >= 0]] = False
+    place_of[place_of < 0] = np.flatnonzero(free)
+    at = np.empty(total, dtype=np.int64)
+    at[place_of] = np.arange(total)
+    order_out = [flat[i] for i in at.tolist()]
+    return [tuple(order_out[a:b]) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
 
 def _places(
