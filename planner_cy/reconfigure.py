@@ -8,10 +8,16 @@ Every surviving (and added) node is used. Candidates:
   before merge.
 - A fresh re-instantiation (the optimal pipeline mix for the new node count, instantiate.py), laid
   over the old pipelines so that intact ones stay where they are.
+A pipeline that is not an old one kept whole has its nodes arranged (`_arrange`): each node takes the
+template position where its GPUs keep the most of the layer state they hold, so that a 97-node pipeline
+made from a 98-node one moves about one node's layers, not every layer after the lost node.
 Each candidate gets the water-filled batch split and is scored as
-    copy_ms + horizon * Z,   copy_ms = bytes to copy / bandwidth,
-the layer state every GPU must receive being priced at its state_bytes. Candidates with f + 1
-pipelines beat degraded ones; equal scores go to the earlier candidate (the list above, in order).
+    copy_ms + horizon * Z,   copy_ms = (bytes the busiest node receives) / bandwidth,
+the layer state every GPU must receive being priced at its state_bytes and summed per receiving node.
+The copies run in parallel, each node taking its own over its own inter-node link (`bandwidth`), so
+the busiest receiver sets the time, not the total; the sending side is not priced (every layer's
+holders share its sends, least-loaded first). Candidates with f + 1 pipelines beat degraded ones;
+equal costs go to the fewer bytes in all, then to the earlier candidate (the list above, in order).
 Ranks are kept (`stable_ranks`): every surviving GPU whose rank is below the new world size keeps
 it, and the other GPUs take the free ranks in layout order, so that one lost node renumbers about
 one node's GPUs (the operator patches a worker pod when its ranks change).
@@ -321,9 +327,10 @@ def next_layout(
     state = np.array(state_bytes, dtype=np.int64)
     prefix = np.concatenate(([0], np.cumsum(state)))
     names = current + added
-    before = _gpus_of(plan, {name: i for i, name in enumerate(names)})  # one pass over the plan's stages
+    number = {name: i for i, name in enumerate(names)}
+    before = _gpus_of(plan, number)  # one pass over the plan's stages
     if holdings is None:  # what the plan assigns: ranges, filled in without a Python loop per layer
-        held = _Held.from_plan(before, gone, names, gpus_per_node, state)
+        held = _Held.from_plan(before, gone, number, gpus_per_node, state)
     else:
         holdings = _check_holdings(holdings, current, gone, gpus_per_node, num_layers)
         held = _Held.from_holdings(holdings, current + added, gpus_per_node, state)
@@ -358,7 +365,6 @@ def next_layout(
         fresh = _fresh(groups, intact, added, needed)
         candidates.append(Candidate("reinstantiate", tuple((len(g), tuple(g)) for g in fresh)))
 
-    rank_in_order = {n: i for i, n in enumerate(current + added)}
     in_use = {n for c in candidates for n, _ in c.groups}  # sizes in use only
     per_gpu = {n: _gpu_table(by_size[n]) for n in in_use}
     kept = {(p.template_nodes, tuple(p.nodes)) for p in plan.pipelines}  # laid out as before: order kept
@@ -368,7 +374,7 @@ def next_layout(
     considered: list[Scored] = []
     for index, candidate in enumerate(dict.fromkeys(candidates)):
         # Plan order: largest template first, then by where the first node stood before.
-        groups_sorted = sorted(candidate.groups, key=lambda g: (-g[0], rank_in_order[g[1][0]]))
+        groups_sorted = sorted(candidate.groups, key=lambda g: (-g[0], number[g[1][0]]))
         todo = [g for g in dict.fromkeys(groups_sorted) if g not in arranged]
         arranged.update(zip(todo, _arrange([(by_size[n], nodes) for n, nodes in todo], held) if todo else ()))
         groups_sorted = [(n, arranged[n, nodes]) for n, nodes in groups_sorted]
@@ -554,7 +560,11 @@ def _arrange(groups: Sequence[tuple[Template, tuple[str, ...]]], held: _Held) ->
     # Place maps of every pipeline, its places numbered globally: (pipelines, G, layers).
     layers = len(held.state)
     maps = np.stack(
-        [np.where(m >= 0, m + off, -1) for (t, _), off in zip(groups, offsets) for m in [_layer_places(t, gpus, layers)]]
+        [
+            np.where(m >= 0, m + off, -1)
+            for (t, _), off in zip(groups, offsets)
+            for m in [_layer_places(t, gpus, layers)]
+        ]
     )
     group_of = np.repeat(np.arange(len(groups)), counts)
     index = np.fromiter((held.index[n] for n in flat), dtype=np.int64, count=total)
@@ -620,9 +630,10 @@ class _Held:
         start: np.ndarray,
         end: np.ndarray,
         gaps: tuple[list[int], list[int]] = ([], []),
+        index: dict[str, int] | None = None,
     ) -> None:
         self.names = names
-        self.index = {name: i for i, name in enumerate(names)}
+        self.index = {name: i for i, name in enumerate(names)} if index is None else index
         self.gpus = gpus_per_node
         self.state = state
         self.start, self.end = start, end
@@ -630,17 +641,19 @@ class _Held:
 
     @classmethod
     def from_plan(
-        cls, table: _GpuTable, gone: set[str], names: list[str], gpus_per_node: int, state: np.ndarray
+        cls, table: _GpuTable, gone: set[str], index: dict[str, int], gpus_per_node: int, state: np.ndarray
     ) -> _Held:
-        """What the surviving GPUs hold according to the plan whose GPUs are `table`: each its [start, end) range."""
-        index = {name: i for i, name in enumerate(names)}
+        """What the surviving GPUs hold according to the plan whose GPUs are `table`: each its [start, end) range.
+
+        `index` numbers the nodes (names in order)."""
+        names = list(index)
         start = np.full(len(names) * gpus_per_node, -1, dtype=np.int64)
         end = start.copy()
         start[table.key], end[table.key] = table.start, table.end
         for node in gone:  # a lost node holds nothing
             start[index[node] * gpus_per_node : (index[node] + 1) * gpus_per_node] = -1
             end[index[node] * gpus_per_node : (index[node] + 1) * gpus_per_node] = -1
-        return cls(names, gpus_per_node, state, start, end)
+        return cls(names, gpus_per_node, state, start, end, index=index)
 
     @classmethod
     def from_holdings(
@@ -714,7 +727,7 @@ class _Held:
         old_start, old_end = self.start[keys], self.end[keys]
         gaps: dict[int, set[int]] = {}  # new rank -> layers of its old range it lacks
         lacking: dict[int, set[int]] = {}  # layer -> new ranks whose old range has it but who lack it
-        rank_of = dict(zip(keys.tolist(), range(len(keys))))
+        rank_of = dict(zip(keys.tolist(), range(len(keys)))) if len(self.gaps[0]) else {}
         for key, layer in zip(*(a.tolist() for a in self.gaps)):
             rank = rank_of.get(key)  # None: a GPU the layout does not use, no source and no destination
             if rank is not None:
