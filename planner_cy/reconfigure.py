@@ -557,15 +557,8 @@ def _arrange(groups: Sequence[tuple[Template, tuple[str, ...]]], held: _Held) ->
     offsets = np.cumsum([0, *counts])
     flat = [node for _, nodes in groups for node in nodes]
     total = len(flat)
-    # Place maps of every pipeline, its places numbered globally: (pipelines, G, layers).
-    layers = len(held.state)
-    maps = np.stack(
-        [
-            np.where(m >= 0, m + off, -1)
-            for (t, _), off in zip(groups, offsets)
-            for m in [_layer_places(t, gpus, layers)]
-        ]
-    )
+    # Place maps of every pipeline: (pipelines, G, layers), places numbered within their pipeline.
+    maps = np.stack([_layer_places(t, gpus, len(held.state)) for t, _ in groups])
     group_of = np.repeat(np.arange(len(groups)), counts)
     index = np.fromiter((held.index[n] for n in flat), dtype=np.int64, count=total)
     keys = (index[:, None] * gpus + np.arange(gpus)).ravel()  # (node, GPU) rows, node-major
@@ -576,20 +569,27 @@ def _arrange(groups: Sequence[tuple[Template, tuple[str, ...]]], held: _Held) ->
     node = row // gpus
     place = maps[group_of[node], row % gpus, layer]
     ok = place >= 0
-    pair, where = np.unique(node[ok] * total + place[ok], return_inverse=True)
-    kept = np.bincount(where, weights=held.state[layer[ok]], minlength=len(pair))
-    u, v = pair // total, pair % total
-    order = np.lexsort((v, u, -kept))
-    u, v = u[order], v[order]
+    node, layer = node[ok], layer[ok]
+    place = place[ok] + offsets[group_of[node]]  # numbered over all pipelines
+    pair, where = np.unique(node * total + place, return_inverse=True)
+    kept = np.bincount(where, weights=held.state[layer], minlength=len(pair))
+    order = np.lexsort((pair % total, pair // total, -kept))  # the greedy's order
+    u, v = pair[order] // total, pair[order] % total
+    # A pair first both for its node and for its place is taken whatever comes before it: set those
+    # aside at once (usually nearly all) and run the greedy over the pairs left.
+    top = np.zeros(len(u), dtype=bool)
+    top[np.unique(u, return_index=True)[1]] = True
+    top[np.setdiff1d(np.arange(len(v)), np.unique(v, return_index=True)[1], assume_unique=True)] = False
     place_of = np.full(total, -1, dtype=np.int64)
-    first = np.unique(u, return_index=True)[1]
-    if len(np.unique(v[first])) == len(first):  # every node's best place is its own: that is the greedy result
-        place_of[u[first]] = v[first]
-    else:
-        taken = np.zeros(total, dtype=bool)
-        for a, b in zip(u.tolist(), v.tolist()):
-            if place_of[a] < 0 and not taken[b]:
-                place_of[a], taken[b] = b, True
+    place_of[u[top]] = v[top]
+    taken = np.zeros(total, dtype=bool)
+    taken[v[top]] = True
+    rest = (place_of[u] < 0) & ~taken[v]
+    chosen, used = place_of.tolist(), taken.tolist()
+    for a, b in zip(u[rest].tolist(), v[rest].tolist()):
+        if chosen[a] < 0 and not used[b]:
+            chosen[a], used[b] = b, True
+    place_of = np.array(chosen, dtype=np.int64)
     # The rest, in order, take the free places; each pipeline has as many of both, so one zip serves all.
     free = np.ones(total, dtype=bool)
     free[place_of[place_of >= 0]] = False
