@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -13,7 +14,7 @@ from oobleck.api.plan import Plan, Template, TemplateStage
 from oobleck.api.profile import ClusterShape, LayerProfile, ModelProfile
 from oobleck.planner import LostLayersError, instantiate, reconfigure
 from oobleck.planner.errors import PlanningError
-from oobleck.planner.reconfigure import _partition, _repair, next_layout, to_plan
+from oobleck.planner.reconfigure import _arrange, _gpus_of, _Held, _partition, _repair, next_layout, to_plan
 from oobleck.planner.templates import generate_templates
 
 GPUS = 2
@@ -479,6 +480,59 @@ def test_any_reported_holdings_give_copies_from_real_holders(n_nodes, data) -> N
         before, TEMPLATES, PROFILE, lost=lost, bandwidth=BANDWIDTH, holdings=held, engine="reference"
     )
     assert reference.to_json() == after.to_json()
+
+
+# ---------------------------------------------------------------- arranging a pipeline's nodes
+
+
+def arrange_plainly(groups: list[tuple[Template, tuple[str, ...]]], held: dict) -> list[tuple[str, ...]]:
+    """The arrangement rule stated plainly, pipeline by pipeline: the (node, place) pairs by bytes kept
+    (most first; ties: earlier node, then earlier place), each taken while both are free; then the nodes
+    keeping nothing take the free places in order. `held`: (node, GPU) -> (start, end)."""
+    out = []
+    for template, nodes in groups:
+        kept: dict[tuple[int, int], int] = {}
+        for stage in template.stages:
+            for gpu in range(stage.gpu_offset, stage.gpu_offset + stage.gpus):
+                for a, name in enumerate(nodes):
+                    start, end = held.get((name, gpu), (0, 0))
+                    common = range(max(start, stage.start), min(end, stage.end))
+                    kept[a, stage.node] = kept.get((a, stage.node), 0) + sum(
+                        PROFILE.layers[l].state_bytes for l in common
+                    )
+        pairs = sorted((-b, a, p) for (a, p), b in kept.items() if b > 0)
+        place: dict[int, int] = {}
+        for _, a, p in pairs:
+            if a not in place and p not in place.values():
+                place[a] = p
+        free = iter(p for p in range(template.nodes) if p not in place.values())
+        order = [""] * len(nodes)
+        for a, name in enumerate(nodes):
+            order[place[a] if a in place else next(free)] = name
+        out.append(tuple(order))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(6, 26), st.data())
+def test_the_batched_arrangement_is_the_plain_greedy(n_nodes, data) -> None:
+    """`_arrange` (all pipelines in one numpy batch, most pairs set aside at once) = the plain rule, on
+    pipelines made of any survivors, in any order, for any template."""
+    before = first_plan(n_nodes)
+    lost = data.draw(st.lists(st.sampled_from(before.nodes), unique=True, max_size=3))
+    alive = [n for n in before.nodes if n not in lost]
+    number = {name: i for i, name in enumerate(before.nodes)}
+    state = np.array([layer.state_bytes for layer in PROFILE.layers], dtype=np.int64)
+    held = _Held.from_plan(_gpus_of(before, number), set(lost), number, GPUS, state)
+    shuffled = data.draw(st.permutations(alive))
+    groups, at = [], 0
+    for template in data.draw(st.lists(st.sampled_from(TEMPLATES), min_size=1, max_size=4)):
+        if at + template.nodes > len(shuffled):
+            break
+        groups.append((template, tuple(shuffled[at : at + template.nodes])))
+        at += template.nodes
+    ranges = {(a.node, a.gpu): (a.start, a.end) for a in before.ranks if a.node not in lost}
+    assert _arrange(groups, held) == arrange_plainly(groups, ranges)
 
 
 # ---------------------------------------------------------------- with generated templates
