@@ -20,6 +20,7 @@ runs a contiguous block of global microbatch indices in pipeline order.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -186,9 +187,19 @@ class Choice:
 
 
 def choose(
-    costs: Sequence[TemplateCost], n_nodes: int, f: int, microbatches: int, *, allow_degraded: bool, engine: Engine
+    costs: Sequence[TemplateCost],
+    n_nodes: int,
+    f: int,
+    microbatches: int,
+    *,
+    allow_degraded: bool,
+    engine: Engine,
+    upper: float = math.inf,
 ) -> Choice:
-    """Pick x_t (see the module docstring); PlanningError names the binding number when none exists."""
+    """Pick x_t (see the module docstring); PlanningError names the binding number when none exists.
+
+    `upper`: the iteration time of a layout of these nodes already known (with f+1 pipelines or more):
+    the search starts below it. The choice does not depend on it."""
     impl = core(engine)
     sizes = np.array([c.nodes for c in costs], dtype=np.int64)
     base = np.array([c.base_ms for c in costs], dtype=np.float64)
@@ -229,7 +240,7 @@ def choose(
     # Every exact split of N nodes into pipelines of at most n_max nodes has at least ceil(N / n_max) of them:
     # when that reaches f+1 the count constraint cannot bind, and the knapsack drops its pipeline-count axis.
     at_least = 0 if -(-n_nodes // int(sizes[keep].max())) >= wanted and most <= microbatches else wanted
-    found = impl.solve(sizes[keep], base[keep], slope[keep], limits[keep], n_nodes, at_least, microbatches)
+    found = impl.solve(sizes[keep], base[keep], slope[keep], limits[keep], n_nodes, at_least, microbatches, upper)
     if found is None:  # the counts allow a choice, so memory limits bind
         capped = {c.nodes: c.max_microbatches for c in costs if c.max_microbatches is not None}
         raise PlanningError(

@@ -33,6 +33,7 @@ then no source for them, and gets a copy) or still hold layers of its older rang
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -346,33 +347,27 @@ def next_layout(
     intact = [not s and p.template_nodes in by_size for s, p in zip(shrunk, plan.pipelines)]
     survivors = sum(len(g) for g in groups) + len(added)
 
-    candidates: list[Candidate] = []
+    repairs: list[Candidate] = []
     for merge_first in (True, False):
         repaired = _repair(groups, shrunk, added, sizes, merge_first)
         if repaired is not None:
             work, moves = repaired
             reason = "+".join(m for m in _MOVES if m in moves) or ("shrink" if lost else "resync")
-            candidates.append(Candidate(reason, tuple((len(g), tuple(g)) for g in work)))
-    ordered = sorted(sizes, reverse=True)
-    try:
-        choice = choose(
-            [costs[n] for n in ordered], survivors, plan.f, plan.global_microbatches, allow_degraded=True, engine=engine
-        )
-    except PlanningError:
-        choice = None  # the repairs may still find a layout; if not, the error below names the numbers
-    if choice is not None:
-        needed = [n for n, c in zip(ordered, choice.counts) for _ in range(c)]
-        fresh = _fresh(groups, intact, added, needed)
-        candidates.append(Candidate("reinstantiate", tuple((len(g), tuple(g)) for g in fresh)))
+            repairs.append(Candidate(reason, tuple((len(g), tuple(g)) for g in work)))
 
-    in_use = {n for c in candidates for n, _ in c.groups}  # sizes in use only
-    per_gpu = {n: _gpu_table(by_size[n]) for n in in_use}
-    kept = {(p.template_nodes, tuple(p.nodes)) for p in plan.pipelines}  # laid out as before: order kept
+    kept = {(p.template_nodes, tuple(p.nodes)) for p in plan.pipelines}
     # Pipelines laid out as before keep their order; the others are arranged once (two candidates may share one).
     arranged: dict[tuple[int, tuple[str, ...]], tuple[str, ...]] = {g: g[1] for g in kept}
+    per_gpu: dict[int, np.ndarray] = {}
+    seen: set[Candidate] = set()
     best = None
     considered: list[Scored] = []
-    for index, candidate in enumerate(dict.fromkeys(candidates)):
+
+    def score(candidate: Candidate, index: int) -> None:
+        nonlocal best
+        if candidate in seen:
+            return
+        seen.add(candidate)
         # Plan order: largest template first, then by where the first node stood before.
         groups_sorted = sorted(candidate.groups, key=lambda g: (-g[0], number[g[1][0]]))
         todo = [g for g in dict.fromkeys(groups_sorted) if g not in arranged]
@@ -384,17 +379,41 @@ def next_layout(
         limits = np.array([costs[n].limit(plan.global_microbatches) for n, _ in groups_sorted], dtype=np.int64)
         nb = core(engine).split(base, slope, limits, plan.global_microbatches)
         if nb is None:
-            continue  # more pipelines than microbatches, or not enough memory for the batch
+            return  # more pipelines than microbatches, or not enough memory for the batch
         nb = [int(v) for v in nb]
         z = max(costs[n].at(m) for (n, _), m in zip(groups_sorted, nb))
+        for n, _ in groups_sorted:
+            if n not in per_gpu:
+                per_gpu[n] = _gpu_table(by_size[n])
         places = _places(groups_sorted, per_gpu, held.index)
         moved, busiest = held.missing_bytes(places, prefix)
         cost = busiest / bandwidth * 1e3 + horizon * z
         degraded = len(pipelines) < plan.f + 1
         considered.append(Scored(candidate.reason, len(pipelines), moved, busiest, z, cost, degraded))
-        score = (degraded, cost, moved, index)
-        if best is None or score < best[0]:
-            best = (score, candidate.reason, pipelines, nb, len(considered) - 1, places)
+        key = (degraded, cost, moved, index)
+        if best is None or key < best[0]:
+            best = (key, candidate.reason, pipelines, nb, len(considered) - 1, places)
+
+    for index, candidate in enumerate(repairs):
+        score(candidate, index)
+    ordered = sorted(sizes, reverse=True)
+    healthy = [c.iteration_ms for c in considered if not c.degraded]
+    try:
+        choice = choose(
+            [costs[n] for n in ordered],
+            survivors,
+            plan.f,
+            plan.global_microbatches,
+            allow_degraded=True,
+            engine=engine,
+            upper=min(healthy, default=math.inf),  # a repair's Z bounds the search (the choice is the same)
+        )
+    except PlanningError:
+        choice = None  # the repairs may still find a layout; if not, the error below names the numbers
+    if choice is not None:
+        needed = [n for n, c in zip(ordered, choice.counts) for _ in range(c)]
+        fresh = _fresh(groups, intact, added, needed)
+        score(Candidate("reinstantiate", tuple((len(g), tuple(g)) for g in fresh)), len(repairs))
     if best is None:
         raise PlanningError(
             f"nodes: the {survivors} remaining nodes cannot form pipelines of {sizes} nodes "
