@@ -385,14 +385,15 @@ def next_layout(
         for n, _ in groups_sorted:
             if n not in per_gpu:
                 per_gpu[n] = _gpu_table(by_size[n])
-        places = _places(groups_sorted, per_gpu, held.index)
-        moved, busiest = held.missing_bytes(places, prefix)
+        # A pipeline kept as the plan laid it out lacks nothing (unless workers report otherwise): price the rest.
+        priced = groups_sorted if holdings is not None else [g for g in groups_sorted if g not in kept]
+        moved, busiest = held.missing_bytes(_places(priced, per_gpu, held.index), prefix) if priced else (0, 0)
         cost = busiest / bandwidth * 1e3 + horizon * z
         degraded = len(pipelines) < plan.f + 1
         considered.append(Scored(candidate.reason, len(pipelines), moved, busiest, z, cost, degraded))
         key = (degraded, cost, moved, index)
         if best is None or key < best[0]:
-            best = (key, candidate.reason, pipelines, nb, len(considered) - 1, places)
+            best = (key, candidate.reason, groups_sorted, nb, len(considered) - 1)
 
     for index, candidate in enumerate(repairs):
         score(candidate, index)
@@ -419,7 +420,9 @@ def next_layout(
             f"nodes: the {survivors} remaining nodes cannot form pipelines of {sizes} nodes "
             f"for {plan.global_microbatches} microbatches"
         )
-    _, reason, pipelines, nb, chosen, places = best
+    _, reason, groups_sorted, nb, chosen = best
+    pipelines = [(by_size[n], nodes) for n, nodes in groups_sorted]
+    places = _places(groups_sorted, per_gpu, held.index)
     ranks = stable_ranks(before, places, gpus_per_node)
     by_rank = np.empty_like(places)
     by_rank[ranks] = places
