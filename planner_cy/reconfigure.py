@@ -373,7 +373,6 @@ def next_layout(
         todo = [g for g in dict.fromkeys(groups_sorted) if g not in arranged]
         arranged.update(zip(todo, _arrange([(by_size[n], nodes) for n, nodes in todo], held) if todo else ()))
         groups_sorted = [(n, arranged[n, nodes]) for n, nodes in groups_sorted]
-        pipelines = [(by_size[n], nodes) for n, nodes in groups_sorted]
         base = np.array([costs[n].base_ms for n, _ in groups_sorted], dtype=np.float64)
         slope = np.array([costs[n].slope_ms for n, _ in groups_sorted], dtype=np.float64)
         limits = np.array([costs[n].limit(plan.global_microbatches) for n, _ in groups_sorted], dtype=np.int64)
@@ -389,8 +388,8 @@ def next_layout(
         priced = groups_sorted if holdings is not None else [g for g in groups_sorted if g not in kept]
         moved, busiest = held.missing_bytes(_places(priced, per_gpu, held.index), prefix) if priced else (0, 0)
         cost = busiest / bandwidth * 1e3 + horizon * z
-        degraded = len(pipelines) < plan.f + 1
-        considered.append(Scored(candidate.reason, len(pipelines), moved, busiest, z, cost, degraded))
+        degraded = len(groups_sorted) < plan.f + 1
+        considered.append(Scored(candidate.reason, len(groups_sorted), moved, busiest, z, cost, degraded))
         key = (degraded, cost, moved, index)
         if best is None or key < best[0]:
             best = (key, candidate.reason, groups_sorted, nb, len(considered) - 1)
