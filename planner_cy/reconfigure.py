@@ -37,6 +37,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 
@@ -463,13 +464,18 @@ def _gpus_of(plan: Plan, index: Mapping[str, int]) -> _GpuTable:
     Flat lists per stage attribute (comprehensions, no Python loop per GPU), then numpy.
     """
     stages = [stage for pipeline in plan.pipelines for stage in pipeline.stages]
-    width = np.fromiter((len(s.gpus) for s in stages), dtype=np.int64, count=len(stages))
-    node = np.fromiter((index[s.node] for s in stages), dtype=np.int64, count=len(stages))
-    gpus = np.fromiter(chain.from_iterable(s.gpus for s in stages), dtype=np.int64)
-    ranks = np.fromiter(chain.from_iterable(s.ranks for s in stages), dtype=np.int64)
+
+    def per_stage(values: Iterable[int]) -> np.ndarray:
+        return np.fromiter(values, dtype=np.int64, count=len(stages))
+
+    gpus_lists = list(map(attrgetter("gpus"), stages))
+    width = per_stage(map(len, gpus_lists))
+    node = per_stage(map(index.__getitem__, map(attrgetter("node"), stages)))
+    gpus = np.fromiter(chain.from_iterable(gpus_lists), dtype=np.int64)
+    ranks = np.fromiter(chain.from_iterable(map(attrgetter("ranks"), stages)), dtype=np.int64)
     key = np.repeat(node * plan.gpus_per_node, width) + gpus
-    start = np.repeat(np.fromiter((s.start for s in stages), dtype=np.int64, count=len(stages)), width)
-    end = np.repeat(np.fromiter((s.end for s in stages), dtype=np.int64, count=len(stages)), width)
+    start = np.repeat(per_stage(map(attrgetter("start"), stages)), width)
+    end = np.repeat(per_stage(map(attrgetter("end"), stages)), width)
     return _GpuTable(key, ranks, start, end)
 
 
@@ -581,7 +587,7 @@ def _arrange(groups: Sequence[tuple[Template, tuple[str, ...]]], held: _Held) ->
     # Place maps of every pipeline: (pipelines, G, layers), places numbered within their pipeline.
     maps = np.stack([_layer_places(t, gpus, len(held.state)) for t, _ in groups])
     group_of = np.repeat(np.arange(len(groups)), counts)
-    index = np.fromiter((held.index[n] for n in flat), dtype=np.int64, count=total)
+    index = np.fromiter(map(held.index.__getitem__, flat), dtype=np.int64, count=total)
     keys = (index[:, None] * gpus + np.arange(gpus)).ravel()  # (node, GPU) rows, node-major
     start, end = held.start[keys], held.end[keys]
     length = np.where(start >= 0, end - start, 0)
@@ -628,7 +634,7 @@ def _places(
     parts = []
     for n, nodes in groups:
         table = per_gpu[n].copy()
-        table[:, 0] = np.array([index[node] for node in nodes], dtype=np.int64)[table[:, 0]]
+        table[:, 0] = np.fromiter(map(index.__getitem__, nodes), dtype=np.int64, count=len(nodes))[table[:, 0]]
         parts.append(table)
     return np.concatenate(parts)
 
