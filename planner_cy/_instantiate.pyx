@@ -229,16 +229,21 @@ def solve(const int64_t[::1] sizes, const double[::1] base, const double[::1] sl
                 caps[t] = limit[t]
                 if limit[t] > 0 and t_of(base[t], slope[t], limit[t]) > hi:
                     hi = t_of(base[t], slope[t], limit[t])
-            # At hi every template takes all it can: only counts and memory limits can fail.
-            value = _fill(n_nodes, nt, &sizes[0], caps, min_size, min_pipelines, width, saturate, best, &chosen_k)
+            value = -1
+            if upper < hi:  # feasible there: the search starts below it, and the check at the top is not needed
+                for t in range(nt):
+                    caps[t] = cap_of(base[t], slope[t], limit[t], upper)
+                value = _fill(n_nodes, nt, &sizes[0], caps, min_size, min_pipelines, width, saturate, best, &chosen_k)
+                if value >= microbatches:
+                    hi = upper
+            if value < microbatches:
+                # At hi every template takes all it can: only counts and memory limits can fail.
+                for t in range(nt):
+                    caps[t] = limit[t]
+                value = _fill(n_nodes, nt, &sizes[0], caps, min_size, min_pipelines, width, saturate, best, &chosen_k)
         if value < microbatches:
             return None
         with nogil:
-            if upper < hi:
-                for t in range(nt):
-                    caps[t] = cap_of(base[t], slope[t], limit[t], upper)
-                if _fill(n_nodes, nt, &sizes[0], caps, min_size, min_pipelines, width, saturate, best, &chosen_k) >= microbatches:
-                    hi = upper
             floor_z = INFINITY
             for t in range(nt):
                 need = (microbatches * sizes[t] + n_nodes - 1) // n_nodes
