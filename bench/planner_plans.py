@@ -141,8 +141,12 @@ def main() -> None:
         chosen = layout.considered[layout.chosen]
         print(
             f"lose {count}: {chosen.reason}, {chosen.pipelines} pipelines, {len(layout.copies)} copies "
-            f"({chosen.copy_bytes / 2**30:.1f} GiB), iteration {chosen.iteration_ms:.1f} ms; "
-            f"candidates {[c.reason for c in layout.considered]}"
+            f"({chosen.copy_bytes / 2**30:.1f} GiB, the busiest node {chosen.busiest_bytes / 2**30:.1f} GiB), "
+            f"iteration {chosen.iteration_ms:.1f} ms; candidates (copy GiB, busiest GiB, iteration ms): "
+            + ", ".join(
+                f"{c.reason} ({c.copy_bytes / 2**30:.1f}, {c.busiest_bytes / 2**30:.1f}, {c.iteration_ms:.1f})"
+                for c in layout.considered
+            )
         )
 
         def again(engine: str, lost: list[str] = lost) -> Callable[[], object]:

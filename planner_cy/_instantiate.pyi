@@ -11,9 +11,11 @@ def solve(
     sizes: npt.NDArray[np.int64],
     base: npt.NDArray[np.float64],
     slope: npt.NDArray[np.float64],
+    most_each: npt.NDArray[np.int64],
     n_nodes: int,
     min_pipelines: int,
     microbatches: int,
+    upper: float = ...,
 ) -> tuple[float, npt.NDArray[np.int64]] | None: ...
 def split(
     base: npt.NDArray[np.float64], slope: npt.NDArray[np.float64], microbatches: int

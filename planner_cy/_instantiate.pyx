@@ -10,7 +10,7 @@ at or below a value; searches over Z move between candidates with `_next_value` 
 floating-point midpoints being candidates themselves.
 """
 
-from libc.math cimport INFINITY, floor
+from libc.math cimport INFINITY, floor, nextafter
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 
@@ -181,7 +181,7 @@ def pipeline_counts(const int64_t[::1] sizes, int64_t n_nodes, int64_t limit):
 
 
 def solve(const int64_t[::1] sizes, const double[::1] base, const double[::1] slope, const int64_t[::1] most_each,
-          int64_t n_nodes, int64_t min_pipelines, int64_t microbatches):
+          int64_t n_nodes, int64_t min_pipelines, int64_t microbatches, double upper=INFINITY):
     """The least iteration time Z and the pipeline count per template reaching it.
 
     Chooses x_t >= 0 with sum x_t * sizes_t = n_nodes and min_pipelines <= sum x_t <= microbatches,
@@ -189,7 +189,12 @@ def solve(const int64_t[::1] sizes, const double[::1] base, const double[::1] sl
     at least one and at most most_each_t (a memory limit; pass microbatches for none), none above Z.
     Among the choices reaching Z it keeps the one with the most total capacity at Z (the most slack
     for the batch split), ties going to templates listed first. Returns None when no choice exists.
-    Callers validate the arguments (instantiate.py).
+    `upper`: a value believed feasible (a layout already known, e.g. a repair): the search starts
+    below it when it is; the answer does not depend on it. Callers validate the arguments (instantiate.py).
+
+    The search starts above a lower bound: n_nodes nodes take at most n_nodes * max_t cap_t(Z) / n_t
+    microbatches, so some template reaches cap_t(Z) >= ceil(microbatches * n_t / n_nodes) =: m_t, and
+    Z >= min_t T_t(m_t). Every candidate below that bound is infeasible.
     """
     cdef int64_t nt = sizes.shape[0]
     cdef int64_t most = max_pipelines(sizes, n_nodes)
@@ -211,8 +216,8 @@ def solve(const int64_t[::1] sizes, const double[::1] base, const double[::1] sl
         raise MemoryError()
     cdef double lo = -INFINITY
     cdef double hi = -INFINITY
-    cdef double probe, after
-    cdef int64_t w_lo, w_hi, chosen_k, value, j, k, kprev, n, c, p
+    cdef double probe, after, floor_z
+    cdef int64_t w_lo, w_hi, chosen_k, value, j, k, kprev, n, c, p, need
     cdef bint found
     counts = np.zeros(nt, dtype=np.int64)
     cdef int64_t[::1] x = counts
@@ -224,11 +229,30 @@ def solve(const int64_t[::1] sizes, const double[::1] base, const double[::1] sl
                 caps[t] = limit[t]
                 if limit[t] > 0 and t_of(base[t], slope[t], limit[t]) > hi:
                     hi = t_of(base[t], slope[t], limit[t])
-            # At hi every template takes all it can: only counts and memory limits can fail.
-            value = _fill(n_nodes, nt, &sizes[0], caps, min_size, min_pipelines, width, saturate, best, &chosen_k)
+            value = -1
+            if upper < hi:  # feasible there: the search starts below it, and the check at the top is not needed
+                for t in range(nt):
+                    caps[t] = cap_of(base[t], slope[t], limit[t], upper)
+                value = _fill(n_nodes, nt, &sizes[0], caps, min_size, min_pipelines, width, saturate, best, &chosen_k)
+                if value >= microbatches:
+                    hi = upper
+            if value < microbatches:
+                # At hi every template takes all it can: only counts and memory limits can fail.
+                for t in range(nt):
+                    caps[t] = limit[t]
+                value = _fill(n_nodes, nt, &sizes[0], caps, min_size, min_pipelines, width, saturate, best, &chosen_k)
         if value < microbatches:
             return None
         with nogil:
+            floor_z = INFINITY
+            for t in range(nt):
+                need = (microbatches * sizes[t] + n_nodes - 1) // n_nodes
+                if need <= limit[t] and t_of(base[t], slope[t], need) < floor_z:
+                    floor_z = t_of(base[t], slope[t], need)
+            if floor_z > hi:  # hi is feasible, so Z = hi
+                floor_z = hi
+            if floor_z < INFINITY:
+                lo = nextafter(floor_z, -INFINITY)  # below the bound: infeasible, as the search needs
             while True:
                 after = _next_value(nt, &base[0], &slope[0], limit, lo)
                 if after >= hi:

@@ -202,15 +202,18 @@ def _plan_text(args: argparse.Namespace) -> str:
     if after is not None:
         parts.append(describe(after, profile))
         rows = [
-            f"candidates (cost = copy bytes / {cluster.inter_node_bandwidth:.3g} B/s + {horizon} x iteration):",
-            f"  {'reason':<22} {'pipelines':>9} {'copy GiB':>10} {'iteration ms':>12} {'cost ms':>12}",
+            f"candidates (cost = busiest node's copy bytes / {cluster.inter_node_bandwidth:.3g} B/s "
+            f"+ {horizon} x iteration):",
+            f"  {'reason':<22} {'pipelines':>9} {'copy GiB':>10} {'busiest GiB':>11} {'iteration ms':>12} "
+            f"{'cost ms':>12}",
         ]
         assert chosen is not None
         for index, c in enumerate(chosen.considered):
             mark = "  <- chosen" if index == chosen.chosen else ""
             rows.append(
                 f"  {c.reason + (' (degraded)' if c.degraded else ''):<22} {c.pipelines:>9} "
-                f"{c.copy_bytes / 2**30:>10.2f} {c.iteration_ms:>12.2f} {c.cost_ms:>12.1f}{mark}"
+                f"{c.copy_bytes / 2**30:>10.2f} {c.busiest_bytes / 2**30:>11.2f} {c.iteration_ms:>12.2f} "
+                f"{c.cost_ms:>12.1f}{mark}"
             )
         parts.append("\n".join(rows))
     return "\n\n".join(parts)

@@ -20,6 +20,7 @@ runs a contiguous block of global microbatch indices in pipeline order.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -98,6 +99,11 @@ class _ByIdentity:
 _KNOWN = _ByIdentity()
 
 
+def known(obj: object, what: Hashable, compute: Callable[[], _T]) -> _T:
+    """`compute()`, cached per (object identity, what): for facts derived from immutable templates."""
+    return _KNOWN.get(obj, what, compute)
+
+
 def template_cost(template: Template) -> TemplateCost:
     """Recover T(1) and the slowest stage time from a template's T(m_ref) (cached per template object)."""
     return _KNOWN.get(template, "cost", lambda: _template_cost(template))
@@ -127,7 +133,7 @@ def check_templates(templates: Sequence[Template], gpus_per_node: int | None = N
     sizes = [t.nodes for t in templates]
     if len(set(sizes)) != len(sizes):
         raise PlanningError(f"templates: node counts must be distinct, got {sorted(sizes)}")
-    widest = max(stage.gpu_offset + stage.gpus for t in templates for stage in t.stages)
+    widest = max(_KNOWN.get(t, "widest", partial(_widest, t)) for t in templates)
     if gpus_per_node is None:
         gpus_per_node = widest
     if gpus_per_node < 1 or gpus_per_node & (gpus_per_node - 1):
@@ -136,6 +142,10 @@ def check_templates(templates: Sequence[Template], gpus_per_node: int | None = N
     for t in templates:
         _KNOWN.get(t, ("layout", gpus_per_node, num_layers), partial(_check_layout, t, gpus_per_node, num_layers))
     return num_layers, gpus_per_node
+
+
+def _widest(t: Template) -> int:
+    return max(stage.gpu_offset + stage.gpus for stage in t.stages)
 
 
 def _check_layout(t: Template, gpus_per_node: int, num_layers: int) -> bool:
@@ -177,9 +187,19 @@ class Choice:
 
 
 def choose(
-    costs: Sequence[TemplateCost], n_nodes: int, f: int, microbatches: int, *, allow_degraded: bool, engine: Engine
+    costs: Sequence[TemplateCost],
+    n_nodes: int,
+    f: int,
+    microbatches: int,
+    *,
+    allow_degraded: bool,
+    engine: Engine,
+    upper: float = math.inf,
 ) -> Choice:
-    """Pick x_t (see the module docstring); PlanningError names the binding number when none exists."""
+    """Pick x_t (see the module docstring); PlanningError names the binding number when none exists.
+
+    `upper`: the iteration time of a layout of these nodes already known (with f+1 pipelines or more):
+    the search starts below it. The choice does not depend on it."""
     impl = core(engine)
     sizes = np.array([c.nodes for c in costs], dtype=np.int64)
     base = np.array([c.base_ms for c in costs], dtype=np.float64)
@@ -220,7 +240,7 @@ def choose(
     # Every exact split of N nodes into pipelines of at most n_max nodes has at least ceil(N / n_max) of them:
     # when that reaches f+1 the count constraint cannot bind, and the knapsack drops its pipeline-count axis.
     at_least = 0 if -(-n_nodes // int(sizes[keep].max())) >= wanted and most <= microbatches else wanted
-    found = impl.solve(sizes[keep], base[keep], slope[keep], limits[keep], n_nodes, at_least, microbatches)
+    found = impl.solve(sizes[keep], base[keep], slope[keep], limits[keep], n_nodes, at_least, microbatches, upper)
     if found is None:  # the counts allow a choice, so memory limits bind
         capped = {c.nodes: c.max_microbatches for c in costs if c.max_microbatches is not None}
         raise PlanningError(

@@ -8,10 +8,16 @@ Every surviving (and added) node is used. Candidates:
   before merge.
 - A fresh re-instantiation (the optimal pipeline mix for the new node count, instantiate.py), laid
   over the old pipelines so that intact ones stay where they are.
+A pipeline that is not an old one kept whole has its nodes arranged (`_arrange`): each node takes the
+template position where its GPUs keep the most of the layer state they hold, so that a 97-node pipeline
+made from a 98-node one moves about one node's layers, not every layer after the lost node.
 Each candidate gets the water-filled batch split and is scored as
-    copy_ms + horizon * Z,   copy_ms = bytes to copy / bandwidth,
-the layer state every GPU must receive being priced at its state_bytes. Candidates with f + 1
-pipelines beat degraded ones; equal scores go to the earlier candidate (the list above, in order).
+    copy_ms + horizon * Z,   copy_ms = (bytes the busiest node receives) / bandwidth,
+the layer state every GPU must receive being priced at its state_bytes and summed per receiving node.
+The copies run in parallel, each node taking its own over its own inter-node link (`bandwidth`), so
+the busiest receiver sets the time, not the total; the sending side is not priced (every layer's
+holders share its sends, least-loaded first). Candidates with f + 1 pipelines beat degraded ones;
+equal costs go to the fewer bytes in all, then to the earlier candidate (the list above, in order).
 Ranks are kept (`stable_ranks`): every surviving GPU whose rank is below the new world size keeps
 it, and the other GPUs take the free ranks in layout order, so that one lost node renumbers about
 one node's GPUs (the operator patches a worker pod when its ranks change).
@@ -27,8 +33,11 @@ then no source for them, and gets a copy) or still hold layers of its older rang
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 
@@ -36,7 +45,7 @@ from oobleck.api.plan import LayerCopy, Plan, Template
 from oobleck.api.profile import ModelProfile
 
 from .errors import PlanningError
-from .instantiate import Engine, build_plan, check_templates, choose, core, template_cost
+from .instantiate import Engine, build_plan, check_templates, choose, core, known, template_cost
 
 DEFAULT_HORIZON = 100
 """Iterations a new layout is expected to run: weighs its iteration time against its copy time."""
@@ -204,11 +213,12 @@ def _fresh(groups: list[list[str]], intact: list[bool], added: list[str], needed
 
 @dataclass(frozen=True)
 class Scored:
-    """A candidate as priced: copy bytes, iteration time Z and cost = bytes / bandwidth + horizon * Z (ms)."""
+    """A candidate as priced: cost = busiest_bytes / bandwidth + horizon * Z (ms); copy_bytes breaks ties."""
 
     reason: str
     pipelines: int
-    copy_bytes: int
+    copy_bytes: int  # all layer state copied
+    busiest_bytes: int  # what the node receiving the most takes in: the copies run in parallel, node by node
     iteration_ms: float
     cost_ms: float
     degraded: bool
@@ -295,10 +305,11 @@ def next_layout(
     if not lost and not added and holdings is None:
         raise PlanningError("lost, added: both empty; nothing to reconfigure")
     current = plan.nodes
-    unknown = [n for n in lost if n not in set(current)]
+    present = set(current)
+    unknown = [n for n in lost if n not in present]
     if unknown:
         raise PlanningError(f"lost: nodes {unknown} are not in plan generation {plan.generation}")
-    again = [n for n in added if n in set(current)]
+    again = [n for n in added if n in present]
     if again:
         raise PlanningError(f"added: nodes {again} are already in plan generation {plan.generation}")
     if not bandwidth > 0:
@@ -318,9 +329,10 @@ def next_layout(
     state = np.array(state_bytes, dtype=np.int64)
     prefix = np.concatenate(([0], np.cumsum(state)))
     names = current + added
-    before = _gpus_of(plan, {name: i for i, name in enumerate(names)})  # one pass over the plan's stages
+    number = {name: i for i, name in enumerate(names)}
+    before = _gpus_of(plan, number)  # one pass over the plan's stages
     if holdings is None:  # what the plan assigns: ranges, filled in without a Python loop per layer
-        held = _Held.from_plan(before, gone, names, gpus_per_node, state)
+        held = _Held.from_plan(before, gone, number, gpus_per_node, state)
     else:
         holdings = _check_holdings(holdings, current, gone, gpus_per_node, num_layers)
         held = _Held.from_holdings(holdings, current + added, gpus_per_node, state)
@@ -336,55 +348,81 @@ def next_layout(
     intact = [not s and p.template_nodes in by_size for s, p in zip(shrunk, plan.pipelines)]
     survivors = sum(len(g) for g in groups) + len(added)
 
-    candidates: list[Candidate] = []
+    repairs: list[Candidate] = []
     for merge_first in (True, False):
         repaired = _repair(groups, shrunk, added, sizes, merge_first)
         if repaired is not None:
             work, moves = repaired
             reason = "+".join(m for m in _MOVES if m in moves) or ("shrink" if lost else "resync")
-            candidates.append(Candidate(reason, tuple((len(g), tuple(g)) for g in work)))
+            repairs.append(Candidate(reason, tuple((len(g), tuple(g)) for g in work)))
+
+    kept = {(p.template_nodes, tuple(p.nodes)) for p in plan.pipelines}
+    # Pipelines laid out as before keep their order; the others are arranged once (two candidates may share one).
+    arranged: dict[tuple[int, tuple[str, ...]], tuple[str, ...]] = {g: g[1] for g in kept}
+    per_gpu: dict[int, np.ndarray] = {}
+    seen: set[Candidate] = set()
+    best = None
+    considered: list[Scored] = []
+
+    def score(candidate: Candidate, index: int) -> None:
+        nonlocal best
+        if candidate in seen:
+            return
+        seen.add(candidate)
+        # Plan order: largest template first, then by where the first node stood before.
+        groups_sorted = sorted(candidate.groups, key=lambda g: (-g[0], number[g[1][0]]))
+        todo = [g for g in dict.fromkeys(groups_sorted) if g not in arranged]
+        arranged.update(zip(todo, _arrange([(by_size[n], nodes) for n, nodes in todo], held) if todo else ()))
+        groups_sorted = [(n, arranged[n, nodes]) for n, nodes in groups_sorted]
+        base = np.array([costs[n].base_ms for n, _ in groups_sorted], dtype=np.float64)
+        slope = np.array([costs[n].slope_ms for n, _ in groups_sorted], dtype=np.float64)
+        limits = np.array([costs[n].limit(plan.global_microbatches) for n, _ in groups_sorted], dtype=np.int64)
+        nb = core(engine).split(base, slope, limits, plan.global_microbatches)
+        if nb is None:
+            return  # more pipelines than microbatches, or not enough memory for the batch
+        nb = [int(v) for v in nb]
+        z = max(costs[n].at(m) for (n, _), m in zip(groups_sorted, nb))
+        for n, _ in groups_sorted:
+            if n not in per_gpu:
+                per_gpu[n] = _gpu_table(by_size[n])
+        # A pipeline kept as the plan laid it out lacks nothing (unless workers report otherwise): price the rest.
+        priced = groups_sorted if holdings is not None else [g for g in groups_sorted if g not in kept]
+        moved, busiest = held.missing_bytes(_places(priced, per_gpu, held.index), prefix) if priced else (0, 0)
+        cost = busiest / bandwidth * 1e3 + horizon * z
+        degraded = len(groups_sorted) < plan.f + 1
+        considered.append(Scored(candidate.reason, len(groups_sorted), moved, busiest, z, cost, degraded))
+        key = (degraded, cost, moved, index)
+        if best is None or key < best[0]:
+            best = (key, candidate.reason, groups_sorted, nb, len(considered) - 1)
+
+    for index, candidate in enumerate(repairs):
+        score(candidate, index)
     ordered = sorted(sizes, reverse=True)
+    healthy = [c.iteration_ms for c in considered if not c.degraded]
     try:
         choice = choose(
-            [costs[n] for n in ordered], survivors, plan.f, plan.global_microbatches, allow_degraded=True, engine=engine
+            [costs[n] for n in ordered],
+            survivors,
+            plan.f,
+            plan.global_microbatches,
+            allow_degraded=True,
+            engine=engine,
+            upper=min(healthy, default=math.inf),  # a repair's Z bounds the search (the choice is the same)
         )
     except PlanningError:
         choice = None  # the repairs may still find a layout; if not, the error below names the numbers
     if choice is not None:
         needed = [n for n, c in zip(ordered, choice.counts) for _ in range(c)]
         fresh = _fresh(groups, intact, added, needed)
-        candidates.append(Candidate("reinstantiate", tuple((len(g), tuple(g)) for g in fresh)))
-
-    rank_in_order = {n: i for i, n in enumerate(current + added)}
-    per_gpu = {n: _gpu_table(by_size[n]) for n in {n for c in candidates for n, _ in c.groups}}  # sizes in use only
-    best = None
-    considered: list[Scored] = []
-    for index, candidate in enumerate(dict.fromkeys(candidates)):
-        # Plan order: largest template first, then by where the first node stood before.
-        groups_sorted = sorted(candidate.groups, key=lambda g: (-g[0], rank_in_order[g[1][0]]))
-        pipelines = [(by_size[n], nodes) for n, nodes in groups_sorted]
-        base = np.array([costs[n].base_ms for n, _ in groups_sorted], dtype=np.float64)
-        slope = np.array([costs[n].slope_ms for n, _ in groups_sorted], dtype=np.float64)
-        limits = np.array([costs[n].limit(plan.global_microbatches) for n, _ in groups_sorted], dtype=np.int64)
-        nb = core(engine).split(base, slope, limits, plan.global_microbatches)
-        if nb is None:
-            continue  # more pipelines than microbatches, or not enough memory for the batch
-        nb = [int(v) for v in nb]
-        z = max(costs[n].at(m) for (n, _), m in zip(groups_sorted, nb))
-        places = _places(groups_sorted, per_gpu, held.index)
-        moved = held.missing_bytes(places, prefix)
-        cost = moved / bandwidth * 1e3 + horizon * z
-        degraded = len(pipelines) < plan.f + 1
-        considered.append(Scored(candidate.reason, len(pipelines), moved, z, cost, degraded))
-        score = (degraded, cost, index)
-        if best is None or score < best[0]:
-            best = (score, candidate.reason, pipelines, nb, len(considered) - 1, places)
+        score(Candidate("reinstantiate", tuple((len(g), tuple(g)) for g in fresh)), len(repairs))
     if best is None:
         raise PlanningError(
             f"nodes: the {survivors} remaining nodes cannot form pipelines of {sizes} nodes "
             f"for {plan.global_microbatches} microbatches"
         )
-    _, reason, pipelines, nb, chosen, places = best
+    _, reason, groups_sorted, nb, chosen = best
+    pipelines = [(by_size[n], nodes) for n, nodes in groups_sorted]
+    places = _places(groups_sorted, per_gpu, held.index)
     ranks = stable_ranks(before, places, gpus_per_node)
     by_rank = np.empty_like(places)
     by_rank[ranks] = places
@@ -423,25 +461,22 @@ class _GpuTable:
 def _gpus_of(plan: Plan, index: Mapping[str, int]) -> _GpuTable:
     """The GPU table of `plan`, its nodes numbered by `index` (which must name every node of the plan).
 
-    One pass over the stages filling flat lists, then numpy: no Python loop per GPU.
+    Flat lists per stage attribute (comprehensions, no Python loop per GPU), then numpy.
     """
-    nodes: list[int] = []
-    gpus: list[int] = []
-    ranks: list[int] = []
-    starts: list[int] = []
-    ends: list[int] = []
-    for pipeline in plan.pipelines:
-        for stage in pipeline.stages:
-            width = len(stage.gpus)
-            nodes += [index[stage.node]] * width
-            gpus += stage.gpus
-            ranks += stage.ranks
-            starts += [stage.start] * width
-            ends += [stage.end] * width
-    key = np.array(nodes, dtype=np.int64) * plan.gpus_per_node + np.array(gpus, dtype=np.int64)
-    return _GpuTable(
-        key, np.array(ranks, dtype=np.int64), np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
-    )
+    stages = [stage for pipeline in plan.pipelines for stage in pipeline.stages]
+
+    def per_stage(values: Iterable[int]) -> np.ndarray:
+        return np.fromiter(values, dtype=np.int64, count=len(stages))
+
+    gpus_lists = list(map(attrgetter("gpus"), stages))
+    width = per_stage(map(len, gpus_lists))
+    node = per_stage(map(index.__getitem__, map(attrgetter("node"), stages)))
+    gpus = np.fromiter(chain.from_iterable(gpus_lists), dtype=np.int64)
+    ranks = np.fromiter(chain.from_iterable(map(attrgetter("ranks"), stages)), dtype=np.int64)
+    key = np.repeat(node * plan.gpus_per_node, width) + gpus
+    start = np.repeat(per_stage(map(attrgetter("start"), stages)), width)
+    end = np.repeat(per_stage(map(attrgetter("end"), stages)), width)
+    return _GpuTable(key, ranks, start, end)
 
 
 Holdings = Mapping[tuple[str, int], Iterable[int]]
@@ -501,8 +536,14 @@ def layout_copies(plan: Plan, holdings: Holdings, state_bytes: Sequence[int]) ->
 
 
 def _gpu_table(template: Template) -> np.ndarray:
-    """Per GPU of a template, in rank order: (node within the pipeline, local GPU, start, end)."""
-    return np.array(
+    """Per GPU of a template, in rank order: (node within the pipeline, local GPU, start, end).
+
+    Cached per template object (read-only: callers copy before changing it)."""
+    return known(template, "gpu table", lambda: _make_gpu_table(template))
+
+
+def _make_gpu_table(template: Template) -> np.ndarray:
+    table = np.array(
         [
             (st.node, gpu, st.start, st.end)
             for st in template.stages
@@ -510,6 +551,80 @@ def _gpu_table(template: Template) -> np.ndarray:
         ],
         dtype=np.int64,
     )
+    table.flags.writeable = False
+    return table
+
+
+def _layer_places(template: Template, gpus_per_node: int, num_layers: int) -> np.ndarray:
+    """(G, layers): the template node whose local GPU g runs layer l, -1 where none does. Cached per template."""
+    key = ("layer places", gpus_per_node, num_layers)
+    return known(template, key, lambda: _make_layer_places(template, gpus_per_node, num_layers))
+
+
+def _make_layer_places(template: Template, gpus_per_node: int, num_layers: int) -> np.ndarray:
+    table = np.full((gpus_per_node, num_layers), -1, dtype=np.int64)
+    for node, gpu, start, end in _gpu_table(template).tolist():
+        table[gpu, start:end] = node
+    table.flags.writeable = False
+    return table
+
+
+def _arrange(groups: Sequence[tuple[Template, tuple[str, ...]]], held: _Held) -> list[tuple[str, ...]]:
+    """The nodes of each pipeline in template order, each placed where it keeps the most of what it holds.
+
+    Template node j runs given layers on each local GPU; a node placed there keeps the state its GPUs
+    already hold of them (reported gaps aside). Greedy, per pipeline: the (node, place) pairs that keep
+    the most bytes first (ties: earlier node, then earlier place), each taken while both are free; the
+    nodes keeping nothing fill the free places in order. Losing one node of a pipeline with one layer
+    per node then moves one node's layers, not those of every node after the lost one. All pipelines
+    at once (their nodes and places numbered one after another), so that numpy sees one batch.
+    """
+    gpus = held.gpus
+    counts = [len(nodes) for _, nodes in groups]
+    offsets = np.cumsum([0, *counts])
+    flat = [node for _, nodes in groups for node in nodes]
+    total = len(flat)
+    # Place maps of every pipeline: (pipelines, G, layers), places numbered within their pipeline.
+    maps = np.stack([_layer_places(t, gpus, len(held.state)) for t, _ in groups])
+    group_of = np.repeat(np.arange(len(groups)), counts)
+    index = np.fromiter(map(held.index.__getitem__, flat), dtype=np.int64, count=total)
+    keys = (index[:, None] * gpus + np.arange(gpus)).ravel()  # (node, GPU) rows, node-major
+    start, end = held.start[keys], held.end[keys]
+    length = np.where(start >= 0, end - start, 0)
+    row = np.repeat(np.arange(len(keys)), length)  # one item per (row, layer it holds)
+    layer = start[row] + np.arange(len(row)) - np.repeat(np.cumsum(length) - length, length)
+    node = row // gpus
+    place = maps[group_of[node], row % gpus, layer]
+    ok = place >= 0
+    node, layer = node[ok], layer[ok]
+    place = place[ok] + offsets[group_of[node]]  # numbered over all pipelines
+    pair, where = np.unique(node * total + place, return_inverse=True)
+    kept = np.bincount(where, weights=held.state[layer], minlength=len(pair))
+    order = np.lexsort((pair % total, pair // total, -kept))  # the greedy's order
+    u, v = pair[order] // total, pair[order] % total
+    # A pair first both for its node and for its place is taken whatever comes before it: set those
+    # aside at once (usually nearly all) and run the greedy over the pairs left.
+    top = np.zeros(len(u), dtype=bool)
+    top[np.unique(u, return_index=True)[1]] = True
+    top[np.setdiff1d(np.arange(len(v)), np.unique(v, return_index=True)[1], assume_unique=True)] = False
+    place_of = np.full(total, -1, dtype=np.int64)
+    place_of[u[top]] = v[top]
+    taken = np.zeros(total, dtype=bool)
+    taken[v[top]] = True
+    rest = (place_of[u] < 0) & ~taken[v]
+    chosen, used = place_of.tolist(), taken.tolist()
+    for a, b in zip(u[rest].tolist(), v[rest].tolist()):
+        if chosen[a] < 0 and not used[b]:
+            chosen[a], used[b] = b, True
+    place_of = np.array(chosen, dtype=np.int64)
+    # The rest, in order, take the free places; each pipeline has as many of both, so one zip serves all.
+    free = np.ones(total, dtype=bool)
+    free[place_of[place_of >= 0]] = False
+    place_of[place_of < 0] = np.flatnonzero(free)
+    at = np.empty(total, dtype=np.int64)
+    at[place_of] = np.arange(total)
+    order_out = [flat[i] for i in at.tolist()]
+    return [tuple(order_out[a:b]) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
 
 def _places(
@@ -519,7 +634,7 @@ def _places(
     parts = []
     for n, nodes in groups:
         table = per_gpu[n].copy()
-        table[:, 0] = np.array([index[node] for node in nodes], dtype=np.int64)[table[:, 0]]
+        table[:, 0] = np.fromiter(map(index.__getitem__, nodes), dtype=np.int64, count=len(nodes))[table[:, 0]]
         parts.append(table)
     return np.concatenate(parts)
 
@@ -542,9 +657,10 @@ class _Held:
         start: np.ndarray,
         end: np.ndarray,
         gaps: tuple[list[int], list[int]] = ([], []),
+        index: dict[str, int] | None = None,
     ) -> None:
         self.names = names
-        self.index = {name: i for i, name in enumerate(names)}
+        self.index = {name: i for i, name in enumerate(names)} if index is None else index
         self.gpus = gpus_per_node
         self.state = state
         self.start, self.end = start, end
@@ -552,17 +668,19 @@ class _Held:
 
     @classmethod
     def from_plan(
-        cls, table: _GpuTable, gone: set[str], names: list[str], gpus_per_node: int, state: np.ndarray
+        cls, table: _GpuTable, gone: set[str], index: dict[str, int], gpus_per_node: int, state: np.ndarray
     ) -> _Held:
-        """What the surviving GPUs hold according to the plan whose GPUs are `table`: each its [start, end) range."""
-        index = {name: i for i, name in enumerate(names)}
+        """What the surviving GPUs hold according to the plan whose GPUs are `table`: each its [start, end) range.
+
+        `index` numbers the nodes (names in order)."""
+        names = list(index)
         start = np.full(len(names) * gpus_per_node, -1, dtype=np.int64)
         end = start.copy()
         start[table.key], end[table.key] = table.start, table.end
         for node in gone:  # a lost node holds nothing
             start[index[node] * gpus_per_node : (index[node] + 1) * gpus_per_node] = -1
             end[index[node] * gpus_per_node : (index[node] + 1) * gpus_per_node] = -1
-        return cls(names, gpus_per_node, state, start, end)
+        return cls(names, gpus_per_node, state, start, end, index=index)
 
     @classmethod
     def from_holdings(
@@ -609,14 +727,23 @@ class _Held:
         inside = (places[ranks, 2] <= layers) & (layers < places[ranks, 3])
         return ranks[inside], layers[inside]
 
-    def missing_bytes(self, places: np.ndarray, prefix: np.ndarray) -> int:
-        """State bytes the GPUs of a layout lack (prefix: cumulative state_bytes by layer)."""
+    def missing_bytes(self, places: np.ndarray, prefix: np.ndarray) -> tuple[int, int]:
+        """State bytes the GPUs of a layout lack (prefix: cumulative state_bytes by layer): in all, and the
+        most that one node's GPUs lack together."""
         keys, start, end = self._keys(places), places[:, 2], places[:, 3]
         old_start, old_end = self.start[keys], self.end[keys]
         low = np.maximum(start, old_start)
         high = np.minimum(end, old_end)
         kept = np.where((old_start >= 0) & (low < high), prefix[np.maximum(high, 0)] - prefix[np.maximum(low, 0)], 0)
-        return int((prefix[end] - prefix[start] - kept).sum() + self.state[self._gaps_in(places)[1]].sum())
+        lack = prefix[end] - prefix[start] - kept
+        ranks, layers = self._gaps_in(places)
+        np.add.at(lack, ranks, self.state[layers])
+        short = np.flatnonzero(lack)
+        if not len(short):
+            return 0, 0
+        per_node = np.zeros(len(self.names), dtype=np.int64)
+        np.add.at(per_node, places[short, 0], lack[short])
+        return int(lack.sum()), int(per_node.max())
 
     def copies(self, places: np.ndarray, state: list[int]) -> list[dict]:
         """Sources for every layer a GPU of the layout lacks (LayerCopy fields), least-loaded holder first.
@@ -627,7 +754,7 @@ class _Held:
         old_start, old_end = self.start[keys], self.end[keys]
         gaps: dict[int, set[int]] = {}  # new rank -> layers of its old range it lacks
         lacking: dict[int, set[int]] = {}  # layer -> new ranks whose old range has it but who lack it
-        rank_of = dict(zip(keys.tolist(), range(len(keys))))
+        rank_of = dict(zip(keys.tolist(), range(len(keys)))) if len(self.gaps[0]) else {}
         for key, layer in zip(*(a.tolist() for a in self.gaps)):
             rank = rank_of.get(key)  # None: a GPU the layout does not use, no source and no destination
             if rank is not None:

@@ -86,8 +86,9 @@ def _best_k(best, n_nodes, kmin, width):
     return value, chosen
 
 
-def solve(sizes, base, slope, most_each, n_nodes: int, min_pipelines: int, microbatches: int):
-    """See _instantiate.solve: (Z, counts per template) or None."""
+def solve(sizes, base, slope, most_each, n_nodes: int, min_pipelines: int, microbatches: int, upper=math.inf):
+    """See _instantiate.solve: (Z, counts per template) or None. `upper` only speeds the compiled search up:
+    a plain bisection over every candidate ignores it."""
     sizes = [int(n) for n in sizes]
     base = [float(b) for b in base]
     slope = [float(s) for s in slope]

@@ -143,6 +143,22 @@ def test_compiled_solve_equals_reference(problem) -> None:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_nodes=40, max_batch=200), st.data())
+def test_an_upper_hint_never_changes_the_answer(problem, data) -> None:
+    """`upper` (a repair's Z in a reconfiguration) only narrows the search: any value, feasible or not,
+    gives the same Z and counts as none."""
+    sizes, base, slope, limits, n_nodes, kmin, microbatches = problem
+    arrays = as_arrays(sizes, base, slope, limits)
+    plain = compiled.solve(*arrays, n_nodes, kmin, microbatches)
+    values = [b + (m - 1) * s for b, s, lim in zip(base, slope, limits) for m in range(1, min(lim, microbatches) + 1)]
+    hint = data.draw(st.sampled_from(values) | st.floats(-1e3, 1e6) if values else st.floats(-1e3, 1e6))
+    hinted = compiled.solve(*arrays, n_nodes, kmin, microbatches, hint)
+    assert (plain is None) == (hinted is None)
+    if plain is not None:
+        assert plain[0] == hinted[0] and plain[1].tolist() == hinted[1].tolist()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_nodes=40, max_batch=200))
 def test_pruning_dominated_templates_is_exact(problem) -> None:
     sizes, base, slope, limits, n_nodes, kmin, microbatches = problem

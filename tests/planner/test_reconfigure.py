@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -13,7 +14,7 @@ from oobleck.api.plan import Plan, Template, TemplateStage
 from oobleck.api.profile import ClusterShape, LayerProfile, ModelProfile
 from oobleck.planner import LostLayersError, instantiate, reconfigure
 from oobleck.planner.errors import PlanningError
-from oobleck.planner.reconfigure import _partition, _repair, next_layout
+from oobleck.planner.reconfigure import _arrange, _gpus_of, _Held, _partition, _repair, next_layout, to_plan
 from oobleck.planner.templates import generate_templates
 
 GPUS = 2
@@ -65,7 +66,7 @@ def first_plan(n_nodes: int, f: int = 1, microbatches: int = 48) -> Plan:
     return instantiate(TEMPLATES, names(n_nodes), f, microbatches, "job")
 
 
-def check_next(before: Plan, after: Plan, lost: list[str], added: list[str]) -> None:
+def check_next(before: Plan, after: Plan, lost: list[str], added: list[str], profile: ModelProfile = PROFILE) -> None:
     """The invariants of every reconfigured plan and its copy plan."""
     survivors = [n for n in before.nodes if n not in lost] + added
     assert sorted(after.nodes) == sorted(survivors), "every surviving and added node is used, once"
@@ -90,7 +91,7 @@ def check_next(before: Plan, after: Plan, lost: list[str], added: list[str]) -> 
         assert after.rank_of(c.src_node, c.src_gpu) == c.src_rank
         start, end = held[(c.src_node, c.src_gpu)]
         assert start <= c.layer < end, "the source held the layer before the failure"
-        assert c.bytes == PROFILE.layers[c.layer].state_bytes
+        assert c.bytes == profile.layers[c.layer].state_bytes
     # Least-loaded sources: replaying the copies, each source had the least bytes sent among the holders.
     sent: dict[int, int] = {}
     for c in after.copies:
@@ -198,12 +199,70 @@ def test_the_cheapest_candidate_wins() -> None:
         chosen = layout.considered[layout.chosen]
         assert chosen.cost_ms == min(c.cost_ms for c in healthy)
         if horizon == 0:
-            assert chosen.copy_bytes == min(c.copy_bytes for c in healthy)
+            assert chosen.busiest_bytes == min(c.busiest_bytes for c in healthy)
         if horizon == 10**6:
             assert chosen.iteration_ms == min(c.iteration_ms for c in healthy)
         after = reconfigure(before, TEMPLATES, PROFILE, lost=["4", "9"], bandwidth=BANDWIDTH, horizon=horizon)
         assert sum(c.bytes for c in after.copies) == chosen.copy_bytes
         assert after.iteration_ms == chosen.iteration_ms
+
+
+def wide_template(nodes: int, bounds: list[int]) -> Template:
+    """One stage per node on both GPUs (they hold the same layers): node i runs layers bounds[i]..bounds[i+1]."""
+    stages = [
+        TemplateStage(start=a, end=b, node=i, gpus=GPUS, gpu_offset=0, forward_ms=b - a, backward_ms=2 * (b - a))
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+    ]
+    times = [s.forward_ms + s.backward_ms for s in stages]
+    return Template(nodes=nodes, stages=stages, iteration_ms=sum(times) + 63 * max(times), m_ref=64)
+
+
+def test_losing_one_node_of_a_one_layer_per_node_pipeline_moves_two_nodes_layers() -> None:
+    """Six layers of 1..6 MiB; the 6-node template runs layer i on node i, the 5-node one runs [0, 2) on
+    node 0 and layer i + 1 on node i. Losing node 5 (layer 5) of the pipeline of nodes 0..5: placed in
+    order, every node of the 5-node pipeline would lack a layer (10 copies). Placed where they keep the
+    most, nodes 1..4 keep layers 1..4 at positions 0..3; node 0 (keeping 2 MiB at position 0, less than
+    node 1's 4) takes the free position 4. So node 1 gets layer 0 and node 0 layer 5, on both GPUs:
+    4 copies, 2 x (1 + 6) = 14 MiB, the busiest node (0) taking 12 MiB."""
+    profile = ModelProfile(model="six", microbatch_size=1, layers=PROFILE.layers[:6])
+    templates = [wide_template(6, [0, 1, 2, 3, 4, 5, 6]), wide_template(5, [0, 2, 3, 4, 5, 6])]
+    before = instantiate(templates, names(12), 1, 48, "job")
+    assert [(p.template_nodes, p.nodes) for p in before.pipelines] == [(6, names(6)), (6, names(12)[6:])]
+    layout = next_layout(before, templates, profile, lost=["5"], bandwidth=BANDWIDTH)
+    assert layout.pipelines[1][1] == ("1", "2", "3", "4", "0")
+    for scored in layout.considered:  # the re-instantiation lays out the same pipelines: the same price
+        assert (scored.copy_bytes, scored.busiest_bytes) == (14 << 20, 12 << 20)
+    assert layout.considered[layout.chosen].reason == "shrink"
+    after = to_plan(before, templates, layout)
+    check_next(before, after, ["5"], [], profile)
+    assert after.reason == "shrink" and [p.template_nodes for p in after.pipelines] == [6, 5]
+    got = sorted((c.dst_node, c.dst_gpu, c.layer) for c in after.copies)
+    assert got == [("0", 0, 5), ("0", 1, 5), ("1", 0, 0), ("1", 1, 0)]
+    assert {c.src_node for c in after.copies} <= {"0", "6", "11"}  # layer 0: nodes 0 and 6; layer 5: node 11
+
+
+def test_copies_are_priced_by_the_busiest_receiving_node() -> None:
+    """Pipelines [0 1 2], [3 4], [5 6] (3- and 2-node templates, 18 layers of 1..18 MiB); nodes 4 and 6 lost.
+    Merging the remnants [3 5]: both held the 2-node template's first half, so node 5 takes the second
+    half, layers 9..17: 10+...+18 = 126 MiB, all of it on one node. Borrowing first: [3] borrows node 2
+    (it keeps layers 12, 13 and 15..17 at the 2-node template's second position and takes 9, 10, 11 and 14:
+    10+11+12+15 = 48 MiB) and [5] joins [0 1] as its third node (layers 12..17: 13+...+18 = 93 MiB): 141 MiB
+    in all, but the busiest node takes 93. The same Z, so the parallel copies decide: merge+borrow, where a
+    sum of bytes would have chosen the merge."""
+    before = first_plan(7, f=1, microbatches=60)
+    assert [p.nodes for p in before.pipelines] == [["0", "1", "2"], ["3", "4"], ["5", "6"]]
+    for horizon in (0, 100):
+        layout = next_layout(before, TEMPLATES, PROFILE, lost=["4", "6"], bandwidth=BANDWIDTH, horizon=horizon)
+        priced = {c.reason: (c.copy_bytes >> 20, c.busiest_bytes >> 20) for c in layout.considered}
+        assert priced["merge"] == (126, 126) and priced["merge+borrow"] == (141, 93)
+        chosen = layout.considered[layout.chosen]
+        assert chosen.reason == "merge+borrow"
+        assert chosen.cost_ms == (93 << 20) / BANDWIDTH * 1e3 + horizon * chosen.iteration_ms
+        assert sorted(sorted(nodes) for _, nodes in layout.pipelines) == [["0", "1", "5"], ["2", "3"]]
+        after = to_plan(before, TEMPLATES, layout)
+        check_next(before, after, ["4", "6"], [])
+        received = {node: sum(c.bytes for c in after.copies if c.dst_node == node) >> 20 for node in after.nodes}
+        assert {n: b for n, b in received.items() if b} == {"5": 93, "2": 48}
 
 
 def test_reconfiguration_is_deterministic_and_chains() -> None:
@@ -421,6 +480,59 @@ def test_any_reported_holdings_give_copies_from_real_holders(n_nodes, data) -> N
         before, TEMPLATES, PROFILE, lost=lost, bandwidth=BANDWIDTH, holdings=held, engine="reference"
     )
     assert reference.to_json() == after.to_json()
+
+
+# ---------------------------------------------------------------- arranging a pipeline's nodes
+
+
+def arrange_plainly(groups: list[tuple[Template, tuple[str, ...]]], held: dict) -> list[tuple[str, ...]]:
+    """The arrangement rule stated plainly, pipeline by pipeline: the (node, place) pairs by bytes kept
+    (most first; ties: earlier node, then earlier place), each taken while both are free; then the nodes
+    keeping nothing take the free places in order. `held`: (node, GPU) -> (start, end)."""
+    out = []
+    for template, nodes in groups:
+        kept: dict[tuple[int, int], int] = {}
+        for stage in template.stages:
+            for gpu in range(stage.gpu_offset, stage.gpu_offset + stage.gpus):
+                for a, name in enumerate(nodes):
+                    start, end = held.get((name, gpu), (0, 0))
+                    common = range(max(start, stage.start), min(end, stage.end))
+                    kept[a, stage.node] = kept.get((a, stage.node), 0) + sum(
+                        PROFILE.layers[l].state_bytes for l in common
+                    )
+        pairs = sorted((-b, a, p) for (a, p), b in kept.items() if b > 0)
+        place: dict[int, int] = {}
+        for _, a, p in pairs:
+            if a not in place and p not in place.values():
+                place[a] = p
+        free = iter(p for p in range(template.nodes) if p not in place.values())
+        order = [""] * len(nodes)
+        for a, name in enumerate(nodes):
+            order[place[a] if a in place else next(free)] = name
+        out.append(tuple(order))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(6, 26), st.data())
+def test_the_batched_arrangement_is_the_plain_greedy(n_nodes, data) -> None:
+    """`_arrange` (all pipelines in one numpy batch, most pairs set aside at once) = the plain rule, on
+    pipelines made of any survivors, in any order, for any template."""
+    before = first_plan(n_nodes)
+    lost = data.draw(st.lists(st.sampled_from(before.nodes), unique=True, max_size=3))
+    alive = [n for n in before.nodes if n not in lost]
+    number = {name: i for i, name in enumerate(before.nodes)}
+    state = np.array([layer.state_bytes for layer in PROFILE.layers], dtype=np.int64)
+    held = _Held.from_plan(_gpus_of(before, number), set(lost), number, GPUS, state)
+    shuffled = data.draw(st.permutations(alive))
+    groups, at = [], 0
+    for template in data.draw(st.lists(st.sampled_from(TEMPLATES), min_size=1, max_size=4)):
+        if at + template.nodes > len(shuffled):
+            break
+        groups.append((template, tuple(shuffled[at : at + template.nodes])))
+        at += template.nodes
+    ranges = {(a.node, a.gpu): (a.start, a.end) for a in before.ranks if a.node not in lost}
+    assert _arrange(groups, held) == arrange_plainly(groups, ranges)
 
 
 # ---------------------------------------------------------------- with generated templates
