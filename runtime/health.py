@@ -63,6 +63,13 @@ class HealthTimeouts:
     """How long a probed peer has to answer; no answer is the verdict. A hung peer is found within
     suspect_after + watch period + this (0.45 s) of its last beat; a dead one within suspect_after +
     watch period (its port refuses the connection)."""
+    confirm_timeout_s: float = 1.0
+    """On an overloaded host (run queue above `overloaded_per_core` per core) a peer that accepted the probe
+    but did not answer in probe_timeout_s is asked once more, for this long, before the verdict: its
+    responder may only be waiting for a time slice (seen under the test suite's load on 2 cores). A quiet
+    host keeps the 0.45 s bound; a refused connection is a verdict at once either way."""
+    overloaded_per_core: float = 2.0
+    """1-minute load average per core above which the host counts as overloaded (see confirm_timeout_s)."""
     abort_wait_s: float = 0.2
     """Slice of the blocking wait on the abort key (bounds how long a generation switch takes to follow)."""
     gpu_probe_period_s: float = 5.0
@@ -86,6 +93,8 @@ class HealthTimeouts:
             "abort_wait_s",
             "suspect_after_s",
             "probe_timeout_s",
+            "confirm_timeout_s",
+            "overloaded_per_core",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
@@ -278,6 +287,14 @@ def advertised_host(coordinator_host: str) -> str:
             return udp.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def host_overloaded(per_core: float) -> bool:
+    """Whether this host's 1-minute load average exceeds `per_core` runnable tasks per core."""
+    try:
+        return os.getloadavg()[0] > per_core * (os.cpu_count() or 1)
+    except OSError:  # no load average on this platform
+        return False
 
 
 def probe_liveness(address: str, timeout_s: float) -> str | None:
@@ -565,6 +582,8 @@ class FailureDetector:
             if suspects and generation >= 0:
                 try:
                     unanswered = self._probe(store, suspects)
+                    if unanswered and host_overloaded(self.timeouts.overloaded_per_core):
+                        unanswered = self._confirm(store, unanswered)
                     if unanswered:  # a peer that beat while it was probed is slow, not dead
                         silent_now = list(unanswered)
                         again = store.multi_get([keys.heartbeat_key(p) for p in silent_now])
@@ -602,21 +621,30 @@ class FailureDetector:
                     self.trigger("gpu", (self.worker,), detail, generation)
             self._stop.wait(self.timeouts.watch_period_s)
 
-    def _probe(self, store: dist.Store, suspects: list[str]) -> dict[str, str]:
-        """Probe the silent `suspects` at once; those that do not answer -> why. A suspect that never
-        published a responder is left to dead_after_s."""
+    def _probe(self, store: dist.Store, suspects: list[str], timeout_s: float | None = None) -> dict[str, str]:
+        """Probe the silent `suspects` at once (for `timeout_s`, default probe_timeout_s); those that do not
+        answer -> why. A suspect that never published a responder is left to dead_after_s."""
+        timeout = timeout_s or self.timeouts.probe_timeout_s
         addresses = {p: store.get(liveness_key(p)).decode() for p in suspects if store.check([liveness_key(p)])}
         results: dict[str, str | None] = {}
 
         def one(peer: str, address: str) -> None:
-            results[peer] = probe_liveness(address, self.timeouts.probe_timeout_s)
+            results[peer] = probe_liveness(address, timeout)
 
         threads = [threading.Thread(target=one, args=item, daemon=True) for item in addresses.items()]
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(2 * self.timeouts.probe_timeout_s)
+            thread.join(2 * timeout)
         return {p: why for p, why in results.items() if why is not None}
+
+    def _confirm(self, store: dist.Store, unanswered: dict[str, str]) -> dict[str, str]:
+        """Ask the peers that accepted but did not answer once more, for confirm_timeout_s (HealthTimeouts)."""
+        hung = [p for p, why in unanswered.items() if "did not answer" in why]
+        if not hung:
+            return unanswered
+        again = self._probe(store, hung, self.timeouts.confirm_timeout_s)
+        return {p: why for p, why in unanswered.items() if p not in hung or p in again}
 
     @staticmethod
     def _why(unanswered: dict[str, str], peer: str) -> str:

@@ -29,6 +29,7 @@ from oobleck.runtime.health import (
     GpuHealth,
     HealthTimeouts,
     LivenessResponder,
+    host_overloaded,
     is_peer_failure,
     probe_gpus,
     probe_liveness,
@@ -290,8 +291,9 @@ def test_bad_timeouts_name_the_field(field, value):
 
 
 HUNG_LIMIT_S = 0.5
-"""Stopped worker -> verdict, on a quiet machine (the issue's bound); LOADED_SLACK_S is added under load."""
-LOADED_SLACK_S = 1.0
+"""Stopped worker -> verdict, on a quiet machine (the issue's bound); LOADED_SLACK_S is added under load,
+where an overloaded host also confirms an unanswered probe (HealthTimeouts.confirm_timeout_s)."""
+LOADED_SLACK_S = 1.0 + HealthTimeouts().confirm_timeout_s
 
 
 @GROUP
@@ -332,6 +334,13 @@ def test_a_stopped_worker_is_found_by_probe_within_half_a_second_and_a_starved_o
     assert any("did not answer" in r["detail"] for r in reports), reports
     loaded = os.getloadavg()[0] > 1.0
     assert first - stopped_at < HUNG_LIMIT_S + (LOADED_SLACK_S if loaded else 0.0)
+
+
+def test_host_overloaded_compares_the_load_average_per_core():
+    load = os.getloadavg()[0]
+    assert host_overloaded(1e9) is False
+    assert host_overloaded(1e-9) is (load > 0)
+    assert host_overloaded(load / (os.cpu_count() or 1) + 1.0) is False
 
 
 def test_probe_liveness_answers_for_a_live_responder_and_names_a_dead_port():
