@@ -13,7 +13,7 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,11 @@ from oobleck.operator.metrics import Metrics
 log = logging.getLogger(__name__)
 MERGE = "application/merge-patch+json"
 TERMINAL_PHASES = (Phase.SUCCEEDED.value, Phase.FAILED.value)
+
+
+def ends_job(status: Mapping[str, Any], before: Mapping[str, Any]) -> bool:
+    """Whether the status `status` ends a job whose status was `before` (both as written to the API)."""
+    return status.get("phase") in TERMINAL_PHASES and before.get("phase") not in TERMINAL_PHASES
 
 
 class ApiError(RuntimeError):
@@ -318,7 +323,7 @@ async def apply_decision(
     done = await gather_all(calls)
     if decision.plan is not None:
         patched_at = done[0]
-    ends = decision.status.get("phase") in TERMINAL_PHASES and status_before.get("phase") not in TERMINAL_PHASES
+    ends = ends_job(decision.status, status_before)
     if ends:
         # The end is recorded before the cleanup deletes pods: were it the other way round and the status
         # patch failed (an API-server or etcd restart), the next pass would find the workers gone and

@@ -29,19 +29,18 @@ from oobleck.api.job import (
     PLURAL,
     VERSION,
     OobleckJobSpec,
-    OobleckJobStatus,
     parse_spec,
     parse_status,
 )
 from oobleck.api.profile import ModelProfile
 from oobleck.operator import faults, observe
 from oobleck.operator.apply import (
-    TERMINAL_PHASES,
     Api,
     ApiError,
     ForeignObject,
     GcPause,
     apply_decision,
+    ends_job,
     ensure_static_children,
     read_current,
 )
@@ -320,11 +319,6 @@ async def _profile(
     return runner.profile
 
 
-def _ends(new: dict[str, Any], before: OobleckJobStatus) -> bool:
-    """Whether the status `new` ends a job whose status was `before`."""
-    return new.get("phase") in TERMINAL_PHASES and before.phase.value not in TERMINAL_PHASES
-
-
 async def reconcile(
     runner: JobRunner,
     body: kopf.Body,
@@ -400,7 +394,7 @@ async def reconcile(
             time.time(),
         )
         decision = decide(ctx, obs, runner.current, profile, config.tuning, _now(), verdict)
-        if fresh is None and _ends(decision.status, status):
+        if fresh is None and ends_job(decision.status, raw_status):
             # Ending is irreversible: confirmed on a quorum read. After an API-server or etcd restart (or
             # an operator restart during one) kopf's cached body can lag behind the job, e.g. miss the
             # Succeeded status an earlier pass wrote before its cleanup deleted the workers, which would
