@@ -289,6 +289,10 @@ def advertised_host(coordinator_host: str) -> str:
             return "127.0.0.1"
 
 
+NO_ANSWER = "accepted but did not answer"
+"""probe_liveness's words for a peer whose kernel accepted the connection but whose responder said nothing."""
+
+
 def host_overloaded(per_core: float) -> bool:
     """Whether this host's 1-minute load average exceeds `per_core` runnable tasks per core."""
     try:
@@ -327,7 +331,7 @@ def probe_liveness(address: str, timeout_s: float) -> str | None:
     threading.Thread(target=ask, name="oobleck-probe", daemon=True).start()
     if answered.wait(remaining):
         return None
-    return f"{address} accepted but did not answer in {timeout_s:.2f}s (stopped or hung)"
+    return f"{address} {NO_ANSWER} in {timeout_s:.2f}s (stopped or hung)"
 
 
 class FailureDetector:
@@ -640,7 +644,7 @@ class FailureDetector:
 
     def _confirm(self, store: dist.Store, unanswered: dict[str, str]) -> dict[str, str]:
         """Ask the peers that accepted but did not answer once more, for confirm_timeout_s (HealthTimeouts)."""
-        hung = [p for p, why in unanswered.items() if "did not answer" in why]
+        hung = [p for p, why in unanswered.items() if NO_ANSWER in why]
         if not hung:
             return unanswered
         again = self._probe(store, hung, self.timeouts.confirm_timeout_s)
