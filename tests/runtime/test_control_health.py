@@ -283,6 +283,8 @@ def test_gpu_probe_on_this_machine():
         ("suspect_after_s", 0.04),
         ("suspect_after_s", -1),
         ("suspect_after_s", 2.0),
+        ("confirm_timeout_s", 0),
+        ("overloaded_per_core", -1),
     ],
 )
 def test_bad_timeouts_name_the_field(field, value):
