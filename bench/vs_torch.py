@@ -263,7 +263,10 @@ def main() -> int:
         device="cpu",
         gradient_sum_dtype=args.gradient_sum_dtype,
     )
-    num_layers = build_model(config).num_layers
+    try:
+        num_layers = build_model(config).num_layers
+    except ValueError as error:  # an unknown --model: the runtime's message lists the known names
+        parser.error(f"--model: {error} (also: bench-gpt and the transformers presets)")
     split = num_layers // 2
     variants = []
     if "ddp" in which:

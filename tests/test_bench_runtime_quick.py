@@ -38,3 +38,10 @@ def test_gpu_single_quick_on_cpu(tmp_path):
     for side in ("runtime", "plain"):
         assert figures[side]["tokens_per_s"] > 0 and figures[side]["mfu"] is None  # no peak FLOP/s on a CPU
     assert math.isfinite(figures["ratio"]) and figures["ratio"] > 0
+
+
+def test_vs_torch_names_an_unknown_model():
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "vs_torch.py"), "--model", "nope"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "--model" in proc.stderr and "'nope'" in proc.stderr, proc.stderr[-2000:]
