@@ -16,6 +16,7 @@ import json
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,15 @@ def logged(path: Path) -> Iterator[dict[str, Any]]:
                 continue
 
 
+def failed_exit(pod: dict[str, Any]) -> float | None:
+    """When a pod's container exited non-zero (its finishedAt, in seconds), or None."""
+    for container in pod.get("status", {}).get("containerStatuses") or []:
+        terminated = (container.get("state") or {}).get("terminated") or {}
+        if terminated.get("exitCode") and terminated.get("finishedAt"):
+            return datetime.fromisoformat(terminated["finishedAt"].replace("Z", "+00:00")).timestamp()
+    return None
+
+
 class JobRun:
     """One test's job: its namespace on the session cluster, the operator serving it, and reads of its state
     (the test modules reach this file's helpers through it: conftest is not importable under importlib mode).
@@ -144,6 +154,8 @@ class JobRun:
         self.cordoned: set[str] = set()
         self.gpu_unhealthy: set[str] = set()
         self.pods_seen: dict[str, set[str]] = {}
+        self.failed_exits_seen: dict[str, float] = {}
+        """pod uid -> when its worker container exited non-zero (the kubelet's finishedAt)"""
         self.generations_seen: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._record, name="e2e-recorder", daemon=True)
@@ -168,6 +180,8 @@ class JobRun:
                 pods = self.cluster.kubectl_json("get", "pods", "-n", self.ns, "-l", worker_selector(JOB))["items"]
                 for pod in pods:
                     self.pods_seen.setdefault(pod["metadata"]["name"], set()).add(pod["metadata"]["uid"])
+                    if (finished := failed_exit(pod)) is not None:
+                        self.failed_exits_seen.setdefault(pod["metadata"]["uid"], finished)
                 generation = self.plan().generation
                 if not self.generations_seen or self.generations_seen[-1] != generation:
                     self.generations_seen.append(generation)
