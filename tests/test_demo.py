@@ -16,7 +16,7 @@ from oobleck_dev.demo import EXAMPLE, Observation, Timeline, observe, steps_per_
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("local-node-jobs")  # one training job at a time on the 2-core machine
+@pytest.mark.xdist_group("local-node-jobs-2")  # one job at a time per xdist worker (tests/e2e/test_training.py)
 def test_demo_trains_survives_a_kill_and_cleans_up(tmp_path: Path) -> None:
     manifest = yaml.safe_load(EXAMPLE.read_text())
     manifest["spec"]["training"]["steps"] = 200  # the example's shape, fewer steps: the suite stays fast

@@ -37,8 +37,8 @@ import pytest
 from oobleck.api.job import worker_selector
 from oobleck.operator import render
 
-# One xdist worker runs every job on local nodes: two jobs at once would compete for the CPU.
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs")]
+# One job at a time per xdist worker (test_training.py says why there are two groups).
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-1")]
 LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
 
 CRASH_AFTER_PLAN_WRITE = Path(__file__).with_name("crash_after_plan_write.py")

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from oobleck.operator import render
 from oobleck_dev.operatorproc import OperatorExited
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs")]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-2")]
 LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
 OUTAGE_S = 30.0
 STEPS = 1000

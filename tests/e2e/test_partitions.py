@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import pytest
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs")]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-2")]
 LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
 STEPS = 800
 """Long enough that training outlasts a partition, its detection and a replacement's start on a loaded host."""

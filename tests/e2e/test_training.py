@@ -11,9 +11,11 @@ operator creates then stays Pending and no second generation folds it in. A work
 scraped over HTTP at its pod IP and parsed. test_failures.py has the other faults.
 
 Every listener of a pod (gloo, the worker's /metrics, the coordinator's store) binds to its pod IP,
-so jobs on one host do not collide; these tests still run one job at a time, on one xdist worker
-(group "local-node-jobs": other tests that run jobs on local nodes belong there), because
-concurrent jobs would compete for the host's CPU and slow each other past their timeouts.
+so jobs on one host do not collide. Each xdist worker still runs at most one job at a time: the
+tests that run jobs on local nodes are split into two xdist groups ("local-node-jobs-1": the kills,
+here and in test_failures.py; "local-node-jobs-2": job faults, partitions, outages, the demo) of
+about equal length, one per worker of `make test`. One group took the whole suite's length (41 min
+of 41); more than one job per worker would compete for the CPU and slow each past its timeouts.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 
 from oobleck.operator import render
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs")]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-1")]
 LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
 
 
