@@ -128,6 +128,21 @@ def _start_failure(pod: PodSummary, timeout_s: float, now: float) -> tuple[str, 
     )
 
 
+Counted = tuple[int, tuple[WorkerFailure, ...]]
+"""status.workerFailures and status.lastWorkerFailures: the worker failures counted so far"""
+
+
+def counted_so_far(from_status: Counted, written: Counted | None) -> Counted:
+    """The further of the count in the job's status as read and the one this process last wrote.
+
+    A pass is woken by a pod's event, and kopf's copy of the job may not show yet the status an earlier
+    pass wrote: counting from it would forget that failure (and overwrite its record), so a job's second
+    worker with the same cause would look like its first. This process is the only writer of the count."""
+    if written is not None and written[0] > from_status[0]:
+        return written
+    return from_status
+
+
 def assess(
     uid: str,
     pods: Iterable[PodSummary],

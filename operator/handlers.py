@@ -78,6 +78,7 @@ class JobRunner:
     loaded: bool = False  # static children ensured and the plan ConfigMap read
     phase: str = "Pending"
     nodes: frozenset[str] = frozenset()
+    failures_written: faults.Counted | None = None  # the worker-failure count of the last status patched
 
 
 def _memo_waker(memo: Any, key: JobKey) -> Waker:
@@ -385,13 +386,11 @@ async def reconcile(
     generation = int((view.get("metadata") or {}).get("generation") or 0)
     ctx = JobContext(name, namespace, runner.uid, generation, spec, status)
     with GcPause() as pause:  # no collector pause between a failure and the patches (apply.GcPause)
+        counted, records = faults.counted_so_far(
+            (status.worker_failures, tuple(status.last_worker_failures)), runner.failures_written
+        )
         verdict = faults.assess(
-            runner.uid,
-            job_pods.get(runner.key, ()),
-            status.worker_failures,
-            status.last_worker_failures,
-            spec.failure_policy,
-            time.time(),
+            runner.uid, job_pods.get(runner.key, ()), counted, records, spec.failure_policy, time.time()
         )
         decision = decide(ctx, obs, runner.current, profile, config.tuning, _now(), verdict)
         if fresh is None and ends_job(decision.status, raw_status):
@@ -426,6 +425,7 @@ async def reconcile(
             status_before=parse_status(raw_status).to_kubernetes(),
             post_event=lambda e: kopf.event(body, type=e.type, reason=e.reason, message=e.message),
         )
+    runner.failures_written = (verdict.worker_failures, verdict.last_worker_failures)
     latency = None
     if decision.lost:
         metrics.pods_lost.inc(len(decision.lost))

@@ -58,7 +58,8 @@ def check_fast_and_bounded(run, body: dict[str, Any], nodes: int) -> None:
     ended = datetime.fromisoformat(body["status"]["completionTime"].replace("Z", "+00:00")).timestamp()
     first = first_cause_report(run)
     assert ended - first <= REPORT_BOUND_S, (
-        f"failed {ended - first:.0f} s after the first worker's report; exits seen: {run.failed_exits_seen}"
+        f"failed {ended - first:.0f} s after the first worker's report; exits seen: {run.failed_exits_seen}; "
+        f"counted: {body['status'].get('lastWorkerFailures')}"
     )
     backoff = run.spec.get("failurePolicy", {}).get("backoffLimit", 3)
     time.sleep(3)  # nothing more is created after the failure

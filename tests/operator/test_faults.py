@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from oobleck.api.causes import CAUSE_ANNOTATION, EXIT_CODES, make_cause
 from oobleck.api.job import FailurePolicy, WorkerFailure
-from oobleck.operator.faults import assess, pod_fault
+from oobleck.operator.faults import assess, counted_so_far, pod_fault
 from oobleck.operator.observe import summarize_pod
 
 POLICY = FailurePolicy()
@@ -125,3 +125,25 @@ def test_two_different_early_exits_are_not_taken_for_one_cause(h):
     assert verdict.fail is None and verdict.worker_failures == 2
     c = failed(h, 2, 1, message="exec: python: not found")
     assert assess(h.UID, [a, b, c], 0, [], POLICY, 0).fail[0] == "WorkerFailed"
+
+
+def test_a_status_read_before_the_last_write_does_not_forget_a_counted_failure(h):
+    """worker-0 OOM-killed and counted, its pod gone with its replacement; worker-1's OOM kill wakes a pass
+    whose copy of the job still shows no failure: counted from that copy, worker-1 would be the first
+    (and its record would overwrite worker-0's); counted from what was written, it is the second."""
+    first = assess(h.UID, [failed(h, 0, 137, "OOMKilled"), h.worker(1)], 0, [], POLICY, h.NOW.timestamp())
+    assert first.fail is None and first.worker_failures == 1
+    written = (first.worker_failures, first.last_worker_failures)
+    second_pods = [failed(h, 1, 137, "OOMKilled"), h.worker(2)]
+
+    stale = assess(h.UID, second_pods, 0, [], POLICY, h.NOW.timestamp())
+    assert stale.fail is None, "the stale read was expected to miss the first failure"
+    assert counted_so_far((0, ()), written) == written
+    count, records = counted_so_far((0, ()), written)
+    verdict = assess(h.UID, second_pods, count, records, POLICY, h.NOW.timestamp())
+    assert verdict.fail is not None and verdict.fail[0] == "OutOfMemory", verdict
+    assert verdict.worker_failures == 2 and [r.pod for r in verdict.last_worker_failures] == [
+        r.pod for r in (*first.last_worker_failures, *verdict.new)
+    ]
+    # A status further than this process's memory (written by a previous operator process) is kept.
+    assert counted_so_far((3, records), written) == (3, records)
