@@ -63,11 +63,13 @@ class HealthTimeouts:
     """How long a probed peer has to answer; no answer is the verdict. A hung peer is found within
     suspect_after + watch period + this (0.45 s) of its last beat; a dead one within suspect_after +
     watch period (its port refuses the connection)."""
-    confirm_timeout_s: float = 1.0
+    confirm_timeout_s: float = 2.0
     """On an overloaded host (run queue above `overloaded_per_core` per core) a peer that accepted the probe
-    but did not answer in probe_timeout_s is asked once more, for this long, before the verdict: its
-    responder may only be waiting for a time slice (seen under the test suite's load on 2 cores). A quiet
-    host keeps the 0.45 s bound; a refused connection is a verdict at once either way."""
+    but did not answer in probe_timeout_s is asked again, probe after probe, for up to this long before the
+    verdict, and spared as soon as it answers or beats: its responder and its heartbeat thread may only be
+    waiting for a time slice (seen under the test suite's load on 2 cores, where one second of asking was
+    not always enough). A quiet host keeps the 0.45 s bound; a refused connection is a verdict at once
+    either way."""
     overloaded_per_core: float = 2.0
     """1-minute load average per core above which the host counts as overloaded (see confirm_timeout_s)."""
     abort_wait_s: float = 0.2
@@ -587,7 +589,7 @@ class FailureDetector:
                 try:
                     unanswered = self._probe(store, suspects)
                     if unanswered and host_overloaded(self.timeouts.overloaded_per_core):
-                        unanswered = self._confirm(store, unanswered)
+                        unanswered = self._confirm(store, unanswered, last_value)
                     if unanswered:  # a peer that beat while it was probed is slow, not dead
                         silent_now = list(unanswered)
                         again = store.multi_get([keys.heartbeat_key(p) for p in silent_now])
@@ -642,13 +644,16 @@ class FailureDetector:
             thread.join(2 * timeout)
         return {p: why for p, why in results.items() if why is not None}
 
-    def _confirm(self, store: dist.Store, unanswered: dict[str, str]) -> dict[str, str]:
-        """Ask the peers that accepted but did not answer once more, for confirm_timeout_s (HealthTimeouts)."""
+    def _confirm(self, store: dist.Store, unanswered: dict[str, str], last_value: dict[str, int]) -> dict[str, str]:
+        """Ask the peers that accepted but did not answer again until they answer or beat, for at most
+        confirm_timeout_s (HealthTimeouts); those still silent then are the verdict."""
         hung = [p for p, why in unanswered.items() if NO_ANSWER in why]
-        if not hung:
-            return unanswered
-        again = self._probe(store, hung, self.timeouts.confirm_timeout_s)
-        return {p: why for p, why in unanswered.items() if p not in hung or p in again}
+        deadline = time.monotonic() + self.timeouts.confirm_timeout_s
+        while hung and (left := deadline - time.monotonic()) > 0:
+            again = self._probe(store, hung, min(left, 2 * self.timeouts.probe_timeout_s))
+            beats = store.multi_get([keys.heartbeat_key(p) for p in hung])
+            hung = [p for p, raw in zip(hung, beats) if p in again and last_value.get(p) == int(raw)]
+        return {p: why for p, why in unanswered.items() if NO_ANSWER not in why or p in hung}
 
     @staticmethod
     def _why(unanswered: dict[str, str], peer: str) -> str:

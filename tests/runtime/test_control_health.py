@@ -338,6 +338,42 @@ def test_a_stopped_worker_is_found_by_probe_within_half_a_second_and_a_starved_o
     assert first - stopped_at < HUNG_LIMIT_S + (LOADED_SLACK_S if loaded else 0.0)
 
 
+@GROUP
+@pytest.mark.slow
+def test_on_an_overloaded_host_a_peer_held_off_the_cpu_for_a_moment_is_spared_and_a_hung_one_is_not():
+    """A peer that gets no time slice for 1.6 s (SIGSTOP, then SIGCONT: what a run queue of dozens does to
+    a process) answers a later probe of the confirmation and is spared; stopped for good, it is the
+    verdict once the confirmation window (HealthTimeouts.confirm_timeout_s) is over. Every prober takes
+    the host for overloaded here (--overloaded-per-core: any load at all)."""
+    workers = [f"node{i}:0" for i in range(3)]
+    paused = workers[1]
+    with Coordinator() as coordinator:
+        store = coordinator.store()
+        procs = [
+            _spawn(coordinator.port, w, workers, "--dead-after", "10", "--overloaded-per-core", "1e-9") for w in workers
+        ]
+        try:
+            wait_alive(store, workers, 60)
+            _watching(store, workers)
+            os.kill(procs[1].pid, signal.SIGSTOP)
+            time.sleep(1.6)
+            os.kill(procs[1].pid, signal.SIGCONT)
+            time.sleep(1.5)
+            assert co.pop_failures(store) == [], "a peer stopped for 1.6 s answered the confirmation: no verdict"
+            os.kill(procs[1].pid, signal.SIGSTOP)
+            stopped_at = time.time()
+            reports = _collect(store, {paused}, 20)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGCONT)
+            _stop(procs)
+    first = min(r["detected_at"] for r in reports if paused in r["dead"])
+    print(f"SIGSTOP on an overloaded host -> first verdict {first - stopped_at:.3f} s")
+    assert all(set(r["dead"]) == {paused} and r["kind"] == "heartbeat" for r in reports), reports
+    assert HealthTimeouts().confirm_timeout_s <= first - stopped_at < HUNG_LIMIT_S + LOADED_SLACK_S
+
+
 def test_host_overloaded_compares_the_load_average_per_core():
     load = os.getloadavg()[0]
     assert host_overloaded(1e9) is False
@@ -372,6 +408,7 @@ def _worker_main(argv: list[str]) -> int:
     parser.add_argument("--gloo-pair", type=int)
     parser.add_argument("--dead-after", type=float, default=HealthTimeouts.dead_after_s)
     parser.add_argument("--starve-gil", type=float, default=0.0)
+    parser.add_argument("--overloaded-per-core", type=float, default=HealthTimeouts.overloaded_per_core)
     args = parser.parse_args(argv)
     if args.gloo_pair is not None:
         _gloo_pair(args.gloo_pair, args.port)
@@ -381,7 +418,7 @@ def _worker_main(argv: list[str]) -> int:
         args.worker,
         "127.0.0.1",
         args.port,
-        timeouts=HealthTimeouts(dead_after_s=args.dead_after),
+        timeouts=HealthTimeouts(dead_after_s=args.dead_after, overloaded_per_core=args.overloaded_per_core),
         store_timeouts=FAST,
     ).start()
     store, _ = connect("127.0.0.1", args.port, FAST)
