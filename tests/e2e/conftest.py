@@ -22,10 +22,12 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes.client import CoreV1Api, CustomObjectsApi
+from kubernetes.config import new_client_from_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from oobleck.api.contract import PROGRESS_ANNOTATION
-from oobleck.api.job import worker_selector
+from oobleck.api.job import GROUP, PLURAL, VERSION, worker_selector
 from oobleck.api.planmap import read_plan
 from oobleck.operator import render
 from oobleck_dev.operatorproc import OperatorProcess
@@ -33,6 +35,7 @@ from oobleck_dev.poll import wait_until
 
 JOB = "tiny"
 TIMEOUT_S = 150.0
+READ_TIMEOUT_S = 10.0
 LOSS_RTOL = 1e-5
 """The runtime's documented tolerance: every layout's losses match single-process training to 1e-5 relative."""
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny-gpt.yaml"
@@ -157,6 +160,10 @@ class JobRun:
         self.failed_exits_seen: dict[str, float] = {}
         """pod uid -> when its worker container exited non-zero (the kubelet's finishedAt)"""
         self.generations_seen: list[int] = []
+        # Reads polled several times a second go through one kept connection of the official client:
+        # a kubectl process per read cost about 0.13 s of CPU, a quarter of a core per job's test.
+        self._api = new_client_from_config(config_file=cluster.kubeconfig)
+        self._core, self._custom = CoreV1Api(self._api), CustomObjectsApi(self._api)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._record, name="e2e-recorder", daemon=True)
 
@@ -177,11 +184,8 @@ class JobRun:
     def _record(self) -> None:
         while not self._stop.wait(0.3):
             try:
-                pods = self.cluster.kubectl_json("get", "pods", "-n", self.ns, "-l", worker_selector(JOB))["items"]
-                for pod in pods:
+                for pod in self._worker_pods():
                     self.pods_seen.setdefault(pod["metadata"]["name"], set()).add(pod["metadata"]["uid"])
-                    if (finished := failed_exit(pod)) is not None:
-                        self.failed_exits_seen.setdefault(pod["metadata"]["uid"], finished)
                 generation = self.plan().generation
                 if not self.generations_seen or self.generations_seen[-1] != generation:
                     self.generations_seen.append(generation)
@@ -190,14 +194,32 @@ class JobRun:
 
     # -- reads --
 
+    def _read(self, call: Callable[..., Any], *args: Any, **query: Any) -> dict[str, Any]:
+        """The object as the API server sends it (what `kubectl get -o json` prints)."""
+        response = call(*args, _preload_content=False, _request_timeout=READ_TIMEOUT_S, **query)
+        return json.loads(response.data)
+
+    def _worker_pods(self) -> list[dict[str, Any]]:
+        pods = self._read(self._core.list_namespaced_pod, self.ns, label_selector=worker_selector(JOB))["items"]
+        for pod in pods:
+            if (finished := failed_exit(pod)) is not None:
+                self.failed_exits_seen.setdefault(pod["metadata"]["uid"], finished)
+        return pods
+
+    def failed_exits(self) -> dict[str, float]:
+        """pod uid -> when its worker container exited non-zero: those recorded (pods since replaced)
+        and those of the pods there now (an exit may be newer than the recorder's last look)."""
+        self._worker_pods()
+        return dict(self.failed_exits_seen)
+
     def job(self) -> dict[str, Any]:
-        return self.cluster.kubectl_json("get", "oobleckjob", JOB, "-n", self.ns)
+        return self._read(self._custom.get_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL, JOB)
 
     def plan(self):
-        return read_plan(self.cluster.kubectl_json("get", "configmap", render.plan_name(JOB), "-n", self.ns))
+        return read_plan(self._read(self._core.read_namespaced_config_map, render.plan_name(JOB), self.ns))
 
     def pod(self, name: str) -> dict[str, Any]:
-        return self.cluster.kubectl_json("get", "pod", name, "-n", self.ns)
+        return self._read(self._core.read_namespaced_pod, name, self.ns)
 
     def node_of(self, pod: str) -> str:
         return self.pod(pod)["spec"]["nodeName"]
@@ -326,6 +348,7 @@ class JobRun:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        self._api.close()
 
 
 @pytest.fixture

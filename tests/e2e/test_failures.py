@@ -54,10 +54,12 @@ def start(run, spec: dict, warm_steps: int = 10):
 
 
 def recovered(run, survivor: str, generation: int, after_step: int) -> dict[str, float]:
-    """The survivor's worker metrics once it trains past `after_step` in `generation`."""
+    """The survivor's worker metrics once it trained a step of `generation` past `after_step` (the
+    recovery histogram counts that first step: the generation gauge is set at adoption, before it)."""
     return run.wait_for(
         lambda: (
             (m := run.scrape(survivor))["oobleck_worker_plan_generation"] == generation
+            and m["oobleck_worker_recovery_seconds_count"] >= 1
             and m["oobleck_worker_step"] > after_step
             and m
         ),

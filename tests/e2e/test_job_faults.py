@@ -49,7 +49,7 @@ def first_cause_report(run) -> float:
     """When the first worker reported its cause: its last log line (the `cause` record it writes before it
     exits), or for a worker killed before it wrote anything (the OOM kill), its container's exit."""
     stamps = [path.stat().st_mtime for path in run.logs() if "worker" in path.name and path.stat().st_size]
-    stamps += run.failed_exits_seen.values()
+    stamps += run.failed_exits().values()
     assert stamps, "no worker reported anything"
     return min(stamps)
 
@@ -58,7 +58,7 @@ def check_fast_and_bounded(run, body: dict[str, Any], nodes: int) -> None:
     ended = datetime.fromisoformat(body["status"]["completionTime"].replace("Z", "+00:00")).timestamp()
     first = first_cause_report(run)
     assert ended - first <= REPORT_BOUND_S, (
-        f"failed {ended - first:.0f} s after the first worker's report; exits seen: {run.failed_exits_seen}; "
+        f"failed {ended - first:.0f} s after the first worker's report; exits seen: {run.failed_exits()}; "
         f"counted: {body['status'].get('lastWorkerFailures')}"
     )
     backoff = run.spec.get("failurePolicy", {}).get("backoffLimit", 3)

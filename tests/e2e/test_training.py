@@ -91,6 +91,7 @@ def test_killed_worker_is_one_generation_and_the_job_still_succeeds(job_run, loc
     recovered = run.wait_for(
         lambda: (
             (m := run.scrape(survivor))["oobleck_worker_plan_generation"] == 1
+            and m["oobleck_worker_recovery_seconds_count"] >= 1  # a step of generation 1 done, not only adopted
             and m["oobleck_worker_step"] > at_kill
             and m
         ),
