@@ -54,7 +54,11 @@ def _spawn(port: int, worker: str, peers: list[str], *extra: str) -> subprocess.
     )
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen], resume: bool = False) -> None:
+    """SIGKILL the live ones (`resume`: SIGCONT first, so that a stopped one dies at once)."""
+    for proc in procs:
+        if resume and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
     for proc in procs:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
@@ -324,10 +328,7 @@ def test_a_stopped_worker_is_found_by_probe_within_half_a_second_and_a_starved_o
             reports = _collect(store, {victim}, 10)
             detected = _detections(store, [workers[0], workers[2]], 10)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.kill(proc.pid, signal.SIGCONT)
-            _stop(procs)
+            _stop(procs, resume=True)
     first = min(r["detected_at"] for r in reports if victim in r["dead"])
     print(
         f"SIGSTOP -> first verdict {first - stopped_at:.3f} s; survivors woken {[t - stopped_at for t in detected.values()]}"
@@ -364,10 +365,7 @@ def test_on_an_overloaded_host_a_peer_held_off_the_cpu_for_a_moment_is_spared_an
             stopped_at = time.time()
             reports = _collect(store, {paused}, 20)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.kill(proc.pid, signal.SIGCONT)
-            _stop(procs)
+            _stop(procs, resume=True)
     first = min(r["detected_at"] for r in reports if paused in r["dead"])
     print(f"SIGSTOP on an overloaded host -> first verdict {first - stopped_at:.3f} s")
     assert all(set(r["dead"]) == {paused} and r["kind"] == "heartbeat" for r in reports), reports
