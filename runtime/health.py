@@ -570,13 +570,21 @@ class FailureDetector:
                 log.error("watch: %s", error)
                 return
             now = time.monotonic()
-            for peer, raw in zip(present, values):
-                value = int(raw)
-                if last_value.get(peer) != value:
-                    last_value[peer] = value
-                    last_change[peer] = now
-                    seen.add(peer)
-                    probed.pop(peer, None)
+
+            def record(values: list[bytes], now: float) -> set[str]:
+                """Note the present peers' counters read at `now`; the peers that beat since the last read."""
+                beat = set()
+                for peer, raw in zip(present, values):
+                    value = int(raw)
+                    if last_value.get(peer) != value:
+                        last_value[peer] = value
+                        last_change[peer] = now
+                        seen.add(peer)
+                        probed.pop(peer, None)
+                        beat.add(peer)
+                return beat
+
+            record(values, now)
             suspects = [
                 p
                 for p in peers
@@ -590,19 +598,19 @@ class FailureDetector:
                     unanswered = self._probe(store, suspects)
                     if unanswered and host_overloaded(self.timeouts.overloaded_per_core):
                         unanswered = self._confirm(store, unanswered, last_value)
-                    if unanswered:  # a peer that beat while it was probed is slow, not dead
-                        silent_now = list(unanswered)
-                        again = store.multi_get([keys.heartbeat_key(p) for p in silent_now])
-                        for peer, raw in zip(silent_now, again):
-                            if last_value.get(peer) != int(raw):
-                                del unanswered[peer]
+                    # The probes took this thread's time: every peer's beats are read again, so that
+                    # one that beat meanwhile (a probed one too: slow, not dead) is not judged on
+                    # counters older than the probes (a 2 s confirmation outlasts dead_after_s).
+                    again = store.multi_get([keys.heartbeat_key(p) for p in present]) if present else []
                 except RuntimeError as error:
                     if not is_store_loss(error):
                         raise
                     store = None
                     continue
-                probed.update((p, time.monotonic()) for p in suspects)
                 now = time.monotonic()
+                beat = record(again, now)
+                unanswered = {p: why for p, why in unanswered.items() if p not in beat}
+                probed.update((p, now) for p in suspects if p not in beat)
             # A peer is held to dead_after_s once it has adopted the generation (`ready`): before
             # that it may be importing torch or waiting in a rendezvous, where a loaded machine can
             # starve its heartbeat thread of the GIL for seconds (measured: 1.5 s at load 13 on 2
