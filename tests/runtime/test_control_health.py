@@ -353,7 +353,8 @@ def test_on_an_overloaded_host_a_peer_held_off_the_cpu_for_a_moment_is_spared_an
     with Coordinator() as coordinator:
         store = coordinator.store()
         procs = [
-            _spawn(coordinator.port, w, workers, "--dead-after", "1.9", "--overloaded-per-core", "1e-9") for w in workers
+            _spawn(coordinator.port, w, workers, "--dead-after", "1.9", "--overloaded-per-core", "1e-9")
+            for w in workers
         ]
         try:
             wait_alive(store, workers, 60)
