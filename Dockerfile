@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 #
 # One image runs the operator (`oobleck operator`), the training workers (`oobleck worker`) and each
-# job's coordinator (`python -m oobleck.runtime.coordinator`).
+# job's coordinator (`python -m oobleck.runtime.elastic.coordinator`).
 #
 #   CPU (the operator; workers with device: cpu):
 #     docker build -t ghcr.io/oobleck-dev/oobleck:0.1.0 .
@@ -61,7 +61,7 @@ RUN /opt/oobleck/bin/pip wheel --no-deps --wheel-dir /wheels . \
     && /opt/oobleck/bin/python -c 'import oobleck.planner; print("planner:", oobleck.planner.COMPILED_MODULES)' \
     && /opt/oobleck/bin/oobleck operator --help >/dev/null \
     && /opt/oobleck/bin/oobleck worker --help >/dev/null \
-    && /opt/oobleck/bin/python -m oobleck.runtime.coordinator --help >/dev/null
+    && /opt/oobleck/bin/python -m oobleck.runtime.elastic.coordinator --help >/dev/null
 
 FROM base AS runtime
 ARG VERSION=0.1.0

@@ -1,7 +1,7 @@
 """One GPU, bf16: the elastic runtime against plain PyTorch on the same model, back to back.
 
 - runtime: the model is profiled on the GPU with the job's precision (`profile_model`, what
-  `profile: measure` does), then trained by one `python -m oobleck.runtime.reconfig` worker against a
+  `profile: measure` does), then trained by one `python -m oobleck.runtime.backends.local.worker` worker against a
   coordinator (failure detector, interruptible waits, step commit, progress, snapshots of the layers to
   host memory every `snapshot.interval_steps`): bf16 autocast, float32 master weights and AdamW state,
   float32 gradient sums. A one-rank plan has no peer, so the runtime builds no collective group (the
@@ -63,9 +63,9 @@ def _plain(argv: list[str]) -> int:
     import torch
     from torch import nn
 
-    from oobleck.runtime.compute import autocast
-    from oobleck.runtime.config import build_dataset, build_model, load_config
-    from oobleck.runtime.optim import decays, learning_rate
+    from oobleck.runtime.train.compute import autocast
+    from oobleck.runtime.train.config import build_dataset, build_model, load_config
+    from oobleck.runtime.train.optim import decays, learning_rate
 
     config_path, microbatches, out = argv[0], int(argv[1]), Path(argv[2])
     config = load_config(config_path)
@@ -125,8 +125,8 @@ def run_plain(config, microbatches: int, folder: Path) -> list[float]:
 def main() -> int:
     import torch
 
-    from oobleck.runtime.config import WorkerConfig, build_model
-    from oobleck.runtime.profiler import profile_model
+    from oobleck.runtime.train.config import WorkerConfig, build_model
+    from oobleck.runtime.train.profiler import profile_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2-medium", help="gpt2-medium or a model preset name")

@@ -4,16 +4,16 @@ pipelines without it, each piece's share, and pipeline efficiency against the 1F
 Variants, all on the same plan (one pipeline of two single-GPU stages) with the same two worker
 processes, one torch thread each:
 
-- `on`: what `oobleck launch` runs: `python -m oobleck.runtime.reconfig` workers against a
-  coordinator (runtime/coordinator.py) and a plan file, with the failure detector's threads
+- `on`: what `oobleck launch` runs: `python -m oobleck.runtime.backends.local.worker` workers against a
+  coordinator (runtime/elastic/coordinator.py) and a plan file, with the failure detector's threads
   (heartbeat, watcher, abort listener), interruptible waits, the store-decided step commit, the
   per-step progress key and snapshots every `snapshot.interval_steps` (default 10) steps.
 - `off`: the static worker (`python -m oobleck.runtime worker`) with plain `work.wait()`s: no
   coordinator, no detector, no commit, no progress, no snapshots.
 - `on+poll` (with `--pieces`): `on` plus the store polling of `oobleck launch`'s supervisor loop
-  (runtime/launcher.py), which shares the machine with the workers there.
+  (runtime/backends/local/launcher.py), which shares the machine with the workers there.
 - `no-<piece>` (with `--pieces`): `on` with one piece taken out; `on - no-<piece>` is that piece's
-  cost. The config-level pieces (waits, snapshots) go through the real worker entry point; the
+  cost. The snapshot piece goes through the real worker entry point (config); the
   others through this script's copy of its assembly (`_worker`), which only leaves the piece out.
 
 Step time: the interval between consecutive steps' completions on the rank that logs the loss
@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 MODEL = {"name": "gpt", "sizes": {"blocks": 4, "hidden": 128, "heads": 4, "seq_len": 64, "vocab": 512}}
-PIECES = ("waits", "detector", "commit", "progress", "snapshots")
+PIECES = ("detector", "commit", "snapshots")
 
 
 def two_stage_plan(num_layers: int, microbatches: int, split: int):
@@ -109,12 +109,10 @@ def run_variant(variant: str, config, plan, folder: Path) -> list[float]:
     """Step intervals of one run of `variant` (see the module docstring) with real worker processes."""
     from torch.distributed import TCPStore
 
-    from oobleck.runtime.coordinator import Coordinator
-    from oobleck.runtime.plansource import write_plan
+    from oobleck.runtime.backends.local.plan_file import write_plan
+    from oobleck.runtime.elastic.coordinator import Coordinator
 
     without = variant.removeprefix("no-") if variant.startswith("no-") else None
-    if without == "waits":
-        config = config.model_copy(update={"interruptible_waits": False})
     if without == "snapshots":
         config = config.model_copy(update={"snapshot": config.snapshot.model_copy(update={"interval_steps": 0})})
     (folder / "config.json").write_text(config.model_dump_json())
@@ -159,8 +157,8 @@ def run_variant(variant: str, config, plan, folder: Path) -> list[float]:
         plan_path = folder / "plan.json"
         write_plan(plan_path, plan)
         entry = (
-            [sys.executable, "-m", "oobleck.runtime.reconfig"]
-            if without in (None, "waits", "snapshots")
+            [sys.executable, "-m", "oobleck.runtime.backends.local.worker"]
+            if without in (None, "snapshots")
             else [sys.executable, __file__, "_worker", "--without", without]
         )
         commands = [
@@ -192,9 +190,9 @@ def run_variant(variant: str, config, plan, folder: Path) -> list[float]:
 
 
 def _supervisor_poll(store, plan, stop, period_s: float = 0.005) -> None:
-    """The store traffic of `oobleck launch`'s supervisor loop (runtime/launcher.py, every 5 ms: each
+    """The store traffic of `oobleck launch`'s supervisor loop (runtime/backends/local/launcher.py, every 5 ms: each
     worker's progress, the failure queue, the abort key), beside the coordinator as in the launcher."""
-    from oobleck.runtime import coordinator as keys
+    from oobleck.runtime.elastic import keys
 
     workers = sorted(f"{a.node}:{a.gpu}" for a in plan.ranks)
     while not stop.is_set():
@@ -233,22 +231,19 @@ class _NoDetector:
 
 
 def _worker(argv: list[str]) -> int:
-    """`python -m oobleck.runtime.reconfig`'s assembly (reconfig.main) with one piece left out."""
+    """A local worker (backends/local/worker.py) assembled by the same `build_worker`, with one piece left out."""
     import logging
 
-    import torch.distributed as dist
-
-    from oobleck.runtime import coordinator as keys
-    from oobleck.runtime import reconfig
-    from oobleck.runtime.config import load_config
-    from oobleck.runtime.coordinator import StoreTimeouts, connect, worker_id
-    from oobleck.runtime.health import FailureDetector
-    from oobleck.runtime.plansource import FilePlanSource
-    from oobleck.runtime.snapshot import snapshotter_for
-    from oobleck.runtime.worker import Worker
+    from oobleck.api.addresses import parse_host_port, worker_id
+    from oobleck.runtime.backends.base import build_worker, finish
+    from oobleck.runtime.backends.local.plan_file import FilePlanSource
+    from oobleck.runtime.elastic.health import FailureDetector
+    from oobleck.runtime.elastic.loop import run_elastic
+    from oobleck.runtime.elastic.store import FixedEndpoint, StoreTimeouts
+    from oobleck.runtime.train.config import load_config
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--without", choices=["nothing", "detector", "commit", "progress"], required=True)
+    parser.add_argument("--without", choices=["nothing", "detector", "commit"], required=True)
     parser.add_argument("--config", required=True)
     parser.add_argument("--plan-file", required=True)
     parser.add_argument("--store", required=True)
@@ -258,27 +253,18 @@ def _worker(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     config = load_config(args.config)
-    host, _, port = args.store.rpartition(":")
-    port = int(port)
+    endpoint = FixedEndpoint(*parse_host_port(args.store))
     timeouts = StoreTimeouts()
     me = worker_id(args.node, args.gpu)
     detector = (
         _NoDetector()
         if args.without == "detector"
-        else FailureDetector(config.job, me, host, port, store_timeouts=timeouts).start()
+        else FailureDetector(config.job, me, endpoint, store_timeouts=timeouts).start()
     )
-    control = reconfig.ControlStore(host, port, timeouts)
-    worker = Worker(
-        config,
-        dist.PrefixStore(keys.epoch_prefix(control.epoch), control.store),
-        args.node,
-        args.gpu,
-        failed=detector.failure,
-        losses_path=args.losses,
-        commit=None if args.without == "commit" else reconfig.StepCommit(control, detector.failure, worker=me),
-        snapshots=snapshotter_for(config, me, lambda: connect(host, port, timeouts)[0], host),
-        epoch=control.epoch,
-    )
+    built = build_worker(config, args.node, args.gpu, endpoint, detector, timeouts, losses_path=args.losses)  # type: ignore[arg-type]
+    worker = built.worker
+    if args.without == "commit":
+        worker.optimizer = worker.optimizer._inner  # the CommittingOptimizer's inner optimizer: no store decision
     profiler = None
     if os.environ.get("OVERHEAD_PROFILE"):
         import cProfile
@@ -286,16 +272,13 @@ def _worker(argv: list[str]) -> int:
         profiler = cProfile.Profile()
         profiler.enable()
     try:
-        result = reconfig.run_elastic(
-            worker, FilePlanSource(args.plan_file), detector, control, config.steps, progress=args.without != "progress"
-        )
+        result = run_elastic(worker, FilePlanSource(args.plan_file), detector, built.control, config.steps)  # type: ignore[arg-type]
     finally:
         detector.stop()
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(f"{os.environ['OVERHEAD_PROFILE']}.{args.node}")
-    if worker.snapshots is not None:
-        worker.snapshots.wait_idle(60.0)
+    finish(worker, result, snapshot_wait_s=60.0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(result.exit_code)
@@ -304,8 +287,8 @@ def _worker(argv: list[str]) -> int:
 def main() -> int:
     import torch
 
-    from oobleck.runtime.config import WorkerConfig, build_model
-    from oobleck.runtime.profiler import profile_model
+    from oobleck.runtime.train.config import WorkerConfig, build_model
+    from oobleck.runtime.train.profiler import profile_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)

@@ -45,7 +45,7 @@ def _events(workdir: Path) -> list[dict]:
 
 
 def run_oobleck(workdir: Path, steps: int, kill_step: int, heartbeats_only: bool) -> dict:
-    from oobleck.runtime.launcher import Fault, Launcher, LaunchOptions
+    from oobleck.runtime.backends.local.launcher import Fault, Launcher, LaunchOptions
 
     options = LaunchOptions(
         nodes=4,
@@ -82,7 +82,7 @@ def run_oobleck(workdir: Path, steps: int, kill_step: int, heartbeats_only: bool
 
 
 def run_oobleck_rollback(workdir: Path, steps: int, kill_step: int, snapshot_every: int) -> dict:
-    from oobleck.runtime.launcher import Fault, Launcher, LaunchOptions
+    from oobleck.runtime.backends.local.launcher import Fault, Launcher, LaunchOptions
 
     options = LaunchOptions(
         nodes=4,
@@ -131,7 +131,7 @@ def _kill_baseline_workers(workdir: Path) -> None:
 def run_baseline(workdir: Path, steps: int, kill_step: int, ckpt_every: int) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "config.json"
-    from oobleck.runtime.config import WorkerConfig
+    from oobleck.runtime.train.config import WorkerConfig
 
     config.write_text(WorkerConfig(job="baseline", microbatch_size=4, steps=steps).model_dump_json())
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
@@ -198,8 +198,8 @@ def baseline_worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from oobleck.runtime.config import build_dataset, build_model, load_config
-    from oobleck.runtime.optim import learning_rate, torch_adamw
+    from oobleck.runtime.train.config import build_dataset, build_model, load_config
+    from oobleck.runtime.train.optim import learning_rate, torch_adamw
 
     directory = Path(args.dir)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

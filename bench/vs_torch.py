@@ -4,7 +4,7 @@ Two comparisons, each on the same processes, model, global batch and accumulatio
 per process, run interleaved `--repeats` times:
 
 - `ddp`: `--ranks` single-stage pipelines of the elastic runtime (what `oobleck launch` runs:
-  `python -m oobleck.runtime.reconfig` workers against a coordinator, failure detector, interruptible
+  `python -m oobleck.runtime.backends.local.worker` workers against a coordinator, failure detector, interruptible
   waits, step commit, progress, snapshots every 10 steps; float32 gradient sums by default) against
   `torch.nn.parallel.DistributedDataParallel` over gloo: each rank runs its share of the global
   microbatches under `no_sync()` but the last, then the stock `torch.optim.AdamW` (foreach=False, as
@@ -40,7 +40,7 @@ BENCH_GPT = overhead.MODEL
 
 
 def model_config(name: str) -> dict:
-    """`--model`: "bench-gpt", a `transformers` preset of runtime/hf.py (llama-tiny, gpt3-350m, ...), or any
+    """`--model`: "bench-gpt", a `transformers` preset of runtime/models/hf.py (llama-tiny, gpt3-350m, ...), or any
     other model name the runtime knows (tiny-gpt, ...)."""
     from oobleck.api.hfpresets import PRESETS
 
@@ -105,7 +105,7 @@ def _setup(argv: list[str]):
     import torch
     import torch.distributed as dist
 
-    from oobleck.runtime.config import load_config
+    from oobleck.runtime.train.config import load_config
 
     config_path, rank, world, port, out = argv
     config = load_config(config_path)
@@ -120,8 +120,8 @@ def _ddp(argv: list[str]) -> int:
     import torch.distributed as dist
     from torch import nn
 
-    from oobleck.runtime.config import build_dataset, build_model
-    from oobleck.runtime.optim import learning_rate, torch_adamw
+    from oobleck.runtime.train.config import build_dataset, build_model
+    from oobleck.runtime.train.optim import learning_rate, torch_adamw
 
     config, rank, world, out, microbatches = *_setup(argv[:5]), int(argv[5])
     model = build_model(config)
@@ -165,8 +165,8 @@ def _pipe(argv: list[str]) -> int:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from oobleck.runtime.config import build_dataset, build_model
-    from oobleck.runtime.optim import learning_rate, torch_adamw
+    from oobleck.runtime.train.config import build_dataset, build_model
+    from oobleck.runtime.train.optim import learning_rate, torch_adamw
 
     config, rank, world, out, microbatches, split = *_setup(argv[:5]), int(argv[5]), int(argv[6])
     model = build_model(config)
@@ -228,7 +228,7 @@ def _stats_after(intervals: list[float], warmup: int) -> tuple[float, float]:
 
 
 def main() -> int:
-    from oobleck.runtime.config import WorkerConfig, build_model
+    from oobleck.runtime.train.config import WorkerConfig, build_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="bench-gpt", help="bench-gpt (the built-in GPT) or a model preset name")

@@ -556,7 +556,7 @@ def _change(
     try:
         # Every live replica of some layer gone: a fresh layout on the survivors, and the workers
         # restore the newest step their snapshots or the checkpoint directory hold in full
-        # (runtime/resolve.py); if none does they report "unrecoverable" and the job fails.
+        # (runtime/elastic/sources.py); if none does they report "unrecoverable" and the job fails.
         new_plan = next_generation(
             plan,
             profile,

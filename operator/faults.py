@@ -45,7 +45,7 @@ START_FAILURES = frozenset(
 )
 """Container waiting reasons that do not go away by themselves (the kubelet's own words)."""
 NOT_COUNTED_EXITS = frozenset({3})
-"""runtime/pod.py's EXIT_DROPPED: the plan left the worker out; that is the operator's doing."""
+"""runtime/backends/pod/main.py's EXIT_DROPPED: the plan left the worker out; that is the operator's doing."""
 RECORDS_KEPT = 8
 SIGNAL_BASE = 128
 """exit codes above it are 128 + a signal's number"""

@@ -281,7 +281,7 @@ def coordinator_pod(job: str, namespace: str, uid: str, spec: OobleckJobSpec, *,
             {
                 "name": "coordinator",
                 "image": spec.image or default_image,
-                "command": ["python", "-m", "oobleck.runtime.coordinator", "--port", str(STORE_PORT)],
+                "command": ["python", "-m", "oobleck.runtime.elastic.coordinator", "--port", str(STORE_PORT)],
                 "ports": [{"name": "store", "containerPort": STORE_PORT}],
                 # The store's process imports torch: ~580 MB resident (a 512Mi limit OOM-kills it).
                 "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
@@ -322,7 +322,7 @@ def service_account(job: str, namespace: str, uid: str) -> dict[str, Any]:
 
 
 def worker_role(job: str, namespace: str, uid: str) -> dict[str, Any]:
-    """Least privilege for workers, exactly what runtime/pod.py calls: get / list / watch their plan
+    """Least privilege for workers, exactly what runtime/backends/pod/main.py calls: get / list / watch their plan
     ConfigMap (by name), get pods (the coordinator's IP), patch pods (their own annotations)."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",

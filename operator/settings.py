@@ -16,8 +16,8 @@ from oobleck.api.job import GROUP, KIND
 from oobleck.operator.decide import Tuning
 
 DEFAULT_IMAGE = "ghcr.io/oobleck-dev/oobleck:0.1.0"
-# The elastic worker of a pod (runtime/pod.py): reads the env contract of render.py and the plan ConfigMap.
-DEFAULT_COMMAND = ("python", "-m", "oobleck.runtime.pod")
+# The elastic worker of a pod (runtime/backends/pod/main.py): reads the env contract of render.py and the plan ConfigMap.
+DEFAULT_COMMAND = ("python", "-m", "oobleck.runtime.backends.pod")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ and the rollback path all call.
     (`restore_copies`); no such step raises NoRestorePoint;
   - WORKERS_CHOOSE (the operator, which sees pods and plans only): a fresh instantiation of the same
     templates on the survivors with reason "rollback"; the workers choose the step and the sources
-    from what they post (runtime/resolve.py, which calls `restore_point`/`restore_copies` here too);
+    from what they post (runtime/elastic/sources.py, which calls `restore_point`/`restore_copies` here too);
   - None: the LostLayersError is raised (a caller that copies live state only).
 
 Pure: plain data in, a Plan out; it calls only the planner's public functions.

@@ -1,8 +1,14 @@
 """oobleck.runtime: the in-container training runtime (torch only; knows nothing about kopf).
 
-Execution: models, data, config, engine (1F1B + per-layer gradient sums), optim (AdamW keyed by
-layer), groups (process groups per plan generation), state (layer state transfer), worker,
-reference (the single-process oracle), profiler, metrics. Control: coordinator, health, plansource,
-reconfig, launcher. In a pod: kube (a small Kubernetes API client), pod (the worker pod's entry point,
-`python -m oobleck.runtime.pod`). Modules are imported on demand; this package imports nothing heavy.
+Sub-packages by layer, each importing only those before it:
+
+- `models`: the layered model interface, the built-in GPT, the `transformers` families, HF checkpoints;
+- `train`: one rank inside one plan generation (1F1B engine, process groups, AdamW, data, profiler);
+- `snapshot`: in-memory peer snapshots, their transport and holding store, the checkpoint directory;
+- `elastic`: the worker across generations, the generation loop, step commit, failure detection, the
+  coordinator's store and its keys, copy sources;
+- `backends`: how a worker learns plans and reports (`pod/` on Kubernetes, `local/` for `oobleck launch`).
+
+`errors` and `causes` are the runtime's shared vocabulary of bad input and job-caused failures.
+Modules are imported on demand; this package imports nothing heavy.
 """

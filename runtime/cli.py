@@ -56,8 +56,8 @@ def run_worker(args: argparse.Namespace) -> int:
     from torch.distributed import TCPStore
 
     from oobleck.api.plan import Plan
-    from oobleck.runtime.config import WorkerConfig, load_config
-    from oobleck.runtime.worker import Worker
+    from oobleck.runtime.elastic.worker import Worker
+    from oobleck.runtime.train.config import WorkerConfig, load_config
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.store is None:
@@ -66,7 +66,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.plan is None:
         print(
             "oobleck worker: --plan FILE (or OOBLECK_PLAN) is required: this worker runs one static plan "
-            "(the elastic loop is `python -m oobleck.runtime.reconfig`)",
+            "(the elastic loop is `python -m oobleck.runtime.backends.local.worker`)",
             file=sys.stderr,
         )
         return 2
@@ -117,9 +117,9 @@ def run_profile(args: argparse.Namespace) -> int:
     import torch
 
     from oobleck.api.hfpresets import PRESETS
-    from oobleck.runtime.config import ModelConfig, WorkerConfig, build_model, load_config
-    from oobleck.runtime.profiler import profile_model
-    from oobleck.runtime.worker import choose_device
+    from oobleck.runtime.elastic.worker import choose_device
+    from oobleck.runtime.train.config import ModelConfig, WorkerConfig, build_model, load_config
+    from oobleck.runtime.train.profiler import profile_model
 
     if args.estimate:
         return _estimate_profile(args)
@@ -200,8 +200,8 @@ def _write(text: str, out: str) -> None:
 
 
 def add_launch_parser(subparsers) -> None:
-    """`oobleck launch`: the local elastic launcher (runtime/launcher.py, its command line in launch_cli.py)."""
-    from oobleck.runtime.launch_cli import add_parser
+    """`oobleck launch`: the local elastic launcher (runtime/backends/local/launcher.py, its command line in launch_cli.py)."""
+    from oobleck.runtime.backends.local.cli import add_parser
 
     add_parser(subparsers)
 

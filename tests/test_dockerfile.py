@@ -390,7 +390,7 @@ def test_wheel_built_from_the_copied_files_installs_a_working_oobleck(tmp_path: 
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "_instantiate" in result.stdout and "_templates" in result.stdout
     coordinator = subprocess.run(
-        [sys.executable, "-m", "oobleck.runtime.coordinator", "--help"],
+        [sys.executable, "-m", "oobleck.runtime.elastic.coordinator", "--help"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -3,7 +3,7 @@
 - `nonfinite_gpt`: tiny-gpt whose loss turns NaN in the steps listed in NONFINITE_AT_STEPS (comma-separated
   global steps), for `training.onNonFinite`. Microbatch 0 of such a step runs its last layer's output
   times inf. The step is recognised from the RNG seed the engine sets before every layer of a
-  stochastic model (runtime/models.py layer_seed of seed, step, microbatch, layer), so the trigger
+  stochastic model (runtime/models/layered.py layer_seed of seed, step, microbatch, layer), so the trigger
   follows the global step through any layout, replay or restart, and nothing else changes: the model
   draws no random numbers, so its losses equal tiny-gpt's.
 - `huge_gpt`: a GPT whose layers hold HUGE_GPT_HIDDEN-wide weights (default 8192: ~1.6 GB of state per
@@ -17,7 +17,7 @@ import os
 import torch
 from torch import nn
 
-from oobleck.runtime.models import GPT, PRESETS, GPTSizes, layer_seed
+from oobleck.runtime.models.layered import GPT, PRESETS, GPTSizes, layer_seed
 
 MICROBATCHES_WATCHED = 64
 """the microbatch indices whose seeds are recognised (a global batch of more microbatches only fires on 0)"""

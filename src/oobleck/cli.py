@@ -18,8 +18,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "crds": ("oobleck.api.cli", "print, write or check the CRD YAML generated from the API models"),
     "worker": ("oobleck.runtime.cli", "run one training worker"),
     "profile": ("oobleck.runtime.cli", "measure every layer and write the planner's profile JSON"),
-    "tokenize": ("oobleck.runtime.tokenizing", "encode a text file into a token file with a tokenizers JSON file"),
-    "launch": ("oobleck.runtime.launch_cli", "run an elastic job locally: coordinator, plan controller, workers"),
+    "tokenize": (
+        "oobleck.runtime.models.tokenizing",
+        "encode a text file into a token file with a tokenizers JSON file",
+    ),
+    "launch": (
+        "oobleck.runtime.backends.local.cli",
+        "run an elastic job locally: coordinator, plan controller, workers",
+    ),
     "operator": ("oobleck.operator.cli", "run the OobleckJob operator (kopf)"),
     "simulate": (
         "oobleck.simulate.cli",

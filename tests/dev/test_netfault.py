@@ -141,9 +141,9 @@ def test_a_partitioned_worker_is_found_by_its_peers_within_half_a_second(cut_set
     import signal
     import time
 
-    from oobleck.runtime import coordinator as co
-    from oobleck.runtime.coordinator import Coordinator
-    from oobleck.runtime.health import wait_alive
+    from oobleck.runtime.elastic import keys as co
+    from oobleck.runtime.elastic.coordinator import Coordinator
+    from oobleck.runtime.elastic.health import wait_alive
 
     _, cuts, pod, _, _ = cut_setup
     workers = [f"node{i}:0" for i in range(3)]

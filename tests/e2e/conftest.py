@@ -2,7 +2,7 @@
 operator as a real process (oobleck_dev.operatorproc.OperatorProcess, the one the demo runs), and
 reads of what happened: plan generations, progress annotations, worker and operator /metrics parsed
 with prometheus_client's parser, and the per-step losses the workers logged, checked against the
-single-process reference trainer (runtime/reference.py: a no-failure run of the same job).
+single-process reference trainer (runtime/train/reference.py: a no-failure run of the same job).
 
 Every job here is a tiny GPT (the examples/tiny-gpt.yaml model; device cpu unless a test asks
 otherwise) pinned to the module's local nodes; the `job_run` fixture gives each test a namespace,
@@ -107,8 +107,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 @functools.lru_cache(maxsize=8)
 def _reference(config_json: str, global_microbatches: int) -> tuple[float, ...]:
-    from oobleck.runtime.config import WorkerConfig
-    from oobleck.runtime.reference import train_reference
+    from oobleck.runtime.train.config import WorkerConfig
+    from oobleck.runtime.train.reference import train_reference
 
     return tuple(train_reference(WorkerConfig.model_validate_json(config_json), global_microbatches).losses)
 
@@ -118,7 +118,7 @@ def reference_losses(spec: dict[str, Any]) -> tuple[float, ...]:
     depend on (model, data, optimizer, steps, seed, global batch), not by the job's shape: tests that
     share a training section share one reference run."""
     from oobleck.api.job import parse_spec
-    from oobleck.runtime.pod_config import worker_config
+    from oobleck.runtime.backends.pod.config import worker_config
 
     parsed = parse_spec(spec)
     config = worker_config(parsed, JOB, compute_device="cpu")

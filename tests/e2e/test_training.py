@@ -1,5 +1,5 @@
 """The whole loop: `kubectl apply` an OobleckJob -> the operator (a real process) -> worker pods on
-local nodes (real processes running `python -m oobleck.runtime.pod`) train -> the job Succeeds.
+local nodes (real processes running `python -m oobleck.runtime.backends.pod`) train -> the job Succeeds.
 
 Each test applies a tiny GPT job (conftest.job_spec: device cpu; 2 nodes of 2 worker processes, or 3
 nodes of one) in a namespace of its own, waits for the job's phase, and checks the exact step count
@@ -56,7 +56,7 @@ def test_job_trains_in_pods_to_the_exact_step(job_run, local_nodes):
     assert run.plan().generation == 0  # nothing failed: no reconfiguration
     assert body["status"]["reconfigurations"] == 0
     run.check_losses()
-    # Every worker ran a snapshot agent (runtime/snapshot.py): one snapshot per 10 steps, pushed to its buddy.
+    # Every worker ran a snapshot agent (runtime/snapshot/agent.py): one snapshot per 10 steps, pushed to its buddy.
     exits = run.exits(4)
     assert len(exits) == 4 and all(r["code"] == 0 and r["steps"] == steps for r in exits)
     assert all(r["snapshots"]["snapshots"] == steps // 10 and r["snapshots"]["pushed_bytes"] > 0 for r in exits), exits

@@ -351,7 +351,7 @@ def test_losing_every_replica_of_a_layer_rolls_back_and_an_unrecoverable_report_
         first = pipeline.nodes[0]
         world.pods[first] = replace(world.pods[first], phase="Failed")
     d = world.step()
-    # A fresh layout on the survivors: the workers restore from their snapshots (runtime/resolve.py).
+    # A fresh layout on the survivors: the workers restore from their snapshots (runtime/elastic/sources.py).
     assert d.plan.generation == 1 and d.plan.reason == "rollback" and not d.plan.copies
     assert cond(d.status_during, "Reconfiguring").reason == "RollingBack"
     world.apply(d)

@@ -11,7 +11,7 @@ from oobleck.api.job import MODEL_CONFIG_DIR, parse_spec
 from oobleck.operator import render
 from oobleck.operator.decide import Tuning, synthetic_profile
 from oobleck.planner.errors import PlanningError
-from oobleck.runtime.pod import worker_config
+from oobleck.runtime.backends.pod.main import worker_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -48,7 +48,7 @@ def test_config_map_and_init_from_are_mounted_read_only_and_named_in_the_worker_
 
 
 def test_preset_and_inline_config_reach_the_worker_and_build():
-    from oobleck.runtime.config import build_model
+    from oobleck.runtime.train.config import build_model
 
     config = worker_config(_spec(preset="llama-tiny", sequenceLength=16), "j")
     model = build_model(config)

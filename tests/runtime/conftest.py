@@ -19,7 +19,7 @@ import torch
 from torch.distributed import TCPStore
 
 from oobleck.api.plan import LayerCopy, Pipeline, Plan, Stage, Template, TemplateStage
-from oobleck.runtime.config import WorkerConfig
+from oobleck.runtime.train.config import WorkerConfig
 
 
 @dataclass
@@ -259,8 +259,8 @@ class LaunchKit:
     def check_against_reference(workdir: Path, summary: dict, microbatches: int) -> float:
         """Every step's loss and the final generation's parameters against single-process training;
         returns the worst relative loss difference."""
-        from oobleck.runtime.config import load_config
-        from oobleck.runtime.reference import train_reference
+        from oobleck.runtime.train.config import load_config
+        from oobleck.runtime.train.reference import train_reference
 
         config = load_config(workdir / "config.json")
         reference = train_reference(config, microbatches)
@@ -292,8 +292,8 @@ def kit() -> type[LaunchKit]:
 def uniform_profile_model():
     """tiny-gpt's measured bytes with equal per-layer times: the planner's choices become deterministic."""
     from oobleck.api.profile import ModelProfile
-    from oobleck.runtime.config import build_model
-    from oobleck.runtime.profiler import profile_model
+    from oobleck.runtime.train.config import build_model
+    from oobleck.runtime.train.profiler import profile_model
 
     measured = profile_model(build_model(WorkerConfig()), 4, torch.device("cpu"), 1, 1)
     layers = [layer.model_dump() | {"forward_ms": 1.0, "backward_ms": 2.0} for layer in measured.layers]

@@ -15,8 +15,8 @@ import torch
 from torch.distributed import TCPStore
 
 from oobleck.api.plan import Plan
-from oobleck.runtime.config import load_config
-from oobleck.runtime.worker import Worker
+from oobleck.runtime.elastic.worker import Worker
+from oobleck.runtime.train.config import load_config
 
 
 def main(argv: list[str]) -> int:

@@ -7,8 +7,8 @@ import torch
 
 from oobleck.api.causes import EXIT_CODES, parse_cause
 from oobleck.runtime.causes import JobFault, blame, classify
-from oobleck.runtime.config import ModelConfig, WorkerConfig
-from oobleck.runtime.worker import Worker
+from oobleck.runtime.elastic.worker import Worker
+from oobleck.runtime.train.config import ModelConfig, WorkerConfig
 
 
 def test_memory_and_cuda_errors_say_what_they_are_anywhere():
@@ -43,7 +43,7 @@ def test_a_worker_whose_entry_point_does_not_import_raises_model_load_failed():
 
 
 def test_a_worker_whose_token_file_is_missing_raises_data_unavailable(tmp_path):
-    from oobleck.runtime.config import DataConfig
+    from oobleck.runtime.train.config import DataConfig
 
     config = WorkerConfig(data=DataConfig(kind="file", path=str(tmp_path / "none.bin")), device="cpu")
     with pytest.raises(JobFault) as caught:

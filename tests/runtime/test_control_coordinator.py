@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from oobleck.runtime import coordinator as co
-from oobleck.runtime.coordinator import Coordinator, StoreTimeouts, StoreUnavailable, connect
+from oobleck.runtime.elastic import keys as co
+from oobleck.runtime.elastic.coordinator import Coordinator
+from oobleck.runtime.elastic.store import StoreTimeouts, StoreUnavailable, connect, is_store_loss
 
 FAST = StoreTimeouts(connect_s=5.0, op_s=2.0, reconnect_s=10.0, retry_s=0.02)
 
@@ -64,7 +65,7 @@ def test_clients_survive_a_restarted_coordinator_with_a_new_epoch():
     coordinator.stop()
     with pytest.raises(RuntimeError) as lost:
         client.add(co.heartbeat_key("n0:0"), 1)
-    assert co.is_store_loss(lost.value)
+    assert is_store_loss(lost.value)
     # A worker retries in the background while the coordinator is being recreated.
     result: list = []
     thread = threading.Thread(target=lambda: result.append(connect("127.0.0.1", port, FAST)))
@@ -125,7 +126,7 @@ def test_rendezvous_under_the_new_epoch_after_a_coordinator_loss():
 def test_module_entry_point_serves_until_sigterm(tmp_path):
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "oobleck.runtime.coordinator", "--host", "127.0.0.1", "--port", "0"],
+        [sys.executable, "-m", "oobleck.runtime.elastic.coordinator", "--host", "127.0.0.1", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

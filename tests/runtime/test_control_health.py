@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from oobleck.runtime import coordinator as co
-from oobleck.runtime.coordinator import Coordinator, StoreTimeouts, connect
-from oobleck.runtime.health import (
+from oobleck.runtime.elastic import keys as co
+from oobleck.runtime.elastic.coordinator import Coordinator
+from oobleck.runtime.elastic.health import (
     CallbackFailureReporter,
     FailureDetector,
     FailureReport,
@@ -35,6 +35,7 @@ from oobleck.runtime.health import (
     probe_liveness,
     wait_alive,
 )
+from oobleck.runtime.elastic.store import StoreTimeouts, connect
 
 FAST = StoreTimeouts(connect_s=5.0, op_s=2.0, reconnect_s=20.0, retry_s=0.02)
 ENV = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}

@@ -1,6 +1,6 @@
 """`oobleck launch` end to end: real coordinator, real worker processes (gloo), real SIGKILLs.
 
-Every run is compared with E1's single-process reference trainer (runtime/reference.py): the loss of
+Every run is compared with E1's single-process reference trainer (runtime/train/reference.py): the loss of
 every step within LOSS_RTOL relative (the engine's documented tolerance), the final parameters
 within PARAM_ATOL (both in tests/runtime/conftest.py, served by the `kit` fixture), and the step count exact. `gpu_memory` is set so that the planner must use
 2- and 3-node pipeline templates: losing a node then really moves layers between survivors.
@@ -110,7 +110,7 @@ def test_the_coordinator_lost_and_recreated_mid_run(kit, tmp_path, uniform_profi
 
 def test_a_kill_during_a_reconfiguration(kit, tmp_path):
     """A second worker dies while the survivors of the first kill rendezvous and copy layers."""
-    from oobleck.runtime.launcher import Fault, Launcher, LaunchOptions
+    from oobleck.runtime.backends.local.launcher import Fault, Launcher, LaunchOptions
 
     options = LaunchOptions(
         nodes=7,

@@ -14,7 +14,9 @@ import pytest
 
 from oobleck.api import planmap
 from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
-from oobleck.runtime.plansource import ConfigMapPlanSource, FilePlanSource, PlanSourceError, PlanWatcher, write_plan
+from oobleck.runtime.backends.local.plan_file import FilePlanSource, write_plan
+from oobleck.runtime.backends.pod.plan_configmap import ConfigMapPlanSource
+from oobleck.runtime.elastic.plans import PlanSourceError, PlanWatcher
 
 # A functional bound, not a benchmark: the watcher polls every few ms, but a loaded 2-core machine
 # can hold a thread off the CPU for a tenth of a second (measured: 160 ms once under load 9).

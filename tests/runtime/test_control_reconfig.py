@@ -9,9 +9,10 @@ import pytest
 
 from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
 from oobleck.planner.errors import PlanningError
-from oobleck.runtime.coordinator import Coordinator, StoreTimeouts
-from oobleck.runtime.plancontrol import copy_plan, layout_holdings, replan
-from oobleck.runtime.reconfig import ControlStore, StepCommit
+from oobleck.runtime.backends.local.plan_control import copy_plan, layout_holdings, replan
+from oobleck.runtime.elastic.coordinator import Coordinator
+from oobleck.runtime.elastic.loop import ControlStore, StepCommit
+from oobleck.runtime.elastic.store import StoreTimeouts
 
 FAST = StoreTimeouts(connect_s=5.0, op_s=2.0, reconnect_s=30.0, retry_s=0.02)
 
@@ -65,7 +66,7 @@ def test_commit_and_abort_racing_still_agree(seed):
 def test_consecutive_commits_drop_the_keys_of_steps_every_rank_is_past(world):
     """Steps 0..5 commit; each step's keys go once every rank is past their decision (two steps on),
     so a long job's store stays small; the two newest steps' keys remain."""
-    from oobleck.runtime import coordinator as keys
+    from oobleck.runtime.elastic import keys
 
     with Coordinator() as coordinator:
         controls = [ControlStore("127.0.0.1", coordinator.port, FAST) for _ in range(world)]
@@ -175,7 +176,7 @@ def test_a_pending_rank_decides_itself_when_no_controller_reposts(peer_applied):
     operator cannot read the store). After self_decide_s it posts the verdict the peers' reports imply."""
     import json
 
-    from oobleck.runtime import coordinator as keys
+    from oobleck.runtime.elastic import keys
 
     with Coordinator() as coordinator:
         control = ControlStore("127.0.0.1", coordinator.port, FAST)

@@ -11,13 +11,13 @@ import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 from torch.distributed import TCPStore
 
-from oobleck.runtime.config import OptimConfig, WorkerConfig, load_config
-from oobleck.runtime.engine import one_f_one_b
-from oobleck.runtime.groups import Interrupted, group_specs, layout, rows, wait
-from oobleck.runtime.models import load_model
-from oobleck.runtime.optim import LayerAdamW, learning_rate, torch_adamw
-from oobleck.runtime.reference import train_reference
-from oobleck.runtime.state import flatten, state_nbytes, unflatten
+from oobleck.runtime.models.layered import load_model
+from oobleck.runtime.train.config import OptimConfig, WorkerConfig, load_config
+from oobleck.runtime.train.engine import one_f_one_b
+from oobleck.runtime.train.groups import Interrupted, group_specs, layout, rows, wait
+from oobleck.runtime.train.layer_state import flatten, state_nbytes, unflatten
+from oobleck.runtime.train.optim import LayerAdamW, learning_rate, torch_adamw
+from oobleck.runtime.train.reference import train_reference
 
 
 def test_one_f_one_b_orders():
@@ -188,7 +188,7 @@ def test_config_errors_name_the_field(tmp_path):
 
 def test_building_groups_is_interruptible(plan_builder):
     """A member that never arrives: the failure event ends the rendezvous, not the connect timeout."""
-    from oobleck.runtime.groups import GenerationGroups
+    from oobleck.runtime.train.groups import GenerationGroups
 
     make_plan, Spec = plan_builder
     plan = make_plan([Spec(stages=[(0, 3, 0, 1), (3, 6, 1, 1)], microbatches=2)], num_layers=6, f=0, job="lonely")

@@ -1,6 +1,6 @@
 """THE equivalence test: distributed execution of a plan equals single-process training.
 
-Real worker processes, gloo on CPU. Tolerance (see runtime/engine.py): loss within 1e-5 relative at
+Real worker processes, gloo on CPU. Tolerance (see runtime/train/engine.py): loss within 1e-5 relative at
 every step, final parameters within 1e-5 absolute, replicas of a layer bitwise identical.
 """
 
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from oobleck.runtime.config import OptimConfig, WorkerConfig
-from oobleck.runtime.reference import train_reference
+from oobleck.runtime.train.config import OptimConfig, WorkerConfig
+from oobleck.runtime.train.reference import train_reference
 
 pytestmark = pytest.mark.slow  # real worker processes
 STEPS = 20
@@ -107,8 +107,8 @@ def test_planner_made_plan_matches_reference(tmp_path, workers):
     """A plan from the real planner, fed with this runtime's own profile of the model."""
     instantiate = pytest.importorskip("oobleck.planner.instantiate", reason="the planner is not built")
     from oobleck.api.profile import ClusterShape
-    from oobleck.runtime.config import build_model
-    from oobleck.runtime.profiler import profile_model
+    from oobleck.runtime.train.config import build_model
+    from oobleck.runtime.train.profiler import profile_model
 
     torch.set_num_threads(1)
     profile = profile_model(build_model(CONFIG), CONFIG.microbatch_size, torch.device("cpu"), warmup=1, iterations=3)

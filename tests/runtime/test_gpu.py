@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from oobleck.runtime.config import OptimConfig, WorkerConfig
-from oobleck.runtime.reference import train_reference
-from oobleck.runtime.worker import Worker
+from oobleck.runtime.elastic.worker import Worker
+from oobleck.runtime.train.config import OptimConfig, WorkerConfig
+from oobleck.runtime.train.reference import train_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

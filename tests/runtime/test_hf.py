@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from oobleck.runtime.errors import ModelLoadError
-from oobleck.runtime.hf import PRESETS, TransformersModel, load_transformers
-from oobleck.runtime.hfcheckpoint import INDEX, is_complete, write_checkpoint
+from oobleck.runtime.models.hf import PRESETS, TransformersModel, load_transformers
+from oobleck.runtime.models.hf_checkpoint import INDEX, is_complete, write_checkpoint
 
 SEQ = 16
 TINY_GPT2 = {
@@ -217,10 +217,10 @@ def test_checkpoint_steps_in_huggingface_format_from_captured_layer_state(tmp_pa
     a loadable directory per checkpoint step."""
     from transformers import AutoModelForCausalLM
 
-    from oobleck.runtime.config import OptimConfig
-    from oobleck.runtime.hfcheckpoint import step_directory, write_flat_layers
-    from oobleck.runtime.optim import LayerAdamW
-    from oobleck.runtime.state import flatten
+    from oobleck.runtime.models.hf_checkpoint import step_directory, write_flat_layers
+    from oobleck.runtime.train.config import OptimConfig
+    from oobleck.runtime.train.layer_state import flatten
+    from oobleck.runtime.train.optim import LayerAdamW
 
     model = load_transformers(None, TINY_GPT2, seed=4)
     optimizer = LayerAdamW(OptimConfig())

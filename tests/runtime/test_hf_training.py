@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oobleck.runtime.config import OptimConfig, WorkerConfig
-from oobleck.runtime.hf import load_transformers
+from oobleck.runtime.models.hf import load_transformers
+from oobleck.runtime.train.config import OptimConfig, WorkerConfig
 
 from .test_equivalence import assert_matches_reference
 
@@ -77,7 +77,7 @@ def test_llama_tiny_two_stage_pipelines_match_reference(tmp_path, plan_builder, 
 def test_a_finished_run_is_a_transformers_checkpoint_and_init_from_continues_it(tmp_path, plan_builder, workers):
     from transformers import AutoModelForCausalLM
 
-    from oobleck.runtime.hfcheckpoint import is_complete
+    from oobleck.runtime.models.hf_checkpoint import is_complete
 
     make_plan, Spec = plan_builder
     plan = make_plan(

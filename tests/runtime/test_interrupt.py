@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from oobleck.runtime.config import OptimConfig, WorkerConfig
-from oobleck.runtime.groups import CommError, Interrupted
-from oobleck.runtime.reference import train_reference
-from oobleck.runtime.worker import Worker
+from oobleck.runtime.elastic.worker import Worker
+from oobleck.runtime.train.config import OptimConfig, WorkerConfig
+from oobleck.runtime.train.groups import CommError, Interrupted
+from oobleck.runtime.train.reference import train_reference
 
 CONFIG = WorkerConfig(
     job="interrupt",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from kubernetes.client import ApiException
 
-from oobleck.runtime.kube import Kube, KubeConfigError, api_error_text
+from oobleck.runtime.backends.pod.kube import Kube, KubeConfigError, api_error_text
 
 
 def test_in_cluster_config_reads_the_serviceaccount_folder(tmp_path):

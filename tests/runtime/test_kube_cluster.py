@@ -23,11 +23,11 @@ from oobleck.api.job import parse_spec
 from oobleck.api.plan import Plan
 from oobleck.operator import render
 from oobleck.operator.decide import Tuning, cluster_shape, synthetic_profile
-from oobleck.runtime.health import FailureReport
-from oobleck.runtime.kube import ApiException, Kube, WatchTimeouts, api_error_text
-from oobleck.runtime.plansource import ConfigMapPlanSource
-from oobleck.runtime.pod_coordinator import CoordinatorAddress
-from oobleck.runtime.pod_report import PodFailureReporter, ProgressReporter
+from oobleck.runtime.backends.pod.coordinator_link import CoordinatorAddress
+from oobleck.runtime.backends.pod.kube import ApiException, Kube, WatchTimeouts, api_error_text
+from oobleck.runtime.backends.pod.plan_configmap import ConfigMapPlanSource
+from oobleck.runtime.backends.pod.report import PodFailureReporter, ProgressReporter
+from oobleck.runtime.elastic.health import FailureReport
 
 pytestmark = [pytest.mark.cluster]
 JOB = "kube"
@@ -183,8 +183,9 @@ def test_the_worker_token_gets_clear_refusals_beyond_its_role(world):
 def test_store_connection_follows_the_coordinator_pod_to_a_new_ip(cluster, world):
     """connect_resolving reads the pod IP again between attempts: a recreated coordinator pod may have a
     new IP. The store listens on every local address, so the stale IP is one no packet reaches."""
-    from oobleck.runtime.coordinator import Coordinator, StoreTimeouts
-    from oobleck.runtime.pod_coordinator import connect_resolving
+    from oobleck.runtime.backends.pod.coordinator_link import connect_resolving
+    from oobleck.runtime.elastic.coordinator import Coordinator
+    from oobleck.runtime.elastic.store import StoreTimeouts
     from oobleck_dev.controlplane import free_port
 
     ns, pod = world["ns"], render.coordinator_name(JOB)

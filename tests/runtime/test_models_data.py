@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from oobleck.runtime.data import SyntheticTokens, TokenFile, mix
-from oobleck.runtime.models import GPT, PRESETS, LayeredModel, load_model, output_spec
+from oobleck.runtime.models.layered import GPT, PRESETS, LayeredModel, load_model, output_spec
+from oobleck.runtime.train.data import SyntheticTokens, TokenFile, mix
 
 
 def test_layer_weights_are_a_function_of_seed_and_index_only():
@@ -76,7 +76,7 @@ def test_entry_point_models(tmp_path, monkeypatch):
         textwrap.dedent("""
         import torch
         from torch import nn
-        from oobleck.runtime.models import LayerList
+        from oobleck.runtime.models.layered import LayerList
 
         def mlp(seed=0, width=8):
             return LayerList(

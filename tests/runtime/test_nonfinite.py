@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from oobleck.runtime.config import load_config
-from oobleck.runtime.nonfinite import find_non_finite
-from oobleck.runtime.reference import train_reference
+from oobleck.runtime.train.config import load_config
+from oobleck.runtime.train.numerics import find_non_finite
+from oobleck.runtime.train.reference import train_reference
 
 # Serial with the other launcher tests (each runs several processes): see test_control_launcher.py.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-processes")]
@@ -90,7 +90,7 @@ def test_rollback_restores_the_newest_snapshot_and_goes_on_with_the_next_data(ki
     # Step 6 runs from the state before step 4 (the reference's after 4 steps) with step 6's data.
     config = load_config(tmp_path / "config.json")
     reference = train_reference(config, MICROBATCHES, steps=4)
-    from oobleck.runtime.config import build_dataset, build_model
+    from oobleck.runtime.train.config import build_dataset, build_model
 
     model = build_model(config)
     data = build_dataset(config, model)

@@ -10,12 +10,12 @@ import yaml
 
 from oobleck.api.contract import WORKER_PORT, ExitCode, PodContract
 from oobleck.api.job import parse_spec
-from oobleck.runtime.config import build_model
-from oobleck.runtime.health import FailureReport
-from oobleck.runtime.optim import learning_rate
-from oobleck.runtime.pod_config import PodEnv, worker_config
-from oobleck.runtime.pod_coordinator import coordinator_ip
-from oobleck.runtime.pod_report import failure_annotation, progress_annotation
+from oobleck.runtime.backends.pod.config import PodEnv, worker_config
+from oobleck.runtime.backends.pod.coordinator_link import coordinator_ip
+from oobleck.runtime.backends.pod.report import failure_annotation, progress_annotation
+from oobleck.runtime.elastic.health import FailureReport
+from oobleck.runtime.train.config import build_model
+from oobleck.runtime.train.optim import learning_rate
 
 REPO = Path(__file__).parents[2]
 
@@ -227,14 +227,14 @@ def test_coordinator_ip_only_of_a_running_pod():
 def test_operator_default_command_is_the_pod_entry_point():
     from oobleck.operator.settings import DEFAULT_COMMAND
 
-    assert DEFAULT_COMMAND == ("python", "-m", "oobleck.runtime.pod")
+    assert DEFAULT_COMMAND == ("python", "-m", "oobleck.runtime.backends.pod")
 
 
 def test_supervisor_takes_the_pod_down_with_its_first_failed_gpu_worker():
     import sys
     import time
 
-    from oobleck.runtime.pod_supervise import supervise
+    from oobleck.runtime.backends.pod.supervise import supervise
 
     env = PodEnv.from_env(ENV)  # 2 GPUs per node
     # Child `--gpu 0` fails at once with 7; `--gpu 1` would run for a minute unless terminated.
@@ -253,7 +253,7 @@ def test_gloo_groups_listen_on_the_bound_address():
     import torch
     import torch.distributed as dist
 
-    from oobleck.runtime import groups
+    from oobleck.runtime.train import groups
 
     address = "127.0.7.3"
     server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)

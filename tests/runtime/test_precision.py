@@ -1,7 +1,7 @@
 """Precision (bf16 autocast), activation recomputation, gradient clipping and float32 gradient sums.
 
 Pure single-process checks first, then real worker processes (gloo on CPU) against the single-process
-reference trainer (runtime/reference.py), which runs the same layer code and clips with the stock
+reference trainer (runtime/train/reference.py), which runs the same layer code and clips with the stock
 `torch.nn.utils.clip_grad_norm_`.
 """
 
@@ -15,12 +15,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from oobleck.runtime.compute import autocast, run_layer
-from oobleck.runtime.config import ModelConfig, OptimConfig, WorkerConfig, build_model
-from oobleck.runtime.groups import group_specs
-from oobleck.runtime.models import layer_seed
-from oobleck.runtime.profiler import profile_model
-from oobleck.runtime.reference import ReferenceResult, train_reference
+from oobleck.runtime.models.layered import layer_seed
+from oobleck.runtime.train.compute import autocast, run_layer
+from oobleck.runtime.train.config import ModelConfig, OptimConfig, WorkerConfig, build_model
+from oobleck.runtime.train.groups import group_specs
+from oobleck.runtime.train.profiler import profile_model
+from oobleck.runtime.train.reference import ReferenceResult, train_reference
 
 CPU = torch.device("cpu")
 BASE = WorkerConfig(
@@ -162,8 +162,8 @@ def reference_in_a_fresh_process(config: WorkerConfig, microbatches: int, folder
     (folder / "reference-config.json").write_text(config.model_dump_json())
     script = (
         "import sys, torch\n"
-        "from oobleck.runtime.config import load_config\n"
-        "from oobleck.runtime.reference import train_reference\n"
+        "from oobleck.runtime.train.config import load_config\n"
+        "from oobleck.runtime.train.reference import train_reference\n"
         "r = train_reference(load_config(sys.argv[1]), int(sys.argv[2]))\n"
         "torch.save({'losses': r.losses, 'layers': r.layers}, sys.argv[3])\n"
     )

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from oobleck.api.profile import ModelProfile
-from oobleck.runtime.metrics import WorkerMetrics
-from oobleck.runtime.models import load_model
-from oobleck.runtime.profiler import profile_model
+from oobleck.runtime.models.layered import load_model
+from oobleck.runtime.train.metrics import WorkerMetrics
+from oobleck.runtime.train.profiler import profile_model
 
 
 def test_profile_measures_every_layer():

@@ -1,4 +1,4 @@
-"""Members of a generation settle their copy sources from what they actually hold (runtime/resolve.py).
+"""Members of a generation settle their copy sources from what they actually hold (runtime/elastic/sources.py).
 
 Unit tests of the pure choice, then whole jobs through `oobleck launch --controller layouts`: the
 controller proposes copies from layouts alone, as the operator does, and the workers fix them - after
@@ -15,7 +15,7 @@ import pytest
 from oobleck.api.profile import ClusterShape
 from oobleck.planner.instantiate import plan_job
 from oobleck.planner.reconfigure import reconfigure
-from oobleck.runtime.resolve import Holding, Unrecoverable, resolve
+from oobleck.runtime.elastic.sources import Holding, Unrecoverable, resolve
 
 PIPELINED_MEMORY = 1_400_000  # bytes: tiny-gpt needs 2-3 nodes per pipeline
 STATE = [30728, 152496, 152496, 152496, 152496, 25356]
@@ -160,7 +160,7 @@ def test_workers_roll_back_on_their_own_when_the_controller_knows_only_layouts(k
 def test_a_kill_during_a_reconfiguration_with_a_controller_that_knows_only_layouts(kit, tmp_path):
     """The second kill lands while survivors copy layers: the next proposal names sources that may not
     hold what the layout says; the workers settle the copies from what they hold."""
-    from oobleck.runtime.launcher import Fault, Launcher, LaunchOptions
+    from oobleck.runtime.backends.local.launcher import Fault, Launcher, LaunchOptions
 
     options = LaunchOptions(
         nodes=7,

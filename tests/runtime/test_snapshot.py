@@ -1,4 +1,4 @@
-"""Snapshots beyond f failures (runtime/snapshot.py): the pure choices, the host store, the buddy
+"""Snapshots beyond f failures (runtime/snapshot/agent.py): the pure choices, the host store, the buddy
 transport over real sockets, the checkpoint directory, and a capture that restores bit for bit.
 
 Plans come from the real planner on tiny-gpt's measured state bytes with uniform layer times, so the
@@ -17,18 +17,18 @@ import torch
 from oobleck.api.profile import ClusterShape, ModelProfile
 from oobleck.planner.instantiate import plan_job
 from oobleck.planner.nextgen import NoRestorePoint, Restorable, next_generation, restore_copies, restore_point
-from oobleck.runtime.checkpoint import (
+from oobleck.runtime.snapshot.agent import buddy_of
+from oobleck.runtime.snapshot.checkpoint_dir import (
     checkpoint_holdings,
     prune_checkpoints,
     read_checkpoint_layer,
     write_checkpoint_layer,
 )
-from oobleck.runtime.config import WorkerConfig, build_model
-from oobleck.runtime.optim import LayerAdamW
-from oobleck.runtime.snapshot import buddy_of
-from oobleck.runtime.snapshotstore import SnapshotStore
-from oobleck.runtime.snaptransport import SnapshotServer, push
-from oobleck.runtime.state import capture, flatten, unflatten
+from oobleck.runtime.snapshot.holding import SnapshotStore
+from oobleck.runtime.snapshot.transport import SnapshotServer, push
+from oobleck.runtime.train.config import WorkerConfig, build_model
+from oobleck.runtime.train.layer_state import capture, flatten, unflatten
+from oobleck.runtime.train.optim import LayerAdamW
 
 PIPELINED_MEMORY = 1_400_000
 
@@ -168,7 +168,7 @@ def test_a_push_lands_in_the_buddys_store_and_a_broken_one_does_not():
         assert torch.equal(store.get(8, 2), layers[2])
         # An owner that dies mid-push: nothing of that push is reported.
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
-            from oobleck.runtime.snaptransport import _send_message
+            from oobleck.runtime.snapshot.transport import _send_message
 
             _send_message(
                 sock, {"kind": "layer", "step": 12, "layer": 1, "nbytes": 1000}, torch.zeros(10, dtype=torch.uint8)
@@ -226,10 +226,10 @@ def test_workers_roll_back_from_own_and_peer_snapshots_and_replay_exactly(profil
     from torch.distributed import TCPStore
 
     from oobleck.api.plan import LayerCopy
-    from oobleck.runtime.coordinator import held_key
-    from oobleck.runtime.reference import train_reference
-    from oobleck.runtime.snapshot import Snapshotter
-    from oobleck.runtime.worker import Worker
+    from oobleck.runtime.elastic.keys import held_key
+    from oobleck.runtime.elastic.worker import Worker
+    from oobleck.runtime.snapshot.agent import Snapshotter
+    from oobleck.runtime.train.reference import train_reference
 
     config = WorkerConfig(job="rollback", microbatch_size=2, steps=6, device="cpu", gradient_sum_dtype="float64")
     first = plan_job(

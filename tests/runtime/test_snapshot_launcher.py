@@ -76,7 +76,7 @@ def test_layers_no_snapshot_holds_are_restored_from_the_checkpoint_directory(kit
     assert rollback["restore_step"] == 6
     # Layers 0-2 (whose holders died) from the directory, 3-5 from the survivor's own capture of step 6.
     assert rollback["restore_sources"] == {"own-snapshot": 3, "checkpoint": 3}
-    from oobleck.runtime.checkpoint import checkpoint_holdings
+    from oobleck.runtime.snapshot.checkpoint_dir import checkpoint_holdings
 
     held = checkpoint_holdings(checkpoints)
     assert held[9] == set(range(6)), "the replay writes on"

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from oobleck.cli import main
-from oobleck.runtime.data import TokenFile
 from oobleck.runtime.errors import DataError
+from oobleck.runtime.train.data import TokenFile
 
 TEXT = "the quick brown fox jumps over the lazy dog\n" * 50 + "pack my box with five dozen liquor jugs\n" * 50
 

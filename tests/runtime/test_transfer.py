@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from oobleck.runtime.config import OptimConfig, WorkerConfig
-from oobleck.runtime.reference import train_reference
+from oobleck.runtime.train.config import OptimConfig, WorkerConfig
+from oobleck.runtime.train.reference import train_reference
 
 pytestmark = pytest.mark.slow  # real worker processes
 DRIVER = Path(__file__).with_name("drive_worker.py")

@@ -31,7 +31,7 @@ EXIT_CODES: dict[str, int] = {
     "NonFiniteLoss": 14,
     "CudaError": 15,
 }
-"""The worker's exit code per kind (0-5 are the runtime's own: runtime/pod.py; 137 is a SIGKILL)."""
+"""The worker's exit code per kind (0-5 are the runtime's own: runtime/backends/pod/main.py; 137 is a SIGKILL)."""
 
 KIND_OF_EXIT = {code: kind for kind, code in EXIT_CODES.items()}
 

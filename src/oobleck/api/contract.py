@@ -4,7 +4,7 @@ What a worker pod may rely on, and what the operator may rely on from it:
 
 - `PodContract`: the worker container's environment. The operator builds one per worker pod
   (operator/render.py `worker_pod`: `contract.to_env()`); the pod parses it back
-  (runtime/pod_config.py: `PodContract.from_env(os.environ)`, errors naming the variable).
+  (runtime/backends/pod/config.py: `PodContract.from_env(os.environ)`, errors naming the variable).
 - Ports: STORE_PORT (the coordinator's TCPStore) and WORKER_PORT (a worker pod's /metrics; local GPU g
   serves on WORKER_PORT + g).
 - `ExitCode`: what a worker pod's exit status means.
@@ -32,7 +32,7 @@ WORKER_PORT = 29500
 
 
 class ExitCode(enum.IntEnum):
-    """A worker pod's exit status (and an elastic worker process's, runtime/reconfig.py)."""
+    """A worker pod's exit status (and an elastic worker process's, runtime/elastic/loop.py)."""
 
     DONE = 0
     """the job's last step is done"""
@@ -55,7 +55,7 @@ RANKS_ANNOTATION = f"{GROUP}/ranks"
 """On a worker pod, by the operator: comma-separated ranks of local GPUs 0..G-1 in the plan in force
 (empty: not in it); patched only after the ConfigMap holds the generation, and only when they change"""
 FAILURE_ANNOTATION = f"{GROUP}/failure-report"
-"""On a worker pod, by its runtime: a oobleck.runtime.health.FailureReport as JSON (`job`, `generation`,
+"""On a worker pod, by its runtime: a oobleck.runtime.elastic.health.FailureReport as JSON (`job`, `generation`,
 `reporter`, `kind`, `dead` as plan node ids, `detail`)"""
 PROGRESS_ANNOTATION = f"{GROUP}/progress"
 """On a worker pod, by its runtime: `{"generation", "step", "loss", "samplesPerSecond"}` (rate-limited,

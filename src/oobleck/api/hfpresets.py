@@ -1,6 +1,6 @@
 """Built-in Hugging Face configs (config.json fields) and their sizes, without torch or transformers.
 
-The API names the presets (model.transformers.preset), the runtime builds them (runtime/hf.py), and the
+The API names the presets (model.transformers.preset), the runtime builds them (runtime/models/hf.py), and the
 operator estimates a profile from their sizes before the workers measure one (operator/decide.py).
 """
 

@@ -1,0 +1,29 @@
+"""The worker of a pod: an elastic Worker that reports its progress on the pod and times its recovery."""
+
+from __future__ import annotations
+
+import time
+
+from oobleck.runtime.backends.pod.report import ProgressReporter
+from oobleck.runtime.elastic.worker import Worker
+from oobleck.runtime.train.engine import StepOutcome
+
+
+class PodWorker(Worker):
+    def __init__(self, *args, progress: ProgressReporter | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.progress = progress
+
+    def abandon(self) -> None:
+        # run_elastic abandons a generation right after it broke: recovery_seconds runs from here to the
+        # first step completed in the next one.
+        if self.engine is not None and self.failure_time is None:
+            self.failure_time = time.monotonic()
+        super().abandon()
+
+    def train_step(self) -> StepOutcome:
+        outcome = super().train_step()
+        if self.progress is not None and self.plan is not None:
+            rate = outcome.samples / outcome.seconds if outcome.seconds > 0 else None
+            self.progress.update(self.plan.generation, self.step, outcome.loss, rate)
+        return outcome

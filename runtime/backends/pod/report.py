@@ -1,0 +1,166 @@
+"""A worker pod's reports: annotations on its own pod (failures, progress, the measured profile)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+from oobleck.api.contract import FAILURE_ANNOTATION, PROGRESS_ANNOTATION
+from oobleck.runtime.backends.pod.kube import TRANSPORT_ERRORS, ApiException, Kube
+
+log = logging.getLogger("oobleck.runtime.backends.pod.main")
+
+_REPORT_ERRORS: tuple[type[BaseException], ...] = (ApiException, *TRANSPORT_ERRORS)
+
+
+def node_of(worker: str) -> str:
+    """The plan node id of a worker id `node:gpu` (coordinator.worker_id)."""
+    return worker.rsplit(":", 1)[0] if ":" in worker else worker
+
+
+def failure_annotation(report) -> str:
+    """FAILURE_ANNOTATION's value for a health.FailureReport: `dead` as plan node ids (the operator's unit)."""
+    body = report.to_dict()
+    body["dead"] = list(dict.fromkeys(node_of(d) for d in report.dead))
+    return json.dumps(body, sort_keys=True)
+
+
+def annotate(kube: Kube, namespace: str, pod: str, annotations: dict[str, str], attempts: int = 3) -> None:
+    """Merge `annotations` into the pod's; retries transport errors and 5xx/429, not refusals (403 stays 403)."""
+    for attempt in range(attempts):
+        try:
+            kube.annotate_pod(namespace, pod, annotations)
+            return
+        except ApiException as error:
+            if (error.status < 500 and error.status != 429) or attempt == attempts - 1:
+                raise
+        except TRANSPORT_ERRORS:
+            if attempt == attempts - 1:
+                raise
+        time.sleep(0.2 * (attempt + 1))
+
+
+class PodFailureReporter:
+    """health.FailureReporter for a pod: writes FAILURE_ANNOTATION on the worker's own pod."""
+
+    def __init__(self, kube: Kube, namespace: str, pod: str) -> None:
+        self.kube, self.namespace, self.pod = kube, namespace, pod
+
+    def report(self, report) -> None:
+        annotate(self.kube, self.namespace, self.pod, {FAILURE_ANNOTATION: failure_annotation(report)})
+
+
+def progress_annotation(
+    generation: int, step: int, loss: float | None = None, samples_per_second: float | None = None
+) -> str:
+    """PROGRESS_ANNOTATION's value: `{"generation", "step"}` and, when known, `"loss"` (the global mean
+    loss of the newest step whose loss this worker saw) and `"samplesPerSecond"` (global throughput of
+    the last step), rounded to what a status line needs."""
+    body: dict[str, Any] = {"generation": generation, "step": step}
+    if loss is not None and math.isfinite(loss):
+        body["loss"] = float(f"{loss:.6g}")
+    if samples_per_second is not None and math.isfinite(samples_per_second):
+        body["samplesPerSecond"] = round(samples_per_second, 3)
+    return json.dumps(body)
+
+
+class ProgressReporter:
+    """PROGRESS_ANNOTATION (`progress_annotation`) on the worker's own pod.
+
+    `update` never blocks the training loop: a daemon thread writes the newest value at most every
+    `min_interval_s` (a step of a tiny model takes milliseconds; the API server must not see one
+    patch per step). `flush` writes the newest value now and waits for it: the final step is always
+    reported, since the operator marks the job Succeeded from it. Values are ordered by (step,
+    generation): an older one never overwrites a newer one; loss and throughput ride along."""
+
+    def __init__(self, kube: Kube, namespace: str, pod: str, min_interval_s: float = 1.0) -> None:
+        self.kube, self.namespace, self.pod = kube, namespace, pod
+        self.min_interval_s = min_interval_s
+        self._cond = threading.Condition()
+        self._write_lock = threading.Lock()
+        self._latest: tuple[int, int] | None = None
+        self._extra: tuple[float | None, float | None] = (None, None)
+        self._written: tuple[int, int] | None = None
+        self._last_write = 0.0
+        self._stop = False
+        self.writes = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="oobleck-progress", daemon=True)
+        self._thread.start()
+
+    def update(
+        self, generation: int, step: int, loss: float | None = None, samples_per_second: float | None = None
+    ) -> None:
+        """The newest progress; a None loss or throughput keeps the last known one."""
+        with self._cond:
+            self._latest = (generation, step)
+            last_loss, last_rate = self._extra
+            self._extra = (
+                last_loss if loss is None else loss,
+                last_rate if samples_per_second is None else samples_per_second,
+            )
+            self._cond.notify_all()
+
+    def _write_if_newer(self, value: tuple[int, int], extra: tuple[float | None, float | None]) -> None:
+        """Write `value` (with its loss and throughput, taken with it: they describe the same step) unless
+        a later step is already on the pod (the thread and flush never undo each other)."""
+        loss, rate = extra
+        with self._write_lock:
+            with self._cond:
+                written = self._written
+            if written is not None and (value[1], value[0]) <= (written[1], written[0]):
+                return
+            text = progress_annotation(value[0], value[1], loss, rate)
+            annotate(self.kube, self.namespace, self.pod, {PROGRESS_ANNOTATION: text})
+            self.writes += 1
+            with self._cond:
+                self._written, self._last_write = value, time.monotonic()
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and (self._latest is None or self._latest == self._written):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                wait = self._last_write + self.min_interval_s - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                value, extra = self._latest, self._extra
+            assert value is not None  # the wait above returns only with a value
+            try:
+                self._write_if_newer(value, extra)
+            except _REPORT_ERRORS as error:  # best effort: the next step's update tries again
+                self.error = error
+                log.warning(json.dumps({"event": "progress-report-failed", "pod": self.pod, "error": str(error)[:300]}))
+                with self._cond:
+                    self._last_write = time.monotonic()
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Write the newest value now (retrying until `timeout_s`); True once it is on the pod."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                value, extra = self._latest, self._extra
+            if value is None:
+                return True
+            try:
+                self._write_if_newer(value, extra)
+                return True
+            except _REPORT_ERRORS as error:
+                self.error = error
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)

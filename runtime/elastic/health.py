@@ -1,0 +1,701 @@
+"""Failure detection inside a worker: heartbeats, a watcher, collective errors and a GPU probe.
+
+Every worker runs three small daemon threads, each with its own store connection (a store client
+serialises its operations, so a blocking wait must not sit in front of a heartbeat):
+
+- `oobleck-heartbeat` increments `hb/{worker}` every `heartbeat_period_s`;
+- `oobleck-watch` reads the peers' counters (on this worker's own monotonic clock, so clocks need not
+  agree). A peer silent for `suspect_after_s` is probed: its `LivenessResponder` is asked a question
+  that C++ threads answer without Python's GIL, so a worker starved of CPU or of the GIL by its own
+  training thread still answers, while one that is dead (connection refused), stopped or hung as a
+  whole (SIGSTOP, a frozen host: no answer) or cut off by the network (no connection) does not. No
+  answer within `probe_timeout_s` is the verdict; an answer spares the peer until `dead_after_s` of
+  silence (a process whose Python is stuck but whose responder lives). It also runs the GPU probe
+  every `gpu_probe_period_s`;
+- `oobleck-abort` blocks on the `gen{g}/abort` key, so that one worker's detection reaches every
+  survivor in milliseconds.
+
+On a failure the detector sets `failure` (the Event the engine's waits check), posts the abort key
+of the generation, and hands a `FailureReport` to a `FailureReporter` (locally: the coordinator's
+failure queue, read by the plan controller; in a pod: an annotation on the worker's own pod).
+A broken collective ("Connection closed by peer" on gloo's TCP pairs) is the fastest signal of a
+process death: `signal(error)` turns it into the same failure path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import torch.distributed as dist
+
+from oobleck.runtime.elastic import keys
+from oobleck.runtime.elastic.store import Endpoint, StoreTimeouts, StoreUnavailable, connect_endpoint, is_store_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HealthTimeouts:
+    """Detection timing; every value overridable (e.g. longer on a loaded machine)."""
+
+    heartbeat_period_s: float = 0.05
+    """How often a worker bumps its heartbeat counter."""
+    dead_after_s: float = 1.0
+    """A peer whose counter has not moved for this long is dead even though its liveness responder answers
+    (its Python is stuck), or when it has no responder (detection < dead_after + watch period)."""
+    watch_period_s: float = 0.05
+    """How often the watcher reads the peers' counters (one round trip)."""
+    suspect_after_s: float = 0.0
+    """Silence after which a peer is probed (a suspicion costs one probe, never a verdict by itself);
+    0: max(0.15, 1.5 heartbeat periods)."""
+    probe_timeout_s: float = 0.25
+    """How long a probed peer has to answer; no answer is the verdict. A hung peer is found within
+    suspect_after + watch period + this (0.45 s) of its last beat; a dead one within suspect_after +
+    watch period (its port refuses the connection)."""
+    confirm_timeout_s: float = 2.0
+    """On an overloaded host (run queue above `overloaded_per_core` per core) a peer that accepted the probe
+    but did not answer in probe_timeout_s is asked again, probe after probe, for up to this long before the
+    verdict, and spared as soon as it answers or beats: its responder and its heartbeat thread may only be
+    waiting for a time slice (seen under the test suite's load on 2 cores, where one second of asking was
+    not always enough). A quiet host keeps the 0.45 s bound; a refused connection is a verdict at once
+    either way."""
+    overloaded_per_core: float = 2.0
+    """1-minute load average per core above which the host counts as overloaded (see confirm_timeout_s)."""
+    abort_wait_s: float = 0.2
+    """Slice of the blocking wait on the abort key (bounds how long a generation switch takes to follow)."""
+    gpu_probe_period_s: float = 5.0
+    """How often the GPU probe runs (0 disables it)."""
+    startup_grace_s: float = 60.0
+    """Silence allowed from a peer that has never beaten (still starting: importing torch takes seconds
+    on a loaded machine). A death before the first beat is left to the controller (pod / process status)."""
+    rejoin_grace_s: float = 3.0
+    """Extra silence allowed after the coordinator came back: peers' clients reconnect with backoff."""
+    abort_backstop_s: float = 1.0
+    """How often the watcher also looks for the abort key (the abort listener's blocking wait is the
+    fast path; this covers a listener that gave up)."""
+
+    def __post_init__(self) -> None:
+        if self.suspect_after_s == 0:
+            object.__setattr__(self, "suspect_after_s", max(0.15, 1.5 * self.heartbeat_period_s))
+        for name in (
+            "heartbeat_period_s",
+            "dead_after_s",
+            "watch_period_s",
+            "abort_wait_s",
+            "suspect_after_s",
+            "probe_timeout_s",
+            "confirm_timeout_s",
+            "overloaded_per_core",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.dead_after_s <= 2 * self.heartbeat_period_s:
+            raise ValueError(
+                f"dead_after_s: must exceed two heartbeat periods: {self.dead_after_s} <= 2 * {self.heartbeat_period_s}"
+            )
+        if not self.heartbeat_period_s < self.suspect_after_s <= self.dead_after_s:
+            raise ValueError(
+                f"suspect_after_s: must exceed one heartbeat period and not exceed dead_after_s: "
+                f"{self.heartbeat_period_s} < {self.suspect_after_s} <= {self.dead_after_s} does not hold"
+            )
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """What a worker saw: who it thinks is dead (empty when unknown), how, and in which generation."""
+
+    job: str
+    generation: int
+    reporter: str
+    kind: str  # "heartbeat" | "collective" | "gpu" | "abort" | "process-exit"
+    dead: tuple[str, ...] = ()
+    detail: str = ""
+    detected_at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["dead"] = list(self.dead)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FailureReport:
+        return cls(**{**data, "dead": tuple(data.get("dead", ()))})
+
+
+class FailureReporter(Protocol):
+    """Tells the plan controller about a failure. In a pod: annotate the worker's own pod."""
+
+    def report(self, report: FailureReport) -> None: ...
+
+
+class StoreFailureReporter:
+    """Local reporter: pushes the report onto the coordinator's `failures` queue."""
+
+    def __init__(self, endpoint: Endpoint, timeouts: StoreTimeouts = StoreTimeouts()) -> None:
+        self._endpoint = endpoint
+        self._timeouts = timeouts
+        # Connected up front: a failure report must not wait for a connection.
+        self._store: dist.Store | None = connect_endpoint(endpoint, timeouts)[0]
+        self._lock = threading.Lock()
+
+    def report(self, report: FailureReport) -> None:
+        with self._lock:
+            for attempt in range(2):
+                if self._store is None:
+                    self._store = connect_endpoint(self._endpoint, self._timeouts)[0]
+                try:
+                    keys.push_failure(self._store, report.to_dict())
+                    # A push has no reply: on a connection to a dead server it "succeeds" silently.
+                    # A call that answers proves it arrived (or raises, and we push again).
+                    self._store.queue_len(keys.FAILURES_QUEUE)
+                    return
+                except RuntimeError as error:
+                    if not is_store_loss(error) or attempt:
+                        raise
+                    self._store = None  # the coordinator restarted: reconnect once
+
+
+class CallbackFailureReporter:
+    """In-process reporter (tests, an embedded controller): calls `callback(report)`."""
+
+    def __init__(self, callback: Callable[[FailureReport], None]) -> None:
+        self._callback = callback
+
+    def report(self, report: FailureReport) -> None:
+        self._callback(report)
+
+
+# Text of errors that mean "a peer of this collective is gone" (gloo TCP pairs, NCCL, the store).
+_PEER_LOSS_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Connection refused",
+    "Broken pipe",
+    "Socket closed",
+    "EOF",
+    "Application timeout caused pair closure",
+    "ncclRemoteError",
+    "NCCL communicator was aborted",
+)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether an exception from a collective / p2p op means a peer died or the link broke."""
+    text = f"{type(error).__name__}: {error}"
+    return isinstance(error, dist.DistNetworkError) or any(marker in text for marker in _PEER_LOSS_MARKERS)
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    index: int
+    healthy: bool
+    detail: str = ""
+
+
+def probe_gpus() -> list[GpuHealth]:
+    """Health of the local GPUs: NVML through `pynvml` if importable, else `nvidia-smi`, else none.
+
+    No GPU (a CPU node) is an empty list, i.e. healthy. A GPU is unhealthy if it cannot be queried
+    or reports uncorrected volatile ECC errors.
+    """
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return _probe_nvidia_smi()
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return _probe_nvidia_smi()
+    try:
+        result = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                pynvml.nvmlDeviceGetMemoryInfo(handle)  # fails on a GPU that fell off the bus
+                try:
+                    ecc = pynvml.nvmlDeviceGetTotalEccErrors(
+                        handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+                    )
+                except pynvml.NVMLError_NotSupported:
+                    ecc = 0
+                result.append(GpuHealth(index, ecc == 0, f"uncorrected ECC errors: {ecc}" if ecc else ""))
+            except pynvml.NVMLError as error:
+                result.append(GpuHealth(index, False, f"NVML: {error}"))
+        return result
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _probe_nvidia_smi() -> list[GpuHealth]:
+    binary = shutil.which("nvidia-smi")
+    if binary is None:
+        return []
+    query = "index,ecc.errors.uncorrected.volatile.total"
+    try:
+        out = subprocess.run(
+            [binary, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError) as error:
+        # nvidia-smi present but failing: the driver or a GPU is in trouble.
+        return [GpuHealth(-1, False, f"nvidia-smi failed: {error}")]
+    result = []
+    for line in out.strip().splitlines():
+        index_text, ecc_text = (part.strip() for part in line.split(",", 1))
+        ecc = int(ecc_text) if ecc_text.isdigit() else 0  # "[N/A]" where ECC is off or unsupported
+        result.append(GpuHealth(int(index_text), ecc == 0, f"uncorrected ECC errors: {ecc}" if ecc else ""))
+    return result
+
+
+class LivenessResponder:
+    """Answers liveness probes from C++ threads: a TCPStore server of its own, which needs no GIL.
+
+    It lives exactly as long as the worker's process runs: a dead process refuses the connection, a
+    stopped one (or a frozen host) accepts in the kernel but never answers, a partitioned one is not
+    reached. It listens on every address and is advertised at `advertise` (the pod IP).
+    """
+
+    def __init__(self, advertise: str) -> None:
+        self._server = dist.TCPStore(advertise, 0, is_master=True, wait_for_workers=False)
+        self.address = f"{advertise}:{self._server.port}"
+
+
+def advertised_host(coordinator_host: str) -> str:
+    """The address peers reach this worker at: $OOBLECK_POD_IP, else the interface that routes to the coordinator."""
+    if os.environ.get("OOBLECK_POD_IP"):
+        return os.environ["OOBLECK_POD_IP"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        try:
+            udp.connect((coordinator_host, 9))  # UDP: nothing is sent, the kernel only picks the route
+            return udp.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+NO_ANSWER = "accepted but did not answer"
+"""probe_liveness's words for a peer whose kernel accepted the connection but whose responder said nothing."""
+
+
+def host_overloaded(per_core: float) -> bool:
+    """Whether this host's 1-minute load average exceeds `per_core` runnable tasks per core."""
+    try:
+        return os.getloadavg()[0] > per_core * (os.cpu_count() or 1)
+    except OSError:  # no load average on this platform
+        return False
+
+
+def probe_liveness(address: str, timeout_s: float) -> str | None:
+    """None if the responder at `address` answers within `timeout_s`, else why not.
+
+    A plain connect first (a refused connection is a dead process, known in a round trip), then one
+    request through a TCPStore client on a helper thread: the client retries with back-off inside
+    C++, so the answer is awaited here, not there (the thread ends on its own when the client gives up).
+    """
+    host, _, port_text = address.rpartition(":")
+    started = time.monotonic()
+    try:
+        with socket.create_connection((host, int(port_text)), timeout=timeout_s):
+            pass
+    except ConnectionRefusedError:
+        return f"{address} refused the connection (the process is gone)"
+    except OSError as error:
+        return f"{address} not reached in {timeout_s:.2f}s ({error or type(error).__name__})"
+    answered = threading.Event()
+    remaining = max(0.01, timeout_s - (time.monotonic() - started))
+
+    def ask() -> None:
+        try:
+            client = dist.TCPStore(host, int(port_text), is_master=False, timeout=datetime.timedelta(seconds=remaining))
+            client.check(["probe"])
+            answered.set()
+        except RuntimeError:  # DistNetworkError / DistStoreError: no answer
+            pass
+
+    threading.Thread(target=ask, name="oobleck-probe", daemon=True).start()
+    if answered.wait(remaining):
+        return None
+    return f"{address} {NO_ANSWER} in {timeout_s:.2f}s (stopped or hung)"
+
+
+class FailureDetector:
+    """A worker's failure detection: heartbeat, watcher and abort-listener threads.
+
+    Usage: `start()`, then for every plan generation: `watch(generation, peers)` before adopting it
+    and `ready()` once adopted; the engine checks `failure`; the worker calls `signal(error)` when a
+    collective raises.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        worker: str,
+        endpoint: Endpoint,
+        *,
+        reporter: FailureReporter | None = None,
+        timeouts: HealthTimeouts = HealthTimeouts(),
+        store_timeouts: StoreTimeouts = StoreTimeouts(),
+        failure: threading.Event | None = None,
+        gpu_probe: Callable[[], list[GpuHealth]] = probe_gpus,
+        advertise: str | None = None,
+    ) -> None:
+        """`advertise`: the address peers probe this worker's liveness responder at (default: advertised_host)."""
+        self.job = job
+        self._advertise = advertise
+        self.worker = worker
+        self._endpoint = endpoint
+        self.timeouts = timeouts
+        self._store_timeouts = store_timeouts
+        self.reporter = reporter if reporter is not None else StoreFailureReporter(endpoint, store_timeouts)
+        self.failure = failure if failure is not None else threading.Event()
+        self._gpu_probe = gpu_probe
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._generation = -1
+        self._peers: tuple[str, ...] = ()
+        self._watch_version = 0  # bumped by watch(): the watcher resets its clocks
+        self._generation_epoch: str | None = None  # the epoch the watched generation began in
+        self._reported: set[tuple[int, str]] = set()
+        self.last_report: FailureReport | None = None
+        self.epoch = ""
+        self._threads: list[threading.Thread] = []
+        self._trigger_store: dist.Store | None = None
+        self._trigger_lock = threading.RLock()  # _connect may re-enter trigger on a new epoch
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> FailureDetector:
+        self._trigger_store, self.epoch, address = connect_endpoint(self._endpoint, self._store_timeouts)
+        self.responder = LivenessResponder(self._advertise or advertised_host(address[0]))
+        for name, target in (
+            ("oobleck-heartbeat", self._heartbeat_loop),
+            ("oobleck-watch", self._watch_loop),
+            ("oobleck-abort", self._abort_loop),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=2 * self.timeouts.abort_wait_s + self._store_timeouts.connect_s)
+        self._threads.clear()
+
+    def watch(self, generation: int, peers: list[str] | tuple[str, ...], epoch: str | None = None) -> None:
+        """Adopt a plan generation: clear `failure`, watch `peers` (this worker is skipped).
+
+        `epoch`: the coordinator incarnation the generation rendezvouses in, when the caller knows it.
+        A restart that a thread of this detector notices late (its own connection still on the old
+        incarnation) then does not abort a generation that began after it.
+        """
+        with self._lock:
+            self._generation = generation
+            self._generation_epoch = epoch
+            self._peers = tuple(p for p in peers if p != self.worker)
+            self._watch_version += 1
+            self.failure.clear()
+
+    def ready(self) -> None:
+        """This worker has adopted its generation: peers start holding it to `dead_after_s`."""
+        generation = self._generation
+        with self._trigger_lock:
+            for attempt in range(2):
+                if self._trigger_store is None:
+                    self._trigger_store = self._connect()
+                try:
+                    self._trigger_store.set(keys.ready_key(generation, self.worker), "1")
+                    self._trigger_store.check([keys.ready_key(generation, self.worker)])  # `set` has no reply
+                    return
+                except RuntimeError as error:
+                    self._trigger_store = None
+                    if not is_store_loss(error) or attempt:
+                        raise
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    # -- failure entry points ----------------------------------------------------------------------
+
+    def signal(self, error: BaseException) -> bool:
+        """Classify an exception raised by a collective; a peer loss triggers the failure path."""
+        if not is_peer_failure(error):
+            return False
+        self.trigger("collective", (), f"{type(error).__name__}: {error}")
+        return True
+
+    def trigger(
+        self, kind: str, dead: tuple[str, ...], detail: str, generation: int | None = None
+    ) -> FailureReport | None:
+        """Set `failure`, abort the generation and report (once per generation and dead worker)."""
+        with self._lock:
+            generation = self._generation if generation is None else generation
+            if generation != self._generation:
+                return None  # a late signal about a generation this worker already left
+            self.failure.set()
+            fresh = tuple(d for d in dead if (generation, d) not in self._reported)
+            if dead and not fresh:
+                return None
+            if not dead and (generation, "") in self._reported:
+                return None
+            self._reported.update((generation, d) for d in (fresh or ("",)))
+        report = FailureReport(self.job, generation, self.worker, kind, fresh, detail)
+        self.last_report = report
+        log.warning("failure detected by %s in generation %d: %s %s %s", self.worker, generation, kind, fresh, detail)
+        try:
+            self._post_abort(generation, report)
+        except (RuntimeError, StoreUnavailable) as error:
+            log.error("cannot post the abort of generation %d: %s", generation, error)
+        try:
+            self.reporter.report(report)
+        except (RuntimeError, StoreUnavailable) as error:
+            log.error("cannot report the failure: %s", error)
+        return report
+
+    # -- threads -----------------------------------------------------------------------------------
+
+    def _post_abort(self, generation: int, report: FailureReport) -> None:
+        """Post the abort on a connection kept for it: connecting takes ~0.2 s on a busy host, and
+        this is the critical path of every survivor's wake-up."""
+        with self._trigger_lock:
+            for attempt in range(2):
+                if self._trigger_store is None:
+                    self._trigger_store = self._connect()
+                try:
+                    keys.post_abort(self._trigger_store, generation, report.to_dict())
+                    return
+                except RuntimeError as error:
+                    self._trigger_store = None
+                    if not is_store_loss(error) or attempt:
+                        raise
+
+    def _connect(self) -> dist.Store:
+        store, epoch, _ = connect_endpoint(self._endpoint, self._store_timeouts)
+        if epoch != self.epoch:
+            log.warning("coordinator restarted: epoch %s -> %s", self.epoch, epoch)
+            previous, self.epoch = self.epoch, epoch
+            if previous and self._generation_epoch != epoch:
+                # Groups of this generation may be half-built in the lost store: everyone leaves the
+                # generation and re-rendezvouses under the next one (new epoch, new prefix).
+                self.trigger("coordinator-restart", (), f"store epoch {previous} -> {epoch}")
+        return store
+
+    def _heartbeat_loop(self) -> None:
+        key = keys.heartbeat_key(self.worker)
+        store: dist.Store | None = None
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                if store is None:
+                    store = self._connect()
+                    # Before the first beat: a peer that sees us beat can also probe us. Again after
+                    # a coordinator restart (an empty store).
+                    store.set(keys.liveness_key(self.worker), self.responder.address)
+                store.add(key, 1)
+            except RuntimeError as error:
+                if not is_store_loss(error):
+                    raise
+                store = None  # reconnect on the next beat
+            except StoreUnavailable as error:
+                log.error("heartbeat: %s", error)
+                return
+            self._stop.wait(max(0.0, self.timeouts.heartbeat_period_s - (time.monotonic() - started)))
+
+    def _watch_loop(self) -> None:
+        store: dist.Store | None = None
+        last_value: dict[str, int] = {}  # peers whose key exists in this store incarnation
+        last_change: dict[str, float] = {}
+        seen: set[str] = set()  # peers that have beaten at least once (in any incarnation)
+        seen_version = -1
+        probed: dict[str, float] = {}  # suspects probed (monotonic time) since their last beat
+        next_probe = time.monotonic()
+        next_abort_check = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            with self._lock:
+                generation, peers, version = self._generation, self._peers, self._watch_version
+            if version != seen_version:
+                # A new peer set: every peer gets a full dead_after_s from now.
+                seen_version = version
+                last_change = {p: now for p in peers}
+                last_value = {p: last_value[p] for p in peers if p in last_value}
+                armed: set[str] = set()
+            try:
+                if store is None:
+                    store = self._connect()
+                    # Nobody could beat during the outage, and peers reconnect with c10d's backoff.
+                    resumed = time.monotonic() + self.timeouts.rejoin_grace_s
+                    last_change = {p: resumed for p in peers}
+                    last_value = {}  # keys of a new incarnation must be checked before multi_get waits on them
+                    armed = set()
+                # Every round trip here runs while the training thread computes (a GIL hand-off and a
+                # store request each), so the steady state costs one (multi_get) per period.
+                if generation >= 0 and now >= next_abort_check:
+                    next_abort_check = now + self.timeouts.abort_backstop_s
+                    if keys.aborted(store, generation) and not self.failure.is_set():
+                        self._follow_abort(store, generation)
+                for peer in peers:
+                    if peer not in armed and generation >= 0 and store.check([keys.ready_key(generation, peer)]):
+                        armed.add(peer)  # it has adopted the generation: from now on, silence is death
+                        last_change[peer] = time.monotonic()
+                present = [p for p in peers if p in last_value or store.check([keys.heartbeat_key(p)])]
+                values = store.multi_get([keys.heartbeat_key(p) for p in present]) if present else []
+            except RuntimeError as error:
+                if not is_store_loss(error):
+                    raise
+                store = None
+                continue
+            except StoreUnavailable as error:
+                log.error("watch: %s", error)
+                return
+            now = time.monotonic()
+
+            def record(values: list[bytes], now: float) -> set[str]:
+                """Note the present peers' counters read at `now`; the peers that beat since the last read."""
+                beat = set()
+                for peer, raw in zip(present, values):
+                    value = int(raw)
+                    if last_value.get(peer) != value:
+                        last_value[peer] = value
+                        last_change[peer] = now
+                        seen.add(peer)
+                        probed.pop(peer, None)
+                        beat.add(peer)
+                return beat
+
+            record(values, now)
+            suspects = [
+                p
+                for p in peers
+                if p in armed
+                and now - last_change.get(p, now) > self.timeouts.suspect_after_s
+                and now - probed.get(p, -1e9) > self.timeouts.suspect_after_s
+            ]
+            unanswered: dict[str, str] = {}
+            if suspects and generation >= 0:
+                try:
+                    unanswered = self._probe(store, suspects)
+                    if unanswered and host_overloaded(self.timeouts.overloaded_per_core):
+                        unanswered = self._confirm(store, unanswered, last_value)
+                    # The probes took this thread's time: every peer's beats are read again, so that
+                    # one that beat meanwhile (a probed one too: slow, not dead) is not judged on
+                    # counters older than the probes (a 2 s confirmation outlasts dead_after_s).
+                    again = store.multi_get([keys.heartbeat_key(p) for p in present]) if present else []
+                except RuntimeError as error:
+                    if not is_store_loss(error):
+                        raise
+                    store = None
+                    continue
+                now = time.monotonic()
+                beat = record(again, now)
+                unanswered = {p: why for p, why in unanswered.items() if p not in beat}
+                probed.update((p, now) for p in suspects if p not in beat)
+            # A peer is held to dead_after_s once it has adopted the generation (`ready`): before
+            # that it may be importing torch or waiting in a rendezvous, where a loaded machine can
+            # starve its heartbeat thread of the GIL for seconds (measured: 1.5 s at load 13 on 2
+            # cores). A death in that window surfaces as a rendezvous / collective error or through
+            # the controller (process or pod status); a peer that never beats at all is dead after
+            # startup_grace_s.
+            dead = tuple(
+                p
+                for p in peers
+                if p in unanswered
+                or (p in armed and now - last_change.get(p, now) > self.timeouts.dead_after_s)
+                or (p not in seen and now - last_change.get(p, now) > self.timeouts.startup_grace_s)
+            )
+            if dead and generation >= 0:
+                silent = ", ".join(f"{p} {now - last_change[p]:.2f}s{self._why(unanswered, p)}" for p in dead)
+                self.trigger("heartbeat", dead, f"no heartbeat: {silent}", generation)
+            if self.timeouts.gpu_probe_period_s > 0 and now >= next_probe:
+                next_probe = now + self.timeouts.gpu_probe_period_s
+                bad = [g for g in self._gpu_probe() if not g.healthy]
+                if bad and generation >= 0:
+                    detail = "; ".join(f"gpu {g.index}: {g.detail}" for g in bad)
+                    self.trigger("gpu", (self.worker,), detail, generation)
+            self._stop.wait(self.timeouts.watch_period_s)
+
+    def _probe(self, store: dist.Store, suspects: list[str], timeout_s: float | None = None) -> dict[str, str]:
+        """Probe the silent `suspects` at once (for `timeout_s`, default probe_timeout_s); those that do not
+        answer -> why. A suspect that never published a responder is left to dead_after_s."""
+        timeout = timeout_s or self.timeouts.probe_timeout_s
+        addresses = {
+            p: store.get(keys.liveness_key(p)).decode() for p in suspects if store.check([keys.liveness_key(p)])
+        }
+        results: dict[str, str | None] = {}
+
+        def one(peer: str, address: str) -> None:
+            results[peer] = probe_liveness(address, timeout)
+
+        threads = [threading.Thread(target=one, args=item, daemon=True) for item in addresses.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(2 * timeout)
+        return {p: why for p, why in results.items() if why is not None}
+
+    def _confirm(self, store: dist.Store, unanswered: dict[str, str], last_value: dict[str, int]) -> dict[str, str]:
+        """Ask the peers that accepted but did not answer again until they answer or beat, for at most
+        confirm_timeout_s (HealthTimeouts); those still silent then are the verdict."""
+        hung = [p for p, why in unanswered.items() if NO_ANSWER in why]
+        deadline = time.monotonic() + self.timeouts.confirm_timeout_s
+        while hung and (left := deadline - time.monotonic()) > 0:
+            again = self._probe(store, hung, min(left, 2 * self.timeouts.probe_timeout_s))
+            beats = store.multi_get([keys.heartbeat_key(p) for p in hung])
+            hung = [p for p, raw in zip(hung, beats) if p in again and last_value.get(p) == int(raw)]
+        return {p: why for p, why in unanswered.items() if NO_ANSWER not in why or p in hung}
+
+    @staticmethod
+    def _why(unanswered: dict[str, str], peer: str) -> str:
+        return f" (probe: {unanswered[peer]})" if peer in unanswered else ""
+
+    def _abort_loop(self) -> None:
+        store: dist.Store | None = None
+        while not self._stop.is_set():
+            generation = self._generation
+            if generation < 0 or self.failure.is_set():
+                self._stop.wait(self.timeouts.abort_wait_s)
+                continue
+            try:
+                if store is None:
+                    store = self._connect()
+                if keys.wait_abort(store, generation, self.timeouts.abort_wait_s):
+                    self._follow_abort(store, generation)
+            except RuntimeError as error:
+                if not is_store_loss(error):
+                    raise
+                store = None
+                self._stop.wait(self._store_timeouts.retry_s)
+            except StoreUnavailable as error:
+                log.error("abort listener: %s", error)
+                return
+
+    def _follow_abort(self, store: dist.Store, generation: int) -> None:
+        """Another worker aborted `generation`: stop waiting on collectives now."""
+        with self._lock:
+            if generation != self._generation:
+                return
+            self.failure.set()
+        try:
+            self.last_report = FailureReport.from_dict(json.loads(store.get(keys.abort_key(generation))))
+        except (RuntimeError, ValueError, TypeError):
+            pass
+
+
+def wait_alive(store: dist.Store, workers: list[str], timeout_s: float) -> None:
+    """Block until every one of `workers` has sent a heartbeat (a start barrier for a controller)."""
+    store.wait([keys.heartbeat_key(w) for w in workers], datetime.timedelta(seconds=timeout_s))

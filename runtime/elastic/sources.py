@@ -1,0 +1,161 @@
+"""Where each layer's state comes from, settled by the members of a generation themselves.
+
+A plan controller decides the layout (who runs which layers) and proposes copies. Its copies rest on
+what it knows about the workers' holdings. The local launcher reads the workers' reports from the
+store, but the operator sees only pods and plans: after an interrupted reconfiguration (a kill while
+layers were being copied) a worker may hold less than the previous layout says, and after more
+than f failures some layer may have no live replica at all. A plan whose copies name a source that
+does not hold the layer would fail every member of the generation.
+
+So before adopting generation g every member posts what it holds (`gen{g}/holding/{worker}`: step,
+layers, whether it has trained, its snapshots, the checkpoint directory's steps) and waits for the
+others; then each computes, from the same records, the same answer (`resolve`, a pure function):
+
+- the proposal stands when every copy's source holds its layer at the step the members share, and
+  every rank gets every layer of its stage (its own, a copy, or - in a fresh job - built from the seed);
+- otherwise the copies are recomputed from the records with the planner's copy plan for the
+  layout (`layout_copies`);
+- if some layer has no live holder, or the live holders disagree on the step, the generation rolls
+  back: the newest step that the members' snapshots and the checkpoint directory cover in full
+  (`snapshot.restore_point`), with `snapshot.restore_copies` as the copies;
+- if nothing can restore every layer, `Unrecoverable` names the layers: the job needs a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from oobleck.api.addresses import worker_id
+from oobleck.api.plan import Plan
+from oobleck.runtime.elastic import keys
+
+
+class Unrecoverable(Exception):
+    """No member, snapshot or checkpoint holds some layer: the job cannot go on in place.
+
+    Not a RuntimeError: those end a generation (the worker waits for the next plan); this ends the worker."""
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one member of a generation holds as it joins it."""
+
+    step: int
+    layers: tuple[int, ...] = ()
+    started: bool = False
+    """has trained or received state (else its layers can be built from the seed)"""
+    snapshots: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """step -> layers of in-memory snapshots it holds (its own and its buddy's)"""
+    checkpoint: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """step -> layers complete in the checkpoint directory, as this member reads it"""
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "step": self.step,
+                "layers": list(self.layers),
+                "started": self.started,
+                "snapshots": {str(k): list(v) for k, v in self.snapshots.items()},
+                "checkpoint": {str(k): list(v) for k, v in self.checkpoint.items()},
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Holding:
+        data = json.loads(text)
+        return cls(
+            step=int(data["step"]),
+            layers=tuple(data["layers"]),
+            started=bool(data["started"]),
+            snapshots={int(k): tuple(v) for k, v in data.get("snapshots", {}).items()},
+            checkpoint={int(k): tuple(v) for k, v in data.get("checkpoint", {}).items()},
+        )
+
+
+def _sound(plan: Plan, live: Mapping[str, set[int]]) -> bool:
+    """Whether `plan`'s copies can be served by `live` (worker -> layers) and leave no rank short."""
+    incoming: dict[int, set[int]] = {}
+    for copy in plan.copies:
+        if copy.source_kind != "live" or copy.layer not in live.get(f"{copy.src_node}:{copy.src_gpu}", set()):
+            return False
+        incoming.setdefault(copy.dst_rank, set()).add(copy.layer)
+    for a in plan.ranks:
+        have = live.get(f"{a.node}:{a.gpu}", set()) | incoming.get(a.rank, set())
+        if not set(range(a.start, a.end)) <= have:
+            return False
+    return True
+
+
+def resolve(plan: Plan, holdings: Mapping[str, Holding], state_bytes: list[int]) -> Plan:
+    """The plan whose copies the members' `holdings` (worker "node:gpu" -> Holding) can serve (see module doc).
+
+    Deterministic: every member computes the same plan from the same records. Raises Unrecoverable."""
+    from oobleck.planner.nextgen import restore_copies, restore_point, snapshots_at
+    from oobleck.planner.reconfigure import LostLayersError, layout_copies
+
+    if plan.restore_step is not None:
+        return plan  # the controller already chose a rollback from the workers' reports
+    trained = {w: h for w, h in holdings.items() if h.started}
+    if not trained:
+        return plan  # a fresh job: every layer is built from the seed
+    steps = {h.step for h in trained.values() if h.layers}
+    live = {w: set(h.layers) for w, h in trained.items()}
+    if len(steps) == 1:
+        if _sound(plan, live):
+            return plan
+        keyed = {(w.rpartition(":")[0], int(w.rpartition(":")[2])): frozenset(layers) for w, layers in live.items()}
+        try:
+            return plan.model_copy(
+                update={"copies": layout_copies(plan, keyed, state_bytes), "reason": f"{plan.reason}+resolved"}
+            )
+        except LostLayersError:
+            pass  # some layer has no live holder: roll back
+    # Roll back: the newest step covered by the members' snapshots and the directory.
+    memory = {w: h.snapshots for w, h in holdings.items()}
+    first = min(plan.ranks, key=lambda a: a.rank)
+    checkpoint = holdings[f"{first.node}:{first.gpu}"].checkpoint if f"{first.node}:{first.gpu}" in holdings else {}
+    latest = max((h.step for h in trained.values()), default=None)
+    step = restore_point(memory, checkpoint, plan.num_layers, latest)
+    if step is None:
+        held = set().union(*live.values()) if live else set()
+        missing = sorted(set(range(plan.num_layers)) - held)
+        raise Unrecoverable(
+            f"generation {plan.generation}: layers {missing or 'of several steps'} have no live holder and no snapshot "
+            "or checkpoint holds every layer at one step; the job must restart from storage"
+        )
+    copies = restore_copies(plan, snapshots_at(memory, step), set(checkpoint.get(step, ())), state_bytes)
+    return plan.model_copy(update={"copies": copies, "restore_step": step, "reason": f"{plan.reason}+rollback"})
+
+
+def exchange(
+    store, plan: Plan, me: str, mine: Holding, failed, timeout_s: float, poll_s: float = 0.05
+) -> dict[str, Holding]:
+    """Post `mine` for `plan`'s generation and collect every member's (all or a timeout / failure).
+
+    Raises TimeoutError, or InterruptedError when `failed` (the failure Event) is set while waiting."""
+    import datetime
+
+    from oobleck.runtime.elastic.store import is_store_loss
+
+    store.set(keys.holding_key(plan.generation, me), mine.to_json())
+    members = [worker_id(a.node, a.gpu) for a in plan.ranks]
+    names = [keys.holding_key(plan.generation, w) for w in members]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if failed.is_set():
+            raise InterruptedError(f"interrupted while collecting the holdings of generation {plan.generation}")
+        try:
+            store.wait(names, datetime.timedelta(seconds=poll_s))
+            break
+        except RuntimeError as error:
+            if is_store_loss(error):
+                raise
+        if time.monotonic() > deadline:
+            absent = [w for w, n in zip(members, names) if not store.check([n])]
+            raise TimeoutError(
+                f"holdings of generation {plan.generation}: no record from {absent} in {timeout_s:.0f} s"
+            )
+    return {w: Holding.from_json(v) for w, v in zip(members, store.multi_get(names))}

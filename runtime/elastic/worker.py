@@ -1,0 +1,415 @@
+"""The per-process worker: holds layers and optimizer state across plan generations and trains.
+
+The control side (coordinator, failure detection, plan source) drives it through three calls:
+- `adopt(plan)`: build the generation's groups, execute its layer copies, free layers no longer held;
+- `train_step()`: one global step; raises `Interrupted`/`CommError` with state untouched, so the
+  caller can `abandon()` the generation, adopt the next plan, and call `train_step()` again: the
+  step counter did not advance, so the same step is redone;
+- `abandon()`: drop the generation's groups without waiting.
+`run_generation(plan, until_step)` wraps the three for one generation and reports how it ended;
+`run_static` is the loop for a fixed plan (no reconfiguration).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, cast
+
+import torch
+from torch import nn
+
+from oobleck.api.plan import Plan
+from oobleck.runtime.causes import blame, model_field
+from oobleck.runtime.elastic.commit import CommittingOptimizer, StepCommitter
+from oobleck.runtime.train.config import WorkerConfig, build_dataset, build_model
+from oobleck.runtime.train.engine import Engine, StepOutcome
+from oobleck.runtime.train.groups import CommError, GenerationGroups, Interrupted, layout
+from oobleck.runtime.train.layer_state import state_nbytes, transfer, unflatten
+from oobleck.runtime.train.metrics import WorkerMetrics
+from oobleck.runtime.train.optim import LayerAdamW
+
+if TYPE_CHECKING:
+    from oobleck.runtime.snapshot.agent import Snapshotter
+
+log = logging.getLogger("oobleck.runtime.elastic.worker")
+
+
+@dataclass
+class GenerationResult:
+    status: Literal["done", "interrupted", "failed"]
+    """done: reached the target step; interrupted: the failure event was set; failed: a peer broke"""
+    step: int
+    """the next step to run (the one to redo if the generation broke)"""
+    generation: int
+    error: Exception | None
+
+
+class NotInPlan(RuntimeError):
+    """This worker's (node, gpu) has no rank in the plan."""
+
+
+class _FencedOptimizer:
+    """The worker's optimizer: `step` first waits for a snapshot capture in flight (it reads the state
+    this update overwrites); everything else passes through."""
+
+    def __init__(self, inner: LayerAdamW, worker: Worker) -> None:
+        self._inner = inner
+        self._worker = worker
+
+    def step(self, *args, **kwargs):
+        if self._worker.snapshots is not None:
+            self._worker.snapshots.fence()
+        return self._inner.step(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def choose_device(config: WorkerConfig, gpu: int) -> torch.device:
+    """cuda:<gpu> when asked for (or auto and available), else cpu."""
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' requested but CUDA is not available")
+        # Recover in-process: NCCL's watchdog must not tear the process down on a peer's death,
+        # and groups are aborted explicitly when a generation is abandoned.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        os.environ.setdefault("TORCH_NCCL_RETHROW_CUDA_ERRORS", "0")
+        torch.cuda.set_device(gpu)
+        return torch.device("cuda", gpu)
+    return torch.device("cpu")
+
+
+class Worker:
+    """One process (one GPU) of a job."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        store,
+        node: str,
+        gpu: int,
+        failed: threading.Event | None = None,
+        losses_path: str | Path | None = None,
+        metrics: WorkerMetrics | None = None,
+        *,
+        commit: StepCommitter | None = None,
+        snapshots: Snapshotter | None = None,
+        epoch: str | None = None,
+    ) -> None:
+        """`commit`: agrees with the generation's other members on applying each step (reconfig.StepCommit;
+        None: every step applies, as in a static job). `snapshots`: the snapshot agent (None: off).
+        `epoch`: the coordinator incarnation whose prefix `store` carries (reconfig._ensure_epoch)."""
+        torch.set_num_threads(config.threads)
+        self.config, self.store, self.node, self.gpu = config, store, node, gpu
+        self.failed = failed if failed is not None else threading.Event()
+        self.device = choose_device(config, gpu)
+        # Errors here are the job's (runtime/causes.py): the worker reports them and the job fails with them.
+        with blame("ModelLoadFailed", field=model_field(config)):
+            self.model = build_model(config)
+        with blame("DataUnavailable", field="spec.data", path=config.data.path):
+            self.data = build_dataset(config, self.model)
+        optimizer = _FencedOptimizer(LayerAdamW(config.optim), self)
+        # The wrappers pass everything but step() through: to the engine and transfers, a LayerAdamW.
+        self.optimizer = cast(LayerAdamW, optimizer if commit is None else CommittingOptimizer(optimizer, self, commit))
+        self.snapshots = snapshots
+        self.epoch = epoch
+        self.layers: dict[int, nn.Module] = {}
+        self.step = 0
+        """the next global step to run (= steps completed)"""
+        self.started = False
+        """True once this worker holds trained (or received) state"""
+        self.plan: Plan | None = None
+        self.rank: int | None = None
+        self.groups: GenerationGroups | None = None
+        self.engine: Engine | None = None
+        self.failure_time: float | None = None
+        """time.monotonic() of the failure being recovered from; set by run_generation when a
+        generation breaks (the control side may set an earlier one, e.g. the kill it detected)"""
+        self.losses_path = Path(losses_path) if losses_path else None
+        self.metrics = metrics or WorkerMetrics(config.job, node, gpu)
+        # Sized now, at start-up, not on the first reconfiguration's critical path (runtime/elastic/sources.py
+        # needs them): the first meta-device build takes ~1 s of lazy set-up. Not on a thread: layer
+        # builders reseed the global RNG, which a training step running beside them would feel.
+        with blame("ModelLoadFailed", field=model_field(config)), torch.device("meta"):
+            self._state_bytes = [state_nbytes(self.model.build_layer(i)) for i in range(self.model.num_layers)]
+
+    # -- generations -------------------------------------------------------------------------------
+
+    def adopt(self, plan: Plan) -> int:
+        """Join `plan`'s generation: groups, layer copies, frees. Returns this worker's rank."""
+        rank = plan.rank_of(self.node, self.gpu)
+        if rank is None:
+            raise NotInPlan(f"plan generation {plan.generation} has no rank for node {self.node!r} gpu {self.gpu}")
+        if plan.num_layers != self.model.num_layers:
+            raise ValueError(
+                f"num_layers: plan has {plan.num_layers}, model {self.model.name!r} has {self.model.num_layers}"
+            )
+        reconfiguring = self.plan is not None
+        mine = layout(plan, rank)
+        if self.snapshots is not None:
+            self.snapshots.fence()  # a capture in flight reads the layers this adoption replaces
+        if plan.restore_step is not None:
+            # Before the rendezvous: a rollback interrupted from here on still leaves this worker
+            # wholly at the restore step (never half old step, half restored).
+            self._restore_local(plan, rank)
+        timeout = max(self.config.timeouts.connect, self.config.timeouts.step)
+        self.groups = GenerationGroups(
+            self.store,
+            plan,
+            rank,
+            self.config.microbatch_size,
+            self.device,
+            timeout,
+            self.failed,
+            self.config.timeouts.poll,
+            ties=[tuple(layer for layer, _ in tie) for tie in self.model.tied_parameters()],
+            everyone=self.config.max_grad_norm is not None,
+        )
+        incoming = {c.layer for c in plan.copies if c.dst_rank == rank and c.src_rank != rank}
+        for layer in mine.layers:
+            if layer in self.layers or layer in incoming:
+                continue
+            if self.started:
+                raise ValueError(
+                    f"copies: rank {rank} (node {self.node!r} gpu {self.gpu}) needs layer {layer} but the plan "
+                    f"copies it from nowhere"
+                )
+            # A fresh job: every layer's initial weights are a pure function of (seed, layer).
+            module = self.model.build_layer(layer).to(self.device)
+            self.optimizer.ensure_layer(layer, module)
+            self.layers[layer] = module
+        moved = transfer(
+            plan.copies,
+            rank,
+            self.groups,
+            self.model,
+            self.layers,
+            self.optimizer,
+            self.device,
+            self.failed,
+            self.config.timeouts.poll,
+            self.config.timeouts.step,
+            snapshot=self._snapshot_source(plan),
+        )
+        self.metrics.bytes_copied.inc(moved)
+        for layer in [layer for layer in self.layers if layer not in mine.layers]:
+            del self.layers[layer]
+            self.optimizer.drop_layer(layer)
+        if incoming and not self.started:
+            self.step = self._step_from_state()
+        self._check_steps(rank)
+        self.started = True
+        self.plan, self.rank = plan, rank
+        self.engine = Engine(
+            self.config,
+            self.model,
+            self.data,
+            self.optimizer,
+            self.layers,
+            plan,
+            rank,
+            self.groups,
+            self.device,
+            self.failed,
+        )
+        self.metrics.generation.set(plan.generation)
+        self.metrics.pipelines.set(len(plan.pipelines))
+        self.metrics.rank.set(rank)
+        if reconfiguring:
+            self.metrics.reconfigurations.inc()
+        if self.snapshots is not None:
+            self.snapshots.store.thaw()
+        self._log("adopted", layers=list(mine.layers), copied_bytes=moved, reason=plan.reason)
+        return rank
+
+    def _restore_local(self, plan: Plan, rank: int) -> None:
+        """Reset to `plan.restore_step`: drop every live layer, restore those whose source is this rank
+        (its own host snapshot, or the checkpoint directory); the others arrive by `transfer`."""
+        from oobleck.runtime.snapshot.checkpoint_dir import read_checkpoint_layer
+
+        step = plan.restore_step
+        assert step is not None, "a rollback plan"
+        self.layers.clear()
+        self.optimizer.state.clear()
+        self.step = step
+        self.started = True  # every layer of the new range must now come from the plan's copies
+        for copy in plan.copies:
+            if copy.dst_rank != rank or copy.src_rank != rank:
+                continue
+            if copy.source_kind == "snapshot":
+                if self.snapshots is None:
+                    raise ValueError(f"copies: layer {copy.layer} from this rank's snapshot, but it keeps none")
+                data = self.snapshots.store.get(step, copy.layer)
+            elif copy.source_kind == "checkpoint":
+                if not self.config.checkpoint.path:
+                    raise ValueError(f"copies: layer {copy.layer} from the checkpoint, but checkpoint.path is not set")
+                data = read_checkpoint_layer(self.config.checkpoint.path, step, copy.layer)
+            else:
+                continue
+            module = self.model.build_layer(copy.layer).to(self.device)
+            unflatten(data.to(self.device), copy.layer, module, self.optimizer)
+            self.layers[copy.layer] = module
+        self._log("restored", for_generation=plan.generation, restore_step=step, local=sorted(self.layers))
+
+    def _snapshot_source(self, plan: Plan):
+        """What `transfer` sends for a copy from a snapshot: this rank's host copy at the restore step."""
+        if plan.restore_step is None or self.snapshots is None:
+            return None
+        store, step = self.snapshots.store, plan.restore_step
+        return lambda layer: store.get(step, layer)
+
+    def layer_state_bytes(self) -> list[int]:
+        """Every layer's full state in bytes (`state.flatten`'s size): what a copy of it moves.
+        Measured at start-up on the meta device: sizes without allocating the whole model."""
+        return self._state_bytes
+
+    def _step_from_state(self) -> int:
+        """A joining worker learns the job's step from the optimizer state it received."""
+        steps = {int(state.step.item()) for (layer, _), state in self.optimizer.state.items() if layer in self.layers}
+        if len(steps) != 1:
+            raise ValueError(f"copies: received layers disagree on the step counter: {sorted(steps)}")
+        return steps.pop()
+
+    def _check_steps(self, rank: int) -> None:
+        """Every held layer must have taken exactly `self.step` optimizer steps (a copy from a replica
+        that is a step ahead or behind would silently fork the model)."""
+        behind = {
+            layer
+            for (layer, _), state in self.optimizer.state.items()
+            if layer in self.layers and int(state.step.item()) != self.step
+        }
+        if behind:
+            raise ValueError(
+                f"copies: rank {rank} is at step {self.step} but holds layers {sorted(behind)} at other steps"
+            )
+
+    def abandon(self) -> None:
+        """Drop the current generation without waiting for anything in flight."""
+        if self.groups is not None:
+            self.groups.abandon()
+        self.groups = self.engine = None
+        if self.snapshots is not None:
+            self.snapshots.store.freeze()  # what the next report lists must stay until the next plan
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def train_step(self) -> StepOutcome:
+        """Run global step `self.step` under the adopted plan; advances the counter only on success."""
+        if self.engine is None:
+            raise RuntimeError("train_step: no plan adopted (call adopt(plan) first)")
+        assert self.plan is not None and self.rank is not None, "an engine runs an adopted plan"
+        if self.snapshots is not None and self.snapshots.due(self.plan.generation, self.step):
+            # The state before this step (the last committed one), captured while the step runs;
+            # the optimizer update waits for the capture (_FencedOptimizer).
+            self.snapshots.begin(self.plan, self.rank, self.step, self.layers, self.optimizer)
+        outcome = self.engine.train_step(self.step)
+        self.step += 1
+        if self.failure_time is not None:
+            self.metrics.recovery_seconds.observe(time.monotonic() - self.failure_time)
+            self.failure_time = None
+        self.metrics.observe_step(outcome.seconds, outcome.samples, outcome.tokens, self.step, outcome.loss)
+        if self.logs_loss:
+            self._append_loss(outcome)
+        self._log("step", step=outcome.step, loss=outcome.loss, seconds=round(outcome.seconds, 6))
+        return outcome
+
+    @property
+    def logs_loss(self) -> bool:
+        """The first rank of the last stage of the first pipeline writes the global loss."""
+        if self.plan is None:
+            return False
+        return self.rank == self.plan.pipelines[0].stages[-1].ranks[0]
+
+    def run_generation(
+        self, plan: Plan, until_step: int, on_step: Callable[[StepOutcome], None] | None = None
+    ) -> GenerationResult:
+        """Adopt `plan` and train until global step `until_step` or until the generation breaks.
+
+        Never raises for an interruption or a communication failure: the result says which, and the
+        step counter names the step to redo under the next plan. Anything else (a bug, bad input)
+        propagates."""
+        self.abandon()
+        try:
+            self.adopt(plan)
+            while self.step < until_step:
+                outcome = self.train_step()
+                if on_step is not None:
+                    on_step(outcome)
+        except Interrupted as error:
+            self.failure_time = self.failure_time or time.monotonic()
+            self._log("interrupted", error=str(error))
+            return GenerationResult("interrupted", self.step, plan.generation, error)
+        except CommError as error:
+            self.failure_time = self.failure_time or time.monotonic()
+            self._log("comm_failed", error=str(error))
+            return GenerationResult("failed", self.step, plan.generation, error)
+        return GenerationResult("done", self.step, plan.generation, None)
+
+    def run_static(self, plan: Plan, steps: int | None = None) -> list[StepOutcome]:
+        """Adopt `plan` and train until `steps` (default: config.steps) global steps are done."""
+        self.adopt(plan)
+        target = self.config.steps if steps is None else steps
+        outcomes = []
+        while self.step < target:
+            outcomes.append(self.train_step())
+        return outcomes
+
+    # -- output ------------------------------------------------------------------------------------
+
+    def _append_loss(self, outcome: StepOutcome) -> None:
+        if self.losses_path is None:
+            return
+        record = {"job": self.config.job, "rank": self.rank, **asdict(outcome), "time": time.time()}
+        with self.losses_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def _log(self, event: str, **fields) -> None:
+        generation = self.plan.generation if self.plan is not None else None
+        log.info(
+            json.dumps(
+                {
+                    "event": event,
+                    "job": self.config.job,
+                    "node": self.node,
+                    "gpu": self.gpu,
+                    "rank": self.rank,
+                    "generation": generation,
+                    "step": self.step,
+                    "pid": os.getpid(),
+                    **fields,
+                }
+            )
+        )
+
+    def export_huggingface(self, directory: str | Path) -> list[int]:
+        """For a transformers model: write the layers this rank is the lowest-ranked holder of as shards of
+        a Hugging Face directory (the holder of layer 0 adds config.json and the index; runtime/models/hf_checkpoint.py).
+        Every worker calls it when training completes; returns the layers written."""
+        from oobleck.runtime.models.hf import TransformersModel
+        from oobleck.runtime.models.hf_checkpoint import write_checkpoint
+
+        if not isinstance(self.model, TransformersModel) or self.plan is None:
+            return []
+        mine = {layer: module for layer, module in self.layers.items() if min(self.plan.holders(layer)) == self.rank}
+        write_checkpoint(self.model, directory, mine)
+        self._log("huggingface_export", directory=str(directory), layers=sorted(mine))
+        return sorted(mine)
+
+    def final_export(self) -> None:
+        """On success: the Hugging Face directory `<checkpoint.path>/huggingface` (transformers models)."""
+        if self.config.checkpoint.path:
+            self.export_huggingface(Path(self.config.checkpoint.path) / "huggingface")
+
+    def layer_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Parameters of every held layer (CPU copies), for checks and dumps."""
+        return {
+            layer: {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
+            for layer, module in sorted(self.layers.items())
+        }

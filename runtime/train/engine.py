@@ -1,0 +1,416 @@
+"""Execute one global step of a plan on this rank: 1F1B, per-layer gradient sums, AdamW.
+
+The mathematics equals single-process training on the global batch (runtime/train/reference.py):
+- every pipeline runs its own microbatches (global indices offset..offset+M-1); a stage of g ranks
+  splits each microbatch by rows; the loss is the per-sample loss *summed*, so the pieces add up;
+- after each microbatch's backward, gradients are added into accumulators of `gradient_sum_dtype`
+  (one flat buffer per set of ranks holding the same layers), then summed over those holders by one
+  all-reduce per set and divided by the global sample count;
+- optionally (`max_grad_norm`) clipped by the global norm over all layers (`Engine._clip`).
+Layers run through runtime/train/compute.py: bf16 autocast (`precision`) and recomputation (`recompute`) are
+the same operations the reference runs, so they keep the guarantees below.
+Tolerance (float64 sums; float32 sums add float32 rounding): with g = 1 stages each microbatch's float32 gradient is bitwise the reference's (same
+ops, same inputs, one thread); the only difference is the order of float64 additions (~1e-16
+relative), which survives the cast to float32 as at most one ulp. Splitting a microbatch across g > 1
+ranks changes float32 reduction shapes inside the matmuls (~1e-7 relative), and AdamW's
+normalisation lets that grow on parameters with tiny gradients. The tests hold every step's loss to
+1e-5 relative and the final parameters to 1e-5 absolute; measured on tiny-gpt, 20 steps: g = 1
+layouts are bitwise identical to the reference, a g = 2 stage gives 4e-8 (loss) and 4e-6 (params).
+Stochastic layers (dropout) draw from an RNG seeded per (seed, step, microbatch, layer), so their
+masks match the reference exactly on g = 1 stages; a g > 1 stage draws masks for its rows only and
+matches the reference in distribution, not bit for bit.
+
+Failure semantics: every wait watches the `failed` event (set by the control side) and raises
+`Interrupted`; a dead peer raises `CommError`. Both happen before the optimizer update begins, so
+an interrupted step leaves parameters and optimizer state untouched and can be redone. Whether all
+ranks apply a step or none is the control side's call: the optimizer's `step` is where it can still
+refuse (runtime/elastic/loop.py wraps it with a commit decision); once the update starts it runs to the end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Container
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from oobleck.api.plan import Plan
+from oobleck.runtime.models.layered import LayeredModel, layer_seed, output_spec
+from oobleck.runtime.train.compute import autocast, run_layer
+from oobleck.runtime.train.config import Timeouts, WorkerConfig
+from oobleck.runtime.train.data import Dataset
+from oobleck.runtime.train.groups import (
+    GenerationGroups,
+    Interrupted,
+    Layout,
+    layout,
+    overlap,
+    rows,
+    tied_holders,
+    wait,
+    wait_all,
+)
+from oobleck.runtime.train.numerics import find_non_finite
+from oobleck.runtime.train.optim import LayerAdamW, learning_rate
+
+FORWARD_TAG, BACKWARD_TAG = 0, 1
+
+
+@dataclass
+class StepOutcome:
+    step: int
+    generation: int
+    loss: float | None
+    """mean loss over the global batch; known on ranks holding the last layer, None elsewhere"""
+    samples: int
+    tokens: int
+    seconds: float
+
+
+def one_f_one_b(stages: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
+    """The 1F1B order of one stage: warm-up forwards, alternating forward/backward, cool-down backwards."""
+    warmup = min(stages - stage - 1, microbatches)
+    order = [("F", m) for m in range(warmup)]
+    for i in range(microbatches - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", m) for m in range(microbatches - warmup, microbatches)]
+    return order
+
+
+class _GradientBuffers:
+    """One flat accumulator per holder set, with a view per (layer, parameter name).
+
+    The set holding the last layer carries one extra slot: the loss sum, reduced with the gradients.
+    When the accumulator has the parameters' dtype (float32 sums of float32 master weights), each
+    parameter's `.grad` *is* its view: autograd adds every microbatch's gradient into the buffer in
+    place (as DDP's buckets do), with no copy per microbatch, and the sum is divided in place. Float64
+    sums add each microbatch's float32 gradient into the view instead.
+    """
+
+    def __init__(
+        self,
+        lay: Layout,
+        layers: dict[int, nn.Module],
+        num_layers: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        tied: Container[tuple[int, str]] = frozenset(),
+    ) -> None:
+        self.sets: list[tuple[tuple[int, ...], torch.Tensor]] = []
+        self.views: list[tuple[torch.Tensor, nn.Parameter]] = []
+        self.grad_parts: list[torch.Tensor] = []
+        self.loss_slot: torch.Tensor | None = None
+        for members, held in sorted(lay.holder_sets.items(), key=lambda item: item[1][0]):
+            # tied parameters are summed by _TiedGradients instead
+            params = [p for layer in held for n, p in layers[layer].named_parameters() if (layer, n) not in tied]
+            has_loss = num_layers - 1 in held
+            flat = torch.zeros(sum(p.numel() for p in params) + int(has_loss), dtype=dtype, device=device)
+            offset = 0
+            for p in params:
+                self.views.append((flat[offset : offset + p.numel()].view(p.shape), p))
+                offset += p.numel()
+            self.grad_parts.append(flat[:offset])
+            if has_loss:
+                self.loss_slot = flat[offset:]
+            self.sets.append((members, flat))
+        self.aliased = all(p.dtype == dtype for _, p in self.views)
+
+    def zero(self) -> None:
+        """Clear the sums (and, aliased, point every `.grad` at its view); call after zero_grad."""
+        for _, flat in self.sets:
+            flat.zero_()
+        if self.aliased:
+            for view, p in self.views:
+                p.grad = view
+
+    def accumulate(self) -> None:
+        """Make sure the parameters' gradients (one microbatch) are in the sums."""
+        for view, p in self.views:
+            grad = p.grad
+            if grad is None or (self.aliased and grad.data_ptr() == view.data_ptr()):
+                continue  # no gradient, or autograd accumulated into the view in place
+            view += grad
+            p.grad = view if self.aliased else None
+
+    def install(self, samples: int) -> None:
+        """Set every parameter's gradient to its (reduced) sum divided by the global sample count."""
+        if self.aliased:
+            for part in self.grad_parts:
+                part.div_(samples)
+            return
+        for view, p in self.views:
+            p.grad = (view / samples).to(p.dtype)
+
+
+class _TiedGradients:
+    """Gradient sums of tied parameters (LayeredModel.tied_parameters: e.g. GPT-2's embedding and head).
+
+    Each tied layer owns a copy of the parameter. A rank adds the gradients of the copies it holds into
+    one accumulator per tie; the accumulators are summed over every rank holding *any* of the tie's
+    layers (the union of their holders, one group per tie) and installed into every copy, so all copies
+    get the one gradient of the shared parameter and, updated identically, stay identical."""
+
+    def __init__(
+        self,
+        model: LayeredModel,
+        plan: Plan,
+        held: dict[int, nn.Module],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.ties: list[tuple[tuple[int, ...], torch.Tensor, list[nn.Parameter]]] = []
+        for tie in model.tied_parameters():
+            copies = [held[layer].get_parameter(name) for layer, name in tie if layer in held]
+            if copies:
+                members = tied_holders(plan, [layer for layer, _ in tie])
+                self.ties.append((members, torch.zeros(copies[0].shape, dtype=dtype, device=device), copies))
+
+    @staticmethod
+    def keys(model: LayeredModel) -> set[tuple[int, str]]:
+        return {copy for tie in model.tied_parameters() for copy in tie}
+
+    def zero(self) -> None:
+        for _, total, _ in self.ties:
+            total.zero_()
+
+    def accumulate(self) -> None:
+        for _, total, copies in self.ties:
+            for p in copies:
+                if p.grad is not None:
+                    total += p.grad
+                    p.grad = None
+
+    def launch(self, groups: GenerationGroups) -> list[tuple[object, tuple[int, ...]]]:
+        works = []
+        for members, total, _ in self.ties:
+            backend = groups.tied(members)
+            if backend is not None:
+                works.append((backend.allreduce([total]), members))
+        return works
+
+    def install(self, samples: int) -> None:
+        for _, total, copies in self.ties:
+            for p in copies:
+                p.grad = (total / samples).to(p.dtype)
+
+
+class Engine:
+    """Runs global steps of one plan generation on one rank."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        model: LayeredModel,
+        data: Dataset,
+        optimizer: LayerAdamW,
+        layers: dict[int, nn.Module],
+        plan: Plan,
+        rank: int,
+        groups: GenerationGroups,
+        device: torch.device,
+        failed: threading.Event | None = None,
+    ) -> None:
+        self.config, self.model, self.data, self.optimizer = config, model, data, optimizer
+        self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
+        self.failed = failed
+        self.layout = layout(plan, rank)
+        self.timeouts: Timeouts = config.timeouts
+        self.mb = config.microbatch_size
+        for stage in self.layout.pipeline.stages:
+            if len(stage.ranks) > self.mb:
+                raise ValueError(
+                    f"microbatch_size: {self.mb} samples cannot be split over the {len(stage.ranks)} ranks of a stage "
+                    f"of pipeline {self.layout.pipeline.index}"
+                )
+        missing = [layer for layer in self.layout.layers if layer not in layers]
+        if missing:
+            raise ValueError(f"rank {rank} lacks layers {missing} that generation {plan.generation} assigns to it")
+        self.held = [(layer, layers[layer]) for layer in self.layout.layers]
+        self.non_finite: str | None = None
+        """what was NaN/Inf in the last step's reduced sums (None: all finite)"""
+        self.rows = rows(self.mb, len(self.layout.stage.ranks), self.layout.shard)
+        self.samples = plan.global_microbatches * self.mb
+        sum_dtype = getattr(torch, config.gradient_sum_dtype)
+        tied = _TiedGradients.keys(model)
+        self.buffers = _GradientBuffers(self.layout, layers, plan.num_layers, device, sum_dtype, tied)
+        self.tied = _TiedGradients(model, plan, dict(self.held), device, sum_dtype)
+        # What arrives from the previous stage: layer start-1's output, a slice of its rows.
+        self.input_spec = None if self.layout.first else output_spec(model, self.layout.stage.start - 1, self.mb)
+        self.output_spec = None if self.layout.last else output_spec(model, self.layout.stage.end - 1, self.mb)
+        self.tokens_per_sample = int(model.example_input(1).numel())
+        self.recompute = config.recompute == "full"
+        # Each layer's squared gradient norm is counted by one rank only: the lowest of its holders.
+        self.norm_layers = [
+            layer for members, held in self.layout.holder_sets.items() if min(members) == rank for layer in held
+        ]
+
+    # -- communication helpers -------------------------------------------------------------------
+
+    def _wait(self, work, what: str) -> None:
+        wait(work, self.failed, self.timeouts.poll, self.timeouts.step, what, cuda=self.device.type == "cuda")
+
+    def _wait_all(self, works: list[tuple[object, str]]) -> None:
+        """`_wait` for each (work, what), with one hand-off to the waiting thread for all of them."""
+        wait_all(works, self.failed, self.timeouts.poll, self.timeouts.step, cuda=self.device.type == "cuda")
+
+    def _check(self) -> None:
+        if self.failed is not None and self.failed.is_set():
+            raise Interrupted("interrupted between operations")
+
+    def _pieces(self, offset: int) -> list[tuple[int, tuple[int, int]]]:
+        """(peer rank, my rows' slice overlapping the peer's rows) for the stage `offset` away."""
+        peers = self.layout.neighbours(offset)
+        result = []
+        for index, peer in enumerate(peers):
+            common = overlap(self.rows, rows(self.mb, len(peers), index))
+            if common:
+                result.append((peer, common))
+        return result
+
+    def _receive(self, offset: int, spec: tuple[tuple[int, ...], torch.dtype], tag: int, what: str) -> torch.Tensor:
+        shape, dtype = spec
+        buffers, works = [], []
+        for peer, (lo, hi) in self._pieces(offset):
+            backend, peer_index = self.groups.link(peer, self.rank)
+            buffer = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=self.device)
+            works.append((backend.recv([buffer], peer_index, tag), f"{what} from rank {peer}"))
+            buffers.append(buffer)
+        self._wait_all(works)
+        return buffers[0] if len(buffers) == 1 else torch.cat(buffers)
+
+    def _send(self, tensor: torch.Tensor, offset: int, tag: int, pending: list) -> None:
+        base = self.rows[0]
+        for peer, (lo, hi) in self._pieces(offset):
+            backend, peer_index = self.groups.link(self.rank, peer)
+            piece = tensor[lo - base : hi - base].contiguous()
+            pending.append((backend.send([piece], peer_index, tag), piece, peer))
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> StepOutcome:
+        """Forward and backward of this rank's share of global step `step`, then the update."""
+        started = time.perf_counter()
+        lay = self.layout
+        pipeline = lay.pipeline
+        for _, module in self.held:
+            module.zero_grad(set_to_none=True)
+        self.buffers.zero()
+        self.tied.zero()
+        lo, hi = self.rows
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        pending: list = []  # sends in flight: (work, tensor kept alive, peer)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for kind, m in one_f_one_b(len(pipeline.stages), lay.stage_index, pipeline.microbatches):
+            self._check()
+            index = pipeline.microbatch_offset + m
+            if kind == "F":
+                batch = self.data.microbatch(step, index) if lay.first or lay.last else None
+                if lay.first:
+                    assert batch is not None
+                    x = batch[0][lo:hi].to(self.device)
+                    source = None
+                else:
+                    assert self.input_spec is not None
+                    x = self._receive(-1, self.input_spec, FORWARD_TAG, f"activations of microbatch {index}")
+                    x.requires_grad_(True)
+                    source = x
+                out = x
+                with autocast(self.device, self.config.precision):
+                    for layer, module in self.held:
+                        if self.model.stochastic:
+                            torch.manual_seed(layer_seed(self.config.seed, step, index, layer))
+                        out = run_layer(module, out, self.recompute)
+                    if lay.last:
+                        assert batch is not None
+                        targets = batch[1][lo:hi].to(self.device)
+                        out = self.model.loss(out, targets).sum()
+                        loss_sum += out.detach().double()
+                if not lay.last:
+                    # Autocast may hand back another dtype than the (autocast-free) spec the receiver expects.
+                    assert self.output_spec is not None
+                    out = out.to(self.output_spec[1])
+                    self._send(out.detach(), +1, FORWARD_TAG, pending)
+                saved[m] = (source, out)
+            else:
+                source, out = saved.pop(m)
+                if lay.last:
+                    out.backward()
+                else:
+                    assert self.output_spec is not None
+                    grad = self._receive(+1, self.output_spec, BACKWARD_TAG, f"gradients of microbatch {index}")
+                    out.backward(grad)
+                if source is not None:
+                    self._send(source.grad, -1, BACKWARD_TAG, pending)
+                self.buffers.accumulate()
+                self.tied.accumulate()
+        # One hand-off for every send of the step (most completed long ago).
+        self._wait_all([(work, f"send to rank {peer}") for work, _, peer in pending])
+        if self.buffers.loss_slot is not None:
+            self.buffers.loss_slot += loss_sum
+        self._reduce()
+        self.buffers.install(self.samples)
+        self.tied.install(self.samples)
+        # Checked here, applied by the optimizer's commit: every rank takes the same branch (runtime/elastic/nonfinite.py).
+        self.non_finite = find_non_finite(
+            [flat for _, flat in self.buffers.sets], self.buffers.loss_slot, self.buffers.views, self._param_name
+        )
+        if self.config.max_grad_norm is not None:
+            self._clip(self.config.max_grad_norm)
+        self.optimizer.step(self.held, learning_rate(self.config.optim, step))
+        for _, module in self.held:
+            module.zero_grad(set_to_none=True)
+        loss = None
+        if self.buffers.loss_slot is not None:
+            loss = float(self.buffers.loss_slot.item()) / self.samples
+        return StepOutcome(
+            step=step,
+            generation=self.plan.generation,
+            loss=loss,
+            samples=self.samples,
+            tokens=self.samples * self.tokens_per_sample,
+            seconds=time.perf_counter() - started,
+        )
+
+    def _param_name(self, parameter: torch.Tensor) -> tuple[int, str]:
+        return next((layer, n) for layer, m in self.held for n, p in m.named_parameters() if p is parameter)
+
+    def _clip(self, max_norm: float) -> float:
+        """Scale every gradient by max_norm / (global norm + 1e-6) when that is below 1, as
+        torch.nn.utils.clip_grad_norm_ does on one process; returns the global norm.
+
+        The global norm covers every layer once: replicas of a layer hold identical reduced gradients,
+        so only the lowest-ranked holder adds the layer's squared norm into a per-layer vector (float64),
+        summed over all ranks by one all-reduce; every rank then computes the same norm from it."""
+        squares = torch.zeros(self.plan.num_layers, dtype=torch.float64, device=self.device)
+        counted = set(self.norm_layers)
+        shared = self.model.tied_parameters()
+        for layer, module in self.held:
+            if layer not in counted:
+                continue
+            for name, p in module.named_parameters():
+                if p.grad is not None and not any((layer, name) in group[1:] for group in shared):
+                    squares[layer] += p.grad.double().square().sum()
+        backend = self.groups.everyone()
+        if backend is not None:
+            self._wait(backend.allreduce([squares]), "gradient norms over all ranks")
+        norm = float(squares.sum().sqrt())
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1.0:
+            for _, module in self.held:
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        return norm
+
+    def _reduce(self) -> None:
+        """Sum every holder set's buffer over its members (all launched, then all awaited)."""
+        works = []
+        for members, flat in self.buffers.sets:
+            backend = self.groups.holders(members)
+            if backend is not None:
+                works.append((backend.allreduce([flat]), members))
+        works += self.tied.launch(self.groups)
+        self._wait_all([(work, f"gradient sum over ranks {list(members)}") for work, members in works])
