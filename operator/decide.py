@@ -223,7 +223,7 @@ class _Status:
         self,
         ctx: JobContext,
         now: datetime,
-        measured: tuple[float | None, float | None] | None = None,
+        measured: tuple[float | None, float | None, int | None] | None = None,
         verdict: Verdict | None = None,
     ) -> None:
         self.ctx, self.now = ctx, now
@@ -231,7 +231,7 @@ class _Status:
         """operator/faults.py's: the worker failures counted (status.workerFailures), and whether to fail"""
         self.conditions: list[Condition] = list(ctx.status.conditions)
         self.measured = measured
-        """(loss, samples/s) of the newest step the workers reported"""
+        """(loss, samples/s) of the newest step the workers reported, and the newest complete checkpoint step"""
 
     def set(self, type_: str, status: str, reason: str, message: str) -> None:
         self.conditions = set_condition(self.conditions, type_, status, reason, message, self.ctx.generation, self.now)  # type: ignore[arg-type]
@@ -257,12 +257,17 @@ class _Status:
         progress = prior.progress
         if step and (progress is None or progress.step != step):
             progress = Progress(step=step) if progress is None else progress.model_copy(update={"step": step})
+        if self.measured is not None and self.measured[2] is not None and progress is None:
+            progress = Progress()
         if progress is not None and self.measured is not None:
-            loss, rate = self.measured
+            loss, rate, checkpoint = self.measured
+            known = progress.last_checkpoint_step
             progress = progress.model_copy(
                 update={
                     "loss": loss if loss is not None else progress.loss,
                     "samples_per_second": rate if rate is not None else progress.samples_per_second,
+                    # A pruned directory only moves forward: the newest step any report named.
+                    "last_checkpoint_step": known if checkpoint is None else max(known or 0, checkpoint),
                 }
             )
         status = OobleckJobStatus(
@@ -395,7 +400,7 @@ def _decide(
     now: datetime,
     verdict: Verdict | None,
 ) -> Decision:
-    status = _Status(ctx, now, (obs.loss, obs.samples_per_second), verdict)
+    status = _Status(ctx, now, (obs.loss, obs.samples_per_second, obs.checkpoint_step), verdict)
     ended = _ended(ctx, obs, current, status)
     if ended is not None:
         return ended

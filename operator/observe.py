@@ -22,7 +22,6 @@ decide redo the generation if nothing does).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -30,6 +29,7 @@ from typing import Any, Literal
 
 from oobleck.api.causes import CAUSE_ANNOTATION
 from oobleck.api.plan import Plan
+from oobleck.api.reports import FailureKind, FailureReport, ProgressReport
 from oobleck.operator.render import (
     COORDINATOR_ROLE,
     FAILURE_ANNOTATION,
@@ -272,6 +272,7 @@ class JobObservation:
     reports: tuple[str, ...] = field(default=())  # accepted worker reports, for logs and events
     loss: float | None = None  # of the newest step a worker reported
     samples_per_second: float | None = None
+    checkpoint_step: int | None = None  # the newest complete checkpoint step any worker reported
     unrecoverable: str = ""  # a member found some layer's state gone everywhere (the job cannot go on)
     retry: str = ""  # why the current generation must be redone on the same nodes now (coordinator restart)
     stalled_since: float | None = None  # earliest report of a failure that names no dead worker (wall time)
@@ -282,25 +283,12 @@ class JobObservation:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {w.name: w for w in self.workers})
 
-    def by_status(self, status: WorkerStatus) -> list[Worker]:
-        return [w for w in self.workers if w.status == status]
-
     @property
     def names(self) -> set[str]:
         return {w.name for w in self.workers}
 
     def get(self, name: str) -> Worker | None:
         return self._by_name.get(name)  # type: ignore[attr-defined]
-
-
-def _report(raw: str | None) -> dict[str, Any] | None:
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def observe(
@@ -320,6 +308,7 @@ def observe(
     summaries: dict[str, PodSummary] = {}
     step = 0
     latest: tuple[float | None, float | None] = (None, None)  # loss, samples/s of the newest step
+    checkpoint_step: int | None = None
     silent: set[str] = set()  # running workers lost only because their node's status went silent
     for pod in pods:
         if pod.owner_uid != uid:
@@ -332,14 +321,12 @@ def observe(
         if pod.role != WORKER_ROLE or index is None:
             continue
         summaries[pod.name] = pod
-        progress = _report(pod.progress)
-        if progress is not None and isinstance(progress.get("step"), int) and progress["step"] >= step:
-            step = progress["step"]
-            loss, rate = progress.get("loss"), progress.get("samplesPerSecond")
-            latest = (
-                loss if isinstance(loss, (int, float)) else None,
-                rate if isinstance(rate, (int, float)) else None,
-            )
+        progress = ProgressReport.parse(pod.progress)
+        if progress is not None and progress.checkpoint_step is not None:
+            checkpoint_step = max(checkpoint_step or 0, progress.checkpoint_step)
+        if progress is not None and progress.step >= step:
+            step = progress.step
+            latest = (progress.loss, progress.samples_per_second)
         problem = pod_problem(pod)
         if problem is None and pod.node_name is not None and pod.phase != "Succeeded":
             problem = node_problem(nodes.get(pod.node_name), pod.node_name, gpu_resource, gpu_conditions)
@@ -377,39 +364,37 @@ def observe(
     generation_trained: bool | None = None
     if plan is not None:
         for name in plan.nodes:
-            progress = _report(summaries[name].progress) if name in summaries else None
+            progress = ProgressReport.parse(summaries[name].progress) if name in summaries else None
             if progress is not None:
-                generation_trained = bool(generation_trained) or progress.get("generation") == plan.generation
+                generation_trained = bool(generation_trained) or progress.generation == plan.generation
         members = set(plan.nodes)
         # Reports count only from live members about the current generation (older ones are settled).
         for name, pod in summaries.items():
-            report = _report(pod.failure_report)
+            report = FailureReport.parse(pod.failure_report)
             worker = workers[name]
             if report is None or worker.status != "running" or name not in members:
                 continue
-            if report.get("generation") != plan.generation:
+            if report.generation != plan.generation:
                 continue
-            dead = [d for d in report.get("dead") or [] if isinstance(d, str)]
-            kind = str(report.get("kind") or "")
-            detail = str(report.get("detail") or "")
-            if kind == "unrecoverable":
+            dead = list(report.dead)
+            kind, detail = report.kind, report.detail
+            if kind == FailureKind.UNRECOVERABLE:
                 unrecoverable = unrecoverable or f"{name}: {detail}"
                 continue
-            if kind == "coordinator-restart":
+            if kind == FailureKind.COORDINATOR_RESTART:
                 retry = retry or f"{name}: the coordinator restarted ({detail})"
                 continue
-            if not dead and kind != "gpu":
+            if not dead and kind != FailureKind.GPU:
                 # Who died is not known yet (a broken collective): the pod or node status usually
                 # tells within moments; if nothing does, the generation is redone (decide).
-                at = report.get("detected_at")
-                if isinstance(at, (int, float)):
-                    stalled_since = at if stalled_since is None else min(stalled_since, at)
+                at = report.detected_at
+                stalled_since = at if stalled_since is None else min(stalled_since, at)
                 continue
-            if kind == "gpu" and (not dead or name in dead):
+            if kind == FailureKind.GPU and (not dead or name in dead):
                 dead = [name]
                 why = f"worker {name} reported an unhealthy GPU" + (f": {detail}" if detail else "")
             else:
-                why = f"reported dead by {name} ({kind})" + (f": {detail}" if detail else "")
+                why = f"reported dead by {name} ({kind.value})" + (f": {detail}" if detail else "")
             for target in dead:
                 peer = workers.get(target)
                 if target in members and peer is not None and peer.status == "running":
@@ -433,6 +418,7 @@ def observe(
         reports=tuple(accepted),
         loss=latest[0],
         samples_per_second=latest[1],
+        checkpoint_step=checkpoint_step,
         unrecoverable=unrecoverable,
         retry=retry,
         stalled_since=stalled_since,

@@ -25,7 +25,6 @@ process death: `signal(error)` turns it into the same failure path.
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import shutil
@@ -34,11 +33,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch.distributed as dist
 
+from oobleck.api.reports import FailureKind, FailureReport
 from oobleck.runtime.elastic import keys
 from oobleck.runtime.elastic.store import Endpoint, StoreTimeouts, StoreUnavailable, connect_endpoint, is_store_loss
 
@@ -111,28 +111,6 @@ class HealthTimeouts:
             )
 
 
-@dataclass(frozen=True)
-class FailureReport:
-    """What a worker saw: who it thinks is dead (empty when unknown), how, and in which generation."""
-
-    job: str
-    generation: int
-    reporter: str
-    kind: str  # "heartbeat" | "collective" | "gpu" | "abort" | "process-exit"
-    dead: tuple[str, ...] = ()
-    detail: str = ""
-    detected_at: float = field(default_factory=time.time)
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data["dead"] = list(self.dead)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> FailureReport:
-        return cls(**{**data, "dead": tuple(data.get("dead", ()))})
-
-
 class FailureReporter(Protocol):
     """Tells the plan controller about a failure. In a pod: annotate the worker's own pod."""
 
@@ -155,7 +133,7 @@ class StoreFailureReporter:
                 if self._store is None:
                     self._store = connect_endpoint(self._endpoint, self._timeouts)[0]
                 try:
-                    keys.push_failure(self._store, report.to_dict())
+                    keys.push_failure(self._store, report.model_dump(mode="json"))
                     # A push has no reply: on a connection to a dead server it "succeeds" silently.
                     # A call that answers proves it arrived (or raises, and we push again).
                     self._store.queue_len(keys.FAILURES_QUEUE)
@@ -436,11 +414,11 @@ class FailureDetector:
         """Classify an exception raised by a collective; a peer loss triggers the failure path."""
         if not is_peer_failure(error):
             return False
-        self.trigger("collective", (), f"{type(error).__name__}: {error}")
+        self.trigger(FailureKind.COLLECTIVE, (), f"{type(error).__name__}: {error}")
         return True
 
     def trigger(
-        self, kind: str, dead: tuple[str, ...], detail: str, generation: int | None = None
+        self, kind: FailureKind, dead: tuple[str, ...], detail: str, generation: int | None = None
     ) -> FailureReport | None:
         """Set `failure`, abort the generation and report (once per generation and dead worker)."""
         with self._lock:
@@ -454,7 +432,9 @@ class FailureDetector:
             if not dead and (generation, "") in self._reported:
                 return None
             self._reported.update((generation, d) for d in (fresh or ("",)))
-        report = FailureReport(self.job, generation, self.worker, kind, fresh, detail)
+        report = FailureReport(
+            job=self.job, generation=generation, reporter=self.worker, kind=kind, dead=fresh, detail=detail
+        )
         self.last_report = report
         log.warning("failure detected by %s in generation %d: %s %s %s", self.worker, generation, kind, fresh, detail)
         try:
@@ -477,7 +457,7 @@ class FailureDetector:
                 if self._trigger_store is None:
                     self._trigger_store = self._connect()
                 try:
-                    keys.post_abort(self._trigger_store, generation, report.to_dict())
+                    keys.post_abort(self._trigger_store, generation, report.model_dump(mode="json"))
                     return
                 except RuntimeError as error:
                     self._trigger_store = None
@@ -492,7 +472,7 @@ class FailureDetector:
             if previous and self._generation_epoch != epoch:
                 # Groups of this generation may be half-built in the lost store: everyone leaves the
                 # generation and re-rendezvouses under the next one (new epoch, new prefix).
-                self.trigger("coordinator-restart", (), f"store epoch {previous} -> {epoch}")
+                self.trigger(FailureKind.COORDINATOR_RESTART, (), f"store epoch {previous} -> {epoch}")
         return store
 
     def _heartbeat_loop(self) -> None:
@@ -620,13 +600,13 @@ class FailureDetector:
             )
             if dead and generation >= 0:
                 silent = ", ".join(f"{p} {now - last_change[p]:.2f}s{self._why(unanswered, p)}" for p in dead)
-                self.trigger("heartbeat", dead, f"no heartbeat: {silent}", generation)
+                self.trigger(FailureKind.HEARTBEAT, dead, f"no heartbeat: {silent}", generation)
             if self.timeouts.gpu_probe_period_s > 0 and now >= next_probe:
                 next_probe = now + self.timeouts.gpu_probe_period_s
                 bad = [g for g in self._gpu_probe() if not g.healthy]
                 if bad and generation >= 0:
                     detail = "; ".join(f"gpu {g.index}: {g.detail}" for g in bad)
-                    self.trigger("gpu", (self.worker,), detail, generation)
+                    self.trigger(FailureKind.GPU, (self.worker,), detail, generation)
             self._stop.wait(self.timeouts.watch_period_s)
 
     def _probe(self, store: dist.Store, suspects: list[str], timeout_s: float | None = None) -> dict[str, str]:
@@ -691,7 +671,7 @@ class FailureDetector:
                 return
             self.failure.set()
         try:
-            self.last_report = FailureReport.from_dict(json.loads(store.get(keys.abort_key(generation))))
+            self.last_report = FailureReport.model_validate_json(store.get(keys.abort_key(generation)))
         except (RuntimeError, ValueError, TypeError):
             pass
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from oobleck.api.addresses import parse_worker_id, worker_id
 from oobleck.api.contract import ExitCode
 from oobleck.api.plan import Plan
+from oobleck.api.reports import FailureKind
 from oobleck.runtime.causes import classify
 from oobleck.runtime.elastic import keys
 from oobleck.runtime.elastic.health import FailureDetector
@@ -116,13 +117,17 @@ def run_elastic(
                 # Interrupted / CommError, a lost coordinator, or a rendezvous that failed (gloo
                 # raises plain RuntimeErrors there): all end this generation, none ends the worker.
                 if not isinstance(error, (Interrupted, CommError)):
-                    detector.trigger("coordinator-lost" if is_store_loss(error) else "rendezvous", (), str(error)[:500])
+                    detector.trigger(
+                        FailureKind.COORDINATOR_LOST if is_store_loss(error) else FailureKind.RENDEZVOUS,
+                        (),
+                        str(error)[:500],
+                    )
                 interrupted = True
                 result.interruptions += 1
                 if isinstance(error, CommError):
                     detector.signal(error.__cause__ or error)
                     if not detector.failure.is_set():  # not a peer loss: still a failure of this generation
-                        detector.trigger("collective", (), str(error))
+                        detector.trigger(FailureKind.COLLECTIVE, (), str(error))
                 log.warning(
                     json.dumps(
                         {

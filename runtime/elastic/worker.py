@@ -6,8 +6,8 @@ The control side (coordinator, failure detection, plan source) drives it through
   caller can `abandon()` the generation, adopt the next plan, and call `train_step()` again: the
   step counter did not advance, so the same step is redone;
 - `abandon()`: drop the generation's groups without waiting.
-`run_generation(plan, until_step)` wraps the three for one generation and reports how it ended;
-`run_static` is the loop for a fixed plan (no reconfiguration).
+`run_static` is the loop for a fixed plan (no reconfiguration); elastic/loop.py's `run_elastic` is the
+loop across generations.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -30,7 +29,7 @@ from oobleck.runtime.causes import blame, model_field
 from oobleck.runtime.elastic.commit import CommittingOptimizer, StepCommitter
 from oobleck.runtime.train.config import WorkerConfig, build_dataset, build_model
 from oobleck.runtime.train.engine import Engine, StepOutcome
-from oobleck.runtime.train.groups import CommError, GenerationGroups, Interrupted, layout
+from oobleck.runtime.train.groups import GenerationGroups, layout
 from oobleck.runtime.train.layer_state import state_nbytes, transfer, unflatten
 from oobleck.runtime.train.metrics import WorkerMetrics
 from oobleck.runtime.train.optim import LayerAdamW
@@ -39,16 +38,6 @@ if TYPE_CHECKING:
     from oobleck.runtime.snapshot.agent import Snapshotter
 
 log = logging.getLogger("oobleck.runtime.elastic.worker")
-
-
-@dataclass
-class GenerationResult:
-    status: Literal["done", "interrupted", "failed"]
-    """done: reached the target step; interrupted: the failure event was set; failed: a peer broke"""
-    step: int
-    """the next step to run (the one to redo if the generation broke)"""
-    generation: int
-    error: Exception | None
 
 
 class NotInPlan(RuntimeError):
@@ -130,7 +119,7 @@ class Worker:
         self.groups: GenerationGroups | None = None
         self.engine: Engine | None = None
         self.failure_time: float | None = None
-        """time.monotonic() of the failure being recovered from; set by run_generation when a
+        """time.monotonic() of the failure being recovered from; set by the backend when a
         generation breaks (the control side may set an earlier one, e.g. the kill it detected)"""
         self.losses_path = Path(losses_path) if losses_path else None
         self.metrics = metrics or WorkerMetrics(config.job, node, gpu)
@@ -326,31 +315,6 @@ class Worker:
         if self.plan is None:
             return False
         return self.rank == self.plan.pipelines[0].stages[-1].ranks[0]
-
-    def run_generation(
-        self, plan: Plan, until_step: int, on_step: Callable[[StepOutcome], None] | None = None
-    ) -> GenerationResult:
-        """Adopt `plan` and train until global step `until_step` or until the generation breaks.
-
-        Never raises for an interruption or a communication failure: the result says which, and the
-        step counter names the step to redo under the next plan. Anything else (a bug, bad input)
-        propagates."""
-        self.abandon()
-        try:
-            self.adopt(plan)
-            while self.step < until_step:
-                outcome = self.train_step()
-                if on_step is not None:
-                    on_step(outcome)
-        except Interrupted as error:
-            self.failure_time = self.failure_time or time.monotonic()
-            self._log("interrupted", error=str(error))
-            return GenerationResult("interrupted", self.step, plan.generation, error)
-        except CommError as error:
-            self.failure_time = self.failure_time or time.monotonic()
-            self._log("comm_failed", error=str(error))
-            return GenerationResult("failed", self.step, plan.generation, error)
-        return GenerationResult("done", self.step, plan.generation, None)
 
     def run_static(self, plan: Plan, steps: int | None = None) -> list[StepOutcome]:
         """Adopt `plan` and train until `steps` (default: config.steps) global steps are done."""

@@ -18,7 +18,7 @@ import importlib
 import math
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -72,46 +72,6 @@ def seeded_build(seed: int, index: int, build: Callable[[], nn.Module]) -> nn.Mo
         # Distinct, stable seed per (seed, layer); 2**61-1 is prime, so the map is injective for small indices.
         torch.manual_seed((seed * 1_000_003 + index) % (2**61 - 1))
         return build()
-
-
-class LayerList(LayeredModel):
-    """A LayeredModel from explicit layer factories and a loss: the easy way for user models."""
-
-    def __init__(
-        self,
-        builders: Sequence[Callable[[], nn.Module]],
-        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        example_input: Callable[[int], torch.Tensor],
-        seed: int = 0,
-        name: str = "layers",
-        names: Sequence[str] | None = None,
-        stochastic: bool = False,
-    ) -> None:
-        if not builders:
-            raise ValueError("builders: a model needs at least one layer")
-        self._builders = list(builders)
-        self._loss = loss
-        self._example = example_input
-        self._seed = seed
-        self.name = name
-        self.stochastic = stochastic
-        self._names = list(names) if names is not None else None
-
-    @property
-    def num_layers(self) -> int:
-        return len(self._builders)
-
-    def build_layer(self, index: int) -> nn.Module:
-        return seeded_build(self._seed, index, self._builders[index])
-
-    def example_input(self, batch: int) -> torch.Tensor:
-        return self._example(batch)
-
-    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._loss(output, targets)
-
-    def layer_name(self, index: int) -> str:
-        return self._names[index] if self._names else super().layer_name(index)
 
 
 # --- the built-in GPT-style decoder ---------------------------------------------------------------

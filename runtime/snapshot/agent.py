@@ -69,7 +69,7 @@ from oobleck.runtime.elastic.keys import held_key
 from oobleck.runtime.elastic.keys import snapshot_complete_key as complete_key
 from oobleck.runtime.elastic.keys import snapshot_done_key as done_key
 from oobleck.runtime.elastic.store import is_store_loss
-from oobleck.runtime.snapshot.checkpoint_dir import prune_checkpoints, write_checkpoint_layer
+from oobleck.runtime.snapshot.checkpoint_dir import newest_complete_step, prune_checkpoints, write_checkpoint_layer
 from oobleck.runtime.snapshot.holding import SnapshotStore
 from oobleck.runtime.snapshot.transport import SnapshotServer, local_address, push
 
@@ -166,6 +166,8 @@ class Snapshotter:
         self._outstanding = 0
         self._quiet = threading.Condition()
         self._begun: set[tuple[int, int]] = set()
+        self.checkpoint_step: int | None = None
+        """the newest step complete in the checkpoint directory after this agent's last write (None: none yet)"""
         self.stats = {"snapshots": 0, "capture_s": 0.0, "push_s": 0.0, "pushed_bytes": 0, "checkpoint_s": 0.0}
         threading.Thread(target=self._capture_loop, name="snapshot-capture", daemon=True).start()
         threading.Thread(target=self._ship_loop, name="snapshot-ship", daemon=True).start()
@@ -293,6 +295,8 @@ class Snapshotter:
             self.stats["checkpoint_s"] += time.perf_counter() - began
             if not self.store.frozen and self.num_layers > 0:
                 prune_checkpoints(self.checkpoint_dir, self.num_layers, self.checkpoint_keep)
+            if self.num_layers > 0:
+                self.checkpoint_step = newest_complete_step(self.checkpoint_dir, self.num_layers)
         if job.push and pushed:
             count = self._store_call(lambda s: s.add(done_key(job.generation, job.step), 1))
             if count == job.world_size:

@@ -50,10 +50,21 @@ def checkpoint_holdings(root: str | Path | None) -> dict[int, set[int]]:
     return out
 
 
+def complete_steps(held: dict[int, set[int]], num_layers: int) -> list[int]:
+    """The steps of `held` (checkpoint_holdings) that every layer's file completes, oldest first."""
+    return sorted(s for s, layers in held.items() if len(layers) >= num_layers)
+
+
+def newest_complete_step(root: str | Path | None, num_layers: int) -> int | None:
+    """The newest step complete in the directory (a rollback beyond f failures restores from it), or None."""
+    complete = complete_steps(checkpoint_holdings(root), num_layers)
+    return complete[-1] if complete else None
+
+
 def prune_checkpoints(root: str | Path, num_layers: int, keep: int) -> None:
     """Delete steps older than the `keep`-th newest complete one (several writers may race: harmless)."""
     held = checkpoint_holdings(root)
-    complete = sorted(s for s, layers in held.items() if len(layers) >= num_layers)
+    complete = complete_steps(held, num_layers)
     if len(complete) < keep:
         return
     oldest_kept = complete[-keep]

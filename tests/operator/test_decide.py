@@ -419,6 +419,25 @@ def test_progress_carries_loss_and_throughput_into_the_status(h):
     assert (progress.step, progress.loss, progress.samples_per_second) == (7, 5.25, 300.0)
 
 
+def test_the_newest_checkpoint_step_any_worker_reports_is_the_status_s_and_never_goes_back(h):
+    world = World(h, h.spec(), n_nodes=4)
+    world.settle()
+    first, second = world.current.plan.nodes[:2]
+    assert parse_status(world.step().status).progress is None or world.status.progress.last_checkpoint_step is None
+    world.pods[first] = replace(
+        world.pods[first], progress=json.dumps({"generation": 0, "step": 21, "checkpointStep": 20})
+    )
+    world.pods[second] = replace(
+        world.pods[second], progress=json.dumps({"generation": 0, "step": 19, "checkpointStep": 10})
+    )
+    world.apply(world.step())
+    assert world.status.progress.last_checkpoint_step == 20
+    # The reporter is replaced by a worker that has not seen a checkpoint yet: the status keeps 20.
+    world.pods[first] = replace(world.pods[first], progress=json.dumps({"generation": 0, "step": 22}))
+    world.apply(world.step())
+    assert world.status.progress.last_checkpoint_step == 20
+
+
 def test_fewer_than_f_plus_one_pipelines_is_degraded_not_failed(h):
     world = World(h, h.spec(nodes={"min": 1, "max": 4}), n_nodes=4)
     world.settle()

@@ -2,8 +2,8 @@
 
 usage: drive_worker.py CONFIG STORE_PORT NODE GPU LOSSES DUMP PLAN:UNTIL [PLAN:UNTIL ...]
 Adopts each plan in turn and trains until the global step reaches UNTIL, then moves to the next
-generation the way the control side will (Worker.run_generation: abandon the old groups, adopt the
-new plan, train).
+generation the way the control side does (`run_generation`: abandon the old groups, adopt the new plan,
+train). `run_generation` is also what tests drive a bare Worker with, without the elastic loop.
 """
 
 from __future__ import annotations
@@ -17,6 +17,24 @@ from torch.distributed import TCPStore
 from oobleck.api.plan import Plan
 from oobleck.runtime.elastic.worker import Worker
 from oobleck.runtime.train.config import load_config
+from oobleck.runtime.train.groups import CommError, Interrupted
+
+
+def run_generation(worker: Worker, plan: Plan, until_step: int, on_step=None) -> tuple[str, Exception | None]:
+    """Adopt `plan` and train until global step `until_step` or until the generation breaks: ("done" |
+    "interrupted" | "failed", the error). The worker's step counter names the step to redo."""
+    worker.abandon()
+    try:
+        worker.adopt(plan)
+        while worker.step < until_step:
+            outcome = worker.train_step()
+            if on_step is not None:
+                on_step(outcome)
+    except Interrupted as error:
+        return "interrupted", error
+    except CommError as error:
+        return "failed", error
+    return "done", None
 
 
 def main(argv: list[str]) -> int:
@@ -28,11 +46,9 @@ def main(argv: list[str]) -> int:
         plan_path, until = phase.rsplit(":", 1)
         with open(plan_path) as handle:
             plan = Plan.model_validate_json(handle.read())
-        result = worker.run_generation(plan, int(until))
-        if result.status != "done":
-            raise SystemExit(
-                f"generation {plan.generation} ended {result.status} at step {result.step}: {result.error}"
-            )
+        status, error = run_generation(worker, plan, int(until))
+        if status != "done":
+            raise SystemExit(f"generation {plan.generation} ended {status} at step {worker.step}: {error}")
     torch.save(worker.layer_state(), dump)
     return 0
 

@@ -35,7 +35,7 @@ from oobleck.runtime.elastic.health import (
     probe_liveness,
     wait_alive,
 )
-from oobleck.runtime.elastic.store import StoreTimeouts, connect
+from oobleck.runtime.elastic.store import FixedEndpoint, StoreTimeouts, connect
 
 FAST = StoreTimeouts(connect_s=5.0, op_s=2.0, reconnect_s=20.0, retry_s=0.02)
 ENV = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -224,8 +224,7 @@ def test_signal_and_trigger_report_once_per_generation():
         detector = FailureDetector(
             "job",
             "node0:0",
-            "127.0.0.1",
-            coordinator.port,
+            FixedEndpoint("127.0.0.1", coordinator.port),
             reporter=CallbackFailureReporter(reports.append),
             store_timeouts=FAST,
             gpu_probe=lambda: [],
@@ -253,8 +252,7 @@ def test_an_unhealthy_gpu_reports_its_own_worker():
         detector = FailureDetector(
             "job",
             "node0:0",
-            "127.0.0.1",
-            coordinator.port,
+            FixedEndpoint("127.0.0.1", coordinator.port),
             reporter=CallbackFailureReporter(reports.append),
             store_timeouts=FAST,
             timeouts=HealthTimeouts(gpu_probe_period_s=0.05),
@@ -418,8 +416,7 @@ def _worker_main(argv: list[str]) -> int:
     detector = FailureDetector(
         "test",
         args.worker,
-        "127.0.0.1",
-        args.port,
+        FixedEndpoint("127.0.0.1", args.port),
         timeouts=HealthTimeouts(dead_after_s=args.dead_after, overloaded_per_core=args.overloaded_per_core),
         store_timeouts=FAST,
     ).start()

@@ -10,9 +10,9 @@ import pytest
 from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
 from oobleck.planner.errors import PlanningError
 from oobleck.runtime.backends.local.plan_control import copy_plan, layout_holdings, replan
+from oobleck.runtime.elastic.commit import StepCommit
 from oobleck.runtime.elastic.coordinator import Coordinator
-from oobleck.runtime.elastic.loop import ControlStore, StepCommit
-from oobleck.runtime.elastic.store import StoreTimeouts
+from oobleck.runtime.elastic.store import ControlStore, FixedEndpoint, StoreTimeouts
 
 FAST = StoreTimeouts(connect_s=5.0, op_s=2.0, reconnect_s=30.0, retry_s=0.02)
 
@@ -23,7 +23,7 @@ def _decide_all(
     """Ranks in `arrive` try to commit step 7 of generation 1; returns each one's decision."""
     decisions: dict[int, bool] = {}
     # Workers are connected long before a step ends: connecting is not part of the race.
-    controls = {rank: ControlStore("127.0.0.1", port, FAST) for rank in arrive}
+    controls = {rank: ControlStore(FixedEndpoint("127.0.0.1", port), FAST) for rank in arrive}
 
     def run(rank: int) -> None:
         threading.Event().wait(delay(rank))
@@ -69,7 +69,7 @@ def test_consecutive_commits_drop_the_keys_of_steps_every_rank_is_past(world):
     from oobleck.runtime.elastic import keys
 
     with Coordinator() as coordinator:
-        controls = [ControlStore("127.0.0.1", coordinator.port, FAST) for _ in range(world)]
+        controls = [ControlStore(FixedEndpoint("127.0.0.1", coordinator.port), FAST) for _ in range(world)]
         decisions: dict[int, list[bool]] = {}
 
         def run(rank: int) -> None:
@@ -179,7 +179,7 @@ def test_a_pending_rank_decides_itself_when_no_controller_reposts(peer_applied):
     from oobleck.runtime.elastic import keys
 
     with Coordinator() as coordinator:
-        control = ControlStore("127.0.0.1", coordinator.port, FAST)
+        control = ControlStore(FixedEndpoint("127.0.0.1", coordinator.port), FAST)
         store = coordinator.store()
         step = 8 if peer_applied else 7  # node1:0 left generation 1 with step 7 applied (8) or not (7)
         store.set(keys.held_key("node1:0"), json.dumps({"generation": 1, "step": step, "layers": [0], "phase": "left"}))

@@ -21,13 +21,13 @@ import yaml
 from oobleck.api import contract, planmap
 from oobleck.api.job import parse_spec
 from oobleck.api.plan import Plan
+from oobleck.api.reports import FailureReport
 from oobleck.operator import render
 from oobleck.operator.decide import Tuning, cluster_shape, synthetic_profile
 from oobleck.runtime.backends.pod.coordinator_link import CoordinatorAddress
 from oobleck.runtime.backends.pod.kube import ApiException, Kube, WatchTimeouts, api_error_text
 from oobleck.runtime.backends.pod.plan_configmap import ConfigMapPlanSource
 from oobleck.runtime.backends.pod.report import PodFailureReporter, ProgressReporter
-from oobleck.runtime.elastic.health import FailureReport
 
 pytestmark = [pytest.mark.cluster]
 JOB = "kube"
@@ -138,7 +138,14 @@ def test_configmap_plan_source_sees_each_new_generation_within_a_second(cluster,
 
 def test_reporters_annotate_their_own_pod_with_the_worker_token(cluster, world):
     ns, pod = world["ns"], render.worker_name(JOB, 0)
-    report = FailureReport(JOB, 4, f"{pod}:0", "heartbeat", (f"{render.worker_name(JOB, 1)}:0",), "quiet for 3 s")
+    report = FailureReport(
+        job=JOB,
+        generation=4,
+        reporter=f"{pod}:0",
+        kind="heartbeat",
+        dead=(f"{render.worker_name(JOB, 1)}:0",),
+        detail="quiet for 3 s",
+    )
     PodFailureReporter(world["client"], ns, pod).report(report)
     written = json.loads(annotations(cluster, ns, pod)[contract.FAILURE_ANNOTATION])
     assert written["dead"] == [render.worker_name(JOB, 1)] and written["generation"] == 4
@@ -146,10 +153,11 @@ def test_reporters_annotate_their_own_pod_with_the_worker_token(cluster, world):
     progress = ProgressReporter(world["client"], ns, pod, min_interval_s=0.5)
     try:
         for step in range(1, 41):
-            progress.update(0, step)
+            progress.update(0, step, checkpoint_step=30 if step == 30 else None)  # None keeps the last known
             time.sleep(0.01)
         assert progress.flush()
-        assert json.loads(annotations(cluster, ns, pod)[contract.PROGRESS_ANNOTATION]) == {"generation": 0, "step": 40}
+        written = json.loads(annotations(cluster, ns, pod)[contract.PROGRESS_ANNOTATION])
+        assert written == {"generation": 0, "step": 40, "checkpointStep": 30}
         assert progress.writes <= 4, f"rate limit: {progress.writes} writes for 40 steps in ~0.5 s"
     finally:
         progress.stop()
@@ -181,11 +189,10 @@ def test_the_worker_token_gets_clear_refusals_beyond_its_role(world):
 
 
 def test_store_connection_follows_the_coordinator_pod_to_a_new_ip(cluster, world):
-    """connect_resolving reads the pod IP again between attempts: a recreated coordinator pod may have a
-    new IP. The store listens on every local address, so the stale IP is one no packet reaches."""
-    from oobleck.runtime.backends.pod.coordinator_link import connect_resolving
+    """connect_endpoint reads the pod IP again between attempts: a recreated coordinator pod may have a
+    new IP. The store listens on 127.0.0.1 only, so the stale IP (another loopback address) is refused."""
     from oobleck.runtime.elastic.coordinator import Coordinator
-    from oobleck.runtime.elastic.store import StoreTimeouts
+    from oobleck.runtime.elastic.store import StoreTimeouts, connect_endpoint
     from oobleck_dev.controlplane import free_port
 
     ns, pod = world["ns"], render.coordinator_name(JOB)
@@ -195,11 +202,11 @@ def test_store_connection_follows_the_coordinator_pod_to_a_new_ip(cluster, world
         cluster.kubectl("patch", "pod", pod, "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps(status))
 
     port = free_port()
-    set_ip("192.0.2.1")  # TEST-NET-1: the old pod's address, gone
+    set_ip("127.0.0.2")  # the old pod's address: nothing listens there
     address = CoordinatorAddress(world["client"], ns, pod, "fallback.invalid", port, poll_s=0.05)
     with Coordinator("127.0.0.1", port) as coordinator:
         threading.Timer(1.0, set_ip, ("127.0.0.1",)).start()
-        store, epoch = connect_resolving(address, StoreTimeouts(connect_s=2.0, reconnect_s=60.0))
+        store, epoch, _ = connect_endpoint(address, StoreTimeouts(connect_s=2.0, reconnect_s=60.0))
         assert address.last == ("127.0.0.1", port)
         assert epoch == coordinator.epoch
         del store

@@ -76,15 +76,30 @@ def test_entry_point_models(tmp_path, monkeypatch):
         textwrap.dedent("""
         import torch
         from torch import nn
-        from oobleck.runtime.models.layered import LayerList
+        from oobleck.runtime.models.layered import LayeredModel, seeded_build
+
+        class MLP(LayeredModel):
+            name = "mlp"
+
+            def __init__(self, seed, width):
+                self.seed, self.width = seed, width
+
+            @property
+            def num_layers(self):
+                return 2
+
+            def build_layer(self, index):
+                shape = (4, self.width) if index == 0 else (self.width, 2)
+                return seeded_build(self.seed, index, lambda: nn.Linear(*shape))
+
+            def example_input(self, batch):
+                return torch.zeros(batch, 4)
+
+            def loss(self, out, target):
+                return ((out - target) ** 2).mean(dim=1)
 
         def mlp(seed=0, width=8):
-            return LayerList(
-                [lambda: nn.Linear(4, width), lambda: nn.Linear(width, 2)],
-                loss=lambda out, target: ((out - target) ** 2).mean(dim=1),
-                example_input=lambda batch: torch.zeros(batch, 4),
-                seed=seed, name="mlp",
-            )
+            return MLP(seed, width)
 
         def wrong(seed=0):
             return nn.Linear(2, 2)

@@ -10,10 +10,10 @@ import yaml
 
 from oobleck.api.contract import WORKER_PORT, ExitCode, PodContract
 from oobleck.api.job import parse_spec
+from oobleck.api.reports import FailureReport
 from oobleck.runtime.backends.pod.config import PodEnv, worker_config
 from oobleck.runtime.backends.pod.coordinator_link import coordinator_ip
 from oobleck.runtime.backends.pod.report import failure_annotation, progress_annotation
-from oobleck.runtime.elastic.health import FailureReport
 from oobleck.runtime.train.config import build_model
 from oobleck.runtime.train.optim import learning_rate
 
@@ -135,6 +135,7 @@ def test_progress_annotation_carries_loss_and_throughput_when_known():
     assert body == {"generation": 2, "step": 17, "loss": 5.12346, "samplesPerSecond": 1234.568}
     # A NaN loss is not JSON (json.dumps would write NaN, which the operator's parser rejects): left out.
     assert "loss" not in json.loads(progress_annotation(0, 1, float("nan"), None))
+    assert json.loads(progress_annotation(3, 30, checkpoint_step=30))["checkpointStep"] == 30
 
 
 def test_entry_point_and_unsupported_mlp_width():
@@ -200,12 +201,19 @@ def test_env_errors_name_the_variable():
 
 
 def test_exit_codes_are_the_contract_s():
-    assert [int(code) for code in ExitCode] == [0, 1, 2, 3, 4, 5]
+    assert [int(code) for code in ExitCode] == [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15]
     assert (ExitCode.DONE, ExitCode.CONFIG, ExitCode.UNRECOVERABLE) == (0, 2, 5)
 
 
 def test_failure_annotation_names_plan_nodes():
-    report = FailureReport("tiny", 3, "tiny-worker-0:0", "heartbeat", ("tiny-worker-1:0", "tiny-worker-1:1"), "quiet")
+    report = FailureReport(
+        job="tiny",
+        generation=3,
+        reporter="tiny-worker-0:0",
+        kind="heartbeat",
+        dead=("tiny-worker-1:0", "tiny-worker-1:1"),
+        detail="quiet",
+    )
     body = json.loads(failure_annotation(report))
     assert body["dead"] == ["tiny-worker-1"]
     assert (body["job"], body["generation"], body["reporter"], body["kind"]) == (

@@ -20,6 +20,7 @@ from oobleck.planner.nextgen import NoRestorePoint, Restorable, next_generation,
 from oobleck.runtime.snapshot.agent import buddy_of
 from oobleck.runtime.snapshot.checkpoint_dir import (
     checkpoint_holdings,
+    newest_complete_step,
     prune_checkpoints,
     read_checkpoint_layer,
     write_checkpoint_layer,
@@ -211,6 +212,8 @@ def test_checkpoint_files_are_whole_and_old_steps_are_pruned(tmp_path):
     prune_checkpoints(tmp_path, num_layers=3, keep=2)
     assert checkpoint_holdings(tmp_path) == {6: {0, 1, 2}, 9: {0, 1, 2}, 12: {0}}
     assert checkpoint_holdings(tmp_path / "absent") == {}
+    assert newest_complete_step(tmp_path, num_layers=3) == 9  # 12 is still being written
+    assert newest_complete_step(tmp_path / "absent", num_layers=3) is None
 
 
 # -- a worker's rollback, in process ---------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any
 
 from oobleck.api.causes import KIND_OF_EXIT
 from oobleck.api.contract import ExitCode
+from oobleck.api.reports import FailureKind, FailureReport
 from oobleck.runtime.backends.local.children import Child, spawn_worker
 from oobleck.runtime.backends.local.config import Fault, LaunchOptions, initial_plan, load_profile, worker_config
 from oobleck.runtime.backends.local.faults import FaultInjector
@@ -88,7 +89,9 @@ class Launcher:
         if self.plan is not None:
             # Every worker leaves the old generation after the same step: a step in flight is
             # aborted for all (the commit decision is common), then redone under the new plan.
-            keys.post_abort(self.store, self.plan.generation, {"kind": "new-generation", "generation": plan.generation})
+            keys.post_abort(
+                self.store, self.plan.generation, {"kind": FailureKind.NEW_GENERATION, "generation": plan.generation}
+            )
         self.plan = plan
         log.info(
             "published generation %d (%s): %d pipelines %s, %d copies",
@@ -156,7 +159,6 @@ class Launcher:
 
     def _supervise(self, started: float) -> None:
         from oobleck.runtime.elastic import keys
-        from oobleck.runtime.elastic.health import FailureReport
 
         o = self.options
         restart_at = o.restart_coordinator_at_step
@@ -186,7 +188,7 @@ class Launcher:
                     return
                 time.sleep(0.01)
                 continue
-            self.reports += [FailureReport.from_dict(r) for r in keys.pop_failures(self.store)]
+            self.reports += [FailureReport.model_validate(r) for r in keys.pop_failures(self.store)]
             unexpected = [w for w, code in exited if code not in (ExitCode.DONE, ExitCode.DROPPED) and w in in_plan]
             if o.detect_exits and unexpected:
                 self._on_failure(unexpected)
@@ -253,7 +255,6 @@ class Launcher:
     def _on_failure(self, exited: list[str]) -> None:
         """Gather who is dead for a short settle window, then publish the next generation."""
         from oobleck.runtime.elastic import keys
-        from oobleck.runtime.elastic.health import FailureReport
 
         o = self.options
         generation = self.plan.generation
@@ -263,16 +264,16 @@ class Launcher:
         exit_seen = time.time() if exited else None
         reports: list[FailureReport] = []
         if exited:
-            keys.post_abort(self.store, generation, {"kind": "process-exit", "dead": sorted(exited)})
+            keys.post_abort(self.store, generation, {"kind": FailureKind.PROCESS_EXIT, "dead": sorted(exited)})
         first_signal = time.monotonic()
         deadline = first_signal + o.dead_after_s + 1.0
         while True:
-            self.reports += [FailureReport.from_dict(r) for r in keys.pop_failures(self.store)]
+            self.reports += [FailureReport.model_validate(r) for r in keys.pop_failures(self.store)]
             for report in self.reports:
                 if report.generation == generation:
                     reports.append(report)
                     named = {d for d in report.dead if d in in_plan}
-                    (suspects if report.kind == "heartbeat" else dead).update(named)
+                    (suspects if report.kind == FailureKind.HEARTBEAT else dead).update(named)
             self.reports = []
             self._reap()
             if o.detect_exits:

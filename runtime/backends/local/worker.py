@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from oobleck.api.reports import FailureKind
     from oobleck.runtime.backends.base import build_worker, finish
     from oobleck.runtime.backends.local.plan_file import FilePlanSource
     from oobleck.runtime.causes import JobFault
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_elastic(worker, FilePlanSource(args.plan_file), detector, built.control, steps)
     except Unrecoverable as error:
         log.error(json.dumps({"event": "unrecoverable", "worker": me, "error": str(error)}))
-        detector.trigger("unrecoverable", (), str(error))
+        detector.trigger(FailureKind.UNRECOVERABLE, (), str(error))
         return ExitCode.UNRECOVERABLE
     except JobFault as error:  # the job's own (runtime/causes.py): the launcher fails the job with it
         log.error(json.dumps({"event": "cause", "worker": me, "error": str(error)}))

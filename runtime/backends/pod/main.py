@@ -67,7 +67,7 @@ def _log(event: str, env: PodEnv, **fields) -> None:
 
 def _report_final(progress: ProgressReporter, worker) -> None:
     """The last step on the pod, which the operator marks the job Succeeded by: it must arrive."""
-    progress.update(worker.plan.generation if worker.plan else -1, worker.step)
+    progress.update(worker.plan.generation if worker.plan else -1, worker.step, checkpoint_step=worker.checkpoint_step)
     if not progress.flush():
         raise PodFailure(ExitCode.ERROR, f"the final step {worker.step} could not be reported: {progress.error}")
 
@@ -129,6 +129,7 @@ def first_config_map(source, env: PodEnv, timeout_s: float) -> dict[str, Any]:
 def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: float = 600.0) -> int:
     """One elastic worker process (local GPU `gpu`) of this pod, to the job's last step; the exit code."""
     from oobleck.api.job import parse_spec
+    from oobleck.api.reports import FailureKind
     from oobleck.runtime.backends.base import build_worker, finish
     from oobleck.runtime.backends.pod.plan_configmap import ConfigMapPlanSource
     from oobleck.runtime.backends.pod.pod_worker import PodWorker
@@ -190,7 +191,7 @@ def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: fl
             )
         except Unrecoverable as error:
             # The operator fails the job with these words (FailureReport kind "unrecoverable").
-            detector.trigger("unrecoverable", (), str(error))
+            detector.trigger(FailureKind.UNRECOVERABLE, (), str(error))
             raise PodFailure(ExitCode.UNRECOVERABLE, f"{me}: {error}") from error
         finish(worker, result, report_final=None if progress is None else lambda: _report_final(progress, worker))
         _log(

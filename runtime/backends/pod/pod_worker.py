@@ -14,6 +14,11 @@ class PodWorker(Worker):
         super().__init__(*args, **kwargs)
         self.progress = progress
 
+    @property
+    def checkpoint_step(self) -> int | None:
+        """The newest complete checkpoint step this worker's snapshot agent saw (status.progress.lastCheckpointStep)."""
+        return self.snapshots.checkpoint_step if self.snapshots is not None else None
+
     def abandon(self) -> None:
         # run_elastic abandons a generation right after it broke: recovery_seconds runs from here to the
         # first step completed in the next one.
@@ -25,5 +30,5 @@ class PodWorker(Worker):
         outcome = super().train_step()
         if self.progress is not None and self.plan is not None:
             rate = outcome.samples / outcome.seconds if outcome.seconds > 0 else None
-            self.progress.update(self.plan.generation, self.step, outcome.loss, rate)
+            self.progress.update(self.plan.generation, self.step, outcome.loss, rate, self.checkpoint_step)
         return outcome

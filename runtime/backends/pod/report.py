@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
-from typing import Any
 
+from oobleck.api.addresses import parse_worker_id
 from oobleck.api.contract import FAILURE_ANNOTATION, PROGRESS_ANNOTATION
+from oobleck.api.reports import FailureReport, ProgressReport
 from oobleck.runtime.backends.pod.kube import TRANSPORT_ERRORS, ApiException, Kube
 
 log = logging.getLogger("oobleck.runtime.backends.pod.main")
@@ -18,15 +18,17 @@ _REPORT_ERRORS: tuple[type[BaseException], ...] = (ApiException, *TRANSPORT_ERRO
 
 
 def node_of(worker: str) -> str:
-    """The plan node id of a worker id `node:gpu` (coordinator.worker_id)."""
-    return worker.rsplit(":", 1)[0] if ":" in worker else worker
+    """The plan node id of a worker id `node:gpu` (a bare node id stays as it is)."""
+    try:
+        return parse_worker_id(worker)[0]
+    except ValueError:
+        return worker
 
 
-def failure_annotation(report) -> str:
+def failure_annotation(report: FailureReport) -> str:
     """FAILURE_ANNOTATION's value for a health.FailureReport: `dead` as plan node ids (the operator's unit)."""
-    body = report.to_dict()
-    body["dead"] = list(dict.fromkeys(node_of(d) for d in report.dead))
-    return json.dumps(body, sort_keys=True)
+    nodes = tuple(dict.fromkeys(node_of(d) for d in report.dead))
+    return report.model_copy(update={"dead": nodes}).model_dump_json()
 
 
 def annotate(kube: Kube, namespace: str, pod: str, annotations: dict[str, str], attempts: int = 3) -> None:
@@ -50,22 +52,26 @@ class PodFailureReporter:
     def __init__(self, kube: Kube, namespace: str, pod: str) -> None:
         self.kube, self.namespace, self.pod = kube, namespace, pod
 
-    def report(self, report) -> None:
+    def report(self, report: FailureReport) -> None:
         annotate(self.kube, self.namespace, self.pod, {FAILURE_ANNOTATION: failure_annotation(report)})
 
 
 def progress_annotation(
-    generation: int, step: int, loss: float | None = None, samples_per_second: float | None = None
+    generation: int,
+    step: int,
+    loss: float | None = None,
+    samples_per_second: float | None = None,
+    checkpoint_step: int | None = None,
 ) -> str:
-    """PROGRESS_ANNOTATION's value: `{"generation", "step"}` and, when known, `"loss"` (the global mean
-    loss of the newest step whose loss this worker saw) and `"samplesPerSecond"` (global throughput of
-    the last step), rounded to what a status line needs."""
-    body: dict[str, Any] = {"generation": generation, "step": step}
-    if loss is not None and math.isfinite(loss):
-        body["loss"] = float(f"{loss:.6g}")
-    if samples_per_second is not None and math.isfinite(samples_per_second):
-        body["samplesPerSecond"] = round(samples_per_second, 3)
-    return json.dumps(body)
+    """PROGRESS_ANNOTATION's value (oobleck.api.reports.ProgressReport)."""
+    report = ProgressReport(
+        generation=generation,
+        step=step,
+        loss=loss,
+        samples_per_second=samples_per_second,
+        checkpoint_step=checkpoint_step,
+    )
+    return report.to_json()
 
 
 class ProgressReporter:
@@ -83,7 +89,7 @@ class ProgressReporter:
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
         self._latest: tuple[int, int] | None = None
-        self._extra: tuple[float | None, float | None] = (None, None)
+        self._extra: tuple[float | None, float | None, int | None] = (None, None, None)
         self._written: tuple[int, int] | None = None
         self._last_write = 0.0
         self._stop = False
@@ -93,28 +99,33 @@ class ProgressReporter:
         self._thread.start()
 
     def update(
-        self, generation: int, step: int, loss: float | None = None, samples_per_second: float | None = None
+        self,
+        generation: int,
+        step: int,
+        loss: float | None = None,
+        samples_per_second: float | None = None,
+        checkpoint_step: int | None = None,
     ) -> None:
-        """The newest progress; a None loss or throughput keeps the last known one."""
+        """The newest progress; a None loss, throughput or checkpoint step keeps the last known one."""
         with self._cond:
             self._latest = (generation, step)
-            last_loss, last_rate = self._extra
+            known = self._extra
             self._extra = (
-                last_loss if loss is None else loss,
-                last_rate if samples_per_second is None else samples_per_second,
+                known[0] if loss is None else loss,
+                known[1] if samples_per_second is None else samples_per_second,
+                known[2] if checkpoint_step is None else checkpoint_step,
             )
             self._cond.notify_all()
 
-    def _write_if_newer(self, value: tuple[int, int], extra: tuple[float | None, float | None]) -> None:
-        """Write `value` (with its loss and throughput, taken with it: they describe the same step) unless
-        a later step is already on the pod (the thread and flush never undo each other)."""
-        loss, rate = extra
+    def _write_if_newer(self, value: tuple[int, int], extra: tuple[float | None, float | None, int | None]) -> None:
+        """Write `value` (with its loss, throughput and checkpoint step, taken with it: they describe the same
+        step) unless a later step is already on the pod (the thread and flush never undo each other)."""
         with self._write_lock:
             with self._cond:
                 written = self._written
             if written is not None and (value[1], value[0]) <= (written[1], written[0]):
                 return
-            text = progress_annotation(value[0], value[1], loss, rate)
+            text = progress_annotation(value[0], value[1], *extra)
             annotate(self.kube, self.namespace, self.pod, {PROGRESS_ANNOTATION: text})
             self.writes += 1
             with self._cond:

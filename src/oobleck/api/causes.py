@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from oobleck.api.contract import ExitCode
 from oobleck.api.job import GROUP
 
 CAUSE_ANNOTATION = f"{GROUP}/cause"
@@ -23,15 +24,15 @@ CAUSE_ANNOTATION = f"{GROUP}/cause"
 CauseKind = Literal["ModelLoadFailed", "DataUnavailable", "InvalidConfig", "OutOfMemory", "NonFiniteLoss", "CudaError"]
 """The kind is also the reason of the job's Failed condition (oobleck.api.conditions.Reason)."""
 
-EXIT_CODES: dict[str, int] = {
-    "ModelLoadFailed": 10,
-    "DataUnavailable": 11,
-    "InvalidConfig": 12,
-    "OutOfMemory": 13,
-    "NonFiniteLoss": 14,
-    "CudaError": 15,
+EXIT_CODES: dict[str, ExitCode] = {
+    "ModelLoadFailed": ExitCode.MODEL_LOAD_FAILED,
+    "DataUnavailable": ExitCode.DATA_UNAVAILABLE,
+    "InvalidConfig": ExitCode.INVALID_CONFIG,
+    "OutOfMemory": ExitCode.OUT_OF_MEMORY,
+    "NonFiniteLoss": ExitCode.NON_FINITE_LOSS,
+    "CudaError": ExitCode.CUDA_ERROR,
 }
-"""The worker's exit code per kind (0-5 are the runtime's own: runtime/backends/pod/main.py; 137 is a SIGKILL)."""
+"""The worker's exit code per kind (oobleck.api.contract.ExitCode holds every exit code)."""
 
 KIND_OF_EXIT = {code: kind for kind, code in EXIT_CODES.items()}
 

@@ -32,7 +32,9 @@ WORKER_PORT = 29500
 
 
 class ExitCode(enum.IntEnum):
-    """A worker pod's exit status (and an elastic worker process's, runtime/elastic/loop.py)."""
+    """Every exit status of a worker pod and of an elastic worker process. 0-5: how the runtime ended;
+    10-15: a failure caused by the job itself (oobleck.api.causes: the worker could not run this job
+    anywhere), one per cause kind, so that the exit code alone names the kind; 137 is a SIGKILL."""
 
     DONE = 0
     """the job's last step is done"""
@@ -46,6 +48,18 @@ class ExitCode(enum.IntEnum):
     """no plan arrived in time"""
     UNRECOVERABLE = 5
     """some layer's state is gone from every worker, snapshot and checkpoint (the job fails with it)"""
+    MODEL_LOAD_FAILED = 10
+    """cause ModelLoadFailed"""
+    DATA_UNAVAILABLE = 11
+    """cause DataUnavailable"""
+    INVALID_CONFIG = 12
+    """cause InvalidConfig"""
+    OUT_OF_MEMORY = 13
+    """cause OutOfMemory"""
+    NON_FINITE_LOSS = 14
+    """cause NonFiniteLoss"""
+    CUDA_ERROR = 15
+    """cause CudaError"""
 
 
 GENERATION_ANNOTATION = f"{GROUP}/plan-generation"

@@ -1,0 +1,105 @@
+"""What a worker reports and the operator reads: failure reports and progress, as typed models.
+
+The runtime writes them (as FAILURE_ANNOTATION / PROGRESS_ANNOTATION on its own pod, or through the
+coordinator's store under `oobleck launch`); the operator and the local launcher parse them here, so a
+malformed report is one `None`, never a key-by-key guess.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import time
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class FailureKind(enum.StrEnum):
+    """How a worker learned of a failure."""
+
+    HEARTBEAT = "heartbeat"
+    """a peer's heartbeats stopped (and its liveness probe failed)"""
+    COLLECTIVE = "collective"
+    """a collective or send/recv failed (a peer's socket closed)"""
+    GPU = "gpu"
+    """the worker's own GPU is unhealthy"""
+    COORDINATOR_LOST = "coordinator-lost"
+    """the connection to the coordinator's store broke"""
+    COORDINATOR_RESTART = "coordinator-restart"
+    """the coordinator came back as a new incarnation (every key is gone): redo the generation"""
+    RENDEZVOUS = "rendezvous"
+    """building the generation's process groups failed"""
+    UNRECOVERABLE = "unrecoverable"
+    """no surviving replica, snapshot or checkpoint holds some layer: the job cannot go on"""
+    PROCESS_EXIT = "process-exit"
+    """(local launcher) a worker process exited"""
+    NEW_GENERATION = "new-generation"
+    """(plan controller) a newer plan replaces the generation"""
+
+
+class FailureReport(BaseModel):
+    """What a worker saw: who it thinks is dead (empty when unknown), how, and in which generation."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    job: str
+    generation: int
+    reporter: str
+    """the reporting worker's id (`node:gpu`)"""
+    kind: FailureKind
+    dead: tuple[str, ...] = ()
+    """worker ids in the store; plan node ids on a pod's annotation (the operator's unit)"""
+    detail: str = ""
+    detected_at: float = Field(default_factory=time.time)
+
+    @classmethod
+    def parse(cls, raw: str | bytes | None) -> FailureReport | None:
+        """The report in `raw` (JSON), or None when absent or malformed."""
+        if not raw:
+            return None
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError:
+            return None
+
+
+class ProgressReport(BaseModel):
+    """A worker's progress: `{"generation": -1, "step": 0}` means up and waiting for its first plan."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    generation: int
+    step: int = Field(ge=0)
+    loss: float | None = None
+    """the global mean loss of the newest step whose loss this worker saw"""
+    samples_per_second: float | None = Field(default=None, alias="samplesPerSecond")
+    """global throughput of the last step"""
+    checkpoint_step: int | None = Field(default=None, ge=0, alias="checkpointStep")
+    """the newest step complete in the job's checkpoint directory, as this worker last saw it"""
+
+    @field_validator("loss", "samples_per_second")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        return value if value is None or math.isfinite(value) else None
+
+    def to_json(self) -> str:
+        """Rounded to what a status line needs; absent values left out."""
+        body: dict[str, int | float] = {"generation": self.generation, "step": self.step}
+        if self.loss is not None:
+            body["loss"] = float(f"{self.loss:.6g}")
+        if self.samples_per_second is not None:
+            body["samplesPerSecond"] = round(self.samples_per_second, 3)
+        if self.checkpoint_step is not None:
+            body["checkpointStep"] = self.checkpoint_step
+        return json.dumps(body)
+
+    @classmethod
+    def parse(cls, raw: str | bytes | None) -> ProgressReport | None:
+        """The report in `raw` (JSON), or None when absent or malformed."""
+        if not raw:
+            return None
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError:
+            return None
