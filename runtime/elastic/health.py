@@ -26,10 +26,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
-import shutil
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +36,14 @@ import torch.distributed as dist
 
 from oobleck.api.reports import FailureKind, FailureReport
 from oobleck.runtime.elastic import keys
+from oobleck.runtime.elastic.gpu_health import GpuHealth, probe_gpus
+from oobleck.runtime.elastic.liveness import (
+    NO_ANSWER,
+    LivenessResponder,
+    advertised_host,
+    host_overloaded,
+    probe_liveness,
+)
 from oobleck.runtime.elastic.store import Endpoint, StoreTimeouts, StoreUnavailable, connect_endpoint, is_store_loss
 
 log = logging.getLogger(__name__)
@@ -174,139 +178,73 @@ def is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, dist.DistNetworkError) or any(marker in text for marker in _PEER_LOSS_MARKERS)
 
 
-@dataclass(frozen=True)
-class GpuHealth:
-    index: int
-    healthy: bool
-    detail: str = ""
+class _PeerClocks:
+    """The watcher's view of its peers' heartbeat counters, on this worker's own monotonic clock."""
 
+    def __init__(self) -> None:
+        self.last_value: dict[str, int] = {}  # peers whose key exists in this store incarnation
+        self.last_change: dict[str, float] = {}
+        self.seen: set[str] = set()  # peers that have beaten at least once (in any incarnation)
+        self.probed: dict[str, float] = {}  # suspects probed (monotonic time) since their last beat
+        self.armed: set[str] = set()  # peers that adopted the generation: silence is death
 
-def probe_gpus() -> list[GpuHealth]:
-    """Health of the local GPUs: NVML through `pynvml` if importable, else `nvidia-smi`, else none.
+    def new_peers(self, peers: tuple[str, ...], now: float) -> None:
+        """A new peer set: every peer gets a full dead_after_s from now."""
+        self.last_change = dict.fromkeys(peers, now)
+        self.last_value = {p: self.last_value[p] for p in peers if p in self.last_value}
+        self.armed = set()
 
-    No GPU (a CPU node) is an empty list, i.e. healthy. A GPU is unhealthy if it cannot be queried
-    or reports uncorrected volatile ECC errors.
-    """
-    try:
-        import pynvml  # type: ignore[import-not-found]
-    except ImportError:
-        return _probe_nvidia_smi()
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return _probe_nvidia_smi()
-    try:
-        result = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            try:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                pynvml.nvmlDeviceGetMemoryInfo(handle)  # fails on a GPU that fell off the bus
-                try:
-                    ecc = pynvml.nvmlDeviceGetTotalEccErrors(
-                        handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
-                    )
-                except pynvml.NVMLError_NotSupported:
-                    ecc = 0
-                result.append(GpuHealth(index, ecc == 0, f"uncorrected ECC errors: {ecc}" if ecc else ""))
-            except pynvml.NVMLError as error:
-                result.append(GpuHealth(index, False, f"NVML: {error}"))
-        return result
-    finally:
-        pynvml.nvmlShutdown()
+    def new_store(self, peers: tuple[str, ...], resumed: float) -> None:
+        """A (new) store connection: silence counts from `resumed`, and the counters of a new incarnation
+        must be checked for before multi_get waits on them."""
+        self.last_change = dict.fromkeys(peers, resumed)
+        self.last_value = {}
+        self.armed = set()
 
+    def arm(self, peer: str, now: float) -> None:
+        self.armed.add(peer)
+        self.last_change[peer] = now
 
-def _probe_nvidia_smi() -> list[GpuHealth]:
-    binary = shutil.which("nvidia-smi")
-    if binary is None:
-        return []
-    query = "index,ecc.errors.uncorrected.volatile.total"
-    try:
-        out = subprocess.run(
-            [binary, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (subprocess.SubprocessError, OSError) as error:
-        # nvidia-smi present but failing: the driver or a GPU is in trouble.
-        return [GpuHealth(-1, False, f"nvidia-smi failed: {error}")]
-    result = []
-    for line in out.strip().splitlines():
-        index_text, ecc_text = (part.strip() for part in line.split(",", 1))
-        ecc = int(ecc_text) if ecc_text.isdigit() else 0  # "[N/A]" where ECC is off or unsupported
-        result.append(GpuHealth(int(index_text), ecc == 0, f"uncorrected ECC errors: {ecc}" if ecc else ""))
-    return result
+    def record(self, present: list[str], values: list[bytes], now: float) -> set[str]:
+        """Note the present peers' counters read at `now`; the peers that beat since the last read."""
+        beat = set()
+        for peer, raw in zip(present, values):
+            value = int(raw)
+            if self.last_value.get(peer) != value:
+                self.last_value[peer] = value
+                self.last_change[peer] = now
+                self.seen.add(peer)
+                self.probed.pop(peer, None)
+                beat.add(peer)
+        return beat
 
+    def silence(self, peer: str, now: float) -> float:
+        return now - self.last_change.get(peer, now)
 
-class LivenessResponder:
-    """Answers liveness probes from C++ threads: a TCPStore server of its own, which needs no GIL.
+    def suspects(self, peers: tuple[str, ...], now: float, after_s: float) -> list[str]:
+        """Armed peers silent for `after_s` and not probed within it."""
+        return [
+            p
+            for p in peers
+            if p in self.armed and self.silence(p, now) > after_s and now - self.probed.get(p, -1e9) > after_s
+        ]
 
-    It lives exactly as long as the worker's process runs: a dead process refuses the connection, a
-    stopped one (or a frozen host) accepts in the kernel but never answers, a partitioned one is not
-    reached. It listens on every address and is advertised at `advertise` (the pod IP).
-    """
-
-    def __init__(self, advertise: str) -> None:
-        self._server = dist.TCPStore(advertise, 0, is_master=True, wait_for_workers=False)
-        self.address = f"{advertise}:{self._server.port}"
-
-
-def advertised_host(coordinator_host: str) -> str:
-    """The address peers reach this worker at: $OOBLECK_POD_IP, else the interface that routes to the coordinator."""
-    if os.environ.get("OOBLECK_POD_IP"):
-        return os.environ["OOBLECK_POD_IP"]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-        try:
-            udp.connect((coordinator_host, 9))  # UDP: nothing is sent, the kernel only picks the route
-            return udp.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-NO_ANSWER = "accepted but did not answer"
-"""probe_liveness's words for a peer whose kernel accepted the connection but whose responder said nothing."""
-
-
-def host_overloaded(per_core: float) -> bool:
-    """Whether this host's 1-minute load average exceeds `per_core` runnable tasks per core."""
-    try:
-        return os.getloadavg()[0] > per_core * (os.cpu_count() or 1)
-    except OSError:  # no load average on this platform
-        return False
-
-
-def probe_liveness(address: str, timeout_s: float) -> str | None:
-    """None if the responder at `address` answers within `timeout_s`, else why not.
-
-    A plain connect first (a refused connection is a dead process, known in a round trip), then one
-    request through a TCPStore client on a helper thread: the client retries with back-off inside
-    C++, so the answer is awaited here, not there (the thread ends on its own when the client gives up).
-    """
-    host, _, port_text = address.rpartition(":")
-    started = time.monotonic()
-    try:
-        with socket.create_connection((host, int(port_text)), timeout=timeout_s):
-            pass
-    except ConnectionRefusedError:
-        return f"{address} refused the connection (the process is gone)"
-    except OSError as error:
-        return f"{address} not reached in {timeout_s:.2f}s ({error or type(error).__name__})"
-    answered = threading.Event()
-    remaining = max(0.01, timeout_s - (time.monotonic() - started))
-
-    def ask() -> None:
-        try:
-            client = dist.TCPStore(host, int(port_text), is_master=False, timeout=datetime.timedelta(seconds=remaining))
-            client.check(["probe"])
-            answered.set()
-        except RuntimeError:  # DistNetworkError / DistStoreError: no answer
-            pass
-
-    threading.Thread(target=ask, name="oobleck-probe", daemon=True).start()
-    if answered.wait(remaining):
-        return None
-    return f"{address} {NO_ANSWER} in {timeout_s:.2f}s (stopped or hung)"
+    def dead(
+        self, peers: tuple[str, ...], unanswered: dict[str, str], now: float, timeouts: HealthTimeouts
+    ) -> tuple[str, ...]:
+        """The verdict. A peer is held to dead_after_s once it has adopted the generation (armed): before
+        that it may be importing torch or waiting in a rendezvous, where a loaded machine can starve its
+        heartbeat thread of the GIL for seconds (measured: 1.5 s at load 13 on 2 cores). A death in that
+        window surfaces as a rendezvous / collective error or through the controller (process or pod
+        status); a peer that never beats at all is dead after startup_grace_s. A probe that got no
+        answer is the verdict at once."""
+        return tuple(
+            p
+            for p in peers
+            if p in unanswered
+            or (p in self.armed and self.silence(p, now) > timeouts.dead_after_s)
+            or (p not in self.seen and self.silence(p, now) > timeouts.startup_grace_s)
+        )
 
 
 class FailureDetector:
@@ -497,44 +435,30 @@ class FailureDetector:
             self._stop.wait(max(0.0, self.timeouts.heartbeat_period_s - (time.monotonic() - started)))
 
     def _watch_loop(self) -> None:
+        clocks = _PeerClocks()
         store: dist.Store | None = None
-        last_value: dict[str, int] = {}  # peers whose key exists in this store incarnation
-        last_change: dict[str, float] = {}
-        seen: set[str] = set()  # peers that have beaten at least once (in any incarnation)
         seen_version = -1
-        probed: dict[str, float] = {}  # suspects probed (monotonic time) since their last beat
-        next_probe = time.monotonic()
-        next_abort_check = time.monotonic()
+        next_probe = next_abort_check = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
             with self._lock:
                 generation, peers, version = self._generation, self._peers, self._watch_version
             if version != seen_version:
-                # A new peer set: every peer gets a full dead_after_s from now.
                 seen_version = version
-                last_change = {p: now for p in peers}
-                last_value = {p: last_value[p] for p in peers if p in last_value}
-                armed: set[str] = set()
+                clocks.new_peers(peers, now)
             try:
                 if store is None:
                     store = self._connect()
                     # Nobody could beat during the outage, and peers reconnect with c10d's backoff.
-                    resumed = time.monotonic() + self.timeouts.rejoin_grace_s
-                    last_change = {p: resumed for p in peers}
-                    last_value = {}  # keys of a new incarnation must be checked before multi_get waits on them
-                    armed = set()
+                    clocks.new_store(peers, time.monotonic() + self.timeouts.rejoin_grace_s)
                 # Every round trip here runs while the training thread computes (a GIL hand-off and a
                 # store request each), so the steady state costs one (multi_get) per period.
                 if generation >= 0 and now >= next_abort_check:
                     next_abort_check = now + self.timeouts.abort_backstop_s
                     if keys.aborted(store, generation) and not self.failure.is_set():
                         self._follow_abort(store, generation)
-                for peer in peers:
-                    if peer not in armed and generation >= 0 and store.check([keys.ready_key(generation, peer)]):
-                        armed.add(peer)  # it has adopted the generation: from now on, silence is death
-                        last_change[peer] = time.monotonic()
-                present = [p for p in peers if p in last_value or store.check([keys.heartbeat_key(p)])]
-                values = store.multi_get([keys.heartbeat_key(p) for p in present]) if present else []
+                present = self._read_beats(store, clocks, generation, peers)
+                unanswered = self._probe_suspects(store, clocks, generation, peers, present)
             except RuntimeError as error:
                 if not is_store_loss(error):
                     raise
@@ -544,70 +468,52 @@ class FailureDetector:
                 log.error("watch: %s", error)
                 return
             now = time.monotonic()
-
-            def record(values: list[bytes], now: float) -> set[str]:
-                """Note the present peers' counters read at `now`; the peers that beat since the last read."""
-                beat = set()
-                for peer, raw in zip(present, values):
-                    value = int(raw)
-                    if last_value.get(peer) != value:
-                        last_value[peer] = value
-                        last_change[peer] = now
-                        seen.add(peer)
-                        probed.pop(peer, None)
-                        beat.add(peer)
-                return beat
-
-            record(values, now)
-            suspects = [
-                p
-                for p in peers
-                if p in armed
-                and now - last_change.get(p, now) > self.timeouts.suspect_after_s
-                and now - probed.get(p, -1e9) > self.timeouts.suspect_after_s
-            ]
-            unanswered: dict[str, str] = {}
-            if suspects and generation >= 0:
-                try:
-                    unanswered = self._probe(store, suspects)
-                    if unanswered and host_overloaded(self.timeouts.overloaded_per_core):
-                        unanswered = self._confirm(store, unanswered, last_value)
-                    # The probes took this thread's time: every peer's beats are read again, so that
-                    # one that beat meanwhile (a probed one too: slow, not dead) is not judged on
-                    # counters older than the probes (a 2 s confirmation outlasts dead_after_s).
-                    again = store.multi_get([keys.heartbeat_key(p) for p in present]) if present else []
-                except RuntimeError as error:
-                    if not is_store_loss(error):
-                        raise
-                    store = None
-                    continue
-                now = time.monotonic()
-                beat = record(again, now)
-                unanswered = {p: why for p, why in unanswered.items() if p not in beat}
-                probed.update((p, now) for p in suspects if p not in beat)
-            # A peer is held to dead_after_s once it has adopted the generation (`ready`): before
-            # that it may be importing torch or waiting in a rendezvous, where a loaded machine can
-            # starve its heartbeat thread of the GIL for seconds (measured: 1.5 s at load 13 on 2
-            # cores). A death in that window surfaces as a rendezvous / collective error or through
-            # the controller (process or pod status); a peer that never beats at all is dead after
-            # startup_grace_s.
-            dead = tuple(
-                p
-                for p in peers
-                if p in unanswered
-                or (p in armed and now - last_change.get(p, now) > self.timeouts.dead_after_s)
-                or (p not in seen and now - last_change.get(p, now) > self.timeouts.startup_grace_s)
-            )
+            dead = clocks.dead(peers, unanswered, now, self.timeouts)
             if dead and generation >= 0:
-                silent = ", ".join(f"{p} {now - last_change[p]:.2f}s{self._why(unanswered, p)}" for p in dead)
+                silent = ", ".join(f"{p} {clocks.silence(p, now):.2f}s{self._why(unanswered, p)}" for p in dead)
                 self.trigger(FailureKind.HEARTBEAT, dead, f"no heartbeat: {silent}", generation)
             if self.timeouts.gpu_probe_period_s > 0 and now >= next_probe:
                 next_probe = now + self.timeouts.gpu_probe_period_s
-                bad = [g for g in self._gpu_probe() if not g.healthy]
-                if bad and generation >= 0:
-                    detail = "; ".join(f"gpu {g.index}: {g.detail}" for g in bad)
-                    self.trigger(FailureKind.GPU, (self.worker,), detail, generation)
+                self._check_gpus(generation)
             self._stop.wait(self.timeouts.watch_period_s)
+
+    def _read_beats(self, store: dist.Store, clocks: _PeerClocks, generation: int, peers: tuple[str, ...]) -> list[str]:
+        """Arm the peers that adopted `generation`, read every present peer's counter into `clocks`; the
+        present peers (those whose key exists in this store incarnation)."""
+        for peer in peers:
+            if peer not in clocks.armed and generation >= 0 and store.check([keys.ready_key(generation, peer)]):
+                clocks.arm(peer, time.monotonic())  # it has adopted the generation: from now on, silence is death
+        present = [p for p in peers if p in clocks.last_value or store.check([keys.heartbeat_key(p)])]
+        values = store.multi_get([keys.heartbeat_key(p) for p in present]) if present else []
+        clocks.record(present, values, time.monotonic())
+        return present
+
+    def _probe_suspects(
+        self, store: dist.Store, clocks: _PeerClocks, generation: int, peers: tuple[str, ...], present: list[str]
+    ) -> dict[str, str]:
+        """Probe the armed peers silent for suspect_after_s (not again within it); those that did not answer
+        and did not beat meanwhile -> why."""
+        now = time.monotonic()
+        suspects = clocks.suspects(peers, now, self.timeouts.suspect_after_s)
+        if not suspects or generation < 0:
+            return {}
+        unanswered = self._probe(store, suspects)
+        if unanswered and host_overloaded(self.timeouts.overloaded_per_core):
+            unanswered = self._confirm(store, unanswered, clocks.last_value)
+        # The probes took this thread's time: every peer's beats are read again, so that one that beat
+        # meanwhile (a probed one too: slow, not dead) is not judged on counters older than the probes
+        # (a 2 s confirmation outlasts dead_after_s).
+        again = store.multi_get([keys.heartbeat_key(p) for p in present]) if present else []
+        now = time.monotonic()
+        beat = clocks.record(present, again, now)
+        clocks.probed.update((p, now) for p in suspects if p not in beat)
+        return {p: why for p, why in unanswered.items() if p not in beat}
+
+    def _check_gpus(self, generation: int) -> None:
+        bad = [g for g in self._gpu_probe() if not g.healthy]
+        if bad and generation >= 0:
+            detail = "; ".join(f"gpu {g.index}: {g.detail}" for g in bad)
+            self.trigger(FailureKind.GPU, (self.worker,), detail, generation)
 
     def _probe(self, store: dist.Store, suspects: list[str], timeout_s: float | None = None) -> dict[str, str]:
         """Probe the silent `suspects` at once (for `timeout_s`, default probe_timeout_s); those that do not

@@ -68,8 +68,6 @@ def run_elastic(
 ) -> ElasticResult:
     """Train `worker` to `steps` global steps across plan generations (see the module docstring).
     Before every step it posts `progress/{worker}` (the local launcher's view of the job)."""
-    from oobleck.runtime.train.groups import CommError, Interrupted
-
     me = worker_id(worker.node, worker.gpu)
     result = ElasticResult(steps=worker.step)
     # A newer plan interrupts like a failure (backstop for the controller's abort key).
@@ -88,57 +86,11 @@ def run_elastic(
             detector.watch(plan.generation, [worker_id(a.node, a.gpu) for a in plan.ranks], epoch=control.epoch)
             interrupted = False
             try:
-                adopt_started = time.time()
-                plan = _settle_sources(plan, worker, control, me, detector)
-                worker.adopt(plan)
-                # Timestamped (wall clock) so that recovery can be split into its parts across processes.
-                log.info(
-                    json.dumps(
-                        {
-                            "event": "generation-ready",
-                            "worker": me,
-                            "generation": plan.generation,
-                            "step": worker.step,
-                            "adopt_started": adopt_started,
-                            "time": time.time(),
-                        }
-                    )
-                )
-                _publish_held(control, me, worker)
-                detector.ready()
-                while worker.step < steps:
-                    keys.set_progress(control.store, me, plan.generation, worker.step, "step")
-                    outcome = worker.train_step()
-                    if outcome.loss is not None and not worker.logs_loss:
-                        _append_loss(worker, outcome)
+                _train_generation(plan, worker, control, me, detector, steps)
             except RuntimeError as error:
-                if classify(error) is not None:
-                    raise  # out of memory, a CUDA error: the job's (runtime/causes.py), not a peer's
-                # Interrupted / CommError, a lost coordinator, or a rendezvous that failed (gloo
-                # raises plain RuntimeErrors there): all end this generation, none ends the worker.
-                if not isinstance(error, (Interrupted, CommError)):
-                    detector.trigger(
-                        FailureKind.COORDINATOR_LOST if is_store_loss(error) else FailureKind.RENDEZVOUS,
-                        (),
-                        str(error)[:500],
-                    )
+                _interrupted(error, detector, me, plan.generation, worker.step)
                 interrupted = True
                 result.interruptions += 1
-                if isinstance(error, CommError):
-                    detector.signal(error.__cause__ or error)
-                    if not detector.failure.is_set():  # not a peer loss: still a failure of this generation
-                        detector.trigger(FailureKind.COLLECTIVE, (), str(error))
-                log.warning(
-                    json.dumps(
-                        {
-                            "event": "interrupted",
-                            "worker": me,
-                            "generation": plan.generation,
-                            "step": worker.step,
-                            "error": str(error)[:300],
-                        }
-                    )
-                )
             result.steps = worker.step
             if worker.step >= steps and not interrupted:
                 _quietly(control, lambda store: keys.set_progress(store, me, plan.generation, worker.step, "done"))
@@ -151,6 +103,57 @@ def run_elastic(
         return result
     finally:
         watcher.stop()
+
+
+def _train_generation(
+    plan: Plan, worker, control: ControlStore, me: str, detector: FailureDetector, steps: int
+) -> None:
+    """Settle the generation's copy sources, adopt it and train until `steps` (or a RuntimeError ends it)."""
+    adopt_started = time.time()
+    plan = _settle_sources(plan, worker, control, me, detector)
+    worker.adopt(plan)
+    # Timestamped (wall clock) so that recovery can be split into its parts across processes.
+    log.info(
+        json.dumps(
+            {
+                "event": "generation-ready",
+                "worker": me,
+                "generation": plan.generation,
+                "step": worker.step,
+                "adopt_started": adopt_started,
+                "time": time.time(),
+            }
+        )
+    )
+    _publish_held(control, me, worker)
+    detector.ready()
+    while worker.step < steps:
+        keys.set_progress(control.store, me, plan.generation, worker.step, "step")
+        outcome = worker.train_step()
+        if outcome.loss is not None and not worker.logs_loss:
+            _append_loss(worker, outcome)
+
+
+def _interrupted(error: RuntimeError, detector: FailureDetector, me: str, generation: int, step: int) -> None:
+    """A generation ended by `error`: make sure every member leaves it too (or re-raise a job's own error)."""
+    from oobleck.runtime.train.groups import CommError, Interrupted
+
+    if classify(error) is not None:
+        raise error  # out of memory, a CUDA error: the job's (runtime/causes.py), not a peer's
+    # Interrupted / CommError, a lost coordinator, or a rendezvous that failed (gloo raises plain
+    # RuntimeErrors there): all end this generation, none ends the worker.
+    if not isinstance(error, (Interrupted, CommError)):
+        kind = FailureKind.COORDINATOR_LOST if is_store_loss(error) else FailureKind.RENDEZVOUS
+        detector.trigger(kind, (), str(error)[:500])
+    if isinstance(error, CommError):
+        detector.signal(error.__cause__ or error)
+        if not detector.failure.is_set():  # not a peer loss: still a failure of this generation
+            detector.trigger(FailureKind.COLLECTIVE, (), str(error))
+    log.warning(
+        json.dumps(
+            {"event": "interrupted", "worker": me, "generation": generation, "step": step, "error": str(error)[:300]}
+        )
+    )
 
 
 def _settle_sources(plan: Plan, worker, control: ControlStore, me: str, detector: FailureDetector) -> Plan:

@@ -20,21 +20,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from oobleck.api.reports import FailureReport
 from oobleck.runtime.elastic import keys as co
 from oobleck.runtime.elastic.coordinator import Coordinator
+from oobleck.runtime.elastic.gpu_health import GpuHealth, probe_gpus
 from oobleck.runtime.elastic.health import (
     CallbackFailureReporter,
     FailureDetector,
-    FailureReport,
-    GpuHealth,
     HealthTimeouts,
-    LivenessResponder,
-    host_overloaded,
     is_peer_failure,
-    probe_gpus,
-    probe_liveness,
     wait_alive,
 )
+from oobleck.runtime.elastic.liveness import LivenessResponder, host_overloaded, probe_liveness
 from oobleck.runtime.elastic.store import FixedEndpoint, StoreTimeouts, connect
 
 FAST = StoreTimeouts(connect_s=5.0, op_s=2.0, reconnect_s=20.0, retry_s=0.02)

@@ -285,7 +285,7 @@ class Launcher:
                 break  # nobody identified: a transient error; redo the generation on the same nodes
             time.sleep(0.005)
         dead |= self._confirm_silent(suspects - dead)
-        self.failure_log += [r.to_dict() for r in reports]
+        self.failure_log += [r.model_dump(mode="json") for r in reports]
         for worker in dead:  # fence: a worker declared dead must not come back
             self.children[worker].kill()
         kill_at = self.faults.first_kill(dead)
