@@ -22,11 +22,46 @@ if TYPE_CHECKING:
 USE_EXISTING = "OOBLECK_USE_EXISTING_CLUSTER"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+UNIT_TIER_EXCLUDES = ("cluster", "integration", "slow", "gpu")
+"""Markers of the tests `--unit` (make test-unit) leaves out: everything that needs a process, a
+cluster, a GPU or more than a few seconds."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--unit",
+        action="store_true",
+        help="the unit tier: pure tests only (no cluster, no processes, no GPU); a test that starts a process fails",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A test that uses the cluster is a cluster test, marked or not (`-m "not cluster"` skips it).
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+    if config.getoption("--unit"):
+        kept = [item for item in items if not any(item.get_closest_marker(m) for m in UNIT_TIER_EXCLUDES)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the unit tier, starting a process is an error: such a test belongs to the integration tier
+    (mark its module `pytestmark = pytest.mark.integration`)."""
+    if not request.config.getoption("--unit"):
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a unit test starts no process: mark the test or its module `integration`")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
+
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 

@@ -11,6 +11,8 @@ import pytest
 
 from oobleck.cli import COMMANDS
 
+pytestmark = pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
+
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_command_is_registered_by_its_module(command: str) -> None:

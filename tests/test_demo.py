@@ -55,6 +55,7 @@ def test_demo_trains_survives_a_kill_and_cleans_up(tmp_path: Path) -> None:
         probe.listen()
 
 
+@pytest.mark.integration
 def test_demo_rejects_bad_arguments(tmp_path: Path) -> None:
     for args, message in (
         (["--job", str(tmp_path / "none.yaml")], "no such file"),

@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
+
+
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())

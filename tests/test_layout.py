@@ -12,6 +12,9 @@ import pytest
 
 import oobleck.planner
 
+pytestmark = pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
+
+
 REPO = Path(__file__).resolve().parents[1]
 PLANNER_SOURCES = REPO / "planner_cy"
 

@@ -6,7 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import oobleck
+
+pytestmark = pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
+
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,6 +21,9 @@ from oobleck_dev import controlplane, kwok, poll
 from oobleck_dev.controlplane import Cluster, ControlPlane, port_in_use, process_start_time, reap_stale_workdirs
 from oobleck_dev.tools import find_tools
 
+pytestmark = pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
+
+
 REPO = Path(__file__).resolve().parents[2]
 TEST_CRDS = Path(__file__).with_name("data") / "crds"
 # Polls for controllers reacting (garbage collector, scheduler, kwok).

@@ -10,6 +10,8 @@ import pytest
 
 from oobleck_dev.memlimit import MemoryCgroup, tail
 
+pytestmark = pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
+
 
 def _cgroup(limit: int) -> MemoryCgroup:
     cgroup = MemoryCgroup.create(f"test-{uuid.uuid4().hex[:8]}", limit)

@@ -19,6 +19,9 @@ import pytest
 
 from oobleck_dev import netfault
 
+pytestmark = pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
+
+
 MOUNTINFO = """\
 25 30 0:22 / /sys rw,nosuid - sysfs sysfs rw
 31 25 0:27 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755

@@ -19,6 +19,9 @@ from oobleck.cli import build_parser
 from oobleck_dev.chart import CHART_PATH, Sync
 from oobleck_dev.tools import ToolsNotFound, find_tools
 
+pytestmark = pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
+
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / CHART_PATH
 HERE = Path(__file__).parent

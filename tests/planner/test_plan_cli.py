@@ -167,6 +167,7 @@ def test_losing_every_replica_exits_1(tmp_path: Path, capsys) -> None:
     assert code == 1 and not out and "have no surviving replica" in err
 
 
+@pytest.mark.integration
 def test_console_entry_point(tmp_path: Path) -> None:
     profile = write_profile(tmp_path)
     done = subprocess.run(

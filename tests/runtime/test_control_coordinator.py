@@ -123,6 +123,7 @@ def test_rendezvous_under_the_new_epoch_after_a_coordinator_loss():
     restarted.stop()
 
 
+@pytest.mark.integration
 def test_module_entry_point_serves_until_sigterm(tmp_path):
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
     proc = subprocess.Popen(

@@ -92,6 +92,7 @@ def _writer(path: str, count: int) -> None:
         write_plan(path, plan(generation, nodes=1 + generation % 3))
 
 
+@pytest.mark.integration
 def test_a_reader_never_sees_half_a_plan_or_goes_back(tmp_path):
     """A writer process replaces the file as fast as it can; every read parses, generations never decrease."""
     path = tmp_path / "plan.json"

@@ -238,6 +238,7 @@ def test_operator_default_command_is_the_pod_entry_point():
     assert DEFAULT_COMMAND == ("python", "-m", "oobleck.runtime.backends.pod")
 
 
+@pytest.mark.integration
 def test_supervisor_takes_the_pod_down_with_its_first_failed_gpu_worker():
     import sys
     import time

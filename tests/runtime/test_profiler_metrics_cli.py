@@ -30,6 +30,7 @@ def test_profile_measures_every_layer():
     assert ModelProfile.model_validate_json(profile.model_dump_json()) == profile
 
 
+@pytest.mark.integration
 def test_profile_command_writes_the_planner_profile(tmp_path):
     out = tmp_path / "profile.json"
     done = subprocess.run(
@@ -105,6 +106,7 @@ def test_metrics_are_served_over_http():
     assert all(name.startswith("oobleck_worker_") for name in names)
 
 
+@pytest.mark.integration
 def test_worker_command_rejects_bad_input(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "plan.json").write_text('{"job": "x"}')
