@@ -86,6 +86,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="samples per microbatch: a stage uses only GPU counts that split it evenly (default: any)",
     )
+    parser.add_argument(
+        "--min-nodes-per-pipeline",
+        type=int,
+        default=1,
+        help="no pipeline of fewer nodes, even where one fits (the Oobleck artifact's n0; default 1)",
+    )
     parser.add_argument("--job", default="job", help="job name recorded in the plan")
     parser.add_argument("--lost", default=None, help="preview a reconfiguration: lost node ids, e.g. 3,7")
     parser.add_argument("--added", default=None, help="preview a reconfiguration: added node ids, e.g. 13,14")
@@ -147,6 +153,10 @@ def _plan_text(args: argparse.Namespace) -> str:
         raise InputError(f"--m-ref: must be >= 1, got {args.m_ref}")
     if args.microbatch_size is not None and args.microbatch_size < 1:
         raise InputError(f"--microbatch-size: must be >= 1, got {args.microbatch_size}")
+    if not 1 <= args.min_nodes_per_pipeline <= max(args.nodes, 1):
+        raise InputError(
+            f"--min-nodes-per-pipeline: must be in 1..--nodes ({args.nodes}), got {args.min_nodes_per_pipeline}"
+        )
     horizon = DEFAULT_HORIZON if args.horizon is None else args.horizon
     if horizon < 0:
         raise InputError(f"--horizon: must be >= 0, got {horizon}")
@@ -177,6 +187,7 @@ def _plan_text(args: argparse.Namespace) -> str:
             args.m_ref,
             global_microbatches=args.microbatches,
             microbatch_size=args.microbatch_size,
+            min_nodes_per_pipeline=args.min_nodes_per_pipeline,
         )
         nodes = [str(i) for i in range(cluster.nodes)]
         plan = instantiate(templates, nodes, args.f, args.microbatches, args.job, gpus_per_node=cluster.gpus_per_node)
@@ -225,6 +236,7 @@ def _flag_names(message: str) -> str:
         ("global_microbatches", "--microbatches"),
         ("microbatch_size", "--microbatch-size"),
         ("m_ref", "--m-ref"),
+        ("min_nodes_per_pipeline", "--min-nodes-per-pipeline"),
         ("nodes", "--nodes"),
         ("f", "--f"),
         ("lost", "--lost"),

@@ -7,6 +7,8 @@ Shared rules, so the policies differ only in what the papers say they do:
   recorded as samples and seconds taken back at the failure's time.
 - An event during a recovery starts the recovery over at the event's time, with the nodes up then.
 - Nodes are taken in the order they first appeared, so the same trace always gives the same layouts.
+- A trace may start empty or too small: the job waits ("waiting") and starts, at no cost, at the first
+  event after which its nodes form a pipeline; starting is not a failure, so every policy starts alike.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class Policy:
         self.train_rate = 0.0  # throughput of the current layout when training
         self.steps = 0.0  # iterations since the last restore point (fractional: the one in flight)
         self.schedule: list[tuple[float, str, float]] = []
+        self.started = False  # set by start() once the job trains
 
     # -- machinery -------------------------------------------------------------------------------------
     def set_layout(self, layout: Layout | None) -> None:
@@ -122,15 +125,21 @@ class Policy:
             _, self.state, self.rate = self.schedule.pop(0)
 
     def run(self) -> Timeline:
-        self.start()
+        if self.alive:
+            self.start()
         for time_s, removed, added in self.trace.batches():
             self.advance(time_s)
             for node in removed:
                 self.alive.pop(node, None)
             for node in added:
                 self.alive[node] = None
-            self.handle(set(removed), list(added))
+            if self.started:
+                self.handle(set(removed), list(added))
+            elif self.alive:
+                self.start()
         self.advance(self.trace.duration_s)
+        if not self.started:
+            self.timeline.note = "never started: the nodes up never formed a pipeline"
         return self.timeline
 
     def nodes(self) -> list[str]:
@@ -167,9 +176,10 @@ class OobleckPolicy(Policy):
     def start(self) -> None:
         try:
             self._adopt(self.planner.initial(self.nodes(), self.f))
-            self.state, self.rate = TRAINING, self.train_rate
-        except NoPipeline as error:
-            self.timeline.note = f"cannot start: {error}"
+        except NoPipeline:
+            return
+        self.state, self.rate, self.started = TRAINING, self.train_rate, True
+        self.note(f"start on {len(self.nodes())} nodes")
 
     def _restart(self, why: str) -> None:
         """A fresh layout on the nodes up, every GPU restoring its layers from snapshots over the network."""
@@ -246,6 +256,8 @@ class CheckpointPolicy(Policy):
         super().set_layout(layout)
         if layout is not None:
             self.checkpoint_s = self.costs.checkpoint_s(layout.state_bytes_per_node)
+            if self.costs.interval_steps is not None:
+                self.interval_s = self.costs.interval_steps * layout.iteration_s
 
     def _layout_on(self, nodes: list[str]) -> Layout | None:
         try:
@@ -256,10 +268,12 @@ class CheckpointPolicy(Policy):
     def start(self) -> None:
         self.set_layout(self._layout_on(self.nodes()))
         if self.layout is None:
-            self.timeline.note = "cannot start: too few nodes for a pipeline"
             return
-        self.state, self.rate = TRAINING, self.train_rate
-        if self.costs.interval_s is not None:
+        self.state, self.rate, self.started = TRAINING, self.train_rate, True
+        self.note(f"start on {self.layout.nodes} nodes")
+        if self.costs.interval_steps is not None:
+            pass  # set with each layout
+        elif self.costs.interval_s is not None:
             self.interval_s = self.costs.interval_s
         else:  # Young's optimum for the trace's job-level MTBF
             mtbf = self.trace.duration_s / max(1, self.trace.losses())
@@ -389,12 +403,12 @@ class ReplicaPolicy(Policy):
     def start(self) -> None:
         try:
             self.layout = self.planner.fresh(self.nodes(), 0)
-        except NoPipeline as error:
-            self.timeline.note = f"cannot start: {error}"
+        except NoPipeline:
             return
         self.slots = [list(g) for g in self.layout.groups]
         self._update_rate()
-        self.state, self.rate = TRAINING, self.train_rate
+        self.state, self.rate, self.started = TRAINING, self.train_rate, True
+        self.note(f"start: {len(self.slots)} replicas")
 
     def _whole(self) -> list[int]:
         return [i for i, slots in enumerate(self.slots) if None not in slots]
