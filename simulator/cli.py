@@ -232,7 +232,9 @@ def _job(args: argparse.Namespace):
         raise InputError(
             f"--min-nodes-per-pipeline: must be in 1..{len(profile.layers)} (the model's layers), got {least}"
         )
+    start_plan = _start_plan(args.start_plan, profile, args) if args.start_plan else None
     return Job(
+        start_plan=start_plan,
         profile=profile,
         gpus_per_node=args.gpus_per_node,
         gpu_memory_bytes=int(quantity(args.gpu_memory, "--gpu-memory")),
@@ -243,6 +245,35 @@ def _job(args: argparse.Namespace):
         m_ref=args.m_ref,
         min_nodes_per_pipeline=least,
     )
+
+
+def _start_plan(path: str, profile, args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from oobleck.api.plan import Plan
+
+    try:
+        text = open(path).read()
+    except OSError as error:
+        raise InputError(f"--start-plan: cannot read {path}: {error.strerror or error}") from None
+    try:
+        plan = Plan.model_validate_json(text)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "plan"
+        raise InputError(f"--start-plan: {path}: {field}: {first['msg']}") from None
+    if plan.num_layers != len(profile.layers):
+        raise InputError(
+            f"--start-plan: {path}: num_layers: {plan.num_layers}, the model has {len(profile.layers)} layers"
+        )
+    if plan.gpus_per_node != args.gpus_per_node:
+        raise InputError(
+            f"--start-plan: {path}: gpus_per_node: {plan.gpus_per_node}, --gpus-per-node is {args.gpus_per_node}"
+        )
+    batch = plan.global_microbatches * profile.microbatch_size
+    if batch != args.global_batch:
+        raise InputError(f"--global-batch: {args.global_batch}, the start plan trains {batch} samples per iteration")
+    return plan
 
 
 def _costs(args: argparse.Namespace):

@@ -19,13 +19,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from oobleck.api.plan import Plan
 from oobleck.api.profile import ClusterShape, LayerProfile, ModelProfile
 from oobleck.planner.errors import PlanningError
 
 from .costs import Costs
 from .planning import NoPipeline, Planner
 from .policies import TRAINING, BambooPolicy, CheckpointPolicy, OobleckPolicy, ReplicaPolicy, Timeline
-from .traces import Trace
+from .traces import Trace, TraceError
 
 POLICIES = ("oobleck", "checkpoint-restart", "redundant-computation", "replica-dropping")
 
@@ -43,6 +44,7 @@ class Job:
     global_batch: int  # samples per iteration
     m_ref: int | None = None
     min_nodes_per_pipeline: int = 1  # the artifact's n0: no pipeline of fewer nodes
+    start_plan: Plan | None = None  # oobleck starts from this plan (its templates serve every policy)
 
     @property
     def microbatches(self) -> int:
@@ -202,12 +204,24 @@ def _planner(trace: Trace, job: Job) -> Planner:
         job.microbatches,
         m_ref=job.m_ref,
         min_nodes=job.min_nodes_per_pipeline,
+        templates=job.start_plan.templates if job.start_plan is not None else None,
     )
+
+
+def with_start_plan(trace: Trace, plan: Plan) -> Trace:
+    """The trace with its starting nodes named as the plan's nodes, in order; TraceError when the counts differ."""
+    if len(trace.initial) != len(plan.nodes):
+        raise TraceError(
+            f"start_plan: the plan has {len(plan.nodes)} nodes, the trace starts with {len(trace.initial)}"
+        )
+    return trace.renamed(dict(zip(trace.initial, plan.nodes)))
 
 
 def simulate(trace: Trace, job: Job, costs: Costs, policies: Sequence[str] = POLICIES) -> Result:
     """Every requested policy over `trace`; PlanningError/NoPipeline when the trace's largest cluster
     cannot train."""
+    if job.start_plan is not None:
+        trace = with_start_plan(trace, job.start_plan)
     ready = trace.ready_after(costs.nodes.startup_s)
     planner = _planner(ready, job)
     baseline = planner.fresh([str(i) for i in range(ready.max_nodes())], 0)
@@ -216,7 +230,7 @@ def simulate(trace: Trace, job: Job, costs: Costs, policies: Sequence[str] = POL
     result = Result(trace, ready, job, costs, baseline.samples_per_s, baseline.iteration_s, None, ideal, ideal_samples)
     for name in policies:
         if name == "oobleck":
-            timeline = OobleckPolicy(ready, planner, job.f, costs.oobleck).run()
+            timeline = OobleckPolicy(ready, planner, job.f, costs.oobleck, job.start_plan).run()
         elif name == "checkpoint-restart":
             timeline = CheckpointPolicy(ready, planner, costs.checkpoint).run()
         elif name == "redundant-computation":

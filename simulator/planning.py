@@ -78,6 +78,7 @@ class Planner:
         *,
         m_ref: int | None = None,
         min_nodes: int = 1,
+        templates: Sequence[Template] | None = None,
     ) -> None:
         self.profile = profile
         self.cluster = cluster
@@ -85,11 +86,13 @@ class Planner:
         self.layer_bytes = [layer.state_bytes for layer in profile.layers]
         # f = 0 here: the template set does not depend on f beyond the (f+1)*n0 <= N check, which
         # instantiate applies per call (degraded plans allowed: a shrunken cluster keeps training).
-        if m_ref is None:
+        if templates is not None:  # a given plan's own (--start-plan)
+            self.templates: list[Template] = list(templates)
+        elif m_ref is None:
             # The planner's advice: m_ref = the most microbatches a pipeline will run. With the default, a
             # deep model's few pipelines may not hold the batch at all; then plan for what they must hold.
             # A larger m_ref keeps more microbatches in flight, which can deepen the pipelines: iterate a little.
-            self.templates: list[Template] = generate_templates(profile, cluster, f=0, min_nodes_per_pipeline=min_nodes)
+            self.templates = generate_templates(profile, cluster, f=0, min_nodes_per_pipeline=min_nodes)
             for _ in range(4):
                 most = cluster.nodes // min(t.nodes for t in self.templates)
                 need = -(-microbatches // most)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from oobleck.api.plan import Plan
+
 from .costs import BambooCosts, CheckpointCosts, OobleckCosts, ReplicaCosts
 from .planning import Layout, LostLayersError, NoPipeline, Planner, copy_seconds
 from .traces import Trace
@@ -161,13 +163,16 @@ class OobleckPolicy(Policy):
 
     name = "oobleck"
 
-    def __init__(self, trace: Trace, planner: Planner, f: int, costs: OobleckCosts) -> None:
+    def __init__(
+        self, trace: Trace, planner: Planner, f: int, costs: OobleckCosts, start_plan: Plan | None = None
+    ) -> None:
         super().__init__(trace)
         self.planner, self.f, self.costs = planner, f, costs
-        self.plan = None
+        self.start_plan = start_plan  # generation 0 as given (its nodes named as the trace's first nodes)
+        self.plan: Plan | None = None
         self.bandwidth = planner.cluster.inter_node_bandwidth
 
-    def _adopt(self, plan) -> Layout:
+    def _adopt(self, plan: Plan) -> Layout:
         self.plan = plan
         layout = self.planner.layout(plan)
         self.set_layout(layout)
@@ -175,8 +180,16 @@ class OobleckPolicy(Policy):
 
     def start(self) -> None:
         try:
-            self._adopt(self.planner.initial(self.nodes(), self.f))
-        except NoPipeline:
+            if self.start_plan is None:
+                self._adopt(self.planner.initial(self.nodes(), self.f))
+            else:  # the given plan, adjusted to the nodes actually up when the job can start
+                up, planned = set(self.nodes()), set(self.start_plan.nodes)
+                lost, added = sorted(planned - up), [n for n in self.nodes() if n not in planned]
+                plan = self.start_plan
+                if lost or added:
+                    plan = self.planner.reconfigure(self.start_plan, lost, added)
+                self._adopt(plan)
+        except (NoPipeline, LostLayersError):
             return
         self.state, self.rate, self.started = TRAINING, self.train_rate, True
         self.note(f"start on {len(self.nodes())} nodes")

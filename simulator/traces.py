@@ -72,6 +72,19 @@ class Trace:
         moved.sort(key=lambda e: (e.time_s, e.kind != "remove", e.node))
         return Trace(f"{self.name} (+{startup_s:g} s start-up)", (), tuple(moved), self.duration_s)
 
+    def renamed(self, names: dict[str, str]) -> Trace:
+        """The same trace with nodes renamed by `names`; other nodes whose name a new one takes get a
+        "trace:" prefix, so no two nodes share a name."""
+        taken = set(names.values())
+
+        def name(node: str) -> str:
+            if node in names:
+                return names[node]
+            return f"trace:{node}" if node in taken else node
+
+        events = tuple(Event(e.time_s, e.kind, name(e.node)) for e in self.events)
+        return Trace(self.name, tuple(name(n) for n in self.initial), events, self.duration_s)
+
     def max_nodes(self) -> int:
         alive, most = len(self.initial), len(self.initial)
         for event in self.events:

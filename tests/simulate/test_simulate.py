@@ -465,6 +465,48 @@ def test_min_nodes_per_pipeline_in_the_simulator(capsys: pytest.CaptureFixture[s
     assert "--min-nodes-per-pipeline: must be in 1..26" in capsys.readouterr().err
 
 
+def test_start_plan_from_a_plan_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from oobleck.api.profile import ClusterShape
+    from oobleck.planner.profile_io import save_profile
+
+    # A plan of 2 two-node pipelines (min 2 nodes per pipeline) for the hand trace's 4 nodes: oobleck starts
+    # from it (its nodes "0".."3" are the trace's n0..n3), where planning itself would form 4 one-node pipelines.
+    cluster = ClusterShape(
+        nodes=4, gpus_per_node=1, gpu_memory_bytes=8 * GiB, intra_node_bandwidth=1e11, inter_node_bandwidth=1e9
+    )
+    from oobleck.planner import instantiate
+    from oobleck.planner.templates import generate_templates
+
+    templates = generate_templates(flat_profile(), cluster, 1, 2, min_nodes_per_pipeline=2)
+    plan = instantiate(templates, ["0", "1", "2", "3"], 1, 8, "given", gpus_per_node=1)
+    assert [len(p.nodes) for p in plan.pipelines] == [2, 2]
+    plan_path, profile_path, trace_path = tmp_path / "plan.json", tmp_path / "profile.json", tmp_path / "t.csv"
+    plan_path.write_text(plan.to_json())
+    save_profile(flat_profile(), profile_path)
+    trace_path.write_text("# duration_ms: 30000\n" + TRACE)
+    args = ["simulate", "--profile", str(profile_path), "--gpu-memory", "8GiB", "--inter-bandwidth", "1GB"]
+    args += ["--intra-bandwidth", "100GB", "--global-batch", "8", "--trace", str(trace_path)]
+    assert main([*args, "--start-plan", str(plan_path), "--policies", "oobleck", "--json", "-"]) == 0
+    given = json.loads(capsys.readouterr().out)["policies"]["oobleck"]
+    assert main([*args, "--policies", "oobleck", "--json", "-"]) == 0
+    planned = json.loads(capsys.readouterr().out)["policies"]["oobleck"]
+    assert given["samples"] < planned["samples"]  # two-node pipelines are slower here
+    sim = simulate(hand_trace(), Job(flat_profile(), 1, 8 * GiB, 1e11, 1e9, 1, 8, start_plan=plan), Costs())
+    first = sim.timelines["oobleck"].segments[0]
+    assert first.samples_per_s == pytest.approx(8 / (plan.iteration_ms / 1e3))
+    _check_accounting(sim)
+    # errors name the flag and field
+    assert main([*args, "--start-plan", str(plan_path), "--global-batch", "16"]) == 2
+    assert "--global-batch: 16, the start plan trains 8 samples per iteration" in capsys.readouterr().err
+    plan_path.write_text(plan.to_json().replace('"f":1', '"f":-1'))
+    assert main([*args, "--start-plan", str(plan_path)]) == 2
+    assert f"--start-plan: {plan_path}: f: Input should be greater than or equal to 0" in capsys.readouterr().err
+    plan_path.write_text(plan.to_json())
+    trace_path.write_text("# duration_ms: 30000\n0,add,a\n0,add,b\n")
+    assert main([*args, "--start-plan", str(plan_path)]) == 2
+    assert "start_plan: the plan has 4 nodes, the trace starts with 2" in capsys.readouterr().err
+
+
 # -- determinism and the command line -------------------------------------------------------------------
 
 
