@@ -79,3 +79,21 @@ def test_plan_cli_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "--min-nodes-per-pipeline: must be in 1..--nodes (16), got 0" in capsys.readouterr().err
     assert main([*args, "--min-nodes-per-pipeline", "9"]) == 2
     assert "(f+1)*n0 = 18 > 16" in capsys.readouterr().err
+
+
+def test_plan_a_preset_without_a_profile_file(capsys: pytest.CaptureFixture[str]) -> None:
+    """The paper's models plan by name: the same plan as their synthetic profile written to a file."""
+    args = ["--nodes", "30", "--gpus-per-node", "1", "--gpu-memory", "40GiB", "--microbatches", "512", "--json"]
+    assert main(["plan", "--model", "gpt3-6.7b", *args, "--min-nodes-per-pipeline", "6"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["num_layers"] == 34 and min(t["nodes"] for t in plan["templates"]) == 6
+    assert main(["plan", "--model", "bert-large", *args]) == 0
+    bert = json.loads(capsys.readouterr().out)
+    expected = gpt_profile(
+        PRESETS["bert-large"], seq_len=512, microbatch_size=1, gpu_flops=125e12, hbm_bandwidth=1.5e12
+    )
+    assert bert["num_layers"] == len(expected.layers) == 26
+    assert main(["plan", "--model", "gpt5", *args]) == 2
+    assert "--model: unknown 'gpt5'" in capsys.readouterr().err
+    assert main(["plan", *args]) == 2
+    assert "profile: give a profile JSON file or --model PRESET" in capsys.readouterr().err
