@@ -281,8 +281,10 @@ def _costs(args: argparse.Namespace):
 
     from .costs import named
 
+    if args.profile and args.costs != "default":
+        raise InputError(f"--costs: {args.costs} is per model: it needs --model (one of the presets), not --profile")
     try:
-        base = named(args.costs, "" if args.profile else args.model)
+        base = named(args.costs, args.model)
     except ValueError as error:
         raise InputError("--" + str(error)) from None
     if args.snapshot_every is not None and args.snapshot_every < 1:
@@ -345,9 +347,9 @@ def run(args: argparse.Namespace) -> int:
         unknown = [name for name in policies if name not in POLICIES]
         if unknown or not policies:
             raise InputError(f"--policies: unknown {unknown or policies}; choose from {', '.join(POLICIES)}")
+        costs = _costs(args)
         trace = _trace(args)
         job = _job(args)
-        costs = _costs(args)
         result = simulate(trace, job, costs, policies)
         recommended = recommend_f(trace, job, costs) if args.recommend_f else None
     except (InputError, TraceError, ProfileError) as error:

@@ -545,6 +545,14 @@ def test_cli_table_plot_and_recommend_f(tmp_path: Path, capsys: pytest.CaptureFi
         (["--mtbf", "1h", "--gpu-memory", "lots"], "--gpu-memory: expected a number"),
         (["--mtbf", "1h", "--policies", "magic"], "--policies: unknown ['magic']"),
         (["--spot-interval", "1h", "--spot-fraction", "1.5"], "--spot-fraction: must be in (0, 1], got 1.5"),
+        (["--spot-pattern", "azure"], "--spot-pattern: unknown 'azure'; choose from gcp, ec2-p3"),
+        (["--spot-pattern", "gcp", "--mtbf", "1h"], "give one trace source, got --mtbf and --spot-pattern"),
+        (["--mtbf", "1h", "--node-startup", "soon"], "--node-startup: expected a number"),
+        (["--mtbf", "1h", "--checkpoint-every", "0"], "--checkpoint-every: must be >= 1, got 0"),
+        (
+            ["--mtbf", "1h", "--profile", "p.json", "--costs", "oobleck-artifact"],
+            "--costs: oobleck-artifact is per model",
+        ),
         (["--mtbf", "1h", "--repair", "0"], "--repair: must be > 0"),
         (["--trace", "missing.csv"], "missing.csv: cannot read"),
         (["--mtbf", "1h", "--gpu-memory", "1MiB"], "cannot be planned"),
@@ -576,6 +584,17 @@ def test_bench_quick() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "whole simulation, 4 policies" in done.stdout and "of the 10 s target" in done.stdout
+
+
+def test_cli_spot_pattern_and_node_startup(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--model", "gpt3-350m", "--spot-pattern", "gcp", "--seed", "2", "--node-startup", "45"]
+    assert main([*args, "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["trace"]["initial_nodes"] == 0 and document["trace"]["most_nodes"] == 30
+    assert document["costs"]["nodes"]["startup_s"] == 45.0
+    for name, policy in document["policies"].items():
+        assert policy["time_by_category"]["waiting"] >= 480 + 45, name  # nothing up until the first joins
+        assert 0 < policy["goodput"] <= 1, name
 
 
 def test_paper_figures_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
