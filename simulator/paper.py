@@ -129,6 +129,7 @@ def throughput_over_time(models: list[str], pattern: str, seed: int, out: Path) 
         ideal_x = [t / hours for t, _ in result.ideal] + [result.ready.duration_s / hours]
         ideal_y = [r for _, r in result.ideal] + [result.ideal[-1][1]]
         ax.step(ideal_x, ideal_y, where="post", color="#999999", ls=":", lw=1)
+        ax.set_ylim(0, max(ideal_y) * 1.4)  # room for the legend above the lines
         ax.set_ylabel("samples/s", fontsize=8)
         ax.set_title(LABELS[model], fontsize=9, loc="left")
         ax.legend(fontsize=7, loc="upper right", ncol=3)

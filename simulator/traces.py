@@ -291,7 +291,7 @@ def spot_pattern(pattern: str | SpotPattern, seed: int) -> Trace:
     )
     sizes, weights = zip(*shape.burst_sizes)
     t = shape.first_join_s + rng.expovariate(1 / shape.burst_interval_s)
-    ceiling = {}
+    ceiling: dict[int, int] = {}  # hour -> the most nodes the provider gives then (drawn when first needed)
     while True:
         due = min(pending, default=math.inf)
         if min(t, due) >= shape.duration_s:
@@ -299,11 +299,9 @@ def spot_pattern(pattern: str | SpotPattern, seed: int) -> Trace:
         if due <= t:
             pending.remove(due)
             hour = int(due // 3600)
-            cap = (
-                ceiling.setdefault(hour, rng.randint(*shape.ceiling))
-                if due > shape.first_join_s + shape.ramp_s
-                else shape.capacity
-            )
+            if hour not in ceiling:
+                ceiling[hour] = rng.randint(*shape.ceiling)
+            cap = ceiling[hour] if due > shape.first_join_s + shape.ramp_s else shape.capacity
             if len(up) < cap:
                 join(due)
             else:  # the provider has none to give now: try again later
