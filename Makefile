@@ -5,7 +5,7 @@ PY := .venv/bin/python
 # Tests run in parallel; the slow ones share one control plane per worker process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: test demo build venv k8s-tools crds dev-up dev-down bench bench-runtime bench-operator
+.PHONY: test demo build venv k8s-tools crds dev-up dev-down bench bench-runtime bench-operator paper-figures
 
 venv:
 	@scripts/venv >/dev/null
@@ -44,3 +44,8 @@ bench-runtime: venv
 
 bench-operator: venv k8s-tools
 	$(PY) bench/operator_scale.py
+
+# Our versions of the Oobleck paper's simulator figures (Figs. 1, 9, 10, 12-15) as PNGs under docs/ (README,
+# "Simulating goodput"); about 10 s. `.venv/bin/python -m oobleck.simulate.paper --quick --out DIR`: seconds.
+paper-figures: venv
+	$(PY) -m oobleck.simulate.paper --out docs

@@ -3,6 +3,7 @@
     oobleck plan profile.json --nodes 13 --gpus-per-node 4 --gpu-memory 40GiB --microbatches 64 --f 1
     oobleck plan profile.json ... --lost 3,7          # the plan after nodes "3" and "7" fail
     oobleck plan profile.json ... --json              # the plan document instead of the table
+    oobleck plan --model bert-large --nodes 30 ...    # a synthetic preset's roofline profile instead of a file
 
 Nodes are named "0".."N-1". Invalid input exits 2 with a message naming the flag or field; a
 reconfiguration that lost every replica of a layer exits 1 (the job would restore a checkpoint).
@@ -66,7 +67,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("profile", type=Path, help="model profile JSON (oobleck.api.profile.ModelProfile)")
+    parser.add_argument("profile", type=Path, nargs="?", help="model profile JSON (oobleck.api.profile.ModelProfile)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="instead of a profile: a synthetic preset (planner_cy/synthetic.py PRESETS, e.g. bert-large, "
+        "gpt2-artifact, gpt3-medium, gpt3-2.7b, gpt3-6.7b) at its context, 125 TFLOP/s and 1.5 TB/s per GPU",
+    )
     parser.add_argument("--nodes", type=int, required=True, help="N: nodes of the job")
     parser.add_argument("--gpus-per-node", type=int, required=True, help="G: GPUs per node (a power of two)")
     parser.add_argument("--gpu-memory", required=True, help="memory per GPU, bytes or with a unit (80GiB)")
@@ -85,6 +92,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="samples per microbatch: a stage uses only GPU counts that split it evenly (default: any)",
+    )
+    parser.add_argument(
+        "--min-nodes-per-pipeline",
+        type=int,
+        default=1,
+        help="no pipeline of fewer nodes, even where one fits (the Oobleck artifact's n0; default 1)",
     )
     parser.add_argument("--job", default="job", help="job name recorded in the plan")
     parser.add_argument("--lost", default=None, help="preview a reconfiguration: lost node ids, e.g. 3,7")
@@ -131,14 +144,7 @@ def _plan_text(args: argparse.Namespace) -> str:
     from .reconfigure import DEFAULT_HORIZON, LostLayersError, next_layout, to_plan
     from .templates import generate_templates
 
-    try:
-        raw = args.profile.read_text()
-    except OSError as error:
-        raise InputError(f"profile: cannot read {args.profile}: {error.strerror}") from None
-    try:
-        profile = parse_profile(raw, "profile")
-    except ProfileError as error:
-        raise InputError(str(error)) from None
+    profile = _profile(args, parse_profile, ProfileError)
     if args.microbatches < 1:
         raise InputError(f"--microbatches: must be >= 1, got {args.microbatches}")
     if args.f < 0:
@@ -147,6 +153,10 @@ def _plan_text(args: argparse.Namespace) -> str:
         raise InputError(f"--m-ref: must be >= 1, got {args.m_ref}")
     if args.microbatch_size is not None and args.microbatch_size < 1:
         raise InputError(f"--microbatch-size: must be >= 1, got {args.microbatch_size}")
+    if not 1 <= args.min_nodes_per_pipeline <= max(args.nodes, 1):
+        raise InputError(
+            f"--min-nodes-per-pipeline: must be in 1..--nodes ({args.nodes}), got {args.min_nodes_per_pipeline}"
+        )
     horizon = DEFAULT_HORIZON if args.horizon is None else args.horizon
     if horizon < 0:
         raise InputError(f"--horizon: must be >= 0, got {horizon}")
@@ -177,6 +187,7 @@ def _plan_text(args: argparse.Namespace) -> str:
             args.m_ref,
             global_microbatches=args.microbatches,
             microbatch_size=args.microbatch_size,
+            min_nodes_per_pipeline=args.min_nodes_per_pipeline,
         )
         nodes = [str(i) for i in range(cluster.nodes)]
         plan = instantiate(templates, nodes, args.f, args.microbatches, args.job, gpus_per_node=cluster.gpus_per_node)
@@ -219,12 +230,41 @@ def _plan_text(args: argparse.Namespace) -> str:
     return "\n\n".join(parts)
 
 
+def _profile(args: argparse.Namespace, parse_profile, ProfileError):
+    """The profile file, or the --model preset's synthetic profile (exactly one of them)."""
+    if (args.profile is None) == (args.model is None):
+        raise InputError("profile: give a profile JSON file or --model PRESET (one of them)")
+    if args.model is not None:
+        from .synthetic import PRESETS, gpt_profile
+
+        if args.model not in PRESETS:
+            raise InputError(f"--model: unknown {args.model!r}; choose from {', '.join(PRESETS)}")
+        shape = PRESETS[args.model]
+        return gpt_profile(
+            shape,
+            seq_len=shape.seq_len,
+            microbatch_size=args.microbatch_size or 1,
+            gpu_flops=125e12,
+            hbm_bandwidth=1.5e12,
+            name=args.model,
+        )
+    try:
+        raw = args.profile.read_text()
+    except OSError as error:
+        raise InputError(f"profile: cannot read {args.profile}: {error.strerror}") from None
+    try:
+        return parse_profile(raw, "profile")
+    except ProfileError as error:
+        raise InputError(str(error)) from None
+
+
 def _flag_names(message: str) -> str:
     """Planner messages start with a field name; show the matching flag too."""
     for field, flag in (
         ("global_microbatches", "--microbatches"),
         ("microbatch_size", "--microbatch-size"),
         ("m_ref", "--m-ref"),
+        ("min_nodes_per_pipeline", "--min-nodes-per-pipeline"),
         ("nodes", "--nodes"),
         ("f", "--f"),
         ("lost", "--lost"),

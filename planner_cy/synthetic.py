@@ -38,6 +38,8 @@ class GPTShape:
     """attention heads a (h must be a multiple of a)"""
     vocab: int = 50257
     """vocabulary size V (GPT-2's BPE by default)"""
+    seq_len: int = 2048
+    """the context it is trained at (the default sequence length of its profile)"""
 
 
 GPT3 = {
@@ -49,6 +51,21 @@ GPT3 = {
     "gpt3-13b": GPTShape(blocks=40, hidden=5120, heads=40),
     "gpt3-175b": GPTShape(blocks=96, hidden=12288, heads=96),
 }
+
+PRESETS = {
+    **GPT3,
+    # The models of the Oobleck paper's evaluation (SOSP'23, and its artifact's simulator, tools/simulator/):
+    # BERT-large (Devlin et al., 2019: 24 blocks, hidden 1024, 16 heads, WordPiece vocabulary 30,522, sequences
+    # of 512); its encoder blocks cost what a GPT block of the same sizes costs in this arithmetic, and its
+    # masked-LM head is the same vocabulary projection.
+    "bert-large": GPTShape(blocks=24, hidden=1024, heads=16, vocab=30522, seq_len=512),
+    # The artifact's GPT-2 configuration (tests/conftest.py of branch sosp23-artifact: Hugging Face "gpt2" with
+    # num_hidden_layers 32, n_embd 1024, n_head 16, n_positions 1024).
+    "gpt2-artifact": GPTShape(blocks=32, hidden=1024, heads=16, seq_len=1024),
+    # GPT-3 Medium is Brown et al.'s name for the 350M model.
+    "gpt3-medium": GPT3["gpt3-350m"],
+}
+"""Every synthetic model by name: the GPT-3 sizes and the Oobleck paper's evaluation models."""
 
 
 def _positive(**values: float) -> None:

@@ -363,8 +363,12 @@ def generate_templates(
     *,
     global_microbatches: int | None = None,
     microbatch_size: int | None = None,
+    min_nodes_per_pipeline: int = 1,
 ) -> list[Template]:
     """Templates for every usable size (see usable_sizes), sorted by node count.
+
+    min_nodes_per_pipeline (the Oobleck artifact's n0 given by hand): no template of fewer nodes, even where one fits;
+    each remaining size keeps the same best layout, so only the choice of sizes changes.
 
     cluster.nodes is N, the most nodes the job will have. m_ref None: derived from the batch (default_m_ref,
     with n0 found at that m_ref: the search is redone while the derived count grows and some template still
@@ -374,26 +378,41 @@ def generate_templates(
     if isinstance(f, bool) or not isinstance(f, int) or f < 0:
         raise PlanningError(f"f: must be an integer >= 0, got {f!r}")
     N = cluster.nodes
+    least = min_nodes_per_pipeline
+    if isinstance(least, bool) or not isinstance(least, int) or not 1 <= least <= N:
+        raise PlanningError(f"min_nodes_per_pipeline: must be an integer in 1..N = {N}, got {least!r}")
+    if least > len(profile.layers):
+        raise PlanningError(
+            f"min_nodes_per_pipeline: {least} nodes exceed the model's {len(profile.layers)} layers "
+            "(every node of a pipeline holds at least one layer)"
+        )
+
+    def search(tables: CostTables) -> dict[int, Layout]:
+        found = search_layouts(tables, min(N, tables.num_layers))
+        return {n: layout for n, layout in found.items() if n >= least}
+
     if m_ref is None and global_microbatches is not None:
         if isinstance(global_microbatches, bool) or not isinstance(global_microbatches, int) or global_microbatches < 1:
             raise PlanningError(f"global_microbatches: must be an integer >= 1, got {global_microbatches!r}")
-        m_ref = default_m_ref(_fewest_nodes_bound(profile, cluster), N, f, global_microbatches)
+        m_ref = default_m_ref(max(least, _fewest_nodes_bound(profile, cluster)), N, f, global_microbatches)
         tables = cost_tables(profile, cluster, m_ref, microbatch_size)
-        layouts = search_layouts(tables, min(N, tables.num_layers))
+        layouts = search(tables)
         while layouts:  # a larger m_ref only raises n0, so this settles within a few searches
             wanted = default_m_ref(min(layouts), N, f, global_microbatches)
             if wanted <= tables.m_ref:
                 break
             wider = cost_tables(profile, cluster, wanted, microbatch_size)
-            found = search_layouts(wider, min(N, wider.num_layers))
+            found = search(wider)
             if not found:
                 break  # nothing fits with that many in flight: keep the last m_ref that fits
             tables, layouts = wider, found
     else:
         tables = cost_tables(profile, cluster, DEFAULT_M_REF if m_ref is None else m_ref, microbatch_size)
-        layouts = search_layouts(tables, min(N, tables.num_layers))
+        layouts = search(tables)
     if not layouts:
-        n0 = min_nodes(profile, cluster, tables.m_ref, microbatch_size=microbatch_size)  # raises when none fits
+        n0 = max(
+            least, min_nodes(profile, cluster, tables.m_ref, microbatch_size=microbatch_size)
+        )  # raises if none fits
         raise PlanningError(
             f"N = {N} nodes cannot hold f+1 = {f + 1} pipelines: the smallest template needs n0 = {n0} nodes, "
             f"(f+1)*n0 = {(f + 1) * n0} > {N}"

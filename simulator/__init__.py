@@ -2,12 +2,12 @@
 
 Traces (traces.py) drive four policies (policies.py) whose costs are explicit inputs (costs.py); the
 planner is reached through one adapter (planning.py); engine.py sums up, report.py prints and plots,
-cli.py is `oobleck simulate`. Pure and deterministic: no GPU, no clock, seeded randomness only.
+cli.py is `oobleck simulate`, paper.py draws `make paper-figures`. Pure and deterministic: no GPU, no clock, seeded randomness only.
 """
 
 from __future__ import annotations
 
-from .costs import BambooCosts, CheckpointCosts, Costs, OobleckCosts, ReplicaCosts
+from .costs import BambooCosts, CheckpointCosts, Costs, NodeCosts, OobleckCosts, ReplicaCosts
 from .engine import POLICIES, Job, Result, recommend_f, simulate
 from .traces import Trace, TraceError
 
@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointCosts",
     "Costs",
     "Job",
+    "NodeCosts",
     "OobleckCosts",
     "ReplicaCosts",
     "Result",

@@ -7,7 +7,8 @@ assumption's doing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,21 @@ class CheckpointCosts:
     restart_s: float = 4.75
     """fixed cost of a restart: processes, rendezvous, framework start (bench/recovery.py's torchrun restart of
     the tiny GPT, 4.75 s; real clusters take minutes: a default that favours this policy)"""
+    interval_steps: int | None = None
+    """checkpoint every this many iterations instead (the artifact's Varuna: every 10); overrides interval_s"""
+    checkpoint_time_s: float | None = None
+    """a fixed checkpoint write time instead of state bytes / storage_bandwidth (the artifact's published ones)"""
+    restart_includes_reload: bool = False
+    """restart_s already includes reading the checkpoint back (the artifact's restart times are end to end)"""
 
     def checkpoint_s(self, state_bytes_per_node: int) -> float:
+        if self.checkpoint_time_s is not None:
+            return self.checkpoint_time_s
         return state_bytes_per_node / self.storage_bandwidth
 
     def restart_cost_s(self, state_bytes_per_node: int) -> float:
+        if self.restart_includes_reload:
+            return self.restart_s
         return self.restart_s + state_bytes_per_node / self.storage_bandwidth
 
 
@@ -73,6 +84,8 @@ class BambooCosts:
     failover_s: float = 1.0
     """lost node -> training again on the re-formed pipelines (our assumption; Bamboo reconfigures without
     restarting processes)"""
+    fallback: CheckpointCosts | None = None
+    """checkpoints and restarts of its fallback; None: the checkpoint-restart policy's costs"""
 
 
 @dataclass(frozen=True)
@@ -90,16 +103,94 @@ class ReplicaCosts:
 
 
 @dataclass(frozen=True)
+class NodeCosts:
+    """What every policy pays alike for the machines themselves."""
+
+    startup_s: float = 0.0
+    """a node added to the trace is usable this much later (the artifact's simulators: 45 s, their "spot
+    instance creation time"); it applies to the nodes at time 0 too, and to the ideal goodput is measured by"""
+
+
+@dataclass(frozen=True)
 class Costs:
     oobleck: OobleckCosts = OobleckCosts()
     checkpoint: CheckpointCosts = CheckpointCosts()
     bamboo: BambooCosts = BambooCosts()
     replicas: ReplicaCosts = ReplicaCosts()
+    nodes: NodeCosts = NodeCosts()
 
 
-def describe(costs: Costs) -> dict[str, dict[str, float | int | None]]:
+# The Oobleck artifact's published parameters (SymbioticLab/Oobleck, branch sosp23-artifact, tools/simulator/),
+# by the artifact's model name: Varuna's restart (`local_rendezvous_timeout_delta`) and checkpoint
+# (`checkpointing_overhead`) from varuna_simulator.py; Bamboo's failover (`local_rendezvous_timeout_delta`) from
+# bamboo_simulator.py. BERT-large's restart there falls with the node count, 71.3 s at 30 nodes (the value
+# used here) to 97.2 s at 23 and more below.
+ARTIFACT_VARUNA_RESTART_S = {
+    "bert-large": 71.3,
+    "gpt2-artifact": 83.0,
+    "gpt3-medium": 78.7,
+    "gpt3-2.7b": 515.0,
+    "gpt3-6.7b": 701.0,
+}
+ARTIFACT_VARUNA_CHECKPOINT_S = {
+    "bert-large": 15.8,
+    "gpt2-artifact": 11.5,
+    "gpt3-medium": 11.2,
+    "gpt3-2.7b": 50.0,
+    "gpt3-6.7b": 120.0,
+}
+ARTIFACT_BAMBOO_FAILOVER_S = {
+    "bert-large": 76.0,
+    "gpt2-artifact": 80.0,
+    "gpt3-medium": 100.0,
+    "gpt3-2.7b": 230.0,
+    "gpt3-6.7b": 450.0,
+}
+ARTIFACT_BAMBOO_RESTART_S = 30.0
+ARTIFACT_CHECKPOINT_EVERY = 10  # varuna_simulator.py: checkpoint_per_iter=10
+ARTIFACT_BAMBOO_SLOWDOWN = 1 / 0.1971  # bamboo_simulator.py: redundant_ratio = 1 - 0.1971 (its 10-minute trace)
+ARTIFACT_NODE_STARTUP_S = 45.0  # all three simulators: spot_instance_creation_time = 45_000 ms
+ARTIFACT_ALIASES = {"gpt3-350m": "gpt3-medium"}  # the same model under our GPT-3 name
+
+COST_SETS = ("default", "oobleck-artifact")
+
+
+def named(name: str, model: str) -> Costs:
+    """A named cost set for `model` (a preset name). "default": ours (Costs()); "oobleck-artifact": the
+    artifact's Varuna and Bamboo parameters and node start-up delay, our own oobleck costs. ValueError
+    names the set or the model when there is no such set or the artifact has no numbers for the model."""
+    if name == "default":
+        return Costs()
+    if name != "oobleck-artifact":
+        raise ValueError(f"costs: unknown cost set {name!r}; choose from {', '.join(COST_SETS)}")
+    key = ARTIFACT_ALIASES.get(model, model)
+    if key not in ARTIFACT_VARUNA_RESTART_S:
+        raise ValueError(
+            f"costs: the artifact publishes costs for {', '.join(ARTIFACT_VARUNA_RESTART_S)} only, not {model!r}"
+        )
+    return Costs(
+        checkpoint=CheckpointCosts(
+            interval_steps=ARTIFACT_CHECKPOINT_EVERY,
+            checkpoint_time_s=ARTIFACT_VARUNA_CHECKPOINT_S[key],
+            restart_s=ARTIFACT_VARUNA_RESTART_S[key],
+            restart_includes_reload=True,
+        ),
+        bamboo=BambooCosts(
+            slowdown=ARTIFACT_BAMBOO_SLOWDOWN,
+            failover_s=ARTIFACT_BAMBOO_FAILOVER_S[key],
+            # bamboo_simulator.py: a fallback loses the iteration in flight only and restarts in 30 s
+            # (`global_rendezvous_timeout_delta`); it writes no checkpoints.
+            fallback=CheckpointCosts(
+                interval_steps=1,
+                checkpoint_time_s=0.0,
+                restart_s=ARTIFACT_BAMBOO_RESTART_S,
+                restart_includes_reload=True,
+            ),
+        ),
+        nodes=NodeCosts(startup_s=ARTIFACT_NODE_STARTUP_S),
+    )
+
+
+def describe(costs: Costs) -> dict[str, dict[str, Any]]:
     """Every cost parameter and its value, for the JSON output."""
-    return {
-        part.name: {f.name: getattr(getattr(costs, part.name), f.name) for f in fields(getattr(costs, part.name))}
-        for part in fields(costs)
-    }
+    return {part.name: asdict(getattr(costs, part.name)) for part in fields(costs)}

@@ -71,7 +71,14 @@ class Planner:
     """Templates generated once for the largest cluster a trace reaches; plans on any node set of it."""
 
     def __init__(
-        self, profile: ModelProfile, cluster: ClusterShape, microbatches: int, *, m_ref: int | None = None
+        self,
+        profile: ModelProfile,
+        cluster: ClusterShape,
+        microbatches: int,
+        *,
+        m_ref: int | None = None,
+        min_nodes: int = 1,
+        templates: Sequence[Template] | None = None,
     ) -> None:
         self.profile = profile
         self.cluster = cluster
@@ -79,11 +86,13 @@ class Planner:
         self.layer_bytes = [layer.state_bytes for layer in profile.layers]
         # f = 0 here: the template set does not depend on f beyond the (f+1)*n0 <= N check, which
         # instantiate applies per call (degraded plans allowed: a shrunken cluster keeps training).
-        if m_ref is None:
+        if templates is not None:  # a given plan's own (--start-plan)
+            self.templates: list[Template] = list(templates)
+        elif m_ref is None:
             # The planner's advice: m_ref = the most microbatches a pipeline will run. With the default, a
             # deep model's few pipelines may not hold the batch at all; then plan for what they must hold.
             # A larger m_ref keeps more microbatches in flight, which can deepen the pipelines: iterate a little.
-            self.templates: list[Template] = generate_templates(profile, cluster, f=0)
+            self.templates = generate_templates(profile, cluster, f=0, min_nodes_per_pipeline=min_nodes)
             for _ in range(4):
                 most = cluster.nodes // min(t.nodes for t in self.templates)
                 need = -(-microbatches // most)
@@ -91,9 +100,9 @@ class Planner:
                 capped = any(t.m_ref < len(t.stages) for t in self.templates)
                 if not capped or need <= self.templates[0].m_ref:
                     break
-                self.templates = generate_templates(profile, cluster, f=0, m_ref=need)
+                self.templates = generate_templates(profile, cluster, f=0, m_ref=need, min_nodes_per_pipeline=min_nodes)
         else:
-            self.templates = generate_templates(profile, cluster, f=0, m_ref=m_ref)
+            self.templates = generate_templates(profile, cluster, f=0, m_ref=m_ref, min_nodes_per_pipeline=min_nodes)
         self.min_nodes = min(t.nodes for t in self.templates)
         self._fresh: dict[tuple[int, int], tuple[Plan, int] | None] = {}
         self._why = ""  # why the last uncached count formed no plan (for the error message)

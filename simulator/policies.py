@@ -7,12 +7,16 @@ Shared rules, so the policies differ only in what the papers say they do:
   recorded as samples and seconds taken back at the failure's time.
 - An event during a recovery starts the recovery over at the event's time, with the nodes up then.
 - Nodes are taken in the order they first appeared, so the same trace always gives the same layouts.
+- A trace may start empty or too small: the job waits ("waiting") and starts, at no cost, at the first
+  event after which its nodes form a pipeline; starting is not a failure, so every policy starts alike.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from oobleck.api.plan import Plan
 
 from .costs import BambooCosts, CheckpointCosts, OobleckCosts, ReplicaCosts
 from .planning import Layout, LostLayersError, NoPipeline, Planner, copy_seconds
@@ -74,6 +78,7 @@ class Policy:
         self.train_rate = 0.0  # throughput of the current layout when training
         self.steps = 0.0  # iterations since the last restore point (fractional: the one in flight)
         self.schedule: list[tuple[float, str, float]] = []
+        self.started = False  # set by start() once the job trains
 
     # -- machinery -------------------------------------------------------------------------------------
     def set_layout(self, layout: Layout | None) -> None:
@@ -122,15 +127,21 @@ class Policy:
             _, self.state, self.rate = self.schedule.pop(0)
 
     def run(self) -> Timeline:
-        self.start()
+        if self.alive:
+            self.start()
         for time_s, removed, added in self.trace.batches():
             self.advance(time_s)
             for node in removed:
                 self.alive.pop(node, None)
             for node in added:
                 self.alive[node] = None
-            self.handle(set(removed), list(added))
+            if self.started:
+                self.handle(set(removed), list(added))
+            elif self.alive:
+                self.start()
         self.advance(self.trace.duration_s)
+        if not self.started:
+            self.timeline.note = "never started: the nodes up never formed a pipeline"
         return self.timeline
 
     def nodes(self) -> list[str]:
@@ -152,13 +163,16 @@ class OobleckPolicy(Policy):
 
     name = "oobleck"
 
-    def __init__(self, trace: Trace, planner: Planner, f: int, costs: OobleckCosts) -> None:
+    def __init__(
+        self, trace: Trace, planner: Planner, f: int, costs: OobleckCosts, start_plan: Plan | None = None
+    ) -> None:
         super().__init__(trace)
         self.planner, self.f, self.costs = planner, f, costs
-        self.plan = None
+        self.start_plan = start_plan  # generation 0 as given (its nodes named as the trace's first nodes)
+        self.plan: Plan | None = None
         self.bandwidth = planner.cluster.inter_node_bandwidth
 
-    def _adopt(self, plan) -> Layout:
+    def _adopt(self, plan: Plan) -> Layout:
         self.plan = plan
         layout = self.planner.layout(plan)
         self.set_layout(layout)
@@ -166,10 +180,19 @@ class OobleckPolicy(Policy):
 
     def start(self) -> None:
         try:
-            self._adopt(self.planner.initial(self.nodes(), self.f))
-            self.state, self.rate = TRAINING, self.train_rate
-        except NoPipeline as error:
-            self.timeline.note = f"cannot start: {error}"
+            if self.start_plan is None:
+                self._adopt(self.planner.initial(self.nodes(), self.f))
+            else:  # the given plan, adjusted to the nodes actually up when the job can start
+                up, planned = set(self.nodes()), set(self.start_plan.nodes)
+                lost, added = sorted(planned - up), [n for n in self.nodes() if n not in planned]
+                plan = self.start_plan
+                if lost or added:
+                    plan = self.planner.reconfigure(self.start_plan, lost, added)
+                self._adopt(plan)
+        except (NoPipeline, LostLayersError):
+            return
+        self.state, self.rate, self.started = TRAINING, self.train_rate, True
+        self.note(f"start on {len(self.nodes())} nodes")
 
     def _restart(self, why: str) -> None:
         """A fresh layout on the nodes up, every GPU restoring its layers from snapshots over the network."""
@@ -246,6 +269,8 @@ class CheckpointPolicy(Policy):
         super().set_layout(layout)
         if layout is not None:
             self.checkpoint_s = self.costs.checkpoint_s(layout.state_bytes_per_node)
+            if self.costs.interval_steps is not None:
+                self.interval_s = self.costs.interval_steps * layout.iteration_s
 
     def _layout_on(self, nodes: list[str]) -> Layout | None:
         try:
@@ -256,10 +281,12 @@ class CheckpointPolicy(Policy):
     def start(self) -> None:
         self.set_layout(self._layout_on(self.nodes()))
         if self.layout is None:
-            self.timeline.note = "cannot start: too few nodes for a pipeline"
             return
-        self.state, self.rate = TRAINING, self.train_rate
-        if self.costs.interval_s is not None:
+        self.state, self.rate, self.started = TRAINING, self.train_rate, True
+        self.note(f"start on {self.layout.nodes} nodes")
+        if self.costs.interval_steps is not None:
+            pass  # set with each layout
+        elif self.costs.interval_s is not None:
             self.interval_s = self.costs.interval_s
         else:  # Young's optimum for the trace's job-level MTBF
             mtbf = self.trace.duration_s / max(1, self.trace.losses())
@@ -389,12 +416,12 @@ class ReplicaPolicy(Policy):
     def start(self) -> None:
         try:
             self.layout = self.planner.fresh(self.nodes(), 0)
-        except NoPipeline as error:
-            self.timeline.note = f"cannot start: {error}"
+        except NoPipeline:
             return
         self.slots = [list(g) for g in self.layout.groups]
         self._update_rate()
-        self.state, self.rate = TRAINING, self.train_rate
+        self.state, self.rate, self.started = TRAINING, self.train_rate, True
+        self.note(f"start: {len(self.slots)} replicas")
 
     def _whole(self) -> list[int]:
         return [i for i, slots in enumerate(self.slots) if None not in slots]

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from .costs import describe
-from .engine import Result
+from .engine import EFFECTIVE, LOST, REDUNDANT, Result
 from .policies import Timeline
 
 DASHED = {"replica-dropping"}  # often on top of oobleck's line: dashed so both stay visible
@@ -29,18 +29,25 @@ def _duration(seconds: float) -> str:
 
 
 def table(result: Result) -> str:
-    trace = result.trace
+    trace, ready = result.trace, result.ready
+    added = len(trace.events) - trace.losses()
     lines = [
         f"trace {trace.name}: {len(trace.initial)} nodes at start, {trace.losses()} losses, "
-        f"{len(trace.events) - trace.losses()} additions over {_duration(trace.duration_s)}",
+        f"{added} additions over {_duration(trace.duration_s)}"
+        + (f"; nodes usable {result.costs.nodes.startup_s:g} s after they join" if ready is not trace else ""),
         f"model {result.job.profile.model}: {len(result.job.profile.layers)} layers, global batch "
-        f"{result.job.global_batch}, f = {result.job.f}; no-failure throughput {result.baseline_samples_per_s:.2f} "
-        f"samples/s (Z = {result.baseline_iteration_s * 1e3:.1f} ms)",
+        f"{result.job.global_batch}, f = {result.job.f}; ideal (f = 0, every node up) "
+        f"{result.ideal_samples / trace.duration_s:.2f} samples/s on average, {result.baseline_samples_per_s:.2f} "
+        f"at {ready.max_nodes()} nodes (Z = {result.baseline_iteration_s * 1e3:.1f} ms)",
     ]
     if result.bamboo_slowdown is not None:
         lines.append(f"redundant computation: steady-state slowdown {result.bamboo_slowdown:.3f}x")
-    states = sorted({s for summary in result.summaries.values() for s in summary.seconds_by_state})
-    header = ["policy", "samples", "goodput", "effective", "lost work", *states]
+    categories = [EFFECTIVE, LOST, REDUNDANT]
+    for summary in result.summaries.values():
+        categories += [c for c in summary.time_by_category if c not in categories]
+    used = {c for summary in result.summaries.values() for c in summary.time_by_category}
+    categories = [c for c in categories if c in used]
+    header = ["policy", "samples", "goodput", "eff. share", "artifact share", *categories]
     rows = [header]
     for summary in result.summaries.values():
         rows.append(
@@ -49,8 +56,8 @@ def table(result: Result) -> str:
                 f"{summary.samples:.4g}",
                 f"{summary.goodput * 100:.1f} %",
                 f"{summary.effective_time_share * 100:.1f} %",
-                _duration(summary.lost_seconds),
-                *(_duration(summary.seconds_by_state.get(s, 0.0)) for s in states),
+                f"{summary.artifact_time_share * 100:.1f} %",
+                *(_duration(summary.time_by_category.get(c, 0.0)) for c in categories),
             ]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -60,6 +67,11 @@ def table(result: Result) -> str:
         )
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
+    lines.append(
+        "goodput: samples / the ideal's; eff. share: effective / trace length (the time columns sum to it); "
+        "artifact share: all training / its categories, lost work counted twice and waiting not at all, as the "
+        "Oobleck artifact computes its effective time"
+    )
     for summary in result.summaries.values():
         if summary.note:
             lines.append(f"{summary.policy}: {summary.note}")
@@ -73,6 +85,7 @@ def document(result: Result, recommended: list[tuple[int, float]] | None = None)
         "trace": {
             "name": trace.name,
             "initial_nodes": len(trace.initial),
+            "most_nodes": trace.max_nodes(),
             "losses": trace.losses(),
             "additions": len(trace.events) - trace.losses(),
             "duration_s": trace.duration_s,
@@ -86,15 +99,19 @@ def document(result: Result, recommended: list[tuple[int, float]] | None = None)
             "inter_node_bandwidth": result.job.inter_node_bandwidth,
             "f": result.job.f,
             "global_batch": result.job.global_batch,
+            "min_nodes_per_pipeline": result.job.min_nodes_per_pipeline,
         },
         "costs": describe(result.costs),
         "baseline": {"samples_per_s": result.baseline_samples_per_s, "iteration_s": result.baseline_iteration_s},
+        "ideal_samples": result.ideal_samples,
         "redundant_computation_slowdown": result.bamboo_slowdown,
         "policies": {
             name: {
                 "samples": s.samples,
                 "goodput": s.goodput,
                 "effective_time_share": s.effective_time_share,
+                "artifact_time_share": s.artifact_time_share,
+                "time_by_category": s.time_by_category,
                 "seconds_by_state": s.seconds_by_state,
                 "lost_seconds": s.lost_seconds,
                 "note": s.note,
@@ -143,14 +160,15 @@ def plot(result: Result, path: str | Path, title: str | None = None, bins: int =
     figure, (top, nodes, bottom) = plt.subplots(
         3, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 1, 2.2]}, constrained_layout=True
     )
-    baseline = result.baseline_samples_per_s
+    ideal_x = [t / scale for t, _ in result.ideal] + [duration / scale]
+    ideal_y = [r for _, r in result.ideal] + [result.ideal[-1][1]]
+    top.step(ideal_x, ideal_y, where="post", color="#999999", lw=1.0, ls=":", label="ideal (f = 0, every node up)")
     for name, timeline in result.timelines.items():
         color = COLORS.get(name)
         summary = result.summaries[name]
         label = f"{name} ({summary.goodput * 100:.1f} % goodput)"
         xs, ys = binned_throughput(timeline, duration, bins)
         xs = [x / scale for x in xs]
-        ys = [y / baseline * 100 for y in ys]
         ours = name == "oobleck"
         style = {
             "color": color,
@@ -173,15 +191,15 @@ def plot(result: Result, path: str | Path, title: str | None = None, bins: int =
                 k += 1
             adjusted.append(y - taken)
         bottom.plot(cx, adjusted, **style)
-    top.set_ylabel(f"throughput, % of no-failure\n(mean over {_duration(duration / bins)})")
-    top.set_ylim(bottom=-3, top=max(128, top.get_ylim()[1]))
+    top.set_ylabel(f"samples/s\n(mean over {_duration(duration / bins)})")
+    top.set_ylim(bottom=0, top=max(ideal_y) * 1.35 if max(ideal_y) > 0 else 1)
     top.legend(loc="upper center", ncol=2, fontsize=8, framealpha=0.9)
     top.grid(alpha=0.3)
-    counts = trace.node_counts()
+    counts = result.ready.node_counts()
     nx = [t / scale for t, _ in counts] + [duration / scale]
     ny = [n for _, n in counts] + [counts[-1][1]]
     nodes.step(nx, ny, where="post", color="#8a2be2", lw=1.2)
-    nodes.set_ylabel("nodes up")
+    nodes.set_ylabel("nodes usable")
     nodes.set_ylim(max(0, min(ny) - max(2, 0.1 * max(ny))), max(ny) + max(1, 0.05 * max(ny)))
     nodes.grid(alpha=0.3)
     bottom.set_ylabel("samples trained\n(millions)")

@@ -1,16 +1,17 @@
 """Availability traces: which nodes are up when. Read from files, or generated from a seed.
 
 File format (the Oobleck artifact's, inherited from Bamboo's simulator): one event per line,
-`TIME_MS,add|remove,NODE`, in time order; nodes added at time 0 are the starting cluster. Blank lines
-and lines starting with `#` are comments, except `# duration_ms: N`, which sets how long the trace runs.
-Without it (and without a duration given by the caller) a trace runs until its last event plus the
-median gap between event times. Bad input raises TraceError naming the file, line and field.
+`TIME_MS,add|remove,NODE`, in time order; nodes added at time 0 are the starting cluster, which may be
+empty: real availability traces start empty or grow (the job starts once its nodes can form a pipeline).
+Blank lines and lines starting with `#` are comments, except `# duration_ms: N`, which sets how long the
+trace runs. Without it (and without a duration given by the caller) a trace ends at its last event, as the
+artifact's simulators stop there. Bad input raises TraceError naming the file, line and field.
 """
 
 from __future__ import annotations
 
+import math
 import random
-import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,43 @@ class Trace:
             (out[-1][1] if event.kind == "remove" else out[-1][2]).append(event.node)
         return out
 
+    def ready_after(self, startup_s: float) -> Trace:
+        """The same trace with every node usable `startup_s` after it is added (the node start-up delay,
+        the artifact's 45 s "spot instance creation time"): adds move later, a node removed before it is
+        ready never joins, and adds that would land after the end are dropped."""
+        if startup_s <= 0:
+            return self
+        # Pair each add with the removal that ends that stay (a node may come and go several times).
+        removals: dict[str, list[float]] = {}
+        for event in self.events:
+            if event.kind == "remove":
+                removals.setdefault(event.node, []).append(event.time_s)
+        stays = [(0.0, node) for node in self.initial] + [(e.time_s, e.node) for e in self.events if e.kind == "add"]
+        moved: list[Event] = []
+        for time_s, node in stays:
+            ends = [t for t in removals.get(node, []) if t >= time_s]
+            end = ends[0] if ends else math.inf
+            start = time_s + startup_s
+            if start < end and start <= self.duration_s:
+                moved.append(Event(start, "add", node))
+                if end < math.inf:
+                    moved.append(Event(end, "remove", node))
+        moved.sort(key=lambda e: (e.time_s, e.kind != "remove", e.node))
+        return Trace(f"{self.name} (+{startup_s:g} s start-up)", (), tuple(moved), self.duration_s)
+
+    def renamed(self, names: dict[str, str]) -> Trace:
+        """The same trace with nodes renamed by `names`; other nodes whose name a new one takes get a
+        "trace:" prefix, so no two nodes share a name."""
+        taken = set(names.values())
+
+        def name(node: str) -> str:
+            if node in names:
+                return names[node]
+            return f"trace:{node}" if node in taken else node
+
+        events = tuple(Event(e.time_s, e.kind, name(e.node)) for e in self.events)
+        return Trace(self.name, tuple(name(n) for n in self.initial), events, self.duration_s)
+
     def max_nodes(self) -> int:
         alive, most = len(self.initial), len(self.initial)
         for event in self.events:
@@ -65,21 +103,25 @@ class Trace:
         return sum(1 for e in self.events if e.kind == "remove")
 
 
-def _default_duration(times: list[float]) -> float:
-    distinct = sorted(set(times))
-    if not distinct:
-        return 3600.0
-    gaps = [b - a for a, b in zip([0.0, *distinct], distinct) if b > a]
-    return distinct[-1] + (statistics.median(gaps) if gaps else 3600.0)
-
-
-def build(name: str, initial: Iterable[str], events: Iterable[Event], duration_s: float | None = None) -> Trace:
+def build(
+    name: str, initial: Iterable[str], events: Iterable[Event], duration_s: float | None = None, where: str = ""
+) -> Trace:
+    """A trace; without a duration it ends at its last event (the artifact's simulators stop there).
+    Errors name `where` (the file) or else `name`."""
+    where = where or name
     events = tuple(events)
+    initial = tuple(initial)
     if duration_s is None:
-        duration_s = _default_duration([e.time_s for e in events])
-    if events and duration_s <= events[-1].time_s:
-        raise TraceError(f"{name}: duration {duration_s} s must be after the last event at {events[-1].time_s} s")
-    return Trace(name, tuple(initial), events, float(duration_s))
+        duration_s = events[-1].time_s if events else 0.0
+    if events and duration_s < events[-1].time_s:
+        raise TraceError(
+            f"{where}: duration {duration_s} s must not end before the last event at {events[-1].time_s} s"
+        )
+    if not duration_s > 0:
+        raise TraceError(f"{where}: the trace has no length: give a duration or events after time 0")
+    if not initial and not any(e.kind == "add" for e in events):
+        raise TraceError(f"{where}: no node is ever added: the trace has no cluster")
+    return Trace(name, initial, events, float(duration_s))
 
 
 def parse(text: str, source: str = "trace", duration_s: float | None = None) -> Trace:
@@ -134,9 +176,9 @@ def parse(text: str, source: str = "trace", duration_s: float | None = None) -> 
             initial.append(node)
         else:
             events.append(Event(time_ms / 1e3, kind, node))
-    if not initial:
-        raise TraceError(f"{source}: no node is added at time 0: the trace needs a starting cluster")
-    return build(Path(source).stem, initial, events, duration_s if duration_s is not None else file_duration)
+    return build(
+        Path(source).stem, initial, events, duration_s if duration_s is not None else file_duration, where=source
+    )
 
 
 def load(path: str | Path, duration_s: float | None = None) -> Trace:
@@ -169,22 +211,110 @@ def _check(**values: float) -> None:
             raise TraceError(f"{field}: must be > 0, got {value}")
 
 
-def fixed_interval(nodes: int, interval_s: float, losses: int, replace_after_s: float | None) -> Trace:
-    """The artifact's scenario: `nodes` nodes, one lost every `interval_s`, `losses` times; a fresh
-    replacement node joins `replace_after_s` after each loss (None: never). Losses rotate over the
-    starting nodes, each a different node, so no node is lost twice."""
+def fixed_interval(
+    nodes: int, interval_s: float, losses: int, order: Iterable[int] | None = None, name: str | None = None
+) -> Trace:
+    """The artifact's failure-frequency scenario: `nodes` nodes at time 0 (named node1..nodeN), one removed
+    every `interval_s`, `losses` times, no additions; the trace ends at the last removal. `order`: which
+    node (1-based) each removal takes (default: a stride over the cluster, each node at most once)."""
     _check(nodes=nodes, interval_s=interval_s, losses=losses)
-    if losses > nodes:
-        raise TraceError(f"losses: {losses} exceeds the {nodes} starting nodes")
-    if replace_after_s is not None and not 0 < replace_after_s < interval_s:
-        raise TraceError(f"replace_after_s: must be in (0, interval_s = {interval_s}), got {replace_after_s}")
-    events = []
-    for k in range(1, losses + 1):
-        # Spread the losses over the cluster (stride coprime-ish to the pipeline sizes the planner picks).
-        events.append(Event(k * interval_s, "remove", f"node{(k * 7) % nodes}"))
-        if replace_after_s is not None:
-            events.append(Event(k * interval_s + replace_after_s, "add", f"node{nodes + k - 1}"))
-    return build(f"fixed-{nodes}n-every-{interval_s:g}s", _names(nodes), events, (losses + 1) * interval_s)
+    if losses >= nodes:
+        raise TraceError(f"losses: {losses} must be fewer than the {nodes} starting nodes")
+    chosen = list(order) if order is not None else [1 + (k * 7) % nodes for k in range(1, losses + 1)]
+    if len(chosen) != losses or len(set(chosen)) != losses or not all(1 <= n <= nodes for n in chosen):
+        raise TraceError(f"order: expected {losses} distinct node numbers in 1..{nodes}, got {chosen}")
+    events = [Event(k * interval_s, "remove", f"node{n}") for k, n in enumerate(chosen, start=1)]
+    initial = [f"node{i}" for i in range(1, nodes + 1)]
+    return build(name or f"fixed-{nodes}n-every-{interval_s:g}s", initial, events)
+
+
+@dataclass(frozen=True)
+class SpotPattern:
+    """A spot-instance availability pattern: a cluster that starts at some size (or empty) and grows to its
+    capacity, loses nodes in preemption bursts and gets replacements back, under a ceiling that moves each
+    hour (the stretches where the provider has less to give)."""
+
+    capacity: int
+    first_join_s: float  # when the first nodes arrive (0: the trace starts with them)
+    first_nodes: int  # how many arrive then; the rest join over `ramp_s`
+    ramp_s: float
+    burst_interval_s: float  # mean time between preemption bursts (exponential gaps)
+    burst_sizes: tuple[tuple[int, int], ...]  # (nodes per burst, weight)
+    rejoin_s: float  # mean delay before a replacement joins (exponential)
+    ceiling: tuple[int, int]  # each hour the nodes up are capped at a uniform draw from this range
+    duration_s: float
+
+
+SPOT_PATTERNS = {
+    # Both from the statistics of the Oobleck artifact's scaled traces (tools/simulator/traces/scaled/, branch
+    # sosp23-artifact; originally Bamboo's measurements), scaled to 30 nodes.
+    # scale_gcp-trace.csv: empty until 480 s, 15 nodes then, 30 within 10 min; 63 removal bursts in 10.8 h
+    # (one per 10.3 min; 56 of one node, 6 of two, 1 of four); 60 join batches; 22.2 nodes up on average.
+    "gcp": SpotPattern(30, 480.0, 15, 600.0, 615.0, ((1, 56), (2, 6), (4, 1)), 600.0, (18, 26), 38760.0),
+    # scale_p3-trace.csv (EC2 P3): 20 nodes at 0, 30 within 25 min; 85 bursts in 11.4 h (one per 8 min; 50 of
+    # one node, 21 of two, 9 of three, 2 of four, 3 of five); 93 join batches; 24.1 nodes up on average.
+    "ec2-p3": SpotPattern(
+        30, 0.0, 20, 1500.0, 480.0, ((1, 50), (2, 21), (3, 9), (4, 2), (5, 3)), 420.0, (19, 30), 40920.0
+    ),
+}
+
+
+def spot_pattern(pattern: str | SpotPattern, seed: int) -> Trace:
+    """A seeded availability trace in the shape of a named SPOT_PATTERNS entry (or a SpotPattern)."""
+    if isinstance(pattern, str):
+        if pattern not in SPOT_PATTERNS:
+            raise TraceError(f"pattern: unknown {pattern!r}; choose from {', '.join(SPOT_PATTERNS)}")
+        name, shape = f"{pattern}-like-seed{seed}", SPOT_PATTERNS[pattern]
+    else:
+        name, shape = f"spot-pattern-seed{seed}", pattern
+    rng = random.Random(seed)
+    up: list[str] = []
+    counter = 0
+    initial: list[str] = []
+    events: list[Event] = []
+    pending: list[float] = []  # times replacements (or the ramp's nodes) are due
+
+    def join(t: float) -> None:
+        nonlocal counter
+        counter += 1
+        node = f"node{counter}"
+        up.append(node)
+        if t == 0:
+            initial.append(node)
+        else:
+            events.append(Event(t, "add", node))
+
+    for _ in range(shape.first_nodes):
+        join(shape.first_join_s)
+    pending += sorted(
+        shape.first_join_s + rng.uniform(0, shape.ramp_s) for _ in range(shape.capacity - shape.first_nodes)
+    )
+    sizes, weights = zip(*shape.burst_sizes)
+    t = shape.first_join_s + rng.expovariate(1 / shape.burst_interval_s)
+    ceiling: dict[int, int] = {}  # hour -> the most nodes the provider gives then (drawn when first needed)
+    while True:
+        due = min(pending, default=math.inf)
+        if min(t, due) >= shape.duration_s:
+            break
+        if due <= t:
+            pending.remove(due)
+            hour = int(due // 3600)
+            if hour not in ceiling:
+                ceiling[hour] = rng.randint(*shape.ceiling)
+            cap = ceiling[hour] if due > shape.first_join_s + shape.ramp_s else shape.capacity
+            if len(up) < cap:
+                join(due)
+            else:  # the provider has none to give now: try again later
+                pending.append(due + rng.expovariate(1 / shape.rejoin_s))
+            continue
+        size = min(rng.choices(sizes, weights)[0], len(up))
+        for node in sorted(rng.sample(up, size)):
+            up.remove(node)
+            events.append(Event(t, "remove", node))
+            pending.append(t + rng.expovariate(1 / shape.rejoin_s))
+        t += rng.expovariate(1 / shape.burst_interval_s)
+    events.sort(key=lambda e: (e.time_s, e.kind != "remove", e.node))
+    return build(name, initial, events, shape.duration_s)
 
 
 def mtbf(nodes: int, mtbf_s: float, repair_s: float, duration_s: float, seed: int) -> Trace:
