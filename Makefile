@@ -5,7 +5,7 @@ PY := .venv/bin/python
 # Tests run in parallel; the slow ones share one control plane per worker process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: test demo build venv k8s-tools crds dev-up dev-down bench bench-runtime bench-operator paper-figures
+.PHONY: test test-unit lint demo build venv k8s-tools crds dev-up dev-down bench bench-runtime bench-operator paper-figures
 
 venv:
 	@scripts/venv >/dev/null
@@ -22,6 +22,16 @@ crds: venv
 
 test: venv k8s-tools
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The fast tier: pure tests (no cluster, no processes, no GPU, no Kubernetes tools); see tests/conftest.py.
+test-unit: venv
+	$(PY) -m pytest --unit -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+# What `make test` checks of the code's form (tests/test_lint.py runs the same), and what pre-commit runs.
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy --config-file pyproject.toml "$$($(PY) -c 'import oobleck; print(oobleck.__path__[0])')"
 
 demo: venv k8s-tools
 	$(PY) -m oobleck_dev demo

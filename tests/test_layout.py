@@ -73,3 +73,17 @@ def test_missing_compiled_planner_is_a_loud_import_error(tmp_path: Path, module:
     result = run_python("import oobleck.planner", cwd=tmp_path, extra_path=tmp_path)
     assert result.returncode != 0
     assert f"oobleck.planner.{module}) is missing" in result.stderr
+
+
+def test_the_readme_layout_names_every_runtime_package() -> None:
+    """The README's layout table matches the tree: every runtime package is a row, and every row's folder exists."""
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("## Layout") : readme.index("## Architecture")]
+    packages = sorted(str(init.parent.relative_to(REPO)) + "/" for init in (REPO / "runtime").glob("*/__init__.py"))
+    assert packages, "runtime has no sub-packages"
+    missing = [package for package in packages if f"| `{package}` |" not in table]
+    assert not missing, f"README layout table lacks {missing}"
+    import re
+
+    for folder in re.findall(r"^\| `([^`]+/)` \|", table, flags=re.M):
+        assert (REPO / folder).is_dir(), f"README layout names {folder}, which is not in the tree"

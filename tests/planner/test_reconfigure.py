@@ -14,7 +14,9 @@ from oobleck.api.plan import Plan, Template, TemplateStage
 from oobleck.api.profile import ClusterShape, LayerProfile, ModelProfile
 from oobleck.planner import LostLayersError, instantiate, reconfigure
 from oobleck.planner.errors import PlanningError
-from oobleck.planner.reconfigure import _arrange, _gpus_of, _Held, _partition, _repair, next_layout, to_plan
+from oobleck.planner.placement import Held, arrange, gpus_of
+from oobleck.planner.reconfigure import next_layout, to_plan
+from oobleck.planner.repairs import partition, repair
 from oobleck.planner.templates import generate_templates
 
 GPUS = 2
@@ -134,25 +136,25 @@ def test_survivors_keep_their_ranks_and_the_freed_ranks_go_to_the_last() -> None
 
 def test_short_pipeline_borrows_from_the_largest() -> None:
     groups = [["a", "b", "c"], ["d", "e", "f"], ["g"]]
-    work, moves = _repair(groups, [False, False, True], [], [2, 3], merge_first=True)
+    work, moves = repair(groups, [False, False, True], [], [2, 3], merge_first=True)
     assert moves == {"borrow"}
     assert work == [["a", "b"], ["d", "e", "f"], ["g", "c"]]
 
 
 def test_two_short_pipelines_merge() -> None:
-    work, moves = _repair([["a", "b", "c"], ["d"], ["e"]], [False, True, True], [], [2, 3], merge_first=True)
+    work, moves = repair([["a", "b", "c"], ["d"], ["e"]], [False, True, True], [], [2, 3], merge_first=True)
     assert moves == {"merge"} and work == [["a", "b", "c"], ["d", "e"]]
     # Borrowing first: each short pipeline takes a node from the largest instead, while it can.
-    work, moves = _repair([["a", "b", "c"], ["d"], ["e"]], [False, True, True], [], [2, 3], merge_first=False)
+    work, moves = repair([["a", "b", "c"], ["d"], ["e"]], [False, True, True], [], [2, 3], merge_first=False)
     assert "borrow" in moves and sorted(len(g) for g in work) in ([2, 2], [3, 2], [2, 3])
 
 
 def test_added_nodes_top_up_then_form_pipelines() -> None:
-    work, moves = _repair([["a", "b", "c"], ["d"]], [False, True], ["x", "y", "z"], [2, 3], merge_first=True)
+    work, moves = repair([["a", "b", "c"], ["d"]], [False, True], ["x", "y", "z"], [2, 3], merge_first=True)
     assert moves == {"extend"}
     assert work == [["a", "b", "c"], ["d", "x"], ["y", "z"]]
-    assert _partition(7, [2, 3]) == [3, 2, 2] or _partition(7, [2, 3]) == [2, 2, 3]
-    assert _partition(1, [2, 3]) is None
+    assert partition(7, [2, 3]) == [3, 2, 2] or partition(7, [2, 3]) == [2, 2, 3]
+    assert partition(1, [2, 3]) is None
 
 
 def test_a_whole_pipeline_lost_is_dropped_and_the_rest_keep_their_layers() -> None:
@@ -516,14 +518,14 @@ def arrange_plainly(groups: list[tuple[Template, tuple[str, ...]]], held: dict) 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(6, 26), st.data())
 def test_the_batched_arrangement_is_the_plain_greedy(n_nodes, data) -> None:
-    """`_arrange` (all pipelines in one numpy batch, most pairs set aside at once) = the plain rule, on
+    """`arrange` (all pipelines in one numpy batch, most pairs set aside at once) = the plain rule, on
     pipelines made of any survivors, in any order, for any template."""
     before = first_plan(n_nodes)
     lost = data.draw(st.lists(st.sampled_from(before.nodes), unique=True, max_size=3))
     alive = [n for n in before.nodes if n not in lost]
     number = {name: i for i, name in enumerate(before.nodes)}
     state = np.array([layer.state_bytes for layer in PROFILE.layers], dtype=np.int64)
-    held = _Held.from_plan(_gpus_of(before, number), set(lost), number, GPUS, state)
+    held = Held.from_plan(gpus_of(before, number), set(lost), number, GPUS, state)
     shuffled = data.draw(st.permutations(alive))
     groups, at = [], 0
     for template in data.draw(st.lists(st.sampled_from(TEMPLATES), min_size=1, max_size=4)):
@@ -532,7 +534,7 @@ def test_the_batched_arrangement_is_the_plain_greedy(n_nodes, data) -> None:
         groups.append((template, tuple(shuffled[at : at + template.nodes])))
         at += template.nodes
     ranges = {(a.node, a.gpu): (a.start, a.end) for a in before.ranks if a.node not in lost}
-    assert _arrange(groups, held) == arrange_plainly(groups, ranges)
+    assert arrange(groups, held) == arrange_plainly(groups, ranges)
 
 
 # ---------------------------------------------------------------- with generated templates

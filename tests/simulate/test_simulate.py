@@ -578,6 +578,7 @@ def test_measured_profile_file(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert f"{path}: layers" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_bench_quick() -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "simulate.py"), "--quick"], capture_output=True, text=True, timeout=300

@@ -34,7 +34,8 @@ EXIT_CODES: dict[str, ExitCode] = {
 }
 """The worker's exit code per kind (oobleck.api.contract.ExitCode holds every exit code)."""
 
-KIND_OF_EXIT = {code: kind for kind, code in EXIT_CODES.items()}
+KIND_OF_EXIT: dict[int, str] = {int(code): kind for kind, code in EXIT_CODES.items()}
+"""The cause kind an exit code names (a worker that could not put its cause on the pod)."""
 
 CERTAIN: frozenset[str] = frozenset({"InvalidConfig", "NonFiniteLoss"})
 """Kinds that are the job's fault from one report: the config is the spec's, and every rank agreed on a
