@@ -1,7 +1,7 @@
 """Steady-state step time of the elastic runtime against plain PyTorch on the same work (CPU, gloo).
 
-Two comparisons, each on the same processes, model, global batch and accumulation, one torch thread
-per process, run interleaved `--repeats` times:
+Three comparisons, each on the same model, global batch and accumulation, one torch thread per
+process, run as `--repeats` interleaved pairs:
 
 - `ddp`: `--ranks` single-stage pipelines of the elastic runtime (what `oobleck launch` runs:
   `python -m oobleck.runtime.backends.local.worker` workers against a coordinator, failure detector, interruptible
@@ -10,14 +10,17 @@ per process, run interleaved `--repeats` times:
   microbatches under `no_sync()` but the last, then the stock `torch.optim.AdamW` (foreach=False, as
   the runtime's).
 - `pipe`: one pipeline of two single-rank stages (the elastic runtime) against
-  `torch.distributed.pipelining`'s `Schedule1F1B` on the same layer split.
+  `torch.distributed.pipelining`'s `Schedule1F1B` on the same layer split;
+- `pipe4`: the same with four stages.
 
 Step time: the interval between consecutive step completions on the rank that logs the loss, over the
-steps after `--warmup`; per run its median and its 10th percentile (the least disturbed steps, robust
-on a shared, loaded machine); each figure is the median over runs, and the ratios are runtime / torch
-of those. The machine's load average is printed beside them.
+steps after `--warmup`; per run its median. Each round runs the runtime and its baseline back to back
+(the order alternating between rounds, so that neither always runs on a warmer or a quieter machine),
+and the pair gives one ratio runtime / torch. The figure is the median of the pairs' ratios, with their
+interquartile range: a load change between rounds moves both sides of a pair alike, where a ratio of
+separate medians would take it whole. The machine's load average is printed beside them.
 
-usage: .venv/bin/python bench/vs_torch.py [--model bench-gpt|PRESET] [--which ddp,pipe] [--repeats 5] [--quick]
+usage: .venv/bin/python bench/vs_torch.py [--model bench-gpt|PRESET] [--which ddp,pipe,pipe4] [--repeats 9] [--quick]
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # bench/overhead.py: the elastic runtime's launch, shared
+
+COMPARISONS = {"ddp": 1, "pipe": 2, "pipe4": 4}
+"""Each comparison and its pipeline depth (ddp: single-stage pipelines against DDP)."""
+BASELINES = {"ddp": "torch DDP", "pipe": "torch Schedule1F1B", "pipe4": "torch Schedule1F1B"}
+TARGETS = {"ddp": 1.02, "pipe": 1.05, "pipe4": 1.05}
+"""Issue 24's targets: runtime / torch, medians of paired ratios on 2 cores."""
 
 BENCH_GPT = overhead.MODEL
 """The built-in GPT of bench/overhead.py (4 blocks, hidden 128, sequence 64): the issue's 'tiny GPT'."""
@@ -159,7 +168,7 @@ class _nothing:
 
 
 def _pipe(argv: list[str]) -> int:
-    """One stage of a 2-stage torch.distributed.pipelining Schedule1F1B over layers [0, split), [split, L)."""
+    """One stage of a torch.distributed.pipelining Schedule1F1B; argv[6]: the stages' first layers (e.g. "0,3")."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -168,10 +177,11 @@ def _pipe(argv: list[str]) -> int:
     from oobleck.runtime.train.config import build_dataset, build_model
     from oobleck.runtime.train.optim import learning_rate, torch_adamw
 
-    config, rank, world, out, microbatches, split = *_setup(argv[:5]), int(argv[5]), int(argv[6])
+    config, rank, world, out, microbatches = *_setup(argv[:5]), int(argv[5])
     model = build_model(config)
     data = build_dataset(config, model)
-    layers = range(0, split) if rank == 0 else range(split, model.num_layers)
+    bounds = [int(b) for b in argv[6].split(",")] + [model.num_layers]
+    layers = range(bounds[rank], bounds[rank + 1])
     module = nn.Sequential(*(model.build_layer(i) for i in layers))
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     # Mean per microbatch, averaged over microbatches by the schedule (scale_grads): the global mean.
@@ -184,8 +194,10 @@ def _pipe(argv: list[str]) -> int:
         batches = [data.microbatch(step, i) for i in range(microbatches)]
         if rank == 0:
             schedule.step(torch.cat([b[0] for b in batches]))
-        else:
+        elif rank == world - 1:
             schedule.step(target=torch.cat([b[1] for b in batches]))
+        else:
+            schedule.step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.time())
@@ -221,10 +233,23 @@ def run_torch(kind: str, config, world: int, extra: list[str], folder: Path) -> 
     return [b - a for a, b in zip(times, times[1:])]
 
 
-def _stats_after(intervals: list[float], warmup: int) -> tuple[float, float]:
-    """(median, 10th percentile) of the step intervals after `warmup`."""
-    kept = sorted(intervals[warmup:] or intervals)
-    return statistics.median(kept), kept[len(kept) // 10]
+def _median_after(intervals: list[float], warmup: int) -> float:
+    """The median step interval after `warmup`."""
+    return statistics.median(intervals[warmup:] or intervals)
+
+
+def paired_ratio(pairs: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(median, first quartile, third quartile) of the ratios ours / baseline of `pairs`."""
+    ratios = sorted(ours / baseline for ours, baseline in pairs)
+    if len(ratios) == 1:
+        return ratios[0], ratios[0], ratios[0]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return statistics.median(ratios), q1, q3
+
+
+def stage_bounds(num_layers: int, stages: int) -> list[int]:
+    """The first layer of each of `stages` near-equal stages."""
+    return [num_layers * i // stages for i in range(stages)]
 
 
 def main() -> int:
@@ -232,13 +257,13 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="bench-gpt", help="bench-gpt (the built-in GPT) or a model preset name")
-    parser.add_argument("--which", default="ddp,pipe", help="comparisons to run: ddp, pipe")
+    parser.add_argument("--which", default="ddp,pipe,pipe4", help="comparisons to run: ddp, pipe, pipe4")
     parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks of the ddp comparison")
     parser.add_argument("--microbatches", type=int, default=8, help="global microbatches per step")
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="step intervals left out of the statistics")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds of every variant, interleaved")
+    parser.add_argument("--repeats", type=int, default=9, help="pairs (runtime, baseline) of every comparison")
     parser.add_argument(
         "--gradient-sum-dtype", choices=["float32", "float64"], default="float32", help="the runtime's sums"
     )
@@ -246,12 +271,12 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
     args = parser.parse_args()
     if args.quick:
-        args.model, args.steps, args.warmup, args.repeats, args.microbatches = "llama-tiny", 6, 2, 1, 4
+        args.model, args.steps, args.warmup, args.repeats, args.microbatches = "llama-tiny", 6, 2, 2, 4
         args.ranks = 2
     which = [w for w in args.which.split(",") if w]
-    unknown = set(which) - {"ddp", "pipe"}
+    unknown = set(which) - set(COMPARISONS)
     if unknown:
-        parser.error(f"--which: unknown comparison(s) {sorted(unknown)}; choose from ddp, pipe")
+        parser.error(f"--which: unknown comparison(s) {sorted(unknown)}; choose from {', '.join(COMPARISONS)}")
     if args.microbatches % args.ranks:
         parser.error(f"--microbatches ({args.microbatches}) must be a multiple of --ranks ({args.ranks})")
 
@@ -267,64 +292,63 @@ def main() -> int:
         num_layers = build_model(config).num_layers
     except ValueError as error:  # an unknown --model: the runtime's message lists the known names
         parser.error(f"--model: {error} (also: bench-gpt and the transformers presets)")
-    split = num_layers // 2
-    variants = []
+    comparisons = {}
     if "ddp" in which:
         share = args.microbatches // args.ranks
         plan = plan_of(num_layers, [[(0, num_layers)]] * args.ranks, [share] * args.ranks, "vs-torch")
-        variants += [
-            ("ddp: runtime", lambda folder: overhead.run_variant("on", config, plan, folder)),
-            ("ddp: torch DDP", lambda folder: run_torch("_ddp", config, args.ranks, [str(args.microbatches)], folder)),
-        ]
-    if "pipe" in which:
-        plan2 = plan_of(num_layers, [[(0, split), (split, num_layers)]], [args.microbatches], "vs-torch")
-        variants += [
-            ("pipe: runtime", lambda folder: overhead.run_variant("on", config, plan2, folder)),
-            (
-                "pipe: torch Schedule1F1B",
-                lambda folder: run_torch("_pipe", config, 2, [str(args.microbatches), str(split)], folder),
-            ),
-        ]
-    medians: dict[str, list[float]] = {name: [] for name, _ in variants}
-    lows: dict[str, list[float]] = {name: [] for name, _ in variants}
+        comparisons["ddp"] = (
+            lambda folder, plan=plan: overhead.run_variant("on", config, plan, folder),
+            lambda folder: run_torch("_ddp", config, args.ranks, [str(args.microbatches)], folder),
+        )
+    for kind in ("pipe", "pipe4"):
+        stages = COMPARISONS[kind]
+        if kind not in which:
+            continue
+        if num_layers < stages:
+            parser.error(f"--which {kind}: the model has {num_layers} layers, fewer than {stages} stages")
+        bounds = stage_bounds(num_layers, stages)
+        ranges = list(zip(bounds, [*bounds[1:], num_layers]))
+        plan = plan_of(num_layers, [ranges], [args.microbatches], "vs-torch")
+        extra = [str(args.microbatches), ",".join(map(str, bounds))]
+        comparisons[kind] = (
+            lambda folder, plan=plan: overhead.run_variant("on", config, plan, folder),
+            lambda folder, stages=stages, extra=extra: run_torch("_pipe", config, stages, extra, folder),
+        )
+    pairs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in comparisons}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.repeats):
-            for name, run in variants:
-                folder = Path(tmp) / f"{name.replace(' ', '').replace(':', '-')}-{round_}"
-                folder.mkdir()
-                loads.append(os.getloadavg()[0])
-                median, low = _stats_after(run(folder), args.warmup)
-                medians[name].append(median)
-                lows[name].append(low)
+            for kind, (ours, theirs) in comparisons.items():
+                measured = {}
+                order = (("runtime", ours), ("torch", theirs))
+                for side, run in order if round_ % 2 == 0 else order[::-1]:
+                    folder = Path(tmp) / f"{kind}-{side}-{round_}"
+                    folder.mkdir()
+                    loads.append(os.getloadavg()[0])
+                    measured[side] = _median_after(run(folder), args.warmup)
+                pairs[kind].append((measured["runtime"], measured["torch"]))
                 print(
-                    f"round {round_}: {name:26s} median {median * 1e3:8.2f}, p10 {low * 1e3:8.2f} ms/step", flush=True
+                    f"round {round_}: {kind:5s} runtime {measured['runtime'] * 1e3:8.2f} ms, "
+                    f"{BASELINES[kind]} {measured['torch'] * 1e3:8.2f} ms: {measured['runtime'] / measured['torch']:.3f}x",
+                    flush=True,
                 )
-    figures = {name: statistics.median(values) for name, values in medians.items()}
-    low_figures = {name: statistics.median(values) for name, values in lows.items()}
     print(
         f"\nmodel {args.model} ({num_layers} layers), global batch {args.microbatches} x {args.microbatch_size}, "
         f"runtime sums {args.gradient_sum_dtype}; load average during the runs: median {statistics.median(loads):.1f}, "
         f"range {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores"
     )
-    result = {
-        "model": args.model,
-        "medians_ms": {k: v * 1e3 for k, v in figures.items()},
-        "p10_ms": {k: v * 1e3 for k, v in low_figures.items()},
-        "ratios": {},
-        "p10_ratios": {},
-        "load": statistics.median(loads),
-    }
-    for kind, baseline in (("ddp", "ddp: torch DDP"), ("pipe", "pipe: torch Schedule1F1B")):
-        if kind in which:
-            ours = figures[f"{kind}: runtime"]
-            ratio = ours / figures[baseline]
-            low_ratio = low_figures[f"{kind}: runtime"] / low_figures[baseline]
-            result["ratios"][kind], result["p10_ratios"][kind] = ratio, low_ratio
-            print(
-                f"{kind:5s}: runtime {ours * 1e3:.2f} ms vs {baseline.split(': ')[1]} {figures[baseline] * 1e3:.2f} ms"
-                f" per step (medians): {ratio:.3f}x; 10th percentiles: {low_ratio:.3f}x (target <= 1.10x)"
-            )
+    result: dict = {"model": args.model, "load": statistics.median(loads), "ratios": {}, "iqr": {}, "medians_ms": {}}
+    for kind, measured_pairs in pairs.items():
+        ratio, q1, q3 = paired_ratio(measured_pairs)
+        ours = statistics.median(p[0] for p in measured_pairs)
+        theirs = statistics.median(p[1] for p in measured_pairs)
+        result["ratios"][kind], result["iqr"][kind] = ratio, [q1, q3]
+        result["medians_ms"][kind] = {"runtime": ours * 1e3, "torch": theirs * 1e3}
+        print(
+            f"{kind:5s}: runtime / {BASELINES[kind]}: median of {len(measured_pairs)} paired ratios {ratio:.3f}x "
+            f"(IQR {q1:.3f}-{q3:.3f}); medians {ours * 1e3:.2f} vs {theirs * 1e3:.2f} ms/step "
+            f"(target <= {TARGETS[kind]:.2f}x)"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

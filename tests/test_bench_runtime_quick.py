@@ -28,9 +28,11 @@ def _run(script: str, tmp_path: Path) -> dict:
 
 def test_vs_torch_quick(tmp_path):
     figures = _run("vs_torch.py", tmp_path)
-    assert set(figures["ratios"]) == {"ddp", "pipe"}
+    assert set(figures["ratios"]) == {"ddp", "pipe", "pipe4"}
     assert all(math.isfinite(r) and r > 0 for r in figures["ratios"].values())
-    assert set(figures["medians_ms"]) == {"ddp: runtime", "ddp: torch DDP", "pipe: runtime", "pipe: torch Schedule1F1B"}
+    for kind, (q1, q3) in figures["iqr"].items():
+        assert q1 <= figures["ratios"][kind] <= q3, (kind, figures)
+    assert all(set(sides) == {"runtime", "torch"} for sides in figures["medians_ms"].values())
 
 
 def test_gpu_single_quick_on_cpu(tmp_path):

@@ -132,7 +132,10 @@ class Worker:
     # -- generations -------------------------------------------------------------------------------
 
     def adopt(self, plan: Plan) -> int:
-        """Join `plan`'s generation: groups, layer copies, frees. Returns this worker's rank."""
+        """Join `plan`'s generation: groups, layer copies, frees. Returns this worker's rank.
+
+        Kept whole (~85 lines): its order (checks, groups, copies, frees, engine) is the recovery
+        protocol, and each step's comment says why it comes where it does."""
         rank = plan.rank_of(self.node, self.gpu)
         if rank is None:
             raise NotInPlan(f"plan generation {plan.generation} has no rank for node {self.node!r} gpu {self.gpu}")

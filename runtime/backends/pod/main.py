@@ -126,6 +126,27 @@ def first_config_map(source, env: PodEnv, timeout_s: float) -> dict[str, Any]:
     return body
 
 
+def _announce(env: PodEnv, gpu: int, worker, config, progress: ProgressReporter | None) -> None:
+    """Log the snapshot agent, serve /metrics, and tell the operator this worker is up and waiting."""
+    if worker.snapshots is not None:
+        _log(
+            "snapshots",
+            env,
+            gpu=gpu,
+            address=worker.snapshots.address,
+            interval=config.snapshot.interval_steps,
+            checkpoint=config.checkpoint.path,
+        )
+    if env.metrics_port >= 0:
+        port = worker.metrics.serve(env.metrics_port + gpu if env.metrics_port else 0, address=env.pod_ip or "0.0.0.0")
+        _log("metrics", env, gpu=gpu, url=f"http://{env.pod_ip or '0.0.0.0'}:{port}/metrics")
+    if progress is not None:
+        # "Up and waiting for a plan": the operator folds a replacement in only after this, so the
+        # survivors never wait for a newcomer that is still importing torch (operator/decide.py).
+        progress.update(-1, 0)
+        progress.flush(10.0)
+
+
 def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: float = 600.0) -> int:
     """One elastic worker process (local GPU `gpu`) of this pod, to the job's last step; the exit code."""
     from oobleck.api.job import parse_spec
@@ -166,25 +187,7 @@ def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: fl
         )
         worker, control = built.worker, built.control
         _log("coordinator", env, gpu=gpu, address=host_port(*control.address), epoch=control.epoch)
-        if worker.snapshots is not None:
-            _log(
-                "snapshots",
-                env,
-                gpu=gpu,
-                address=worker.snapshots.address,
-                interval=config.snapshot.interval_steps,
-                checkpoint=config.checkpoint.path,
-            )
-        if env.metrics_port >= 0:
-            port = worker.metrics.serve(
-                env.metrics_port + gpu if env.metrics_port else 0, address=env.pod_ip or "0.0.0.0"
-            )
-            _log("metrics", env, gpu=gpu, url=f"http://{env.pod_ip or '0.0.0.0'}:{port}/metrics")
-        if progress is not None:
-            # "Up and waiting for a plan": the operator folds a replacement in only after this, so the
-            # survivors never wait for a newcomer that is still importing torch (operator/decide.py).
-            progress.update(-1, 0)
-            progress.flush(10.0)
+        _announce(env, gpu, worker, config, progress)
         try:
             result = run_elastic(
                 worker, source, detector, control, config.steps, ElasticTimeouts(first_plan_s=first_plan_s)
