@@ -61,7 +61,7 @@ from urllib.parse import urlparse
 
 from oobleck_dev import netfault, podenv, podrunner
 from oobleck_dev.netfault import NetFaultUnavailable
-from oobleck_dev.podrunner import GPU_RESOURCE, PodWorker, now_rfc3339
+from oobleck_dev.podrunner import GPU_RESOURCE, PodLifecycle, now_rfc3339
 
 log = logging.getLogger("oobleck_dev.nodeagent")
 
@@ -450,7 +450,7 @@ class _AgentCore:
         self.cgroups = agent.cgroups
         self.nodes = {name: _NodeState(name, i) for i, name in enumerate(agent.node_names)}
         self.allocatable = {"cpu": agent.cpu, "memory": agent.memory, GPU_RESOURCE: str(agent.gpus_per_node)}
-        self.workers: dict[str, PodWorker] = {}  # uid -> worker
+        self.workers: dict[str, PodLifecycle] = {}  # uid -> worker
         self.stop_event = asyncio.Event()
         self.api: Api = None  # type: ignore[assignment]
         self.api_client: Any = None
@@ -694,7 +694,7 @@ class _AgentCore:
         phase = (pod.get("status") or {}).get("phase")
         if phase in ("Succeeded", "Failed") and pod["metadata"].get("deletionTimestamp") is None:
             return  # finished before this agent started; nothing to run
-        worker = PodWorker(self, pod, self.nodes[node].index)
+        worker = PodLifecycle(self, pod, self.nodes[node].index)
         # Containers already started: they ran under an agent that is gone.
         worker.lost = any(
             set(entry.get("state") or {}) & {"running", "terminated"}
@@ -703,7 +703,7 @@ class _AgentCore:
         self.workers[uid] = worker
         worker.task = asyncio.ensure_future(worker.run())
 
-    def forget(self, worker: PodWorker) -> None:
+    def forget(self, worker: PodLifecycle) -> None:
         if self.workers.get(worker.uid) is worker:
             del self.workers[worker.uid]
         self.write_status_file()
@@ -998,7 +998,7 @@ class NodeAgent:
 
     # -- inspection --
 
-    def _worker(self, namespace: str, pod: str) -> PodWorker:
+    def _worker(self, namespace: str, pod: str) -> PodLifecycle:
         if self._core is None:
             raise NodeAgentError("not started")
         for worker in list(self._core.workers.values()):

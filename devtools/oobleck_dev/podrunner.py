@@ -1,6 +1,6 @@
 """The pod side of the local node agent: one pod's folder, volumes, processes and reported status.
 
-`PodWorker` runs one pod from first sight to deletion, as a kubelet's pod worker does: sandbox
+`PodLifecycle` runs one pod from first sight to deletion, as a kubelet's pod worker does: sandbox
 (address, folder, volumes), init containers in order, then the containers under the pod's
 restartPolicy, status reports after every change, and on deletion SIGTERM, grace, SIGKILL, a last
 report and the final delete. It reaches the API only through its `PodHost` (the agent).
@@ -305,7 +305,7 @@ def should_restart(policy: str, exit_code: int) -> bool:
 
 
 class PodHost(Protocol):
-    """What a PodWorker needs from its agent (the API and the node's resources)."""
+    """What a PodLifecycle needs from its agent (the API and the node's resources)."""
 
     workdir: Path
     allocatable: dict[str, str]
@@ -319,11 +319,11 @@ class PodHost(Protocol):
     async def fetch_sources(self, pod: dict) -> podenv.Sources: ...  # MountError if the API fails
     async def send_pod_status(self, namespace: str, name: str, uid: str, status: dict) -> bool | None: ...
     async def delete_pod(self, namespace: str, name: str, uid: str) -> None: ...
-    def forget(self, worker: PodWorker) -> None: ...
+    def forget(self, worker: PodLifecycle) -> None: ...
     def write_status_file(self) -> None: ...
 
 
-class PodWorker:
+class PodLifecycle:
     """Runs one pod bound to one of the agent's nodes, from first sight until it is deleted."""
 
     def __init__(self, agent: PodHost, pod: dict, node_index: int):
