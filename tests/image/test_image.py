@@ -37,7 +37,7 @@ def image() -> str:
 
 @pytest.fixture(scope="module")
 def container(image: str) -> Iterator[str]:
-    name = f"oobleck-smoke-{os.getpid()}"
+    name = f"oobleck-smoke-{os.getpid()}"  # scripts/image/build removes it once this process is gone
     subprocess.run([BUILDAH, "rm", name], capture_output=True, check=False)
     subprocess.run([BUILDAH, "from", "--pull=false", "--name", name, image], capture_output=True, check=True)
     try:
