@@ -1,5 +1,6 @@
-"""The Dockerfile, without a Docker engine: it copies what pyproject builds from, calls only entry
-points that exist, agrees with the Helm chart, and keeps the hadolint-style basics.
+"""The Dockerfile, read: it copies what pyproject builds from, calls only entry points that exist,
+agrees with the Helm chart, keeps the hadolint-style basics, and orders the runtime's layers so a
+source edit remakes only the top ones. tests/image builds it (buildah) and runs the image.
 
 The image runs three commands (the chart's Deployment, the operator's worker pods and coordinator
 pods); each is run here with `--help` from this checkout's installed environment, which is built
