@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 BUILDAH = str(REPO / "scripts" / "image" / "buildah")
 USER = "65532:65532"
 
-pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(3600)]
+# One xdist worker runs them in order: the last one builds an edited copy of the tree, and the store
+# keeps only the latest build.
+pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(3600), pytest.mark.xdist_group("image")]
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +125,45 @@ def test_a_source_edit_remakes_only_small_layers(image: str) -> None:
     on_top = steps[last_dependency + 1 :]
     assert torch and torch[0] > 500e6, steps  # the big layer, which a source edit leaves alone
     assert on_top and sum(size for _, size in on_top) < 50e6, [(c[-80:], size) for c, size in on_top]
+
+
+def layers(image: str) -> list[str]:
+    inspect = subprocess.run([BUILDAH, "inspect", "--type", "image", image], capture_output=True, text=True, check=True)
+    return json.loads(inspect.stdout)["Docker"]["rootfs"]["diff_ids"]
+
+
+def checkout_outputs(folder: str, names: list[str]) -> set[str]:
+    """What the copy leaves out: the checkout's environment, build and caches (not in the context)."""
+    top = {".git", ".venv", "build", ".mypy_cache", ".ruff_cache", ".pytest_cache"} if Path(folder) == REPO else set()
+    return {name for name in names if name in top or name == "__pycache__"}
+
+
+def test_a_source_edit_rebuilds_from_the_wheel_only(image: str, tmp_path: Path) -> None:
+    """The same tree elsewhere is the same image (no build); a one-line edit rebuilds only the
+    layers above the dependencies, reusing torch's and the dependencies' from the cache."""
+    copy = tmp_path / "tree"
+    shutil.copytree(REPO, copy, symlinks=True, ignore=checkout_outputs)
+    build = [str(copy / "scripts" / "image" / "build")]
+    same = subprocess.run(build, capture_output=True, text=True, timeout=3600)
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert same.stdout.split()[-1] == image, "an unchanged tree in another folder must be the same image"
+    assert "building" not in same.stderr, same.stderr
+    old = layers(image)  # read now: the store keeps only the latest build's names
+
+    with (copy / "src" / "oobleck" / "cli.py").open("a") as source:
+        source.write("# a one-line edit\n")
+    edited = subprocess.run(build, capture_output=True, text=True, timeout=3600)
+    assert edited.returncode == 0, edited.stderr[-3000:]
+    new_image = edited.stdout.split()[-1]
+    assert new_image != image
+    log = (
+        Path(os.environ.get("OOBLECK_CACHE", Path.home() / ".cache" / "oobleck")) / "image" / "build.log"
+    ).read_text()
+    steps = [step for step in log.split("STEP ")[1:] if "pip install" in step.splitlines()[0]]
+    for requirement in ("torch.txt", "dependencies.txt"):
+        (step,) = [s for s in steps if requirement in s.splitlines()[0]]
+        assert "--> Using cache" in step, f"the {requirement} layer was rebuilt after a source edit"
+    new = layers(new_image)
+    assert len(old) == len(new)
+    changed = [n for n, (a, b) in enumerate(zip(old, new)) if a != b]
+    assert changed and len(changed) <= 2 and changed[0] >= len(old) - 2, f"layers changed: {changed} of {len(old)}"
