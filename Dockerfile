@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 #
 # One image runs the operator (`oobleck operator`), the training workers (`oobleck worker`) and each
-# job's coordinator (`python -m oobleck.runtime.elastic.coordinator`).
+# job's coordinator (the `python -m oobleck.runtime...` command the operator renders).
 #
 #   CPU (the operator; workers with device: cpu):
 #     docker build -t ghcr.io/oobleck-dev/oobleck:0.1.0 .
@@ -10,10 +10,14 @@
 #     docker build -t ghcr.io/oobleck-dev/oobleck-cuda:0.1.0 \
 #       --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#   Without a Docker engine: `make image` (scripts/image/build) builds this same file with buildah,
+#   FROM a Debian base it makes itself.
 #
-# Stages: `base` (the interpreter both others share: the virtual environment built in `build` links
-# to it), `build` (a compiler; builds the wheel with the Cython planner and installs it into the
-# environment /opt/oobleck), `runtime` (base + /opt/oobleck, no compiler, user 65532).
+# Stages: `base` (the interpreter the others share), `requirements` (pyproject's dependency lists as
+# files), `build` (a compiler; builds the wheel with the Cython planner), `runtime` (base, no
+# compiler, user 65532). The runtime's layers go from the least to the most often changed: the
+# environment with torch, then the other dependencies, then only the project's wheel on top, so a
+# source edit remakes a layer of a few megabytes, not the gigabytes of torch.
 # tests/test_dockerfile.py keeps this file consistent with pyproject.toml and the Helm chart.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
@@ -33,52 +37,75 @@ RUN if ! python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3
     fi \
     && python3 -c 'import sys; assert sys.version_info >= (3, 11), f"pyproject requires Python >= 3.11; BASE_IMAGE has {sys.version}"'
 
+# pyproject.toml's requirement lists, one file each: the layers that install them are reused until
+# the requirements themselves change, not on every edit of pyproject.toml.
+FROM base AS requirements
+WORKDIR /requirements
+COPY pyproject.toml ./
+RUN python3 -c 'import re, tomllib; \
+        pyproject = tomllib.load(open("pyproject.toml", "rb")); \
+        deps = pyproject["project"]["dependencies"]; \
+        torch = [d for d in deps if re.match(r"[\w.-]+", d).group().lower() == "torch"]; \
+        assert len(torch) == 1, f"pyproject.toml: one torch requirement expected in {deps}"; \
+        open("torch.txt", "w").write(torch[0] + "\n"); \
+        open("dependencies.txt", "w").write("".join(d + "\n" for d in deps if d not in torch)); \
+        open("build-system.txt", "w").write("".join(d + "\n" for d in pyproject["build-system"]["requires"]))' \
+    && rm pyproject.toml
+
 FROM base AS build
 # A C compiler for the Cython planner; Python's headers where the base image lacks them.
 RUN headers=$(python3 -c 'import os, sysconfig; print("" if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else "python3-dev")') \
     && apt-get update \
     && apt-get install -y --no-install-recommends gcc g++ libc6-dev ${headers} \
     && rm -rf /var/lib/apt/lists/*
-# Where torch comes from: CPU-only wheels by default (the operator and CPU workers need no CUDA);
-# e.g. https://download.pytorch.org/whl/cu128 for CUDA 12.8 workers.
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-RUN python3 -m venv /opt/oobleck && /opt/oobleck/bin/pip install --upgrade pip
+# The build backend (setuptools, Cython) installed once, so a source edit rebuilds offline.
+COPY --from=requirements /requirements/build-system.txt /requirements/
+RUN python3 -m venv /opt/build \
+    && /opt/build/bin/pip install --upgrade pip \
+    && /opt/build/bin/pip install -r /requirements/build-system.txt
 WORKDIR /src
-# torch first, in a layer of its own that survives source edits (the requirement is pyproject's).
 COPY pyproject.toml setup.py README.md ./
-RUN torch=$(python3 -c 'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if d.split(">")[0].split("=")[0].split("<")[0].strip() == "torch"))') \
-    && /opt/oobleck/bin/pip install --index-url "${TORCH_INDEX_URL}" "${torch}"
 # The package-dir folders of pyproject.toml: oobleck, oobleck.operator, oobleck.runtime, oobleck.planner, oobleck.simulate.
 COPY src/ src/
 COPY operator/ operator/
 COPY runtime/ runtime/
 COPY planner_cy/ planner_cy/
 COPY simulator/ simulator/
-# Build the wheel (compiles planner_cy/_*.pyx), install it with the remaining dependencies, and
-# prove the compiled planner loads and every entry point answers.
-RUN /opt/oobleck/bin/pip wheel --no-deps --wheel-dir /wheels . \
-    && /opt/oobleck/bin/pip install /wheels/*.whl \
-    && /opt/oobleck/bin/python -c 'import oobleck.planner; print("planner:", oobleck.planner.COMPILED_MODULES)' \
-    && /opt/oobleck/bin/oobleck operator --help >/dev/null \
-    && /opt/oobleck/bin/oobleck worker --help >/dev/null \
-    && /opt/oobleck/bin/python -m oobleck.runtime.elastic.coordinator --help >/dev/null
+# The wheel (compiles planner_cy/_*.pyx); the runtime stage installs it.
+RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
 
 FROM base AS runtime
-ARG VERSION=0.1.0
-LABEL org.opencontainers.image.title="oobleck" \
-      org.opencontainers.image.description="Oobleck operator and training runtime (resilient pipeline- and data-parallel training)" \
-      org.opencontainers.image.version="${VERSION}" \
-      org.opencontainers.image.licenses="Apache-2.0" \
-      org.opencontainers.image.source="https://github.com/oobleck-dev/oobleck-operator"
 # The user the Helm chart and the worker pods run as (runAsUser/runAsGroup 65532).
 RUN groupadd --gid 65532 oobleck \
     && useradd --uid 65532 --gid 65532 --home-dir /home/oobleck --create-home --shell /usr/sbin/nologin oobleck
-COPY --from=build /opt/oobleck /opt/oobleck
+RUN python3 -m venv /opt/oobleck && /opt/oobleck/bin/pip install --upgrade pip
+# Where torch comes from: CPU-only wheels by default (the operator and CPU workers need no CUDA);
+# e.g. https://download.pytorch.org/whl/cu128 for CUDA 12.8 workers; empty: pip's configured index.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# torch first, in a layer of its own (the largest, and the least often changed).
+COPY --from=requirements /requirements/torch.txt /requirements/
+RUN /opt/oobleck/bin/pip install ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"} -r /requirements/torch.txt
+COPY --from=requirements /requirements/dependencies.txt /requirements/
+RUN /opt/oobleck/bin/pip install -r /requirements/dependencies.txt
+# The top layers: the project's wheel alone (no dependency resolution, nothing downloaded). Prove the
+# compiled planner loads, every entry point answers and the environment's requirements hold.
+COPY --from=build /wheels/ /wheels/
+RUN /opt/oobleck/bin/pip install --no-deps --no-index /wheels/*.whl \
+    && /opt/oobleck/bin/pip check \
+    && /opt/oobleck/bin/python -c 'import oobleck.planner; print("planner:", oobleck.planner.COMPILED_MODULES)' \
+    && /opt/oobleck/bin/oobleck operator --help >/dev/null \
+    && /opt/oobleck/bin/oobleck worker --help >/dev/null
 ENV PATH=/opt/oobleck/bin:${PATH} \
     HOME=/home/oobleck
 USER 65532:65532
 WORKDIR /home/oobleck
 # Operator: liveness 8080, metrics 9090. Worker pods: coordinator store 29400, workers 29500.
 EXPOSE 8080 9090 29400 29500
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="oobleck" \
+      org.opencontainers.image.description="Oobleck operator and training runtime (resilient pipeline- and data-parallel training)" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.source="https://github.com/oobleck-dev/oobleck-operator"
 ENTRYPOINT ["oobleck"]
 CMD ["--help"]

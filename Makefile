@@ -5,7 +5,7 @@ PY := .venv/bin/python
 # Tests run in parallel; the slow ones share one control plane per worker process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: test test-unit lint demo build venv k8s-tools crds dev-up dev-down bench bench-runtime bench-operator paper-figures
+.PHONY: test test-unit lint demo build venv k8s-tools image crds dev-up dev-down bench bench-runtime bench-operator paper-figures
 
 venv:
 	@scripts/venv >/dev/null
@@ -15,12 +15,17 @@ build: venv
 k8s-tools:
 	@scripts/k8s-tools/build >/dev/null
 
+# The Dockerfile built with buildah (no Docker engine needed); prints the image's name. Cached by
+# its inputs outside the repository: an unchanged tree builds nothing (scripts/image/build).
+image:
+	@scripts/image/build
+
 # The CRD YAML is generated from the pydantic models; the helm chart carries a copy of it.
 crds: venv
 	$(PY) -m oobleck.cli crds --write crds/
 	$(PY) -m oobleck_dev.chart --write
 
-test: venv k8s-tools
+test: venv k8s-tools image
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The fast tier: pure tests (no cluster, no processes, no GPU, no Kubernetes tools); see tests/conftest.py.

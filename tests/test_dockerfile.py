@@ -1,5 +1,6 @@
-"""The Dockerfile, without a Docker engine: it copies what pyproject builds from, calls only entry
-points that exist, agrees with the Helm chart, and keeps the hadolint-style basics.
+"""The Dockerfile, read: it copies what pyproject builds from, calls only entry points that exist,
+agrees with the Helm chart, keeps the hadolint-style basics, and orders the runtime's layers so a
+source edit remakes only the top ones. tests/image builds it (buildah) and runs the image.
 
 The image runs three commands (the chart's Deployment, the operator's worker pods and coordinator
 pods); each is run here with `--help` from this checkout's installed environment, which is built
@@ -209,22 +210,68 @@ def test_base_images_are_pinned_and_python_is_new_enough() -> None:
     )
 
 
-def test_multi_stage_build_compiles_and_the_runtime_gets_only_the_environment() -> None:
+def test_multi_stage_build_compiles_and_the_runtime_gets_only_the_wheel() -> None:
     names = [s.name for s in DF.stages]
-    assert names == ["base", "build", "runtime"], names
-    build, runtime = DF.stages[1], DF.stages[2]
-    assert build.image == "base" and runtime.image == "base"  # same interpreter: the venv links to it
+    assert names == ["base", "requirements", "build", "runtime"], names
+    requirements, build, runtime = DF.stages[1:]
+    # Same interpreter everywhere: the wheel's compiled planner is built for the runtime's Python.
+    assert {requirements.image, build.image, runtime.image} == {"base"}
     build_runs = " ".join(i.args for i in build.all("RUN"))
-    assert "gcc" in build_runs and "pip wheel" in build_runs and "import oobleck.planner" in build_runs
+    assert "gcc" in build_runs and "pip wheel" in build_runs
     runtime_runs = " ".join(i.args for i in runtime.all("RUN"))
     assert not re.search(r"\b(gcc|g\+\+|build-essential|python3-dev)\b", runtime_runs), (
         "no compiler in the runtime stage"
     )
-    from_build = [copy_parts(i) for i in runtime.all("COPY")]
-    assert [(flags.get("from"), sources) for flags, sources, _ in from_build] == [("build", ["/opt/oobleck"])]
-    torch_arg = [i for i in build.all("ARG") if i.args.startswith("TORCH_INDEX_URL=")]
+    assert "import oobleck.planner" in runtime_runs, "the runtime stage proves the compiled planner loads"
+    # The runtime gets the project only as the built wheel; no source from the build context.
+    copies = [copy_parts(i) for i in runtime.all("COPY")]
+    assert all(flags.get("from") in ("requirements", "build") for flags, _, _ in copies), copies
+    assert [sources for flags, sources, _ in copies if flags.get("from") == "build"] == [["/wheels/"]]
+    torch_arg = [i for i in runtime.all("ARG") if i.args.startswith("TORCH_INDEX_URL=")]
     assert torch_arg and torch_arg[0].args.endswith("/whl/cpu"), "TORCH_INDEX_URL defaults to CPU-only wheels"
-    assert '--index-url "${TORCH_INDEX_URL}"' in build_runs
+    assert '--index-url "${TORCH_INDEX_URL}"' in runtime_runs
+
+
+def test_runtime_layers_go_from_torch_to_the_wheel() -> None:
+    """A source edit changes only the wheel: every layer before it (torch, then the other
+    dependencies) must not depend on the sources, so a rebuild reuses them (gigabytes) and makes
+    only the small top layers."""
+    runtime = DF.stages[-1]
+    steps = runtime.instructions
+
+    def index(keyword: str, text: str) -> int:
+        found = [n for n, i in enumerate(steps) if i.keyword == keyword and text in i.args]
+        assert len(found) == 1, f"one {keyword} with {text!r} expected in the runtime stage, found {len(found)}"
+        return found[0]
+
+    torch = index("RUN", "/requirements/torch.txt")
+    dependencies = index("RUN", "/requirements/dependencies.txt")
+    wheel_copy = index("COPY", "/wheels/")
+    wheel_install = index("RUN", "/wheels/*.whl")
+    assert torch < dependencies < wheel_copy < wheel_install
+    # The requirement files come from a stage that reads only pyproject.toml: they change with the
+    # requirements, not with the sources or the rest of pyproject.toml.
+    requirements = DF.stages[1]
+    assert [sources for _, sources, _ in map(copy_parts, requirements.all("COPY"))] == [["pyproject.toml"]]
+    for n in (torch, dependencies):
+        assert steps[n - 1].keyword == "COPY" and copy_parts(steps[n - 1])[0].get("from") == "requirements"
+    # The wheel is installed as it is: no dependency resolution, nothing downloaded on a source edit.
+    assert "--no-deps" in steps[wheel_install].args and "--no-index" in steps[wheel_install].args
+    # Build arguments and labels that change more often than the dependencies come after them
+    # (a changed ARG value invalidates the cache of every RUN after it).
+    for instruction in steps[:wheel_install]:
+        if instruction.keyword in ("ARG", "LABEL"):
+            assert instruction.args.startswith("TORCH_INDEX_URL="), (
+                f"line {instruction.line}: {instruction.keyword} {instruction.args} before the dependency layers"
+            )
+    # The build stage installs its build backend before copying the sources (a source edit
+    # rebuilds the wheel without downloading setuptools and Cython again).
+    build = DF.stages[2]
+    build_steps = build.instructions
+    backend = next(n for n, i in enumerate(build_steps) if "build-system.txt" in i.args and i.keyword == "RUN")
+    first_source = next(n for n, i in enumerate(build_steps) if i.keyword == "COPY" and "from" not in copy_parts(i)[0])
+    assert backend < first_source
+    assert "--no-build-isolation" in " ".join(i.args for i in build.all("RUN"))
 
 
 def test_hadolint_basics() -> None:
