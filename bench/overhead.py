@@ -192,9 +192,10 @@ def run_variant(variant: str, config, plan, folder: Path) -> list[float]:
 def _supervisor_poll(store, plan, stop, period_s: float = 0.005) -> None:
     """The store traffic of `oobleck launch`'s supervisor loop (runtime/backends/local/launcher.py, every 5 ms: each
     worker's progress, the failure queue, the abort key), beside the coordinator as in the launcher."""
+    from oobleck.api.addresses import worker_id
     from oobleck.runtime.elastic import keys
 
-    workers = sorted(f"{a.node}:{a.gpu}" for a in plan.ranks)
+    workers = sorted(worker_id(a.node, a.gpu) for a in plan.ranks)
     while not stop.is_set():
         try:
             keys.get_progress(store, workers)

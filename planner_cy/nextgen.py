@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from oobleck.api.addresses import worker_id
 from oobleck.api.plan import LayerCopy, Plan
 from oobleck.api.profile import ModelProfile
 
@@ -160,11 +161,12 @@ def _rollback(
     at = snapshots_at(restorable.memory, step)
     disk = {int(layer) for layer in restorable.checkpoint.get(step, ())}
     only_disk = disk - set().union(*at.values()) if at else disk
-    survivors = [f"{a.node}:{a.gpu}" for a in previous.ranks if a.node not in set(lost)]
-    priced: dict[tuple[str, int], frozenset[int]] = {}
-    for worker in survivors:
-        node, _, gpu = worker.rpartition(":")
-        priced[(node, int(gpu))] = frozenset(at.get(worker, set()) | only_disk)
+    gone = set(lost)
+    priced: dict[tuple[str, int], frozenset[int]] = {
+        (a.node, a.gpu): frozenset(at.get(worker_id(a.node, a.gpu), set()) | only_disk)
+        for a in previous.ranks
+        if a.node not in gone
+    }
     plan = reconfigure(
         previous, previous.templates, profile, lost, added, bandwidth=bandwidth, horizon=horizon, holdings=priced
     )
@@ -210,12 +212,12 @@ def restore_copies(
     on_disk = set(checkpoint)
     holders: dict[int, list[int]] = {}
     for a in plan.ranks:
-        for layer in held.get(f"{a.node}:{a.gpu}", ()):
+        for layer in held.get(worker_id(a.node, a.gpu), ()):
             holders.setdefault(layer, []).append(a.rank)
     load = [0] * plan.world_size
     copies = []
     for a in plan.ranks:
-        mine = held.get(f"{a.node}:{a.gpu}", set())
+        mine = held.get(worker_id(a.node, a.gpu), set())
         for layer in range(a.start, a.end):
             size = state_bytes[layer]
             kind: Literal["snapshot", "checkpoint"]

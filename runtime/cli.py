@@ -16,10 +16,12 @@ from collections.abc import Callable
 
 
 def _store_address(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"--store: expected HOST:PORT, got {value!r}")
-    return host, int(port)
+    from oobleck.api.addresses import parse_host_port
+
+    try:
+        return parse_host_port(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--store: {error}") from error
 
 
 def add_worker_parser(subparsers) -> None:

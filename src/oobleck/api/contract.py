@@ -23,6 +23,7 @@ from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from oobleck.api.addresses import parse_host_port
 from oobleck.api.job import GROUP
 
 STORE_PORT = 29400
@@ -116,18 +117,16 @@ class PodContract(BaseModel):
     @field_validator("store")
     @classmethod
     def _host_port(cls, value: str) -> str:
-        host, _, port = value.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"expected HOST:PORT, got {value!r}")
+        parse_host_port(value)
         return value
 
     @property
     def store_host(self) -> str:
-        return self.store.rpartition(":")[0]
+        return parse_host_port(self.store)[0]
 
     @property
     def store_port(self) -> int:
-        return int(self.store.rpartition(":")[2])
+        return parse_host_port(self.store)[1]
 
     @property
     def coordinator_pod(self) -> str:
