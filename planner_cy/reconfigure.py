@@ -136,19 +136,17 @@ def to_plan(plan: Plan, templates: Sequence[Template], chosen: NextLayout) -> Pl
     )
 
 
-def next_layout(
+def _check_request(
     plan: Plan,
     templates: Sequence[Template],
     profile: ModelProfile | Sequence[int],
-    lost: Iterable[str] = (),
-    added: Iterable[str] = (),
-    *,
+    lost: Iterable[str],
+    added: Iterable[str],
     bandwidth: float,
-    horizon: int = DEFAULT_HORIZON,
-    engine: Engine = "compiled",
-    holdings: Holdings | None = None,
-) -> NextLayout:
-    """Choose the next layout (see `reconfigure`; the module docstring says how)."""
+    horizon: int,
+    holdings: Holdings | None,
+) -> tuple[list[str], list[str], int, list[int]]:
+    """The request's checks: (lost nodes in plan order, added nodes, GPUs per node, each layer's state bytes)."""
     lost = check_ids("lost", list(lost))
     added = check_ids("added", list(added))
     if not lost and not added and holdings is None:
@@ -172,13 +170,94 @@ def next_layout(
             f"templates, profile: {num_layers} and {len(state_bytes)} layers, the plan has {plan.num_layers}"
         )
     gone = set(lost)
-    lost = [n for n in current if n in gone]  # plan order, for a canonical record
     if len(gone) == len(current) and not added:
         raise PlanningError(f"lost: all {len(current)} nodes of the plan are lost and none added")
+    return [n for n in current if n in gone], added, gpus_per_node, state_bytes
+
+
+class _Pricer:
+    """Prices candidates as busiest receiver's copy time + horizon * Z and keeps the best (the module
+    docstring's order); arranges each pipeline that is not kept as laid out once, however many candidates
+    share it."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        by_size: Mapping[int, Template],
+        held: Held,
+        number: Mapping[str, int],
+        bandwidth: float,
+        horizon: int,
+        engine: Engine,
+        price_kept: bool,
+    ) -> None:
+        self.plan, self.by_size, self.held, self.number = plan, by_size, held, number
+        self.bandwidth, self.horizon, self.engine = bandwidth, horizon, engine
+        self.costs = {n: template_cost(t) for n, t in by_size.items()}
+        self.kept = {(p.template_nodes, tuple(p.nodes)) for p in plan.pipelines}
+        # A pipeline kept as the plan laid it out lacks nothing, unless workers report otherwise (price_kept).
+        self.price_kept = price_kept
+        self.arranged: dict[tuple[int, tuple[str, ...]], tuple[str, ...]] = {g: g[1] for g in self.kept}
+        self.per_gpu: dict[int, np.ndarray] = {}
+        self.prefix = np.concatenate(([0], np.cumsum(np.array(held.state, dtype=np.int64))))
+        self.seen: set[Candidate] = set()
+        self.considered: list[Scored] = []
+        self.best: tuple | None = None
+
+    def score(self, candidate: Candidate, index: int) -> None:
+        if candidate in self.seen:
+            return
+        self.seen.add(candidate)
+        plan, costs = self.plan, self.costs
+        # Plan order: largest template first, then by where the first node stood before.
+        groups = sorted(candidate.groups, key=lambda g: (-g[0], self.number[g[1][0]]))
+        todo = [g for g in dict.fromkeys(groups) if g not in self.arranged]
+        if todo:
+            self.arranged.update(zip(todo, arrange([(self.by_size[n], nodes) for n, nodes in todo], self.held)))
+        groups = [(n, self.arranged[n, nodes]) for n, nodes in groups]
+        base = np.array([costs[n].base_ms for n, _ in groups], dtype=np.float64)
+        slope = np.array([costs[n].slope_ms for n, _ in groups], dtype=np.float64)
+        limits = np.array([costs[n].limit(plan.global_microbatches) for n, _ in groups], dtype=np.int64)
+        split = core(self.engine).split(base, slope, limits, plan.global_microbatches)
+        if split is None:
+            return  # more pipelines than microbatches, or not enough memory for the batch
+        nb = [int(v) for v in split]
+        z = max(costs[n].at(m) for (n, _), m in zip(groups, nb))
+        for n, _ in groups:
+            if n not in self.per_gpu:
+                self.per_gpu[n] = gpu_table(self.by_size[n])
+        priced = groups if self.price_kept else [g for g in groups if g not in self.kept]
+        moved, busiest = (
+            self.held.missing_bytes(places_of(priced, self.per_gpu, self.held.index), self.prefix) if priced else (0, 0)
+        )
+        cost = busiest / self.bandwidth * 1e3 + self.horizon * z
+        degraded = len(groups) < plan.f + 1
+        self.considered.append(Scored(candidate.reason, len(groups), moved, busiest, z, cost, degraded))
+        key = (degraded, cost, moved, index)
+        if self.best is None or key < self.best[0]:
+            self.best = (key, candidate.reason, groups, nb, len(self.considered) - 1)
+
+
+def next_layout(
+    plan: Plan,
+    templates: Sequence[Template],
+    profile: ModelProfile | Sequence[int],
+    lost: Iterable[str] = (),
+    added: Iterable[str] = (),
+    *,
+    bandwidth: float,
+    horizon: int = DEFAULT_HORIZON,
+    engine: Engine = "compiled",
+    holdings: Holdings | None = None,
+) -> NextLayout:
+    """Choose the next layout (see `reconfigure`; the module docstring says how)."""
+    lost, added, gpus_per_node, state_bytes = _check_request(
+        plan, templates, profile, lost, added, bandwidth, horizon, holdings
+    )
+    current, gone = plan.nodes, set(lost)
+    num_layers = plan.num_layers
     state = np.array(state_bytes, dtype=np.int64)
-    prefix = np.concatenate(([0], np.cumsum(state)))
-    names = current + added
-    number = {name: i for i, name in enumerate(names)}
+    number = {name: i for i, name in enumerate(current + added)}
     before = gpus_of(plan, number)  # one pass over the plan's stages
     if holdings is None:  # what the plan assigns: ranges, filled in without a Python loop per layer
         held = Held.from_plan(before, gone, number, gpus_per_node, state)
@@ -191,11 +270,11 @@ def next_layout(
 
     by_size = {t.nodes: t for t in templates}
     sizes = sorted(by_size)
-    costs = {n: template_cost(t) for n, t in by_size.items()}
     groups = [[n for n in p.nodes if n not in gone] for p in plan.pipelines]
     shrunk = [len(g) < len(p.nodes) for g, p in zip(groups, plan.pipelines)]
     intact = [not s and p.template_nodes in by_size for s, p in zip(shrunk, plan.pipelines)]
     survivors = sum(len(g) for g in groups) + len(added)
+    pricer = _Pricer(plan, by_size, held, number, bandwidth, horizon, engine, price_kept=holdings is not None)
 
     repairs: list[Candidate] = []
     for merge_first in (True, False):
@@ -204,53 +283,13 @@ def next_layout(
             work, moves = repaired
             reason = "+".join(m for m in MOVES if m in moves) or ("shrink" if lost else "resync")
             repairs.append(Candidate(reason, tuple((len(g), tuple(g)) for g in work)))
-
-    kept = {(p.template_nodes, tuple(p.nodes)) for p in plan.pipelines}
-    # Pipelines laid out as before keep their order; the others are arranged once (two candidates may share one).
-    arranged: dict[tuple[int, tuple[str, ...]], tuple[str, ...]] = {g: g[1] for g in kept}
-    per_gpu: dict[int, np.ndarray] = {}
-    seen: set[Candidate] = set()
-    best = None
-    considered: list[Scored] = []
-
-    def score(candidate: Candidate, index: int) -> None:
-        nonlocal best
-        if candidate in seen:
-            return
-        seen.add(candidate)
-        # Plan order: largest template first, then by where the first node stood before.
-        groups_sorted = sorted(candidate.groups, key=lambda g: (-g[0], number[g[1][0]]))
-        todo = [g for g in dict.fromkeys(groups_sorted) if g not in arranged]
-        arranged.update(zip(todo, arrange([(by_size[n], nodes) for n, nodes in todo], held) if todo else ()))
-        groups_sorted = [(n, arranged[n, nodes]) for n, nodes in groups_sorted]
-        base = np.array([costs[n].base_ms for n, _ in groups_sorted], dtype=np.float64)
-        slope = np.array([costs[n].slope_ms for n, _ in groups_sorted], dtype=np.float64)
-        limits = np.array([costs[n].limit(plan.global_microbatches) for n, _ in groups_sorted], dtype=np.int64)
-        nb = core(engine).split(base, slope, limits, plan.global_microbatches)
-        if nb is None:
-            return  # more pipelines than microbatches, or not enough memory for the batch
-        nb = [int(v) for v in nb]
-        z = max(costs[n].at(m) for (n, _), m in zip(groups_sorted, nb))
-        for n, _ in groups_sorted:
-            if n not in per_gpu:
-                per_gpu[n] = gpu_table(by_size[n])
-        # A pipeline kept as the plan laid it out lacks nothing (unless workers report otherwise): price the rest.
-        priced = groups_sorted if holdings is not None else [g for g in groups_sorted if g not in kept]
-        moved, busiest = held.missing_bytes(places_of(priced, per_gpu, held.index), prefix) if priced else (0, 0)
-        cost = busiest / bandwidth * 1e3 + horizon * z
-        degraded = len(groups_sorted) < plan.f + 1
-        considered.append(Scored(candidate.reason, len(groups_sorted), moved, busiest, z, cost, degraded))
-        key = (degraded, cost, moved, index)
-        if best is None or key < best[0]:
-            best = (key, candidate.reason, groups_sorted, nb, len(considered) - 1)
-
     for index, candidate in enumerate(repairs):
-        score(candidate, index)
+        pricer.score(candidate, index)
     ordered = sorted(sizes, reverse=True)
-    healthy = [c.iteration_ms for c in considered if not c.degraded]
+    healthy = [c.iteration_ms for c in pricer.considered if not c.degraded]
     try:
         choice = choose(
-            [costs[n] for n in ordered],
+            [pricer.costs[n] for n in ordered],
             survivors,
             plan.f,
             plan.global_microbatches,
@@ -263,20 +302,22 @@ def next_layout(
     if choice is not None:
         needed = [n for n, c in zip(ordered, choice.counts) for _ in range(c)]
         laid = fresh(groups, intact, added, needed)
-        score(Candidate("reinstantiate", tuple((len(g), tuple(g)) for g in laid)), len(repairs))
-    if best is None:
+        pricer.score(Candidate("reinstantiate", tuple((len(g), tuple(g)) for g in laid)), len(repairs))
+    if pricer.best is None:
         raise PlanningError(
             f"nodes: the {survivors} remaining nodes cannot form pipelines of {sizes} nodes "
             f"for {plan.global_microbatches} microbatches"
         )
-    _, reason, groups_sorted, nb, chosen = best
-    pipelines = [(by_size[n], nodes) for n, nodes in groups_sorted]
-    places = places_of(groups_sorted, per_gpu, held.index)
+    _, reason, chosen_groups, nb, chosen = pricer.best
+    pipelines = [(by_size[n], nodes) for n, nodes in chosen_groups]
+    places = places_of(chosen_groups, pricer.per_gpu, held.index)
     ranks = stable_ranks(before, places, gpus_per_node)
     by_rank = np.empty_like(places)
     by_rank[ranks] = places
     copies = held.copies(by_rank, state.tolist())
-    return NextLayout(reason, pipelines, nb, copies, lost, added, gpus_per_node, considered, chosen, ranks.tolist())
+    return NextLayout(
+        reason, pipelines, nb, copies, lost, added, gpus_per_node, pricer.considered, chosen, ranks.tolist()
+    )
 
 
 Holdings = Mapping[tuple[str, int], Iterable[int]]
