@@ -135,10 +135,7 @@ class StepCommit:
         )
         self.control.reconnect()
         store = self.control.store
-        store.set(
-            keys.held_key(self.worker),
-            json.dumps({"generation": generation, "step": step, "layers": [], "phase": "pending"}),
-        )
+        keys.set_held(store, self.worker, {"generation": generation, "step": step, "layers": [], "phase": "pending"})
         decision = keys.commit_prefix(generation, step) + "decision"
         began = time.monotonic()
         while not store.check([decision]):
@@ -156,14 +153,13 @@ class StepCommit:
     def _applied_by_a_peer(self, store, generation: int, step: int) -> bool:
         """Whether a member reported leaving `generation` with `step` applied (its next step is step + 1)."""
         for member in self.members:
-            if member != self.worker and store.check([keys.held_key(member)]):
-                report = json.loads(store.get(keys.held_key(member)))
-                if (
-                    report.get("generation") == generation
-                    and report.get("phase") == "left"
-                    and report.get("step") == step + 1
-                ):
-                    return True
+            report = keys.get_held(store, member) if member != self.worker else None
+            if report is not None and (
+                report.get("generation") == generation
+                and report.get("phase") == "left"
+                and report.get("step") == step + 1
+            ):
+                return True
         return False
 
 

@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from oobleck.api.plan import Plan
-from oobleck.runtime.elastic.keys import held_key
+from oobleck.runtime.elastic.keys import get_held
 from oobleck.runtime.elastic.keys import snapshot_complete_key as complete_key
 from oobleck.runtime.elastic.keys import snapshot_done_key as done_key
 from oobleck.runtime.elastic.signing import NO_KEY, Signer, job_signer
@@ -339,8 +339,8 @@ class Snapshotter:
         """The buddy's server address from its `held/{worker}` report (it may not have published it yet)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            value = self._store_call(lambda s: s.get(held_key(buddy)) if s.check([held_key(buddy)]) else None)
-            address = json.loads(value).get("snapshot_address") if value else None
+            held = self._store_call(lambda s: get_held(s, buddy, self.signer))
+            address = held.get("snapshot_address") if held else None
             if address:
                 return address
             if time.monotonic() > deadline:
