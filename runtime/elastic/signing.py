@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ class Signer:
         self.key = key
         self._lock = threading.Lock()
         self.rejected: dict[str, int] = {}
-        """refused messages by kind (also handed to every listener)"""
+        """refused messages by kind (also handed to every listener); a store value read again is one message"""
+        self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._listeners: list[Callable[[str], None]] = []
 
     @property
@@ -72,10 +74,10 @@ class Signer:
             return raw
         head = len(_PREFIX) + _MAC_HEX
         if not raw.startswith(_PREFIX) or raw[head : head + 1] != b":":
-            raise self.reject(kind, f"{name}: no MAC")
+            raise self.reject(kind, f"{name}: no MAC", name.encode() + b"\0" + raw)
         value = raw[head + 1 :]
         if not hmac.compare_digest(raw[len(_PREFIX) : head], self.mac(name, value).encode()):
-            raise self.reject(kind, f"{name}: bad MAC")
+            raise self.reject(kind, f"{name}: bad MAC", name.encode() + b"\0" + raw)
         return value
 
     def verified(self, name: str, stored: bytes | str, kind: str) -> bytes | None:
@@ -90,14 +92,22 @@ class Signer:
         value = self.verified(name, stored, kind)
         return None if value is None else json.loads(value)
 
-    def reject(self, kind: str, why: str) -> Rejected:
+    def reject(self, kind: str, why: str, message: bytes | None = None) -> Rejected:
         """`count_rejected`, returning the error to raise."""
-        self.count_rejected(kind, why)
+        self.count_rejected(kind, why, message)
         return Rejected(kind, why)
 
-    def count_rejected(self, kind: str, why: str) -> None:
-        """Count and (once per kind) log a refused message."""
+    def count_rejected(self, kind: str, why: str, message: bytes | None = None) -> None:
+        """Count and (once per kind) log a refused message. `message`: its bytes, when the same message may be
+        met again (a forged store value is read on every poll): it then counts once (among the last 256)."""
         with self._lock:
+            if message is not None:
+                seen = (kind, hashlib.sha256(message).digest())
+                if seen in self._seen:
+                    return
+                self._seen[seen] = None
+                if len(self._seen) > 256:
+                    self._seen.popitem(last=False)
             first = kind not in self.rejected
             self.rejected[kind] = self.rejected.get(kind, 0) + 1
             listeners = list(self._listeners)

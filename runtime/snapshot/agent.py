@@ -369,8 +369,13 @@ def snapshotter_for(config, worker: str, connect_store: Callable[[], object], st
     from oobleck.runtime.train.layer_state import state_nbytes
 
     model = build_model(config)
-    with torch.device("meta"):  # sizes only: no layer's memory is allocated
-        layer_nbytes = {layer: state_nbytes(model.build_layer(layer)) for layer in range(model.num_layers)}
+    layer_nbytes: dict[int, int] | None
+    try:
+        with torch.device("meta"):  # sizes only: no layer's memory is allocated
+            layer_nbytes = {layer: state_nbytes(model.build_layer(layer)) for layer in range(model.num_layers)}
+    except Exception as error:  # a user model that cannot be built on the meta device
+        layer_nbytes = None  # pushes stay bounded by their headers and verified by their digests
+        log.warning(json.dumps({"event": "snapshot-sizes-unknown", "error": f"{type(error).__name__}: {error}"[:300]}))
     export = None
     if config.checkpoint.path and config.checkpoint.format == "huggingface":
         from oobleck.runtime.models.hf import TransformersModel
