@@ -92,6 +92,11 @@ def commit_prefix(generation: int, step: int) -> str:
     return f"gen{generation}/commit/{step}/"
 
 
+def decision_key(generation: int, step: int) -> str:
+    """The commit decision of `step` (commit.py): first writer wins."""
+    return commit_prefix(generation, step) + "decision"
+
+
 def epoch_prefix(epoch: str) -> str:
     """Prefix of every rendezvous in store incarnation `epoch` (groups.py adds `{job}/gen{g}/`).
 
@@ -173,6 +178,34 @@ def pop_failures(store: dist.Store, signer: Signer | None = None) -> list[dict]:
         if report is not None:
             reports.append(report)
     return reports
+
+
+def propose_decision(store: dist.Store, generation: int, step: int, proposal: str, signer: Signer | None = None) -> str:
+    """Post `proposal` as `step`'s commit decision unless one is in force (compare-and-set: the first writer
+    wins); returns the decision in force. A stranger's value in the way is cleared (only if unchanged, so a
+    real decision posted meanwhile stands) and the proposal tried again."""
+    signer = signer or job_signer()
+    key = decision_key(generation, step)
+    sealed = signer.seal(key, proposal)
+    for _ in range(16):
+        stored = store.compare_set(key, "", sealed)
+        decision = signer.verified(key, stored, "commit_decision") if stored else None
+        if decision is not None:
+            return decision.decode()
+        store.compare_set(key, stored, "")  # "" counts as absent for the next compare_set
+    raise RuntimeError(f"commit decision of step {step}: a stranger keeps overwriting it")
+
+
+def read_decision(store: dist.Store, generation: int, step: int, signer: Signer | None = None) -> str | None:
+    """`step`'s commit decision, or None (not decided yet, or a value that does not verify)."""
+    key = decision_key(generation, step)
+    if not store.check([key]):
+        return None
+    stored = store.get(key)
+    if not stored:
+        return None
+    decision = (signer or job_signer()).verified(key, stored, "commit_decision")
+    return None if decision is None else decision.decode()
 
 
 def set_held(store: dist.Store, worker: str, value: dict, signer: Signer | None = None) -> None:

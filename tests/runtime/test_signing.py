@@ -95,3 +95,16 @@ def test_without_a_key_values_are_stored_as_they_are(stores):
     assert json.loads(stranger.get(keys.held_key("node1:0"))) == {"step": 1}
     stranger.set(keys.abort_key(0), json.dumps({"kind": "heartbeat"}))
     assert keys.aborted(job, 0, plain) and plain.rejected == {}
+
+
+def test_a_strangers_commit_decision_is_never_followed_and_cannot_block_the_real_one(stores):
+    _, job, stranger = stores
+    signer = Signer(b"j" * 32)
+    stranger.set(keys.decision_key(1, 5), "abort")
+    assert keys.read_decision(job, 1, 5, signer) is None
+    assert keys.propose_decision(job, 1, 5, "commit", signer) == "commit"
+    assert keys.propose_decision(job, 1, 5, "abort", signer) == "commit", "the first real decision wins"
+    assert keys.read_decision(job, 1, 5, signer) == "commit"
+    stranger.set(keys.decision_key(1, 5), "abort")
+    assert keys.read_decision(job, 1, 5, signer) is None
+    assert signer.rejected["commit_decision"] == 1, "the same forged value, read twice, is one message"

@@ -221,8 +221,9 @@ class PlanController:
                 reposted = True
                 step = next(iter(pending.values()))["step"]
                 applied = any(r["phase"] == "left" and r["step"] == step + 1 for r in reports.values())
-                decision = keys.commit_prefix(generation, step) + "decision"
-                verdict = self.store().compare_set(decision, "", "commit" if applied else "abort").decode()
+                verdict = keys.propose_decision(
+                    self.store(), generation, step, "commit" if applied else "abort", self.signer
+                )
                 log.info("re-posted the lost commit decision of step %d: %s", step, verdict)
                 deadline = max(deadline, time.monotonic() + wait_s)  # the pending ones report again
             elif (not missing and not pending) or (now > deadline and not waiting):
