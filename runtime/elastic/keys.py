@@ -21,8 +21,9 @@ Key layout (nothing else spells a key):
     e{epoch}/{job}/gen{g}/  the rendezvous namespace of generation g (process groups, see groups.py)
 
 Values a worker acts on (aborts, failure reports, holdings in `held/` and `gen{g}/holding/`, liveness
-addresses) are sealed under the job key (signing.py) by the operations below; a value that does not verify
-is treated as absent (and counted). `signer` defaults to this process's (`signing.job_signer`).
+addresses, commit decisions, `snap/complete/` marks) are sealed under the job key (signing.py) by the operations below; a value that does not verify
+is treated as absent (and counted). `signer` defaults to this process's (`signing.job_signer`). Counters
+(`add`: heartbeats, arrivals, snapshot acknowledgements) and progress reports cannot be sealed this way.
 """
 
 from __future__ import annotations
@@ -206,6 +207,20 @@ def read_decision(store: dist.Store, generation: int, step: int, signer: Signer 
         return None
     decision = (signer or job_signer()).verified(key, stored, "commit_decision")
     return None if decision is None else decision.decode()
+
+
+def mark_snapshot_complete(store: dist.Store, step: int, signer: Signer | None = None) -> None:
+    key = snapshot_complete_key(step)
+    store.set(key, (signer or job_signer()).seal(key, "1"))
+
+
+def snapshot_complete(store: dist.Store, step: int, signer: Signer | None = None) -> bool:
+    """Whether every rank of some generation finished its snapshot of `step` (a forged mark does not count:
+    it would let retention drop the newest complete step)."""
+    key = snapshot_complete_key(step)
+    return (
+        store.check([key]) and (signer or job_signer()).verified(key, store.get(key), "snapshot_complete") is not None
+    )
 
 
 def set_held(store: dist.Store, worker: str, value: dict, signer: Signer | None = None) -> None:

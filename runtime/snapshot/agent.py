@@ -65,8 +65,7 @@ import torch
 from torch import nn
 
 from oobleck.api.plan import Plan
-from oobleck.runtime.elastic.keys import get_held
-from oobleck.runtime.elastic.keys import snapshot_complete_key as complete_key
+from oobleck.runtime.elastic.keys import get_held, mark_snapshot_complete, snapshot_complete
 from oobleck.runtime.elastic.keys import snapshot_done_key as done_key
 from oobleck.runtime.elastic.signing import NO_KEY, Signer, job_signer
 from oobleck.runtime.elastic.store import is_store_loss
@@ -312,9 +311,9 @@ class Snapshotter:
         if job.push and pushed:
             count = self._store_call(lambda s: s.add(done_key(job.generation, job.step), 1))
             if count == job.world_size:
-                self._store_call(lambda s: s.set(complete_key(job.step), "1"))
+                self._store_call(lambda s: mark_snapshot_complete(s, job.step, self.signer))
         for step in self.store.steps():
-            if step not in self.store.complete and self._store_call(lambda s: s.check([complete_key(step)])):
+            if step not in self.store.complete and self._store_call(lambda s: snapshot_complete(s, step, self.signer)):
                 self.store.mark_complete(step)
         self.store.prune()
         self.stats["snapshots"] += 1

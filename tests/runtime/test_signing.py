@@ -108,3 +108,13 @@ def test_a_strangers_commit_decision_is_never_followed_and_cannot_block_the_real
     stranger.set(keys.decision_key(1, 5), "abort")
     assert keys.read_decision(job, 1, 5, signer) is None
     assert signer.rejected["commit_decision"] == 1, "the same forged value, read twice, is one message"
+
+
+def test_a_strangers_snapshot_complete_mark_does_not_count(stores):
+    _, job, stranger = stores
+    signer = Signer(b"j" * 32)
+    stranger.set(keys.snapshot_complete_key(8), "1")
+    assert not keys.snapshot_complete(job, 8, signer)
+    keys.mark_snapshot_complete(job, 8, signer)
+    assert keys.snapshot_complete(job, 8, signer)
+    assert keys.snapshot_complete(job, 8, Signer(None)) and not keys.snapshot_complete(job, 9, signer)
