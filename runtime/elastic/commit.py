@@ -83,7 +83,7 @@ class StepCommit:
     def _decide(self, generation: int, world_size: int, step: int, non_finite: str | None) -> bool:
         store = self.control.store
         prefix = keys.commit_prefix(generation, step)
-        decision = prefix + "decision"
+        decision = keys.decision_key(generation, step)
         if non_finite is not None:  # the slow path only: the detail first, then the marked arrival
             store.compare_set(prefix + "nonfinite", "", non_finite)
         arrived = store.add(prefix + "arrived", 1 + (NON_FINITE_MARK if non_finite is not None else 0))
@@ -93,7 +93,7 @@ class StepCommit:
             # "abort" posted first), so waiting for the key and reading it back would only add two
             # round trips to the step's critical path (every other rank is waiting on this one).
             # A marked count carries "some rank saw NaN/Inf" at no extra round trip.
-            value = store.compare_set(decision, "", COMMIT_NON_FINITE if marked else "commit").decode()
+            value = keys.propose_decision(store, generation, step, COMMIT_NON_FINITE if marked else "commit")
             if world_size == 1:
                 self._collect(store, generation, step - 2)
             return self._read(store, prefix, value)
@@ -103,14 +103,17 @@ class StepCommit:
         while True:
             if self.failed.is_set():
                 # compare_set returns the value in force: ours if we were first, else the winner's.
-                return self._read(store, prefix, store.compare_set(decision, "", "abort").decode())
+                return self._read(store, prefix, keys.propose_decision(store, generation, step, "abort"))
             try:
                 store.wait([decision], datetime.timedelta(seconds=self.poll_s))
-                return self._read(store, prefix, store.get(decision).decode())
             except RuntimeError as error:
                 if is_store_loss(error):
                     raise
-                # A wait timeout: look at the failure Event again.
+                continue  # a wait timeout: look at the failure Event again
+            verified = keys.read_decision(store, generation, step)
+            if verified is not None:
+                return self._read(store, prefix, verified)
+            time.sleep(self.poll_s)  # present but not a verified decision (a stranger's): never followed
 
     def _read(self, store, prefix: str, value: str) -> bool:
         """Whether `value` (a decision) commits; sets `non_finite` from a COMMIT_NON_FINITE decision."""
@@ -135,35 +138,29 @@ class StepCommit:
         )
         self.control.reconnect()
         store = self.control.store
-        store.set(
-            keys.held_key(self.worker),
-            json.dumps({"generation": generation, "step": step, "layers": [], "phase": "pending"}),
-        )
-        decision = keys.commit_prefix(generation, step) + "decision"
+        keys.set_held(store, self.worker, {"generation": generation, "step": step, "layers": [], "phase": "pending"})
         began = time.monotonic()
-        while not store.check([decision]):
+        while (value := keys.read_decision(store, generation, step)) is None:
             waited = time.monotonic() - began
             if waited > self.recover_timeout_s:
                 raise RuntimeError(f"commit of step {step}: no decision within {self.recover_timeout_s:.0f} s")
             if waited > self.self_decide_s:
-                store.compare_set(
-                    decision, "", "commit" if self._applied_by_a_peer(store, generation, step) else "abort"
-                )
+                applied = self._applied_by_a_peer(store, generation, step)
+                keys.propose_decision(store, generation, step, "commit" if applied else "abort")
             else:
                 time.sleep(self.poll_s)
-        return self._read(store, keys.commit_prefix(generation, step), store.get(decision).decode())
+        return self._read(store, keys.commit_prefix(generation, step), value)
 
     def _applied_by_a_peer(self, store, generation: int, step: int) -> bool:
         """Whether a member reported leaving `generation` with `step` applied (its next step is step + 1)."""
         for member in self.members:
-            if member != self.worker and store.check([keys.held_key(member)]):
-                report = json.loads(store.get(keys.held_key(member)))
-                if (
-                    report.get("generation") == generation
-                    and report.get("phase") == "left"
-                    and report.get("step") == step + 1
-                ):
-                    return True
+            report = keys.get_held(store, member) if member != self.worker else None
+            if report is not None and (
+                report.get("generation") == generation
+                and report.get("phase") == "left"
+                and report.get("step") == step + 1
+            ):
+                return True
         return False
 
 

@@ -423,7 +423,7 @@ class FailureDetector:
                     store = self._connect()
                     # Before the first beat: a peer that sees us beat can also probe us. Again after
                     # a coordinator restart (an empty store).
-                    store.set(keys.liveness_key(self.worker), self.responder.address)
+                    keys.set_liveness(store, self.worker, self.responder.address)
                 store.add(key, 1)
             except RuntimeError as error:
                 if not is_store_loss(error):
@@ -519,9 +519,7 @@ class FailureDetector:
         """Probe the silent `suspects` at once (for `timeout_s`, default probe_timeout_s); those that do not
         answer -> why. A suspect that never published a responder is left to dead_after_s."""
         timeout = timeout_s or self.timeouts.probe_timeout_s
-        addresses = {
-            p: store.get(keys.liveness_key(p)).decode() for p in suspects if store.check([keys.liveness_key(p)])
-        }
+        addresses = keys.get_liveness(store, suspects)
         results: dict[str, str | None] = {}
 
         def one(peer: str, address: str) -> None:
@@ -577,7 +575,9 @@ class FailureDetector:
                 return
             self.failure.set()
         try:
-            self.last_report = FailureReport.model_validate_json(store.get(keys.abort_key(generation)))
+            reason = keys.abort_reason(store, generation)
+            if reason is not None:
+                self.last_report = FailureReport.model_validate_json(reason)
         except (RuntimeError, ValueError, TypeError):
             pass
 

@@ -19,15 +19,22 @@ Key layout (nothing else spells a key):
     gen{g}/holding/{worker} what a worker holds as it joins generation g (sources.py)
     live/{worker}           HOST:PORT of the worker's liveness responder (health.py)
     e{epoch}/{job}/gen{g}/  the rendezvous namespace of generation g (process groups, see groups.py)
+
+Values a worker acts on (aborts, failure reports, holdings in `held/` and `gen{g}/holding/`, liveness
+addresses, commit decisions, `snap/complete/` marks) are sealed under the job key (signing.py) by the operations below; a value that does not verify
+is treated as absent (and counted). `signer` defaults to this process's (`signing.job_signer`). Counters
+(`add`: heartbeats, arrivals, snapshot acknowledgements) and progress reports cannot be sealed this way.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import time
 
 import torch.distributed as dist
 
+from oobleck.runtime.elastic.signing import Signer, job_signer
 from oobleck.runtime.elastic.store import is_store_loss
 
 GENERATION_KEY = "generation"
@@ -86,6 +93,11 @@ def commit_prefix(generation: int, step: int) -> str:
     return f"gen{generation}/commit/{step}/"
 
 
+def decision_key(generation: int, step: int) -> str:
+    """The commit decision of `step` (commit.py): first writer wins."""
+    return commit_prefix(generation, step) + "decision"
+
+
 def epoch_prefix(epoch: str) -> str:
     """Prefix of every rendezvous in store incarnation `epoch` (groups.py adds `{job}/gen{g}/`).
 
@@ -105,40 +117,155 @@ def current_generation(store: dist.Store) -> int | None:
     return int(store.get(GENERATION_KEY))
 
 
-def post_abort(store: dist.Store, generation: int, reason: dict) -> bool:
+def post_abort(store: dist.Store, generation: int, reason: dict, signer: Signer | None = None) -> bool:
     """Abort `generation` (idempotent); returns True if this call was the first to abort it."""
+    signer = signer or job_signer()
     key = abort_key(generation)
-    payload = json.dumps(reason, sort_keys=True)
+    payload = signer.seal(key, json.dumps(reason, sort_keys=True))
     # compare_set with an empty expected value sets only if absent: the first reason wins.
-    stored = store.compare_set(key, "", payload)
-    return stored.decode() == payload
+    stored = store.compare_set(key, "", payload).decode()
+    if stored == payload:
+        return True
+    if signer.verified(key, stored, "abort") is None:
+        # A stranger's value holds the key: ours replaces it (it must not block the job's real abort).
+        store.set(key, payload)
+        return True
+    return False
 
 
-def aborted(store: dist.Store, generation: int) -> bool:
-    return store.check([abort_key(generation)])
+def abort_reason(store: dist.Store, generation: int, signer: Signer | None = None) -> bytes | None:
+    """The first failure report that aborted `generation` (JSON), or None (not aborted, or only by a stranger)."""
+    key = abort_key(generation)
+    if not store.check([key]):
+        return None
+    return (signer or job_signer()).verified(key, store.get(key), "abort")
 
 
-def wait_abort(store: dist.Store, generation: int, timeout_s: float) -> bool:
-    """Block until `generation` is aborted or `timeout_s` passes; returns whether it was aborted."""
+def aborted(store: dist.Store, generation: int, signer: Signer | None = None) -> bool:
+    return abort_reason(store, generation, signer) is not None
+
+
+def wait_abort(store: dist.Store, generation: int, timeout_s: float, signer: Signer | None = None) -> bool:
+    """Block until `generation` is aborted or `timeout_s` passes; returns whether it was aborted.
+
+    A stranger's abort makes the key present without aborting anything: then the key is polled (its
+    wait would return at once) until a verified abort replaces it or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
     try:
         store.wait([abort_key(generation)], datetime.timedelta(seconds=timeout_s))
-        return True
     except RuntimeError as error:
         if is_store_loss(error):
             raise
         return False
+    while True:
+        if aborted(store, generation, signer):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
 
 
-def push_failure(store: dist.Store, report: dict) -> None:
-    store.queue_push(FAILURES_QUEUE, json.dumps(report, sort_keys=True))
+def push_failure(store: dist.Store, report: dict, signer: Signer | None = None) -> None:
+    value = (signer or job_signer()).seal(FAILURES_QUEUE, json.dumps(report, sort_keys=True))
+    store.queue_push(FAILURES_QUEUE, value)
 
 
-def pop_failures(store: dist.Store) -> list[dict]:
-    """Every queued failure report, without blocking."""
+def pop_failures(store: dist.Store, signer: Signer | None = None) -> list[dict]:
+    """Every queued failure report that verifies, without blocking (refused ones are dropped and counted)."""
+    signer = signer or job_signer()
     reports = []
     while store.queue_len(FAILURES_QUEUE) > 0:
-        reports.append(json.loads(store.queue_pop(FAILURES_QUEUE, False)))
+        report = signer.open_json(FAILURES_QUEUE, store.queue_pop(FAILURES_QUEUE, False), "failure_report")
+        if report is not None:
+            reports.append(report)
     return reports
+
+
+def propose_decision(store: dist.Store, generation: int, step: int, proposal: str, signer: Signer | None = None) -> str:
+    """Post `proposal` as `step`'s commit decision unless one is in force (compare-and-set: the first writer
+    wins); returns the decision in force. A stranger's value in the way is cleared (only if unchanged, so a
+    real decision posted meanwhile stands) and the proposal tried again."""
+    signer = signer or job_signer()
+    key = decision_key(generation, step)
+    sealed = signer.seal(key, proposal)
+    for _ in range(16):
+        stored = store.compare_set(key, "", sealed)
+        decision = signer.verified(key, stored, "commit_decision") if stored else None
+        if decision is not None:
+            return decision.decode()
+        store.compare_set(key, stored, "")  # "" counts as absent for the next compare_set
+    raise RuntimeError(f"commit decision of step {step}: a stranger keeps overwriting it")
+
+
+def read_decision(store: dist.Store, generation: int, step: int, signer: Signer | None = None) -> str | None:
+    """`step`'s commit decision, or None (not decided yet, or a value that does not verify)."""
+    key = decision_key(generation, step)
+    if not store.check([key]):
+        return None
+    stored = store.get(key)
+    if not stored:
+        return None
+    decision = (signer or job_signer()).verified(key, stored, "commit_decision")
+    return None if decision is None else decision.decode()
+
+
+def mark_snapshot_complete(store: dist.Store, step: int, signer: Signer | None = None) -> None:
+    key = snapshot_complete_key(step)
+    store.set(key, (signer or job_signer()).seal(key, "1"))
+
+
+def snapshot_complete(store: dist.Store, step: int, signer: Signer | None = None) -> bool:
+    """Whether every rank of some generation finished its snapshot of `step` (a forged mark does not count:
+    it would let retention drop the newest complete step)."""
+    key = snapshot_complete_key(step)
+    return (
+        store.check([key]) and (signer or job_signer()).verified(key, store.get(key), "snapshot_complete") is not None
+    )
+
+
+def set_held(store: dist.Store, worker: str, value: dict, signer: Signer | None = None) -> None:
+    """Publish what `worker` holds (`held_key`)."""
+    key = held_key(worker)
+    store.set(key, (signer or job_signer()).seal(key, json.dumps(value)))
+
+
+def get_held(store: dist.Store, worker: str, signer: Signer | None = None) -> dict | None:
+    """What `worker` published as held, or None (nothing yet, or a value that does not verify)."""
+    key = held_key(worker)
+    if not store.check([key]):
+        return None
+    return (signer or job_signer()).open_json(key, store.get(key), "held")
+
+
+def set_holding(store: dist.Store, generation: int, worker: str, value: str, signer: Signer | None = None) -> None:
+    key = holding_key(generation, worker)
+    store.set(key, (signer or job_signer()).seal(key, value))
+
+
+def open_holdings(
+    generation: int, workers: list[str], values: list[bytes], signer: Signer | None = None
+) -> dict[str, bytes | None]:
+    """The holdings `values` (read at `holding_key(generation, w)` for each of `workers`), None where refused."""
+    signer = signer or job_signer()
+    return {w: signer.verified(holding_key(generation, w), v, "holding") for w, v in zip(workers, values)}
+
+
+def set_liveness(store: dist.Store, worker: str, address: str, signer: Signer | None = None) -> None:
+    key = liveness_key(worker)
+    store.set(key, (signer or job_signer()).seal(key, address))
+
+
+def get_liveness(store: dist.Store, workers: list[str], signer: Signer | None = None) -> dict[str, str]:
+    """The liveness responder addresses of those of `workers` that published one that verifies."""
+    signer = signer or job_signer()
+    found = {}
+    for worker in workers:
+        key = liveness_key(worker)
+        if store.check([key]):
+            address = signer.verified(key, store.get(key), "liveness")
+            if address is not None:
+                found[worker] = address.decode()
+    return found
 
 
 def set_progress(store: dist.Store, worker: str, generation: int, step: int, phase: str) -> None:

@@ -16,6 +16,7 @@ import time
 import torch.distributed as dist
 
 from oobleck.api.addresses import host_port, parse_host_port
+from oobleck.runtime.elastic.coordinator import _listen_fd
 
 
 class LivenessResponder:
@@ -23,11 +24,12 @@ class LivenessResponder:
 
     It lives exactly as long as the worker's process runs: a dead process refuses the connection, a
     stopped one (or a frozen host) accepts in the kernel but never answers, a partitioned one is not
-    reached. It listens on every address and is advertised at `advertise` (the pod IP).
+    reached. It listens on `advertise` alone (the pod IP: peers reach it there, nothing else should).
     """
 
     def __init__(self, advertise: str) -> None:
-        self._server = dist.TCPStore(advertise, 0, is_master=True, wait_for_workers=False)
+        fd, port = _listen_fd(advertise, 0)
+        self._server = dist.TCPStore(advertise, port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
         self.address = host_port(advertise, self._server.port)
 
 

@@ -36,6 +36,7 @@ from oobleck.runtime.causes import classify
 from oobleck.runtime.elastic import keys
 from oobleck.runtime.elastic.health import FailureDetector
 from oobleck.runtime.elastic.plans import PlanSource, PlanWatcher
+from oobleck.runtime.elastic.signing import job_signer
 from oobleck.runtime.elastic.store import ControlStore, is_store_loss
 
 log = logging.getLogger("oobleck.runtime.elastic.loop")
@@ -70,6 +71,9 @@ def run_elastic(
     Before every step it posts `progress/{worker}` (the local launcher's view of the job)."""
     me = worker_id(worker.node, worker.gpu)
     result = ElasticResult(steps=worker.step)
+    signer = job_signer()
+    if signer.enabled and getattr(worker, "metrics", None) is not None:
+        signer.on_reject(worker.metrics.count_rejected)  # oobleck_worker_rejected_messages_total{kind}
     # A newer plan interrupts like a failure (backstop for the controller's abort key).
     watcher = PlanWatcher(source, signal=detector.failure).start()
     plan = _wait_for_plan(source, -1, me, timeouts.first_plan_s, joined=False)
@@ -256,4 +260,4 @@ def _publish_held(
         # What a rollback may restore from (frozen while the worker is between generations), and
         # where its buddy pushes (runtime/snapshot/agent.py).
         value |= {"snapshots": snapshots.store.holdings(), "snapshot_address": snapshots.address}
-    _quietly(control, lambda store: store.set(keys.held_key(me), json.dumps(value)))
+    _quietly(control, lambda store: keys.set_held(store, me, value))

@@ -140,7 +140,7 @@ def exchange(
 
     from oobleck.runtime.elastic.store import is_store_loss
 
-    store.set(keys.holding_key(plan.generation, me), mine.to_json())
+    keys.set_holding(store, plan.generation, me, mine.to_json())
     members = [worker_id(a.node, a.gpu) for a in plan.ranks]
     names = [keys.holding_key(plan.generation, w) for w in members]
     deadline = time.monotonic() + timeout_s
@@ -158,4 +158,9 @@ def exchange(
             raise TimeoutError(
                 f"holdings of generation {plan.generation}: no record from {absent} in {timeout_s:.0f} s"
             )
-    return {w: Holding.from_json(v) for w, v in zip(members, store.multi_get(names))}
+    # A holding that does not verify (a stranger rewrote it) is never used: the exchange fails instead.
+    holdings = keys.open_holdings(plan.generation, members, store.multi_get(names))
+    refused = sorted(w for w, v in holdings.items() if v is None)
+    if refused:
+        raise TimeoutError(f"holdings of generation {plan.generation}: records of {refused} do not verify")
+    return {w: Holding.from_json(v) for w, v in holdings.items() if v is not None}

@@ -65,9 +65,9 @@ import torch
 from torch import nn
 
 from oobleck.api.plan import Plan
-from oobleck.runtime.elastic.keys import held_key
-from oobleck.runtime.elastic.keys import snapshot_complete_key as complete_key
+from oobleck.runtime.elastic.keys import get_held, mark_snapshot_complete, snapshot_complete
 from oobleck.runtime.elastic.keys import snapshot_done_key as done_key
+from oobleck.runtime.elastic.signing import NO_KEY, Signer, job_signer
 from oobleck.runtime.elastic.store import is_store_loss
 from oobleck.runtime.snapshot.checkpoint_dir import newest_complete_step, prune_checkpoints, write_checkpoint_layer
 from oobleck.runtime.snapshot.holding import SnapshotStore
@@ -141,6 +141,8 @@ class Snapshotter:
         advertise: str = "127.0.0.1",
         push_timeout_s: float = 60.0,
         export: Callable[[int, dict[int, torch.Tensor]], None] | None = None,
+        layer_nbytes: dict[int, int] | None = None,
+        signer: Signer = NO_KEY,
     ) -> None:
         self.worker = worker
         self.export = export
@@ -153,7 +155,16 @@ class Snapshotter:
         self.num_layers = num_layers
         self.push_timeout_s = push_timeout_s
         self.store = SnapshotStore()
-        self.server = SnapshotServer(self.store).start()
+        self.signer = signer
+        # Bound to the advertised address (the pod IP), not every interface; a buddy's push is bounded by
+        # each layer's state size and verified under the job key before it is stored.
+        self.server = SnapshotServer(
+            self.store,
+            advertise,
+            layer_nbytes=layer_nbytes,
+            key=signer.key,
+            on_refused=lambda why: signer.count_rejected("snapshot_push", why),
+        ).start()
         self.address = f"{advertise}:{self.server.port}"
         self._connect_store = connect_store
         self._control = None
@@ -269,7 +280,7 @@ class Snapshotter:
             try:
                 address = self._buddy_address(job.buddy)
                 began = time.perf_counter()  # the transfer alone (the address may take a while at start)
-                push(address, job.step, captured, self.push_timeout_s)
+                push(address, job.step, captured, self.push_timeout_s, self.signer.key)
                 self.stats["pushed_bytes"] += sum(t.numel() for t in captured.values())
             except (OSError, ConnectionError, TimeoutError, RuntimeError) as error:
                 pushed, began = False, time.perf_counter()
@@ -300,9 +311,9 @@ class Snapshotter:
         if job.push and pushed:
             count = self._store_call(lambda s: s.add(done_key(job.generation, job.step), 1))
             if count == job.world_size:
-                self._store_call(lambda s: s.set(complete_key(job.step), "1"))
+                self._store_call(lambda s: mark_snapshot_complete(s, job.step, self.signer))
         for step in self.store.steps():
-            if step not in self.store.complete and self._store_call(lambda s: s.check([complete_key(step)])):
+            if step not in self.store.complete and self._store_call(lambda s: snapshot_complete(s, step, self.signer)):
                 self.store.mark_complete(step)
         self.store.prune()
         self.stats["snapshots"] += 1
@@ -327,8 +338,8 @@ class Snapshotter:
         """The buddy's server address from its `held/{worker}` report (it may not have published it yet)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            value = self._store_call(lambda s: s.get(held_key(buddy)) if s.check([held_key(buddy)]) else None)
-            address = json.loads(value).get("snapshot_address") if value else None
+            held = self._store_call(lambda s: get_held(s, buddy, self.signer))
+            address = held.get("snapshot_address") if held else None
             if address:
                 return address
             if time.monotonic() > deadline:
@@ -354,8 +365,16 @@ def snapshotter_for(config, worker: str, connect_store: Callable[[], object], st
     if not (config.snapshot.interval_steps or config.checkpoint.path):
         return None
     from oobleck.runtime.train.config import build_model
+    from oobleck.runtime.train.layer_state import state_nbytes
 
     model = build_model(config)
+    layer_nbytes: dict[int, int] | None
+    try:
+        with torch.device("meta"):  # sizes only: no layer's memory is allocated
+            layer_nbytes = {layer: state_nbytes(model.build_layer(layer)) for layer in range(model.num_layers)}
+    except Exception as error:  # a user model that cannot be built on the meta device
+        layer_nbytes = None  # pushes stay bounded by their headers and verified by their digests
+        log.warning(json.dumps({"event": "snapshot-sizes-unknown", "error": f"{type(error).__name__}: {error}"[:300]}))
     export = None
     if config.checkpoint.path and config.checkpoint.format == "huggingface":
         from oobleck.runtime.models.hf import TransformersModel
@@ -374,4 +393,6 @@ def snapshotter_for(config, worker: str, connect_store: Callable[[], object], st
         num_layers=model.num_layers,
         advertise=local_address(store_host),
         export=export,
+        layer_nbytes=layer_nbytes,
+        signer=job_signer(),
     )

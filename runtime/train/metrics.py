@@ -49,6 +49,17 @@ class WorkerMetrics:
         ).labels(**labels)
         self.bytes_copied = counter("bytes_copied", "Layer-state bytes sent and received by layer copies")
         self.loss = gauge("loss", "Global mean loss of the last step (ranks holding the last layer)")
+        self._rejected = Counter(
+            "oobleck_worker_rejected_messages",
+            "Messages refused for lacking a valid MAC under the job key (store values, snapshot pushes), by kind",
+            [*names, "kind"],
+            registry=self.registry,
+        )
+        self._labels = labels
+
+    def count_rejected(self, kind: str) -> None:
+        """One more refused message of `kind` (abort, held, holding, failure_report, liveness, snapshot_push)."""
+        self._rejected.labels(**self._labels, kind=kind).inc()
 
     def observe_step(self, seconds: float, samples: int, tokens: int, step: int, loss: float | None) -> None:
         self.iteration_seconds.observe(seconds)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oobleck.processes import die_with_parent
+from oobleck.runtime.elastic.signing import KEY_FILE_ENV
 
 
 @dataclass
@@ -50,13 +51,24 @@ class Child:
 
 
 def spawn_worker(
-    workdir: Path, plan_path: Path, store_port: int, node: str, gpu: int, heartbeat_period_s: float, dead_after_s: float
+    workdir: Path,
+    plan_path: Path,
+    store_port: int,
+    node: str,
+    gpu: int,
+    heartbeat_period_s: float,
+    dead_after_s: float,
+    key_path: Path | None = None,
 ) -> Child:
-    """Start the elastic worker of (`node`, `gpu`) (`python -m oobleck.runtime.backends.local.worker`), logging to `workdir`."""
+    """Start the elastic worker of (`node`, `gpu`) (`python -m oobleck.runtime.backends.local.worker`), logging to `workdir`;
+    `key_path`: the job key's file, passed as $OOBLECK_JOB_KEY_FILE (signing.py)."""
     worker = f"{node}:{gpu}"
     stem = workdir / f"{node}-gpu{gpu}"
     log_path, losses, dump = stem.with_suffix(".log"), stem.with_suffix(".losses.jsonl"), stem.with_suffix(".pt")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
+    env.pop(KEY_FILE_ENV, None)
+    if key_path is not None:
+        env[KEY_FILE_ENV] = str(key_path)
     command = [
         sys.executable,
         "-m",

@@ -30,6 +30,7 @@ from oobleck.runtime.backends.local.config import Fault, LaunchOptions, initial_
 from oobleck.runtime.backends.local.faults import FaultInjector
 from oobleck.runtime.backends.local.plan_control import JobFailed, PlanController
 from oobleck.runtime.backends.local.summary import Reconfiguration, Summary, reconfiguration, summarize
+from oobleck.runtime.elastic.signing import NO_KEY, Signer, write_key
 
 __all__ = ["Fault", "JobFailed", "LaunchOptions", "Launcher", "Summary"]
 
@@ -53,11 +54,21 @@ class Launcher:
         self.faults = FaultInjector(options.faults, self.children)
         self.failure_log: list[dict] = []  # every failure report that led to a reconfiguration
         self.reports: list = []
+        self.key_path = self.workdir / "job.key"
+        self.signer = NO_KEY
+        """the job key's (set by run): what the launcher posts is sealed, what it reads verified"""
 
     def _spawn(self, node: str, gpu: int) -> Child:
         o = self.options
         child = spawn_worker(
-            self.workdir, self.plan_path, self.coordinator.port, node, gpu, o.heartbeat_period_s, o.dead_after_s
+            self.workdir,
+            self.plan_path,
+            self.coordinator.port,
+            node,
+            gpu,
+            o.heartbeat_period_s,
+            o.dead_after_s,
+            key_path=self.key_path,
         )
         self.children[child.worker] = child
         return child
@@ -90,7 +101,10 @@ class Launcher:
             # Every worker leaves the old generation after the same step: a step in flight is
             # aborted for all (the commit decision is common), then redone under the new plan.
             keys.post_abort(
-                self.store, self.plan.generation, {"kind": FailureKind.NEW_GENERATION, "generation": plan.generation}
+                self.store,
+                self.plan.generation,
+                {"kind": FailureKind.NEW_GENERATION, "generation": plan.generation},
+                self.signer,
             )
         self.plan = plan
         log.info(
@@ -108,6 +122,8 @@ class Launcher:
         started = time.monotonic()
         o = self.options
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # A fresh job key per run, handed to the workers as a 0600 file (a pod gets it from a Secret).
+        self.signer = Signer(write_key(str(self.key_path)))
         for stale in self.workdir.glob("*.losses.jsonl"):
             stale.unlink()
         config = worker_config(o)
@@ -126,6 +142,7 @@ class Launcher:
             checkpoint_path=config.checkpoint.path,
             bandwidth=o.copy_bandwidth,
             kind=o.controller,
+            signer=self.signer,
         )
         self.coordinator = Coordinator("127.0.0.1").start()
         self.store = self.coordinator.store()
@@ -188,12 +205,12 @@ class Launcher:
                     return
                 time.sleep(0.01)
                 continue
-            self.reports += [FailureReport.model_validate(r) for r in keys.pop_failures(self.store)]
+            self.reports += [FailureReport.model_validate(r) for r in keys.pop_failures(self.store, self.signer)]
             unexpected = [w for w, code in exited if code not in (ExitCode.DONE, ExitCode.DROPPED) and w in in_plan]
             if o.detect_exits and unexpected:
                 self._on_failure(unexpected)
                 continue
-            if keys.aborted(self.store, self.plan.generation) or any(
+            if keys.aborted(self.store, self.plan.generation, self.signer) or any(
                 r.generation == self.plan.generation for r in self.reports
             ):
                 self._on_failure([])
@@ -264,11 +281,13 @@ class Launcher:
         exit_seen = time.time() if exited else None
         reports: list[FailureReport] = []
         if exited:
-            keys.post_abort(self.store, generation, {"kind": FailureKind.PROCESS_EXIT, "dead": sorted(exited)})
+            keys.post_abort(
+                self.store, generation, {"kind": FailureKind.PROCESS_EXIT, "dead": sorted(exited)}, self.signer
+            )
         first_signal = time.monotonic()
         deadline = first_signal + o.dead_after_s + 1.0
         while True:
-            self.reports += [FailureReport.model_validate(r) for r in keys.pop_failures(self.store)]
+            self.reports += [FailureReport.model_validate(r) for r in keys.pop_failures(self.store, self.signer)]
             for report in self.reports:
                 if report.generation == generation:
                     reports.append(report)

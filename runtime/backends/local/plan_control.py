@@ -17,7 +17,6 @@ for every layer. Without any such step the job fails ("more than f failures; res
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ from typing import Any
 
 from oobleck.planner.nextgen import lost_layers_message
 from oobleck.runtime.backends.local.config import DEFAULT_COPY_BANDWIDTH
+from oobleck.runtime.elastic.signing import NO_KEY, Signer
 
 log = logging.getLogger("oobleck.launcher")
 
@@ -125,11 +125,14 @@ class PlanController:
         checkpoint_path: str | Path | None,
         bandwidth: float = DEFAULT_COPY_BANDWIDTH,
         kind: str = "reports",
+        signer: Signer = NO_KEY,
     ) -> None:
         self.profile = profile
         """generation 0's ModelProfile: the planner prices later generations' copies with it"""
         self.store, self.alive, self.trained = store, alive, trained
         self.checkpoint_path, self.bandwidth, self.kind = checkpoint_path, bandwidth, kind
+        self.signer = signer
+        """the job key's: the workers' reports are verified with it"""
 
     def next_plan(self, previous, *, lost: list[str], added: list[str], reason: str):
         """The generation after `previous` without the nodes `lost`, with the nodes `added`; JobFailed if none."""
@@ -175,9 +178,9 @@ class PlanController:
         memory: dict[str, dict[int, set[int]]] = {}
         latest = None  # the newest step a survivor reached: older runs' checkpoints may lie in the directory
         for worker in survivors:
-            if not self.store().check([keys.held_key(worker)]):
+            report = keys.get_held(self.store(), worker, self.signer)
+            if report is None:
                 continue
-            report = json.loads(self.store().get(keys.held_key(worker)))
             if report.get("generation") == previous.generation and report.get("phase") in ("left", "pending"):
                 memory[worker] = {int(step): set(layers) for step, layers in report.get("snapshots", {}).items()}
                 latest = max(latest or 0, report["step"])
@@ -201,10 +204,13 @@ class PlanController:
         while True:
             reports: dict[str, dict] = {}
             for worker in survivors:
-                if self.store().check([keys.held_key(worker)]):
-                    value = json.loads(self.store().get(keys.held_key(worker)))
-                    if value["generation"] == generation and value.get("phase") in ("left", "pending"):
-                        reports[worker] = value
+                value = keys.get_held(self.store(), worker, self.signer)
+                if (
+                    value is not None
+                    and value.get("generation") == generation
+                    and value.get("phase") in ("left", "pending")
+                ):
+                    reports[worker] = value
             pending = {w: r for w, r in reports.items() if r["phase"] == "pending"}
             missing = [w for w in survivors if w not in reports]
             now = time.monotonic()
@@ -215,8 +221,9 @@ class PlanController:
                 reposted = True
                 step = next(iter(pending.values()))["step"]
                 applied = any(r["phase"] == "left" and r["step"] == step + 1 for r in reports.values())
-                decision = keys.commit_prefix(generation, step) + "decision"
-                verdict = self.store().compare_set(decision, "", "commit" if applied else "abort").decode()
+                verdict = keys.propose_decision(
+                    self.store(), generation, step, "commit" if applied else "abort", self.signer
+                )
                 log.info("re-posted the lost commit decision of step %d: %s", step, verdict)
                 deadline = max(deadline, time.monotonic() + wait_s)  # the pending ones report again
             elif (not missing and not pending) or (now > deadline and not waiting):
@@ -248,8 +255,9 @@ class PlanController:
 
         newest: dict[str, dict] = {}
         for worker in workers:
-            if self.store().check([keys.held_key(worker)]):
-                newest[worker] = json.loads(self.store().get(keys.held_key(worker)))
+            value = keys.get_held(self.store(), worker, self.signer)
+            if value is not None:
+                newest[worker] = value
         layout = layout_holdings(previous)
         untrained = not self.trained()
         return {

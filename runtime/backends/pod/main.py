@@ -239,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         return supervise(env, [sys.executable, "-m", "oobleck.runtime.backends.pod"])
     gpu = args.gpu or 0
     try:
+        use_job_key(env)
+    except ValueError as error:
+        print(f"oobleck pod {env.node} gpu {gpu}: {error}", file=sys.stderr)
+        return ExitCode.CONFIG
+    try:
         return run_worker(env, gpu)
     except PodFailure as error:
         print(f"oobleck pod {env.node} gpu {gpu}: {error}", file=sys.stderr)
@@ -258,6 +263,20 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.ERROR
         log.exception(json.dumps({"event": "crashed", "job": env.job, "node": env.node, "gpu": gpu}))
         return ExitCode.ERROR
+
+
+def use_job_key(env: PodEnv) -> None:
+    """Point this process's signer (oobleck.runtime.elastic.signing.job_signer) at the job key's file, below
+    OOBLECK_CONTAINER_ROOT on local nodes, and read it now: an unreadable key is a configuration error."""
+    from oobleck.runtime.elastic.signing import KEY_FILE_ENV, job_signer
+
+    if env.job_key_file is None:
+        os.environ.pop(KEY_FILE_ENV, None)
+        _log("unauthenticated", env, detail=f"no {KEY_FILE_ENV}: store values and snapshot pushes are not verified")
+        return
+    root = (env.container_root or "").rstrip("/")
+    os.environ[KEY_FILE_ENV] = root + env.job_key_file if root else env.job_key_file
+    job_signer()
 
 
 def report_cause(env: PodEnv, gpu: int, cause, kube: Kube | None = None) -> int:

@@ -109,6 +109,13 @@ class PodContract(BaseModel):
         description="the job's spec as JSON (camelCase): what to profile before any plan exists; afterwards "
         "the plan ConfigMap's job.json is what the worker reads",
     )
+    job_key_file: str | None = Field(
+        None,
+        alias="OOBLECK_JOB_KEY_FILE",
+        description="path of the job's key (a mounted Secret, >= 16 bytes): every store value and snapshot push a "
+        "worker acts on is authenticated with HMAC-SHA256 under it (oobleck.runtime.elastic.signing); unset: "
+        "nothing is authenticated",
+    )
     pod_ip: str | None = Field(None, alias="OOBLECK_POD_IP", description="set by the node: bind here")
     container_root: str | None = Field(
         None, alias="OOBLECK_CONTAINER_ROOT", description="set by the node: where the pod's filesystem starts"

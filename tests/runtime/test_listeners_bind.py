@@ -1,0 +1,42 @@
+"""A worker's listeners bind the address it advertises (the pod IP), not every address: on loopback,
+127.0.0.2 answers and 127.0.0.1 (another address of the same host) refuses."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from oobleck.runtime.elastic.liveness import LivenessResponder, probe_liveness
+from oobleck.runtime.snapshot.holding import SnapshotStore
+from oobleck.runtime.snapshot.transport import SnapshotServer
+
+pytestmark = pytest.mark.integration
+
+POD_IP = "127.0.0.2"
+
+
+def _refused(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+
+
+def test_the_liveness_responder_listens_on_the_pod_ip_only():
+    responder = LivenessResponder(POD_IP)
+    port = int(responder.address.rpartition(":")[2])
+    assert responder.address == f"{POD_IP}:{port}"
+    assert probe_liveness(responder.address, 2.0) is None
+    assert _refused("127.0.0.1", port)
+
+
+def test_the_snapshot_server_listens_on_the_pod_ip_only():
+    server = SnapshotServer(SnapshotStore(), POD_IP).start()
+    try:
+        with socket.create_connection((POD_IP, server.port), timeout=2.0):
+            pass
+        assert _refused("127.0.0.1", server.port)
+    finally:
+        server.close()
