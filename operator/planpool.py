@@ -17,6 +17,7 @@ the operator flag that sets it: decide ends the job InvalidSpec with it.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import pickle
@@ -68,9 +69,20 @@ class InProcess:
 IN_PROCESS = InProcess()
 
 
-def _serve(conn: Connection, memory_bytes: int) -> None:
-    """A planner process: answer (fn, args, kwargs) requests with ("ok", value) or ("error", exception)."""
+PRELOAD = ("oobleck.operator.decide", "oobleck.planner.nextgen")
+"""Modules a planner process imports before it says it is ready (what the planning functions need)."""
+STARTUP_TIMEOUT_S = 300.0
+"""How long a fresh planner process may take to import PRELOAD (not counted against a call's limit)."""
+
+
+def _serve(conn: Connection, memory_bytes: int, preload: tuple[str, ...]) -> None:
+    """A planner process: import `preload`, say ("ready", None), then answer (fn, args, kwargs) requests
+    with ("ok", value) or ("error", exception)."""
+    for module in preload:
+        importlib.import_module(module)
+    # After the imports: the limit bounds the planning, not the interpreter.
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    conn.send(("ready", None))
     while True:
         try:
             fn, args, kwargs = conn.recv()
@@ -104,11 +116,26 @@ def _portable(error: Exception) -> Exception:
 
 
 class _Process:
-    def __init__(self, context: Any, memory_bytes: int) -> None:
+    def __init__(self, context: Any, memory_bytes: int, preload: tuple[str, ...]) -> None:
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, memory_bytes), daemon=True, name="oobleck-planner")
+        self.process = context.Process(
+            target=_serve, args=(child, memory_bytes, preload), daemon=True, name="oobleck-planner"
+        )
         self.process.start()
         child.close()
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Wait for the process's imports (once); OSError if it died or hung starting."""
+        if self.ready:
+            return
+        try:
+            if not self.conn.poll(STARTUP_TIMEOUT_S):
+                raise OSError(f"a planner process did not start within {STARTUP_TIMEOUT_S:g} s")
+            self.conn.recv()
+        except EOFError:
+            raise OSError(f"a planner process died starting (exit code {self.stop()})") from None
+        self.ready = True
 
     def stop(self) -> int | None:
         """Kill the process (if still running) and return its exit code."""
@@ -122,18 +149,22 @@ class _Process:
 class PlannerPool:
     """`limits.workers` planner processes (spawned, so they inherit none of the operator's threads)."""
 
-    def __init__(self, limits: PlannerLimits) -> None:
+    def __init__(self, limits: PlannerLimits, preload: tuple[str, ...] = PRELOAD) -> None:
         if limits.workers < 1:
             raise ValueError(f"planner workers must be >= 1, got {limits.workers}")
         self.limits = limits
         self._context = multiprocessing.get_context("spawn")
+        self._preload = preload
         self._idle: queue.SimpleQueue[_Process] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
         self.replaced = 0
         """processes replaced after a limit or a death (for tests and logs)"""
         for _ in range(limits.workers):
-            self._idle.put(_Process(self._context, limits.memory_bytes))
+            self._idle.put(self._spawn())
+
+    def _spawn(self) -> _Process:
+        return _Process(self._context, self.limits.memory_bytes, self._preload)
 
     def _over_time(self) -> PlanningLimitExceeded:
         return PlanningLimitExceeded(
@@ -154,11 +185,13 @@ class PlannerPool:
         keep = False
         try:
             try:
+                worker.wait_ready()
                 worker.conn.send((fn, args, kwargs))
-            except (BrokenPipeError, OSError):
-                # Died while idle (e.g. killed from outside): once more on a fresh process.
+            except OSError:
+                # Died while idle or starting (e.g. killed from outside): once more on a fresh process.
                 worker.stop()
-                worker = _Process(self._context, self.limits.memory_bytes)
+                worker = self._spawn()
+                worker.wait_ready()
                 worker.conn.send((fn, args, kwargs))
             if not worker.conn.poll(self.limits.timeout_s):
                 raise self._over_time()
@@ -178,7 +211,7 @@ class PlannerPool:
                 code = worker.stop()
                 self.replaced += 1
                 log.warning(f"planner process replaced (exit code {code})")
-                worker = _Process(self._context, self.limits.memory_bytes)
+                worker = self._spawn()
             with self._lock:
                 if self._closed:
                     worker.stop()
