@@ -424,7 +424,7 @@ async def reconcile(
     if obs.oversized and obs.oversized != runner.oversized:
         message = "worker reports ignored: " + "; ".join(obs.oversized)
         logger.warning(message)
-        kopf.warn(body, reason="ReportTooLarge", message=message[:1024])
+        kopf.warn(body, reason=Reason.REPORT_TOO_LARGE, message=message[:1024])
     runner.oversized = obs.oversized
     status = parse_status(raw_status)
     generation = int((view.get("metadata") or {}).get("generation") or 0)
