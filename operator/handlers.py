@@ -436,6 +436,8 @@ async def reconcile(
         verdict = faults.assess(
             runner.uid, job_pods.get(runner.key, ()), counted, records, spec.failure_policy, time.time()
         )
+        if runner.current is None:
+            pause.end()  # before generation 0 nothing is urgent, and a check may take the planner's whole limit
         # In a thread: decide waits there for the planner's processes, the event loop goes on.
         decision = await asyncio.get_running_loop().run_in_executor(
             memo.decide_threads,
