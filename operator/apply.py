@@ -4,6 +4,9 @@ Every write names its patch type explicitly (merge patch: a dict body would defa
 merge) and skips response deserialisation (`_preload_content=False`: turning 1000 pod bodies into
 typed models costs more CPU than the calls themselves). Fan-out runs under one semaphore.
 Creates are idempotent: 409 AlreadyExists on an object that carries our job's owner uid is success.
+A create the API server refuses for good (400, 403, 413, 422: a quota, a LimitRange, an admission
+policy, an object too large) raises `Rejected`, which ends the job; other failures are retried with
+`retry_delay`'s backoff (5xx, 429, timeouts).
 """
 
 from __future__ import annotations
@@ -44,9 +47,27 @@ class ApiError(RuntimeError):
         self.status = status
         try:
             message = json.loads(body).get("message", body)
-        except ValueError:
+        except (ValueError, AttributeError):
             message = body
         super().__init__(f"{verb} {what}: HTTP {status}: {message}")
+
+
+REJECTED_STATUSES = (400, 403, 413, 422)
+"""Answers to a create that retrying cannot change (409 and 404 mean something else: see create_owned)."""
+
+
+class Rejected(ApiError):
+    """The API server refused to create a child for good: the job cannot run as specified."""
+
+
+def _error(verb: str, what: str, status: int, body: str) -> ApiError:
+    kind = Rejected if verb == "create" and status in REJECTED_STATUSES else ApiError
+    return kind(verb, what, status, body)
+
+
+def retry_delay(failures: int, base_s: float, cap_s: float) -> float:
+    """Seconds to wait after `failures` (>= 1) failed reconciles in a row: base, 2 base, 4 base ... up to cap."""
+    return min(cap_s, base_s * 2 ** min(failures - 1, 30))
 
 
 class ForeignObject(RuntimeError):
@@ -97,11 +118,11 @@ class Api:
                 raise ApiError(verb, what, 0, f"{type(error).__name__}: {error}") from error
             except client.ApiException as error:  # raised for some transport-level answers
                 self.metrics.api_errors.labels(verb=verb).inc()
-                raise ApiError(verb, what, error.status or 0, str(error.body or error.reason)) from error
+                raise _error(verb, what, error.status or 0, str(error.body or error.reason)) from error
         if not 200 <= response.status < 300:
             if response.status not in (404, 409):  # expected answers of idempotent calls, not errors
                 self.metrics.api_errors.labels(verb=verb).inc()
-            raise ApiError(verb, what, response.status, body.decode(errors="replace"))
+            raise _error(verb, what, response.status, body.decode(errors="replace"))
         return json.loads(body) if body else {}
 
     # -- reads --

@@ -40,6 +40,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seconds the workers of a `profile: measure` job may take to report their measured "
         "profile before the first plan uses the synthetic estimate (0: do not wait)",
     )
+    parser.add_argument(
+        "--planner-workers", type=int, default=2, help="planner processes (jobs that can plan at the same time)"
+    )
+    parser.add_argument(
+        "--planner-timeout",
+        type=float,
+        default=30.0,
+        help="seconds one planning call may take; a spec over it fails InvalidSpec",
+    )
+    parser.add_argument(
+        "--planner-memory-mib",
+        type=int,
+        default=2048,
+        help="address space of a planner process (MiB); a spec that needs more fails InvalidSpec",
+    )
     parser.add_argument("--inter-node-gbps", type=float, default=200.0, help="inter-node bandwidth (Gbit/s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="also log every handler call")
     parser.set_defaults(func=run)
@@ -70,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from oobleck.operator import handlers  # noqa: F401  (registers the handlers)
+    from oobleck.operator.planpool import PlannerLimits
     from oobleck.operator.settings import DEFAULT_IMAGE, OperatorConfig
 
     if not args.namespace and not args.all_namespaces:
@@ -83,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         ("--resync", args.resync),
         ("--gpu-memory-gib", args.gpu_memory_gib),
         ("--inter-node-gbps", args.inter_node_gbps),
+        ("--planner-workers", args.planner_workers),
+        ("--planner-timeout", args.planner_timeout),
+        ("--planner-memory-mib", args.planner_memory_mib),
     ):
         _positive(flag, value)
     _positive("--peering-lifetime", args.peering_lifetime)
@@ -112,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
         peering_name=args.peering or "oobleck-operator",
         priority=args.priority,
         peering_lifetime_s=args.peering_lifetime,
+        planner=PlannerLimits(
+            workers=args.planner_workers,
+            timeout_s=args.planner_timeout,
+            memory_bytes=args.planner_memory_mib << 20,
+        ),
     )
     if not args.verbose:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per handler call otherwise

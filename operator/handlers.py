@@ -10,9 +10,11 @@ the daemon; the children then go by garbage collection (owner references).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -39,13 +41,17 @@ from oobleck.operator.apply import (
     ApiError,
     ForeignObject,
     GcPause,
+    Rejected,
     apply_decision,
     ends_job,
     ensure_static_children,
     read_current,
+    retry_delay,
 )
 from oobleck.operator.decide import CurrentPlan, JobContext, decide, synthetic_profile
 from oobleck.operator.metrics import Metrics
+from oobleck.operator.planpool import PlannerPool
+from oobleck.operator.render import MEASURED_PROFILE_ANNOTATION
 from oobleck.operator.settings import OperatorConfig, configure_kopf
 from oobleck.planner.errors import PlanningError
 
@@ -79,6 +85,7 @@ class JobRunner:
     phase: str = "Pending"
     nodes: frozenset[str] = frozenset()
     failures_written: faults.Counted | None = None  # the worker-failure count of the last status patched
+    oversized: tuple[str, ...] = ()  # the oversized reports last warned about
 
 
 def _memo_waker(memo: Any, key: JobKey) -> Waker:
@@ -106,6 +113,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
         port = memo.metrics.serve(config.metrics_port)
         logger.info(f"metrics on :{port}/metrics")
     memo.api = await Api.connect(config.kubeconfig, memo.metrics, config.write_concurrency, config.request_timeout_s)
+    # decide runs in these threads and plans in these processes: never on the event loop (planpool.py).
+    memo.planner = PlannerPool(config.planner)
+    memo.decide_threads = ThreadPoolExecutor(config.decide_threads, thread_name_prefix="oobleck-decide")
 
 
 @kopf.on.login()
@@ -140,6 +150,12 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     api: Api | None = getattr(memo, "api", None)
     if api is not None:
         await api.close()
+    threads: ThreadPoolExecutor | None = getattr(memo, "decide_threads", None)
+    if threads is not None:
+        threads.shutdown(wait=False, cancel_futures=True)
+    planner: PlannerPool | None = getattr(memo, "planner", None)
+    if planner is not None:
+        planner.close()
 
 
 @kopf.on.probe(id="jobs")
@@ -231,6 +247,7 @@ async def job_daemon(
     memo.runners[key] = runner
     waker = _memo_waker(memo, key)
     waker.wake(time.monotonic())
+    failures = 0  # failed reconciles in a row: the retry backs off
     try:
         while not stopped:
             try:
@@ -246,11 +263,19 @@ async def job_daemon(
             began = time.perf_counter()
             try:
                 await reconcile(runner, body, memo, job_pods, node_health, first_at, logger)
+                failures = 0
+            except Rejected as error:
+                # Retrying cannot help (a quota, a LimitRange, an admission policy, an object too large).
+                logger.warning(f"the API server refused a child of this job: {error}")
+                runner.phase = await _fail_invalid(memo.api, namespace, name, body, str(error), Reason.CHILD_REJECTED)
+                runner.loaded = False
             except (TimeoutError, ApiError, ForeignObject, OSError) as error:
-                logger.warning(f"reconcile failed, retrying in {config.error_backoff_s} s: {error}")
+                failures += 1
+                delay = retry_delay(failures, config.error_backoff_s, config.max_error_backoff_s)
+                logger.warning(f"reconcile failed ({failures} in a row), retrying in {delay:g} s: {error}")
                 runner.loaded = False  # re-read the truth (e.g. a plan written before a failed patch)
                 waker.wake(first_at or time.monotonic())
-                await stopped.wait(config.error_backoff_s)
+                await stopped.wait(delay)
             memo.metrics.reconcile_seconds.observe(time.perf_counter() - began)
             memo.metrics.set_phases(r.phase for r in memo.runners.values())
     finally:
@@ -265,15 +290,15 @@ def _now() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
 
 
-async def _fail_invalid(api: Api, namespace: str, name: str, body: kopf.Body, message: str) -> str:
-    """Mark a job whose spec the operator cannot use as Failed (once), with an event."""
+async def _fail_invalid(
+    api: Api, namespace: str, name: str, body: kopf.Body, message: str, reason: str = Reason.INVALID_SPEC
+) -> str:
+    """Mark a job whose spec the operator cannot use as Failed (once) with `reason`, and a Warning event."""
     status = parse_status(dict(body.get("status") or {}))
     if is_true(status.conditions, ConditionType.FAILED):
         return status.phase.value
     generation = body.metadata.get("generation")
-    conditions = set_condition(
-        status.conditions, ConditionType.FAILED, "True", Reason.INVALID_SPEC, message, generation, _now()
-    )
+    conditions = set_condition(status.conditions, ConditionType.FAILED, "True", reason, message, generation, _now())
     new = status.model_copy(
         update={
             "conditions": conditions,
@@ -283,19 +308,29 @@ async def _fail_invalid(api: Api, namespace: str, name: str, body: kopf.Body, me
         }
     )
     await api.patch_status(namespace, name, new.to_kubernetes())
-    kopf.warn(body, reason=Reason.INVALID_SPEC, message=message)
+    kopf.warn(body, reason=reason, message=message)
     return new.phase.value
 
 
 async def _profile(
-    api: Api, runner: JobRunner, spec: OobleckJobSpec, namespace: str, config: OperatorConfig, measured: str | None
+    api: Api,
+    runner: JobRunner,
+    spec: OobleckJobSpec,
+    namespace: str,
+    config: OperatorConfig,
+    measured: str | None,
+    oversized: tuple[str, ...] = (),
 ) -> ModelProfile | None:
     """The profile to plan with: stored beside the plan, from the spec's ConfigMap, or measured by a worker
-    (`measured`: its annotation); None while a `measure` job's workers are still profiling."""
+    (`measured`: its annotation; `oversized`: the observation's reports over their cap); None while a
+    `measure` job's workers are still profiling."""
     if runner.profile is not None:
         return runner.profile
     if spec.profile.source == "measure" and runner.current is None:
         if not measured:
+            too_long = next((o for o in oversized if MEASURED_PROFILE_ANNOTATION in o), None)
+            if too_long is not None:
+                raise PlanningError(f"profile: the workers' measured profile is too large to plan with: {too_long}")
             return None
         try:
             runner.profile = ModelProfile.model_validate_json(measured)
@@ -351,7 +386,11 @@ async def reconcile(
             raise ForeignObject(
                 f"configmap {namespace}/{name}-plan belongs to another owner (a deleted job's?); waiting for it to go"
             )
-        current = read_current(config_map)
+        try:
+            current = read_current(config_map)
+        except ValueError as error:  # e.g. over the decompression cap (planmap.MAX_PLAN_BYTES)
+            runner.phase = await _fail_invalid(api, namespace, name, body, str(error), Reason.PLAN_UNREADABLE)
+            return
         if current is not None:
             plan, failures, stored_profile, runner.plan_version = current
             runner.current = CurrentPlan(plan, failures)
@@ -371,7 +410,7 @@ async def reconcile(
         gpu_conditions=config.tuning.gpu_failure_conditions,
     )
     try:
-        profile = await _profile(api, runner, spec, namespace, config, obs.measured_profile)
+        profile = await _profile(api, runner, spec, namespace, config, obs.measured_profile, obs.oversized)
     except (PlanningError, ValueError) as error:
         runner.phase = await _fail_invalid(api, namespace, name, body, str(error))
         return
@@ -382,6 +421,11 @@ async def reconcile(
     for node in on_nodes:
         memo.node_jobs.setdefault(node, set()).add(runner.key)
     runner.nodes = on_nodes
+    if obs.oversized and obs.oversized != runner.oversized:
+        message = "worker reports ignored: " + "; ".join(obs.oversized)
+        logger.warning(message)
+        kopf.warn(body, reason=Reason.REPORT_TOO_LARGE, message=message[:1024])
+    runner.oversized = obs.oversized
     status = parse_status(raw_status)
     generation = int((view.get("metadata") or {}).get("generation") or 0)
     ctx = JobContext(name, namespace, runner.uid, generation, spec, status)
@@ -392,7 +436,13 @@ async def reconcile(
         verdict = faults.assess(
             runner.uid, job_pods.get(runner.key, ()), counted, records, spec.failure_policy, time.time()
         )
-        decision = decide(ctx, obs, runner.current, profile, config.tuning, _now(), verdict)
+        if runner.current is None:
+            pause.end()  # before generation 0 nothing is urgent, and a check may take the planner's whole limit
+        # In a thread: decide waits there for the planner's processes, the event loop goes on.
+        decision = await asyncio.get_running_loop().run_in_executor(
+            memo.decide_threads,
+            functools.partial(decide, ctx, obs, runner.current, profile, config.tuning, _now(), verdict, memo.planner),
+        )
         if fresh is None and ends_job(decision.status, raw_status):
             # Ending is irreversible: confirmed on a quorum read. After an API-server or etcd restart (or
             # an operator restart during one) kopf's cached body can lag behind the job, e.g. miss the

@@ -28,6 +28,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from oobleck.api.causes import CAUSE_ANNOTATION
+from oobleck.api.contract import MAX_MEASURED_PROFILE_BYTES, MAX_REPORT_BYTES
 from oobleck.api.plan import Plan
 from oobleck.api.reports import FailureKind, FailureReport, ProgressReport
 from oobleck.operator.render import (
@@ -79,6 +80,7 @@ class PodSummary:
     cause: str | None = None  # CAUSE_ANNOTATION: a job-caused failure the worker reported (operator/faults.py)
     terminated_message: str = ""  # the first terminated container's message (its last log lines)
     waiting: tuple[str, str] | None = None  # (reason, message) of the first container waiting with a reason
+    oversized: tuple[str, ...] = ()  # report annotations over their cap (left out above), as messages
 
 
 @dataclass(frozen=True)
@@ -94,12 +96,22 @@ class NodeSummary:
     allocatable: tuple[tuple[str, int], ...] = ()
 
 
+def _capped(annotations: Mapping[str, Any], key: str, cap: int, oversized: list[str]) -> str | None:
+    """A worker's report annotation, or None (and a message in `oversized`) when it is longer than `cap`."""
+    value = annotations.get(key)
+    if value is None or len(value) <= cap:
+        return value
+    oversized.append(f"annotation {key} is {len(value)} bytes, over the operator's cap of {cap}")
+    return None
+
+
 def summarize_pod(body: Mapping[str, Any]) -> PodSummary:
-    """Reduce a Pod to a PodSummary."""
+    """Reduce a Pod to a PodSummary (the workers' report annotations capped: see oobleck.api.contract)."""
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
+    oversized: list[str] = []
     terminated = waiting = None
     terminated_message = ""
     for container in status.get("containerStatuses") or []:
@@ -134,13 +146,14 @@ def summarize_pod(body: Mapping[str, Any]) -> PodSummary:
         unschedulable=unschedulable,
         generation=_int(annotations.get(GENERATION_ANNOTATION)),
         ranks=annotations.get(RANKS_ANNOTATION),
-        failure_report=annotations.get(FAILURE_ANNOTATION),
-        progress=annotations.get(PROGRESS_ANNOTATION),
+        failure_report=_capped(annotations, FAILURE_ANNOTATION, MAX_REPORT_BYTES, oversized),
+        progress=_capped(annotations, PROGRESS_ANNOTATION, MAX_REPORT_BYTES, oversized),
         owner_uid=owner,
-        measured_profile=annotations.get(MEASURED_PROFILE_ANNOTATION),
-        cause=annotations.get(CAUSE_ANNOTATION),
+        measured_profile=_capped(annotations, MEASURED_PROFILE_ANNOTATION, MAX_MEASURED_PROFILE_BYTES, oversized),
+        cause=_capped(annotations, CAUSE_ANNOTATION, MAX_REPORT_BYTES, oversized),
         terminated_message=terminated_message,
         waiting=waiting,
+        oversized=tuple(oversized),
     )
 
 
@@ -279,6 +292,7 @@ class JobObservation:
     generation_trained: bool | None = None  # a member reported a step in the current generation (None: no reports)
     measured_profile: str | None = None  # the lowest-indexed live worker's measured profile JSON, if any
     silent_held: tuple[str, ...] = ()  # members kept although every member's node went silent at once (`_blind`)
+    oversized: tuple[str, ...] = ()  # "<pod>: annotation ... over the cap" for reports left unread
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {w.name: w for w in self.workers})
@@ -410,6 +424,7 @@ def observe(
         None,
     )
     return JobObservation(
+        oversized=tuple(f"{name}: {why}" for name, pod in sorted(summaries.items()) for why in pod.oversized),
         measured_profile=measured,
         workers=ordered,
         coordinator=coordinator,

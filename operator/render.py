@@ -56,8 +56,10 @@ from oobleck.api.job import (
     KIND,
     MODEL_CONFIG_DIR,
     ROLE_LABEL,
+    SHM_DIR,
     WORKER_ROLE,
     OobleckJobSpec,
+    data_directory,
 )
 from oobleck.api.plan import Plan
 from oobleck.api.planmap import (  # noqa: F401  (re-exported: the operator's modules and tests use them from here)
@@ -198,13 +200,14 @@ def worker_pod(
     )
     env = [
         *contract.to_env(),
-        *({"name": e.name, "value": e.value} for e in spec.pod.env),
+        # A valueFrom stays a reference: the kubelet reads the Secret, the operator never does.
+        *(e.to_kubernetes() for e in spec.pod.env),
     ]
-    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": SHM_DIR}]
     # NCCL and the data loader need more shared memory than the container runtime's 64 MiB default.
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     if spec.data.claim_name and spec.data.path:
-        directory = spec.data.path.rsplit("/", 1)[0] or "/"
+        directory = data_directory(spec.data.path)  # never "" or reserved: the API server's rules
         mounts.append({"name": "data", "mountPath": directory, "readOnly": True})
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.claim_name, "readOnly": True}})
     hf = spec.model.transformers

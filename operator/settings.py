@@ -14,6 +14,7 @@ import kopf
 
 from oobleck.api.job import GROUP, KIND
 from oobleck.operator.decide import Tuning
+from oobleck.operator.planpool import PlannerLimits
 
 DEFAULT_IMAGE = "ghcr.io/oobleck-dev/oobleck:0.1.0"
 # The elastic worker of a pod (runtime/backends/pod/main.py): reads the env contract of render.py and the plan ConfigMap.
@@ -44,7 +45,13 @@ class OperatorConfig:
     request_timeout_s: float = 15.0
     """Timeout of one API call (kopf's and ours)."""
     error_backoff_s: float = 1.0
-    """Wait after a failed reconcile before the next try."""
+    """Wait after a failed reconcile before the next try; it doubles with each failure in a row
+    (an API server answering 5xx or 429), up to `max_error_backoff_s`."""
+    max_error_backoff_s: float = 30.0
+    planner: PlannerLimits = field(default_factory=PlannerLimits)
+    """The planner processes and their per-call time and memory limits (operator/planpool.py)."""
+    decide_threads: int = 32
+    """Threads that run decide (so that a job waiting on a planner process never blocks the event loop)."""
     metrics_port: int = 9090
     """Prometheus metrics port (0: any free port, logged; -1: off)."""
     liveness_port: int = 8080

@@ -9,13 +9,16 @@ and a worker's failure report.
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -613,3 +616,141 @@ def test_plan_writes_are_conditional_on_the_version_read(cluster, h):
 
     asyncio.run(scenario())
     assert current_plan(cluster, ns).generation == 1
+
+
+# -- bounded work (issue 20) -------------------------------------------------------------------------------
+
+
+def test_a_create_the_api_server_refuses_fails_the_job_with_its_message(cluster, env):
+    """A LimitRange refuses the worker pods (403): the job ends Failed/ChildRejected, not retried forever."""
+    ns = env["ns"]
+    limit_range = {
+        "apiVersion": "v1",
+        "kind": "LimitRange",
+        "metadata": {"name": "small"},
+        "spec": {"limits": [{"type": "Container", "max": {"memory": "1Gi"}}]},
+    }
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(limit_range))
+    env["operator"].start()
+    apply_job(cluster, env, resources={"cpu": "1", "memory": "2Gi"})
+    failed = wait_for(
+        lambda: (c := condition(job(cluster, ns), "Failed")) and c["status"] == "True" and c, "the Failed condition"
+    )
+    assert failed["reason"] == "ChildRejected", failed
+    assert "HTTP 403" in failed["message"] and "maximum memory usage per Container is 1Gi" in failed["message"]
+    events = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", "reason=ChildRejected")["items"]
+    assert events and events[0]["type"] == "Warning" and "1Gi" in events[0]["message"]
+    errors = env["operator"].metrics().count('api_errors_total{verb="create"}')
+    time.sleep(3)  # more than the 1 s retry of before: nothing is retried
+    assert env["operator"].metrics().count('api_errors_total{verb="create"}') == errors
+    assert not workers(cluster, ns)
+
+
+def _huge_profile_config_map(name: str) -> dict[str, Any]:
+    """1024 layers: what a worker could measure for an entry point (the API server cannot see its layers)."""
+    from oobleck.planner.synthetic import GPTShape, gpt_profile
+
+    profile = gpt_profile(
+        GPTShape(blocks=1022, hidden=64, heads=4, vocab=256),
+        seq_len=32,
+        microbatch_size=1,
+        gpu_flops=300e12,
+        hbm_bandwidth=2e12,
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name},
+        "data": {"profile.json": profile.model_dump_json()},
+    }
+
+
+def test_a_huge_spec_is_planned_off_the_loop_while_another_job_recovers(cluster, env):
+    """A 4096-node x 1024-layer job beside a training job: the operator's liveness answers throughout, it
+    does not restart, the other job's lost worker is replaced in its usual time, and the huge job fails
+    InvalidSpec naming the planner's limit. Also: an env from a Secret stays a reference everywhere."""
+    ns = env["ns"]
+    secret_value = f"s3cr3t-{secrets.token_hex(8)}"
+    cluster.kubectl("create", "secret", "generic", "hub", "-n", ns, f"--from-literal=token={secret_value}")
+    env_from_secret = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hub", "key": "token"}}}
+    plan = running_job(
+        cluster,
+        env,
+        operator_args=("--planner-timeout", "8"),
+        pod={"nodeSelector": {POOL_LABEL: env["pool"]}, "env": [env_from_secret]},
+    )
+    operator = env["operator"]
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_huge_profile_config_map("huge-profile")))
+    huge = yaml.safe_load(job_manifest("huge", env["pool"]))
+    huge["spec"].update(
+        model={"entryPoint": "mypkg.models:build_layers"},
+        nodes={"min": 2, "max": 4096},
+        training={"steps": 10, "globalBatchSize": 8192, "microbatchSize": 1},
+        profile={"source": "configMap", "configMap": {"name": "huge-profile"}},
+    )
+    probes: list[float] = []
+    probing = True
+
+    def probe() -> None:
+        while probing:
+            began = time.monotonic()
+            try:
+                operator.healthy()
+                probes.append(time.monotonic() - began)
+            except Exception:
+                probes.append(float("inf"))
+            time.sleep(0.25)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    try:
+        cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(huge))
+        time.sleep(1.0)  # the huge spec is being planned now
+        victim = plan.nodes[0]
+        began = time.monotonic()
+        cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+        after = wait_for(lambda: settled(cluster, ns, 1), "generation 1 of the other job")
+        recovered_s = time.monotonic() - began
+        assert victim not in after.nodes
+        failed = wait_for(
+            lambda: (c := condition(job(cluster, ns, "huge"), "Failed")) and c["status"] == "True" and c,
+            "the huge job's Failed condition",
+        )
+    finally:
+        probing = False
+        prober.join()
+    assert failed["reason"] == "InvalidSpec" and "--planner-" in failed["message"], failed
+    assert recovered_s < 30, f"the other job took {recovered_s:.1f} s to get its next generation"
+    assert probes and max(probes) < 5, f"liveness: {len(probes)} probes, slowest {max(probes):.1f} s"
+    assert operator.starts == 1 and operator.process is not None and operator.process.poll() is None
+    assert not workers(cluster, ns, "huge")
+    # The Secret's value is nowhere the operator writes: plan ConfigMap (job.json), pods' env and annotations.
+    config_map = cluster.kubectl("get", "configmap", "tiny-plan", "-n", ns, "-o", "json").stdout
+    pods = cluster.kubectl("get", "pods", "-n", ns, "-o", "json").stdout
+    assert secret_value not in config_map and secret_value not in pods
+    pod = next(iter(workers(cluster, ns).values()))
+    assert env_from_secret in pod["spec"]["containers"][0]["env"]
+
+
+def test_a_gzip_bomb_in_the_plan_config_map_fails_the_job_and_the_operator_lives(cluster, env, tmp_path):
+    ns = env["ns"]
+    running_job(cluster, env)
+    operator = env["operator"]
+    operator.kill()
+    stream = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = b"\0" * (1 << 20)
+    bomb = b"".join([*(stream.compress(zeros) for _ in range(512)), stream.flush()])  # 512 MiB in ~0.5 MB
+    patch = tmp_path / "bomb.json"
+    patch.write_text(
+        json.dumps({"data": {render.PLAN_KEY: ""}, "binaryData": {render.PLAN_GZ_KEY: base64.b64encode(bomb).decode()}})
+    )
+    cluster.kubectl("patch", "configmap", "tiny-plan", "-n", ns, "--type=merge", "--patch-file", str(patch))
+    operator.start()
+    failed = wait_for(
+        lambda: (c := condition(job(cluster, ns), "Failed")) and c["status"] == "True" and c, "the Failed condition"
+    )
+    assert failed["reason"] == "PlanUnreadable" and "more than the cap of" in failed["message"], failed
+    assert operator.healthy() and operator.starts == 2
+    assert operator.process is not None
+    peak_kib = int(Path(f"/proc/{operator.process.pid}/status").read_text().split("VmHWM:")[1].split()[0])
+    assert peak_kib < 450 * 1024, f"the operator's peak RSS was {peak_kib >> 10} MiB"

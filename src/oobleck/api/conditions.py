@@ -62,6 +62,13 @@ class Reason:
     ALL_SCHEDULED = "AllScheduled"
     # Failed
     INVALID_SPEC = "InvalidSpec"
+    CHILD_REJECTED = "ChildRejected"
+    """the API server refused to create one of the job's objects for good (HTTP 400, 403, 413 or 422: a quota,
+    a LimitRange, an admission policy, an object too large); the message is the API server's"""
+    REPORT_TOO_LARGE = "ReportTooLarge"
+    """(an event) a worker's report annotation over the operator's cap was left unread (api.contract)"""
+    PLAN_UNREADABLE = "PlanUnreadable"
+    """the plan ConfigMap cannot be read (not a plan, or over the decompression cap)"""
     TOO_FEW_NODES = "TooFewNodes"
     LAYERS_LOST = "LayersLost"
     PENDING_TIMEOUT = "PendingTimeout"

@@ -81,6 +81,13 @@ MEASURED_PROFILE_ANNOTATION = f"{GROUP}/measured-profile"
 """On a worker pod, by its runtime, before the first plan of a `profile: measure` job: the ModelProfile
 JSON it measured on its own device (the operator plans generation 0 with it)"""
 
+MAX_REPORT_BYTES = 16 * 1024
+"""The most the operator reads of a worker's FAILURE_ANNOTATION, PROGRESS_ANNOTATION or cause annotation
+(a runtime's report is a few hundred bytes); a longer one is ignored with a warning event"""
+MAX_MEASURED_PROFILE_BYTES = 192 * 1024
+"""The most the operator reads of MEASURED_PROFILE_ANNOTATION (about 1000 layers); a longer one fails
+the job InvalidSpec. The operator keeps every pod's reports in memory: these caps bound it."""
+
 
 class PodContract(BaseModel):
     """The worker container's environment, set by the operator (field aliases are the variable names).

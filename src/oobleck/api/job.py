@@ -45,6 +45,12 @@ WORKER_ROLE = "worker"
 COORDINATOR_ROLE = "coordinator"
 
 MAX_NODES = 4096
+# The planner's cost grows with nodes and layers (measured: 1024 nodes x 512 GPT layers 7 s, 1024 x 1024
+# 14 s and 744 MB): the API server refuses GPT shapes beyond this product up front; the operator's
+# planner limits (time, memory per call) bound the rest (entry points, transformers configs).
+MAX_NODES_TIMES_LAYERS = 524288
+# An absolute path with no empty, trailing or root-only component: /a, /a/b.
+ABSOLUTE_PATH_PATTERN = r"^(/[^/]+)+$"
 # Kubernetes resource quantity, unsigned (e.g. "500m", "2", "8Gi", "1e3"): the apimachinery grammar.
 QUANTITY_PATTERN = (
     r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
@@ -183,6 +189,40 @@ TRANSFORMERS_FAMILIES: tuple[str, ...] = get_args(TransformersFamily)
 TRANSFORMERS_PRESETS: tuple[str, ...] = get_args(TransformersPreset)
 MODEL_CONFIG_DIR = "/etc/oobleck/model"
 """Where worker pods see the model's config.json ConfigMap key (model.transformers.configMap)."""
+SHM_DIR = "/dev/shm"
+"""Where worker pods get a memory-backed emptyDir (NCCL and the data loader need more than 64 MiB)."""
+RESERVED_MOUNT_PATHS = (SHM_DIR, MODEL_CONFIG_DIR)
+"""Directories the operator mounts volumes at: no user volume may be mounted at one or above one."""
+_RESERVED_CEL = "[" + ", ".join(f"'{p}'" for p in RESERVED_MOUNT_PATHS) + "]"
+
+
+def _clear_of_reserved(path: str) -> bool:
+    return all(path != r and not r.startswith(path + "/") for r in RESERVED_MOUNT_PATHS)
+
+
+def _clear_of_reserved_cel(path: str) -> str:
+    return f"{_RESERVED_CEL}.all(r, {path} != r && !r.startsWith({path} + '/'))"
+
+
+def _mount_rule(field: str, cel_path: str, python_path: Callable[[Any], str | None]) -> Rule:
+    """The rule that a user path (`field`) is not a directory the operator mounts, nor above one."""
+    return Rule(
+        cel=_clear_of_reserved_cel(cel_path),
+        message=f"{field} %s: the operator mounts volumes at {' and '.join(RESERVED_MOUNT_PATHS)} in worker "
+        "containers; use a directory that is neither one of them nor above one",
+        cel_args=(cel_path,),
+        args=lambda m: (python_path(m),),
+        check=lambda m: python_path(m) is None or _clear_of_reserved(str(python_path(m))),
+        field_path=f".{field.rsplit('.', 1)[-1]}",
+    )
+
+
+def data_directory(path: str) -> str:
+    """The directory of a token file, where its claim is mounted ("" for a file at /)."""
+    return path.rsplit("/", 1)[0]
+
+
+_DATA_DIR_CEL = "self.data.path.substring(0, self.data.path.lastIndexOf('/'))"
 
 
 class ModelConfigMap(_Model):
@@ -203,12 +243,17 @@ class InitFrom(_Model):
     model.safetensors.index.json); each worker reads only its own layers' tensors."""
 
     path: str = Field(
-        min_length=2, max_length=1024, pattern=r"^/", description="Absolute directory in the worker container."
+        min_length=2,
+        max_length=1024,
+        pattern=ABSOLUTE_PATH_PATTERN,
+        description="Absolute directory in the worker container.",
     )
     claim_name: DnsName | None = Field(
         default=None,
         description="PersistentVolumeClaim mounted read-only at `path`; absent means the directory is in the image.",
     )
+
+    _RULES = (_mount_rule("model.transformers.initFrom.path", "self.path", lambda m: m.path),)
 
 
 class TransformersModel(_Model):
@@ -441,7 +486,7 @@ class DataSpec(_Model):
         default=None,
         min_length=1,
         max_length=1024,
-        pattern=r"^/",
+        pattern=ABSOLUTE_PATH_PATTERN,
         description="Absolute path of the token file in the worker container: little-endian token ids of `dtype`, "
         "back to back (the nanoGPT train.bin layout; `oobleck tokenize` writes one). Required for tokenFile.",
     )
@@ -470,6 +515,26 @@ class DataSpec(_Model):
             check=lambda m: m.source == "tokenFile" or (m.path is None and m.claim_name is None),
             field_path=".source",
             reason="FieldValueForbidden",
+        ),
+        Rule(
+            cel="!has(self.claimName) || !has(self.path) || self.path.lastIndexOf('/') > 0",
+            message="data.path %s: with data.claimName the claim is mounted at the directory of the file, which cannot "
+            "be /; put the file in a directory, e.g. /data/train.bin",
+            cel_args=("self.path",),
+            args=lambda m: (m.path,),
+            check=lambda m: m.claim_name is None or m.path is None or data_directory(m.path) != "",
+            field_path=".path",
+        ),
+        Rule(
+            cel="!has(self.claimName) || !has(self.path) || "
+            + _clear_of_reserved_cel("self.path.substring(0, self.path.lastIndexOf('/'))"),
+            message=f"data.path %s: with data.claimName the claim is mounted at the directory of the file, and the "
+            f"operator mounts volumes at {' and '.join(RESERVED_MOUNT_PATHS)}; use a directory that is neither one "
+            "of them nor above one",
+            cel_args=("self.path",),
+            args=lambda m: (m.path,),
+            check=lambda m: m.claim_name is None or m.path is None or _clear_of_reserved(data_directory(m.path)),
+            field_path=".path",
         ),
     )
 
@@ -542,7 +607,7 @@ class CheckpointSpec(_Model):
     path: str = Field(
         min_length=2,
         max_length=1024,
-        pattern=r"^/",
+        pattern=ABSOLUTE_PATH_PATTERN,
         description="Absolute directory in the worker container to write checkpoints to.",
     )
     claim_name: DnsName | None = Field(
@@ -558,6 +623,8 @@ class CheckpointSpec(_Model):
         "also a Hugging Face directory `huggingface-step<N>` at every checkpoint. A transformers job always "
         "writes `<path>/huggingface` (config.json + sharded model.safetensors) when it succeeds.",
     )
+
+    _RULES = (_mount_rule("checkpoint.path", "self.path", lambda m: m.path),)
 
 
 class Toleration(_Model):
@@ -600,13 +667,54 @@ class Toleration(_Model):
     )
 
 
-class EnvVar(_Model):
-    """An environment variable for the worker container."""
+class KeySelector(_Model):
+    """A key of a Secret or ConfigMap in the job's namespace (the kubelet reads it; the operator never does)."""
 
-    name: str = Field(min_length=1, max_length=128, pattern=ENV_NAME_PATTERN, description="Variable name.")
-    value: str = Field(default="", max_length=32768, description="Variable value.")
+    name: DnsName = Field(description="The Secret's or ConfigMap's name.")
+    key: str = Field(
+        min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="The key whose value to use."
+    )
+    optional: bool | None = Field(default=None, description="Start the container even if the key is missing.")
+
+
+class EnvVarSource(_Model):
+    """Where a variable's value comes from, read by the kubelet when it starts the container: the value
+    never passes through the operator, the plan ConfigMap or the pod's annotations."""
+
+    secret_key_ref: KeySelector | None = Field(default=None, description="A key of a Secret.")
+    config_map_key_ref: KeySelector | None = Field(default=None, description="A key of a ConfigMap.")
 
     _RULES = (
+        Rule(
+            cel="has(self.secretKeyRef) != has(self.configMapKeyRef)",
+            message="valueFrom: set exactly one of secretKeyRef and configMapKeyRef",
+            check=lambda m: (m.secret_key_ref is None) != (m.config_map_key_ref is None),
+        ),
+    )
+
+
+class EnvVar(_Model):
+    """An environment variable for the worker container: a literal `value`, or `valueFrom` a Secret or
+    ConfigMap key (use this for tokens and passwords)."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=ENV_NAME_PATTERN, description="Variable name.")
+    value: str | None = Field(
+        default=None,
+        max_length=32768,
+        description="Variable value (stored in the job, its plan ConfigMap and the pods: never a secret).",
+    )
+    value_from: EnvVarSource | None = Field(default=None, description="The value from a Secret or ConfigMap key.")
+
+    _RULES = (
+        Rule(
+            cel="!has(self.value) || !has(self.valueFrom)",
+            message="name %s: set value or valueFrom, not both",
+            cel_args=("self.name",),
+            args=lambda m: (m.name,),
+            check=lambda m: m.value is None or m.value_from is None,
+            field_path=".valueFrom",
+            reason="FieldValueForbidden",
+        ),
         Rule(
             cel=f"!self.name.startsWith('{RESERVED_ENV_PREFIX}')",
             message=f"name %s: names starting with {RESERVED_ENV_PREFIX} are set by the runtime",
@@ -650,7 +758,20 @@ class PodOverrides(_Model):
         },
     )
     annotations: dict[str, AnnotationValue] = Field(
-        default_factory=dict, max_length=32, description="Extra annotations on worker pods."
+        default_factory=dict,
+        max_length=32,
+        description=f"Extra annotations on worker pods (not {RESERVED_LABEL_PREFIX}*, which the operator and the "
+        "workers write).",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.all(k, !k.startsWith('{RESERVED_LABEL_PREFIX}'))",
+                    "message": f"annotation keys starting with {RESERVED_LABEL_PREFIX} are set by the operator and "
+                    "the workers",
+                    "reason": "FieldValueForbidden",
+                }
+            ]
+        },
     )
 
     _RULES = (
@@ -663,6 +784,12 @@ class PodOverrides(_Model):
             cel=None,  # the API server applies the rule on the labels field itself
             message=f"labels: label keys starting with {RESERVED_LABEL_PREFIX} are set by the operator",
             check=lambda m: not any(k.startswith(RESERVED_LABEL_PREFIX) for k in m.labels),
+        ),
+        Rule(
+            cel=None,  # the API server applies the rule on the annotations field itself
+            message=f"annotations: annotation keys starting with {RESERVED_LABEL_PREFIX} are set by the operator and "
+            "the workers",
+            check=lambda m: not any(k.startswith(RESERVED_LABEL_PREFIX) for k in m.annotations),
         ),
     )
 
@@ -789,7 +916,76 @@ class OobleckJobSpec(_Model):
             check=lambda m: m.training.global_microbatches >= m.f + 1,
             field_path=".training.globalBatchSize",
         ),
+        Rule(
+            cel=f"!has(self.model.gpt) || self.nodes.max * self.model.gpt.layers <= {MAX_NODES_TIMES_LAYERS}",
+            message="nodes.max x model.gpt.layers = %d x %d = %d, over the bound of the planner of "
+            f"{MAX_NODES_TIMES_LAYERS} (e.g. 4096 nodes x 128 layers, 1024 x 512): use fewer nodes or layers",
+            cel_args=("self.nodes.max", "self.model.gpt.layers", "self.nodes.max * self.model.gpt.layers"),
+            args=lambda m: (m.nodes.max, m.model.gpt.layers, m.nodes.max * m.model.gpt.layers),
+            check=lambda m: m.model.gpt is None or m.nodes.max * m.model.gpt.layers <= MAX_NODES_TIMES_LAYERS,
+            field_path=".nodes.max",
+        ),
+        Rule(
+            cel="!has(self.checkpoint) || !has(self.checkpoint.claimName) || !has(self.data.claimName) || "
+            f"!has(self.data.path) || self.checkpoint.path != {_DATA_DIR_CEL}",
+            message="checkpoint.path %s is also where data.claimName is mounted (the directory of data.path): one "
+            "path cannot hold two volumes",
+            cel_args=("self.checkpoint.path",),
+            args=lambda m: (m.checkpoint.path,),
+            check=lambda m: (
+                not (
+                    m.checkpoint is not None
+                    and m.checkpoint.claim_name
+                    and m.data.claim_name
+                    and m.data.path
+                    and m.checkpoint.path == data_directory(m.data.path)
+                )
+            ),
+            field_path=".checkpoint.path",
+        ),
+        Rule(
+            cel="!has(self.checkpoint) || !has(self.checkpoint.claimName) || !has(self.model.transformers) || "
+            "!has(self.model.transformers.initFrom) || !has(self.model.transformers.initFrom.claimName) || "
+            "self.checkpoint.path != self.model.transformers.initFrom.path",
+            message="checkpoint.path %s is also model.transformers.initFrom.path, where its claim is mounted: one "
+            "path cannot hold two volumes",
+            cel_args=("self.checkpoint.path",),
+            args=lambda m: (m.checkpoint.path,),
+            check=lambda m: (
+                not (
+                    m.checkpoint is not None
+                    and m.checkpoint.claim_name
+                    and (init := _init_from(m)) is not None
+                    and init.claim_name
+                    and init.path == m.checkpoint.path
+                )
+            ),
+            field_path=".checkpoint.path",
+        ),
+        Rule(
+            cel="!has(self.data.claimName) || !has(self.data.path) || !has(self.model.transformers) || "
+            "!has(self.model.transformers.initFrom) || !has(self.model.transformers.initFrom.claimName) || "
+            f"self.model.transformers.initFrom.path != {_DATA_DIR_CEL}",
+            message="data.path %s: its directory, where data.claimName is mounted, is also "
+            "model.transformers.initFrom.path, where its claim is mounted: one path cannot hold two volumes",
+            cel_args=("self.data.path",),
+            args=lambda m: (m.data.path,),
+            check=lambda m: (
+                not (
+                    m.data.claim_name
+                    and m.data.path
+                    and (init := _init_from(m)) is not None
+                    and init.claim_name
+                    and init.path == data_directory(m.data.path)
+                )
+            ),
+            field_path=".data.path",
+        ),
     )
+
+
+def _init_from(spec: OobleckJobSpec) -> InitFrom | None:
+    return spec.model.transformers.init_from if spec.model.transformers is not None else None
 
 
 # --- status ----------------------------------------------------------------------------------------

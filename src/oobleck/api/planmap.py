@@ -15,8 +15,10 @@ Annotation GENERATION_ANNOTATION on the ConfigMap equals the plan's generation.
 from __future__ import annotations
 
 import base64
+import binascii
 import gzip
 import json
+import zlib
 from typing import Any
 
 from oobleck.api.contract import FAILURES_SURVIVED_ANNOTATION, GENERATION_ANNOTATION
@@ -31,6 +33,9 @@ JOB_KEY = "job.json"
 # generation, and a 1024-node x 8-GPU plan is 481 kB as JSON but 53 kB gzipped (a ConfigMap holds
 # at most 1 MiB). Small plans stay readable with kubectl.
 PLAN_INLINE_LIMIT = 64 * 1024
+# The most a gzipped plan may decompress to. A 4096-node x 16-GPU plan is about 4 MB of JSON; a
+# ConfigMap of 1 MiB of gzipped zeros would otherwise become gigabytes in every reader's memory.
+MAX_PLAN_BYTES = 32 << 20
 
 
 def encode_plan(plan: Plan, inline_limit: int = PLAN_INLINE_LIMIT) -> tuple[dict[str, str], dict[str, str]]:
@@ -46,17 +51,29 @@ def _name(config_map: dict[str, Any]) -> str:
     return (config_map.get("metadata") or {}).get("name", "?")
 
 
-def read_plan(config_map: dict[str, Any]) -> Plan:
-    """The Plan in a plan ConfigMap (either form); raises ValueError naming the key if it is invalid."""
+def gunzip_capped(data: bytes, cap: int) -> bytes:
+    """`data` gunzipped, never holding more than `cap` bytes of output: ValueError past it."""
+    stream = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    out = stream.decompress(data, cap)
+    if stream.unconsumed_tail or (not stream.eof and len(out) >= cap):
+        raise ValueError(f"decompresses to more than the cap of {cap} bytes ({cap >> 20} MiB)")
+    if not stream.eof:
+        raise ValueError("truncated gzip data")
+    return out
+
+
+def read_plan(config_map: dict[str, Any], max_bytes: int = MAX_PLAN_BYTES) -> Plan:
+    """The Plan in a plan ConfigMap (either form); raises ValueError naming the key if it is invalid or
+    its gzipped form decompresses to more than `max_bytes`."""
     binary = (config_map.get("binaryData") or {}).get(PLAN_GZ_KEY)
     key = PLAN_GZ_KEY if binary else PLAN_KEY
     try:
         if binary:
-            text = gzip.decompress(base64.b64decode(binary)).decode()
+            text = gunzip_capped(base64.b64decode(binary), max_bytes).decode()
         else:
             text = (config_map.get("data") or {}).get(PLAN_KEY) or ""
         return Plan.model_validate_json(text)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, zlib.error, binascii.Error) as error:
         raise ValueError(f"configmap {_name(config_map)}: key {key}: not a valid plan: {error}") from error
 
 
