@@ -15,6 +15,7 @@ import asyncio
 import gc
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class Api:
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
         self.rbac = client.RbacAuthorizationV1Api(self.api)
+        self.networking = client.NetworkingV1Api(self.api)
         self.limit = asyncio.Semaphore(self.concurrency)
 
     @classmethod
@@ -168,6 +170,11 @@ class Api:
             "ConfigMap": (self.core.create_namespaced_config_map, self.core.read_namespaced_config_map),
             "Role": (self.rbac.create_namespaced_role, self.rbac.read_namespaced_role),
             "RoleBinding": (self.rbac.create_namespaced_role_binding, self.rbac.read_namespaced_role_binding),
+            "Secret": (self.core.create_namespaced_secret, self.core.read_namespaced_secret),
+            "NetworkPolicy": (
+                self.networking.create_namespaced_network_policy,
+                self.networking.read_namespaced_network_policy,
+            ),
         }[kind]
         what = f"{kind.lower()} {namespace}/{name}"
         try:
@@ -369,10 +376,15 @@ async def apply_decision(
     return Applied(patched_at=patched_at, created=created, deleted=deleted, plan_version=written)
 
 
-async def ensure_static_children(api: Api, namespace: str, job: str, uid: str) -> None:
-    """ServiceAccount, Role, RoleBinding and Service (created once; 409 with our uid is fine)."""
-    for body in render.static_children(job, namespace, uid):
+async def ensure_static_children(
+    api: Api, namespace: str, job: str, uid: str, scrape_namespace: str | None = None
+) -> None:
+    """ServiceAccount, Role, RoleBinding, Service, NetworkPolicy and the job's key Secret (created once; 409
+    with our uid is fine: an existing key is kept, so a restarted operator never changes it)."""
+    for body in render.static_children(job, namespace, uid, scrape_namespace):
         await api.create_owned(body, uid)
+    key = secrets.token_hex(32).encode()  # 256 random bits, as text: the file a worker reads is printable
+    await api.create_owned(render.job_key_secret(job, namespace, uid, key), uid)
 
 
 def read_current(config_map: dict[str, Any] | None) -> tuple[Plan, int, ModelProfile | None, str] | None:

@@ -16,6 +16,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig path (default: in-cluster, else ~/.kube/config)")
     parser.add_argument("--image", default=None, help="default worker image for jobs without spec.image")
     parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (0: any, -1: off)")
+    parser.add_argument(
+        "--metrics-scrape-namespace",
+        default=None,
+        metavar="NAMESPACE",
+        help="namespace (e.g. Prometheus') allowed through each job's NetworkPolicy to the workers' metrics ports",
+    )
     parser.add_argument("--liveness-port", type=int, default=8080, help="liveness probe port, /healthz (-1: off)")
     parser.add_argument(
         "--peering", default=None, metavar="NAME", help="enable HA peering under this name (needs kopf's peering CRDs)"
@@ -126,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         batch_window_s=args.batch_window,
         resync_s=args.resync,
         metrics_port=args.metrics_port,
+        metrics_scrape_namespace=args.metrics_scrape_namespace,
         liveness_port=args.liveness_port,
         standalone=args.peering is None,
         peering_name=args.peering or "oobleck-operator",

@@ -323,6 +323,11 @@ class _Status:
         return status.to_kubernetes()
 
 
+def _measured(obs: JobObservation) -> tuple[float | None, float | None, int | None]:
+    """What the workers reported for the status: the newest step's loss and throughput, the newest checkpoint."""
+    return obs.loss, obs.samples_per_second, obs.checkpoint_step
+
+
 def _cleanup(spec: OobleckJobSpec, obs: JobObservation) -> tuple[tuple[str, str], ...]:
     """Pods to delete once the job finished, per cleanPodPolicy."""
     if spec.clean_pod_policy == "None":
@@ -422,7 +427,7 @@ def decide(
     try:
         decision = _decide(ctx, obs, current, profile, tuning, now, verdict, planner)
     except PlanningLimitExceeded as error:
-        status = _Status(ctx, now, (obs.loss, obs.samples_per_second), verdict)
+        status = _Status(ctx, now, _measured(obs), verdict)
         return _fail(ctx, obs, current, status, Reason.INVALID_SPEC, f"the planner cannot serve this spec: {error}")
     if verdict is not None and verdict.new and verdict.fail is None and decision.status.get("phase") != "Failed":
         counted = tuple(
@@ -442,7 +447,7 @@ def _decide(
     verdict: Verdict | None,
     planner: Planner,
 ) -> Decision:
-    status = _Status(ctx, now, (obs.loss, obs.samples_per_second, obs.checkpoint_step), verdict)
+    status = _Status(ctx, now, _measured(obs), verdict)
     ended = _ended(ctx, obs, current, status)
     if ended is not None:
         return ended

@@ -379,7 +379,7 @@ async def reconcile(
         runner.phase = await _fail_invalid(api, namespace, name, body, f"invalid spec: {error}")
         return
     if not runner.loaded:
-        await ensure_static_children(api, namespace, name, runner.uid)
+        await ensure_static_children(api, namespace, name, runner.uid, config.metrics_scrape_namespace)
         config_map = await api.read_config_map(namespace, f"{name}-plan")
         owners = {o.get("uid") for o in ((config_map or {}).get("metadata") or {}).get("ownerReferences") or []}
         if config_map is not None and runner.uid not in owners:

@@ -32,6 +32,7 @@ container's last log lines in its status, for workers that die before they can r
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -106,6 +107,21 @@ def worker_index(job: str, pod_name: str) -> int | None:
     prefix = f"{job}-worker-"
     tail = pod_name[len(prefix) :] if pod_name.startswith(prefix) else ""
     return int(tail) if tail.isdigit() and str(int(tail)) == tail else None
+
+
+def key_name(job: str) -> str:
+    return f"{job}-key"
+
+
+def isolation_name(job: str) -> str:
+    return f"{job}-isolation"
+
+
+JOB_KEY_DIR = "/var/run/oobleck/job-key"
+"""Where a worker pod mounts its job's key Secret (OOBLECK_JOB_KEY_FILE is `JOB_KEY_DIR/JOB_KEY_ITEM`)."""
+JOB_KEY_ITEM = "key"
+METRICS_PORTS = 64
+"""Worker metrics listen on WORKER_PORT + local GPU: the NetworkPolicy opens this many ports to scrapers."""
 
 
 def store_address(job: str, namespace: str) -> str:
@@ -197,15 +213,23 @@ def worker_pod(
         # The model to profile before the first plan exists (`profile: measure`); afterwards the plan
         # ConfigMap's job.json is what the worker reads.
         job_spec=json.dumps(spec.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True),
+        job_key_file=f"{JOB_KEY_DIR}/{JOB_KEY_ITEM}",
     )
     env = [
         *contract.to_env(),
         # A valueFrom stays a reference: the kubelet reads the Secret, the operator never does.
         *(e.to_kubernetes() for e in spec.pod.env),
     ]
-    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": SHM_DIR}]
-    # NCCL and the data loader need more shared memory than the container runtime's 64 MiB default.
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": SHM_DIR},
+        {"name": "job-key", "mountPath": JOB_KEY_DIR, "readOnly": True},
+    ]
+    volumes: list[dict[str, Any]] = [
+        # NCCL and the data loader need more shared memory than the container runtime's 64 MiB default.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        # The key every message between the job's workers is signed with (runtime/elastic/signing.py).
+        {"name": "job-key", "secret": {"secretName": key_name(job), "defaultMode": 0o444}},
+    ]
     if spec.data.claim_name and spec.data.path:
         directory = data_directory(spec.data.path)  # never "" or reserved: the API server's rules
         mounts.append({"name": "data", "mountPath": directory, "readOnly": True})
@@ -355,13 +379,48 @@ def worker_role_binding(job: str, namespace: str, uid: str) -> dict[str, Any]:
     }
 
 
-def static_children(job: str, namespace: str, uid: str) -> list[dict[str, Any]]:
-    """The children that never change after creation, in creation order (the Role before its binding)."""
+def job_key_secret(job: str, namespace: str, uid: str, key: bytes) -> dict[str, Any]:
+    """The job's key (`key`: random bytes the caller draws), created once; worker pods mount it. Every store
+    value and snapshot push a worker acts on is signed with it (runtime/elastic/signing.py), so a stranger on
+    the pod network, or another job, cannot steer this one."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(key_name(job), namespace, job, uid),
+        "type": "Opaque",
+        "data": {JOB_KEY_ITEM: base64.b64encode(key).decode()},
+    }
+
+
+def network_policy(job: str, namespace: str, uid: str, scrape_namespace: str | None) -> dict[str, Any]:
+    """Ingress to the job's pods from the job's pods only, plus the workers' metrics ports from
+    `scrape_namespace` (Prometheus'), if given. Enforced where the cluster's network plugin enforces
+    NetworkPolicy."""
+    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": {JOB_LABEL: job}}}]}]
+    if scrape_namespace:
+        ingress.append(
+            {
+                "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": scrape_namespace}}}],
+                "ports": [{"protocol": "TCP", "port": WORKER_PORT, "endPort": WORKER_PORT + METRICS_PORTS - 1}],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(isolation_name(job), namespace, job, uid),
+        "spec": {"podSelector": {"matchLabels": {JOB_LABEL: job}}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def static_children(job: str, namespace: str, uid: str, scrape_namespace: str | None = None) -> list[dict[str, Any]]:
+    """The children that never change after creation, in creation order (the Role before its binding; the
+    job's key Secret is created beside them with a key drawn at the edge, operator/apply.py)."""
     return [
         service_account(job, namespace, uid),
         worker_role(job, namespace, uid),
         worker_role_binding(job, namespace, uid),
         headless_service(job, namespace, uid),
+        network_policy(job, namespace, uid, scrape_namespace),
     ]
 
 

@@ -54,6 +54,9 @@ class OperatorConfig:
     """Threads that run decide (so that a job waiting on a planner process never blocks the event loop)."""
     metrics_port: int = 9090
     """Prometheus metrics port (0: any free port, logged; -1: off)."""
+    metrics_scrape_namespace: str | None = None
+    """The namespace whose pods may scrape the workers' metrics ports (each job's NetworkPolicy admits
+    nothing else from outside the job); None: only the job's own pods reach its pods."""
     liveness_port: int = 8080
     """Liveness probe port (http://0.0.0.0:PORT/healthz; -1: off)."""
     standalone: bool = True

@@ -230,9 +230,21 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
         ("rolebinding", "tiny-worker"),
         ("configmap", "tiny-plan"),
         ("pod", "tiny-coordinator"),
+        ("secret", "tiny-key"),
+        ("networkpolicy", "tiny-isolation"),
     ]:
         child = cluster.kubectl_json("get", kind, name, "-n", ns)
         assert child["metadata"]["ownerReferences"][0]["uid"] == uid, (kind, name)
+    # The job's key: random, only in its Secret (never in the plan ConfigMap or a pod), mounted by every worker.
+    key = base64.b64decode(cluster.kubectl_json("get", "secret", "tiny-key", "-n", ns)["data"]["key"])
+    assert len(key) == 64
+    plan_map = json.dumps(cluster.kubectl_json("get", "configmap", "tiny-plan", "-n", ns))
+    pods = json.dumps(cluster.kubectl_json("get", "pods", "-n", ns))
+    assert key.decode() not in plan_map and key.decode() not in pods
+    assert all(
+        {"name": "job-key", "secret": {"secretName": "tiny-key", "defaultMode": 0o444}} in pod["spec"]["volumes"]
+        for pod in workers(cluster, ns).values()
+    )
     metrics = env["operator"].metrics()
     assert 'oobleck_operator_jobs{phase="Running"} 1.0' in metrics
     assert "oobleck_operator_pods_created_total 4.0" in metrics  # 3 workers + the coordinator

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 from oobleck.api.job import JOB_LABEL
 from oobleck.operator import render
 from oobleck.operator.decide import Tuning, synthetic_profile
@@ -35,6 +37,29 @@ def test_worker_pod_requests_gpus_and_is_owned(h):
     assert pod["spec"]["restartPolicy"] == "Never"
     anti = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_every_worker_mounts_the_job_key_and_the_contract_names_its_file(h):
+    pod = render.worker_pod(h.JOB, "ns", h.UID, h.spec(), 0, default_image="img", default_command=["x"])
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["OOBLECK_JOB_KEY_FILE"] == f"{render.JOB_KEY_DIR}/{render.JOB_KEY_ITEM}"
+    assert {"name": "job-key", "mountPath": render.JOB_KEY_DIR, "readOnly": True} in container["volumeMounts"]
+    assert {"name": "job-key", "secret": {"secretName": "tiny-key", "defaultMode": 0o444}} in pod["spec"]["volumes"]
+    secret = render.job_key_secret(h.JOB, "ns", h.UID, b"k" * 64)
+    assert secret["metadata"]["name"] == "tiny-key" and secret["metadata"]["ownerReferences"][0]["uid"] == h.UID
+    assert secret["data"] == {"key": base64.b64encode(b"k" * 64).decode()}
+
+
+def test_the_network_policy_admits_the_job_s_pods_and_optionally_the_scrapers(h):
+    policy = render.network_policy(h.JOB, "ns", h.UID, None)
+    assert policy["spec"]["podSelector"] == {"matchLabels": {JOB_LABEL: h.JOB}}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {JOB_LABEL: h.JOB}}}]}]
+    scraped = render.network_policy(h.JOB, "ns", h.UID, "monitoring")["spec"]["ingress"][1]
+    assert scraped["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert scraped["ports"] == [{"protocol": "TCP", "port": 29500, "endPort": 29500 + render.METRICS_PORTS - 1}]
+    assert [c["kind"] for c in render.static_children(h.JOB, "ns", h.UID)][-1] == "NetworkPolicy"
 
 
 def test_cpu_pods_request_no_gpu_and_overrides_apply(h):

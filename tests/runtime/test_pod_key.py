@@ -32,8 +32,8 @@ def test_the_key_is_read_below_the_container_root(tmp_path, monkeypatch):
     use_job_key(env)
     assert os.environ[KEY_FILE_ENV] == str(tmp_path / "var/run/oobleck/key")
     assert job_signer().key == b"s" * 40
-    use_job_key(PodEnv.from_env(ENV))
-    assert KEY_FILE_ENV not in os.environ and not job_signer().enabled
+    with pytest.raises(ValueError, match=f"{KEY_FILE_ENV}: not set"):
+        use_job_key(PodEnv.from_env(ENV))  # a pod never runs unauthenticated
 
 
 def test_an_unreadable_key_is_a_configuration_error(tmp_path, monkeypatch, capsys):

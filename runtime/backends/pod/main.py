@@ -267,13 +267,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def use_job_key(env: PodEnv) -> None:
     """Point this process's signer (oobleck.runtime.elastic.signing.job_signer) at the job key's file, below
-    OOBLECK_CONTAINER_ROOT on local nodes, and read it now: an unreadable key is a configuration error."""
+    OOBLECK_CONTAINER_ROOT on local nodes, and read it now: a missing or unreadable key is a configuration
+    error (the operator mounts the job's key Secret in every worker pod: a pod never runs unauthenticated)."""
     from oobleck.runtime.elastic.signing import KEY_FILE_ENV, job_signer
 
     if env.job_key_file is None:
-        os.environ.pop(KEY_FILE_ENV, None)
-        _log("unauthenticated", env, detail=f"no {KEY_FILE_ENV}: store values and snapshot pushes are not verified")
-        return
+        raise ValueError(f"{KEY_FILE_ENV}: not set (the operator sets it to the job's mounted key Secret)")
     root = (env.container_root or "").rstrip("/")
     os.environ[KEY_FILE_ENV] = root + env.job_key_file if root else env.job_key_file
     job_signer()
