@@ -42,6 +42,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("lo
 LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
 
 CRASH_AFTER_PLAN_WRITE = Path(__file__).with_name("crash_after_plan_write.py")
+OPERATOR_RESTART_STEPS = 2000
+"""Steps of the jobs whose operator is killed and restarted: training (~30 ms a step here) must outlast the
+restart, which starts the planner processes before it serves (seconds on a loaded host)."""
 
 
 def start(run, spec: dict, warm_steps: int = 10):
@@ -204,7 +207,8 @@ def test_operator_crash_mid_reconfiguration_is_finished_by_its_restart(job_run, 
     """The operator dies right after writing the plan that drops a killed worker, before it patches,
     deletes or creates any pod; its restart finishes that reconfiguration without planning it again."""
     run = job_run
-    first = start(run, run.job_spec(nodes=3))
+    run.STEPS = OPERATOR_RESTART_STEPS
+    first = start(run, run.job_spec(run.STEPS, nodes=3))
     survivor, victim = first.nodes[0], first.nodes[1]
     run.operator.kill()
     run.operator.start(program=CRASH_AFTER_PLAN_WRITE)  # it exits (137) right after its next plan write
@@ -242,7 +246,8 @@ def test_operator_sigkilled_with_a_worker_is_caught_up_by_its_restart(job_run, l
     """A worker and the operator SIGKILLed together (the operator may not even have seen the loss): the
     restarted operator plans exactly one generation for it, and nothing is created twice."""
     run = job_run
-    first = start(run, run.job_spec(nodes=3))
+    run.STEPS = OPERATOR_RESTART_STEPS
+    first = start(run, run.job_spec(run.STEPS, nodes=3))
     survivor, victim = first.nodes[0], first.nodes[1]
     run.cordon_spare_nodes()
     run.cordon(run.node_of(victim))

@@ -25,10 +25,10 @@ from oobleck_dev.operatorproc import OperatorExited
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-2")]
 LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
 OUTAGE_S = 30.0
-STEPS = 1000
+STEPS = 3000
 """Long enough that training outlasts the 30 s outage, the operator's restart and an etcd restart on a loaded host."""
-SUCCEED_S = 420.0
-"""Steps run at ~5/s on the loaded 2-core host."""
+SUCCEED_S = 900.0
+"""Steps run at 5-30/s on the loaded 2-core host."""
 
 
 def _steps_during(ip: str, seconds: float) -> list[int]:

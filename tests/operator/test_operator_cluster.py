@@ -721,7 +721,9 @@ def test_a_huge_spec_is_planned_off_the_loop_while_another_job_recovers(cluster,
         victim = plan.nodes[0]
         began = time.monotonic()
         cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
-        after = wait_for(lambda: settled(cluster, ns, 1), "generation 1 of the other job")
+        # Alone this takes 2-3 s; beside an e2e job on the 2-core CI host it took over 60 s (2026-11-25): the
+        # bound is for the loaded case. A blocked event loop fails the liveness assertion below.
+        after = wait_for(lambda: settled(cluster, ns, 1), "generation 1 of the other job", timeout=240)
         recovered_s = time.monotonic() - began
         assert victim not in after.nodes
         failed = wait_for(
@@ -732,7 +734,7 @@ def test_a_huge_spec_is_planned_off_the_loop_while_another_job_recovers(cluster,
         probing = False
         prober.join()
     assert failed["reason"] == "InvalidSpec" and "--planner-" in failed["message"], failed
-    assert recovered_s < 30, f"the other job took {recovered_s:.1f} s to get its next generation"
+    assert recovered_s < 180, f"the other job took {recovered_s:.1f} s to get its next generation"
     assert probes and max(probes) < 5, f"liveness: {len(probes)} probes, slowest {max(probes):.1f} s"
     assert operator.starts == 1 and operator.process is not None and operator.process.poll() is None
     assert not workers(cluster, ns, "huge")

@@ -58,7 +58,7 @@ def test_preset_and_inline_config_reach_the_worker_and_build():
     model = build_model(config)
     assert (model.num_layers, model.seq_len, model.tied) == (3, 8, True)
     pod = render.worker_pod("j", "ns", "uid", _spec(preset="llama-tiny"), 0, default_image="i", default_command=["x"])
-    assert {v["name"] for v in pod["spec"]["volumes"]} == {"dshm"}
+    assert {v["name"] for v in pod["spec"]["volumes"]} == {"dshm", "job-key"}
 
 
 def test_the_operator_estimates_presets_and_inline_configs_but_not_config_maps():
