@@ -11,8 +11,11 @@ import enum
 import json
 import math
 import time
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+_Report = TypeVar("_Report", bound=BaseModel)
 
 
 class FailureKind(enum.StrEnum):
@@ -56,12 +59,7 @@ class FailureReport(BaseModel):
     @classmethod
     def parse(cls, raw: str | bytes | None) -> FailureReport | None:
         """The report in `raw` (JSON), or None when absent or malformed."""
-        if not raw:
-            return None
-        try:
-            return cls.model_validate_json(raw)
-        except ValidationError:
-            return None
+        return _parse(cls, raw)
 
 
 class ProgressReport(BaseModel):
@@ -97,9 +95,14 @@ class ProgressReport(BaseModel):
     @classmethod
     def parse(cls, raw: str | bytes | None) -> ProgressReport | None:
         """The report in `raw` (JSON), or None when absent or malformed."""
-        if not raw:
-            return None
-        try:
-            return cls.model_validate_json(raw)
-        except ValidationError:
-            return None
+        return _parse(cls, raw)
+
+
+def _parse(model: type[_Report], raw: str | bytes | None) -> _Report | None:
+    """`model` from the JSON in `raw`, or None when absent or malformed (a worker's report is never trusted)."""
+    if not raw:
+        return None
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError:
+        return None
