@@ -16,6 +16,8 @@ from oobleck.operator.planpool import PlannerLimits, PlannerPool, PlanningLimitE
 from oobleck.planner.errors import PlanningError
 from oobleck.planner.synthetic import GPTShape, gpt_profile
 
+pytestmark = pytest.mark.integration  # planner processes (see tests/conftest.py: make test-unit)
+
 
 @pytest.fixture
 def pool():
