@@ -21,7 +21,7 @@ def _store_address(value: str) -> tuple[str, int]:
     try:
         return parse_host_port(value)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--store: {error}") from error
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
