@@ -88,7 +88,10 @@ def _serve(conn: Connection, memory_bytes: int, preload: tuple[str, ...]) -> Non
         importlib.import_module(module)
     # After the imports: the limit bounds the planning, not the interpreter.
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    conn.send(("ready", None))
+    try:
+        conn.send(("ready", None))
+    except OSError:
+        return  # the operator exited while this process was importing
     while True:
         try:
             fn, args, kwargs = conn.recv()

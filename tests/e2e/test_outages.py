@@ -27,8 +27,8 @@ LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
 OUTAGE_S = 30.0
 STEPS = 3000
 """Long enough that training outlasts the 30 s outage, the operator's restart and an etcd restart on a loaded host."""
-SUCCEED_S = 900.0
-"""Steps run at 5-30/s on the loaded 2-core host."""
+SUCCEED_S = 1200.0
+"""Steps run at 4-50/s on the 2-core host, by its load (about 20/s during a CI run's outage)."""
 
 
 def _steps_during(ip: str, seconds: float) -> list[int]:
@@ -69,7 +69,7 @@ def _up(operator) -> bool:
         return operator.healthy()
 
 
-@pytest.mark.timeout(900)  # 1000 steps at ~4/s under the suite's load, after a 30-50 s outage and two restarts
+@pytest.mark.timeout(1500)  # 3000 steps at >= 4/s under the suite's load, after a 30-50 s outage and two restarts
 def test_apiserver_outage_with_an_operator_restart_then_an_etcd_restart(job_run, local_nodes, cluster):
     run = job_run
     control = cluster.control_plane
