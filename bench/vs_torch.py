@@ -271,7 +271,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
     args = parser.parse_args()
     if args.quick:
-        args.model, args.steps, args.warmup, args.repeats, args.microbatches = "llama-tiny", 6, 2, 2, 4
+        args.model, args.steps, args.warmup, args.repeats, args.microbatches = "llama-tiny", 6, 2, 1, 4
         args.ranks = 2
     which = [w for w in args.which.split(",") if w]
     unknown = set(which) - set(COMPARISONS)
