@@ -44,7 +44,14 @@ from oobleck.runtime.elastic.liveness import (
     host_overloaded,
     probe_liveness,
 )
-from oobleck.runtime.elastic.store import Endpoint, StoreTimeouts, StoreUnavailable, connect_endpoint, is_store_loss
+from oobleck.runtime.elastic.store import (
+    Endpoint,
+    KeptConnection,
+    StoreTimeouts,
+    StoreUnavailable,
+    connect_endpoint,
+    is_store_loss,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,24 +135,20 @@ class StoreFailureReporter:
         self._endpoint = endpoint
         self._timeouts = timeouts
         # Connected up front: a failure report must not wait for a connection.
-        self._store: dist.Store | None = connect_endpoint(endpoint, timeouts)[0]
+        self._store = KeptConnection(
+            lambda: connect_endpoint(endpoint, timeouts)[0], connect_endpoint(endpoint, timeouts)[0]
+        )
         self._lock = threading.Lock()
 
     def report(self, report: FailureReport) -> None:
+        def push(store: dist.Store) -> None:
+            keys.push_failure(store, report.model_dump(mode="json"))
+            # A push has no reply: on a connection to a dead server it "succeeds" silently.
+            # A call that answers proves it arrived (or raises, and we push again).
+            store.queue_len(keys.FAILURES_QUEUE)
+
         with self._lock:
-            for attempt in range(2):
-                if self._store is None:
-                    self._store = connect_endpoint(self._endpoint, self._timeouts)[0]
-                try:
-                    keys.push_failure(self._store, report.model_dump(mode="json"))
-                    # A push has no reply: on a connection to a dead server it "succeeds" silently.
-                    # A call that answers proves it arrived (or raises, and we push again).
-                    self._store.queue_len(keys.FAILURES_QUEUE)
-                    return
-                except RuntimeError as error:
-                    if not is_store_loss(error) or attempt:
-                        raise
-                    self._store = None  # the coordinator restarted: reconnect once
+            self._store.run(push)
 
 
 class CallbackFailureReporter:
@@ -288,13 +291,14 @@ class FailureDetector:
         self.last_report: FailureReport | None = None
         self.epoch = ""
         self._threads: list[threading.Thread] = []
-        self._trigger_store: dist.Store | None = None
+        self._trigger = KeptConnection(self._connect)
         self._trigger_lock = threading.RLock()  # _connect may re-enter trigger on a new epoch
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def start(self) -> FailureDetector:
-        self._trigger_store, self.epoch, address = connect_endpoint(self._endpoint, self._store_timeouts)
+        store, self.epoch, address = connect_endpoint(self._endpoint, self._store_timeouts)
+        self._trigger = KeptConnection(self._connect, store)
         self.responder = LivenessResponder(self._advertise or advertised_host(address[0]))
         for name, target in (
             ("oobleck-heartbeat", self._heartbeat_loop),
@@ -329,18 +333,14 @@ class FailureDetector:
     def ready(self) -> None:
         """This worker has adopted its generation: peers start holding it to `dead_after_s`."""
         generation = self._generation
+        key = keys.ready_key(generation, self.worker)
+
+        def mark(store: dist.Store) -> None:
+            store.set(key, "1")
+            store.check([key])  # `set` has no reply
+
         with self._trigger_lock:
-            for attempt in range(2):
-                if self._trigger_store is None:
-                    self._trigger_store = self._connect()
-                try:
-                    self._trigger_store.set(keys.ready_key(generation, self.worker), "1")
-                    self._trigger_store.check([keys.ready_key(generation, self.worker)])  # `set` has no reply
-                    return
-                except RuntimeError as error:
-                    self._trigger_store = None
-                    if not is_store_loss(error) or attempt:
-                        raise
+            self._trigger.run(mark)
 
     @property
     def generation(self) -> int:
@@ -391,16 +391,7 @@ class FailureDetector:
         """Post the abort on a connection kept for it: connecting takes ~0.2 s on a busy host, and
         this is the critical path of every survivor's wake-up."""
         with self._trigger_lock:
-            for attempt in range(2):
-                if self._trigger_store is None:
-                    self._trigger_store = self._connect()
-                try:
-                    keys.post_abort(self._trigger_store, generation, report.model_dump(mode="json"))
-                    return
-                except RuntimeError as error:
-                    self._trigger_store = None
-                    if not is_store_loss(error) or attempt:
-                        raise
+            self._trigger.run(lambda store: keys.post_abort(store, generation, report.model_dump(mode="json")))
 
     def _connect(self) -> dist.Store:
         store, epoch, _ = connect_endpoint(self._endpoint, self._store_timeouts)

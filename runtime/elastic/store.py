@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 EPOCH_KEY = "epoch"
 """The store's incarnation: a fresh token every time a server starts (see coordinator.py)."""
@@ -111,3 +114,25 @@ class ControlStore:
 
     def reconnect(self) -> None:
         self.store, self.epoch, self.address = connect_endpoint(self.endpoint, self.timeouts)
+
+
+class KeptConnection:
+    """A connection kept for a critical path (connecting takes ~0.2 s on a busy host), connected on first
+    use and once more when the coordinator restarted under it. The caller serialises its use."""
+
+    def __init__(self, connect: Callable[[], dist.Store], store: dist.Store | None = None) -> None:
+        self._connect = connect
+        self._store = store
+
+    def run(self, action: Callable[[dist.Store], T]) -> T:
+        """`action(store)`; on a lost connection, reconnect and run it once more."""
+        for attempt in range(2):
+            if self._store is None:
+                self._store = self._connect()
+            try:
+                return action(self._store)
+            except RuntimeError as error:
+                self._store = None
+                if not is_store_loss(error) or attempt:
+                    raise
+        raise AssertionError("unreachable: the second attempt returns or raises")
