@@ -30,22 +30,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--config", required=True, help="worker config (JSON or YAML)")
     parser.add_argument("--plan-file", required=True, help="plan JSON the controller replaces atomically")
-    parser.add_argument(
-        "--store", type=_store_address, default=os.environ.get("OOBLECK_STORE"), help="coordinator HOST:PORT"
-    )
-    parser.add_argument("--node", default=os.environ.get("OOBLECK_NODE"), required="OOBLECK_NODE" not in os.environ)
-    parser.add_argument("--gpu", type=int, default=int(os.environ.get("OOBLECK_GPU", "0")))
+    parser.add_argument("--store", type=_store_address, required=True, help="coordinator HOST:PORT")
+    parser.add_argument("--node", required=True, help="this worker's node id in the plan")
+    parser.add_argument("--gpu", type=int, default=0, help="local GPU index")
     parser.add_argument("--steps", type=int, default=None, help="override config.steps")
     parser.add_argument("--losses", default=None, help="append per-step global losses here (JSON lines)")
     parser.add_argument("--dump", default=None, help="write the final parameters of held layers here (torch.save)")
     parser.add_argument("--heartbeat-period", type=float, default=HealthTimeouts.heartbeat_period_s)
     parser.add_argument("--dead-after", type=float, default=HealthTimeouts.dead_after_s)
-    args = parser.parse_args(argv)
-    if args.store is None:
-        parser.error("--store: required (or OOBLECK_STORE)")
-    if isinstance(args.store, str):  # from the environment: argparse does not convert defaults
-        args.store = _store_address(args.store)
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
