@@ -9,7 +9,7 @@ topped up from added nodes, merged with another short pipeline, or borrows nodes
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import PlanningError
 
@@ -56,50 +56,79 @@ def repair(
     groups: list[list[str]], shrunk: list[bool], added: list[str], sizes: Sequence[int], merge_first: bool
 ) -> tuple[list[list[str]], set[str]] | None:
     """Oobleck's minimal-movement repair of the surviving groups (see the module docstring)."""
-    fits = set(sizes)
-    moves: set[str] = set()
+    work = _Repair([list(g) for g in groups if g], set(sizes))
     if any(not g for g in groups):
-        moves.add("drop")
-    work = [list(g) for g in groups if g]
-    if any(s and len(g) in fits for g, s in zip(groups, shrunk) if g):
-        moves.add("shrink")
+        work.moves.add("drop")
+    if any(s and len(g) in work.fits for g, s in zip(groups, shrunk) if g):
+        work.moves.add("shrink")
     pool = list(added)
+    work.top_up(pool)
+    if merge_first:
+        work.merge_shorts()
+    for _ in range(len(work.groups) + 1):
+        if not work.short():
+            break
+        if not work.borrow_or_join():
+            return None
+    if work.short():
+        return None
+    if pool and not work.place_added(pool, sizes):
+        return None
+    return work.groups, work.moves
 
-    def short() -> list[int]:
-        return [i for i, g in enumerate(work) if len(g) not in fits]
 
-    for i in short():  # top up from added nodes
-        d = next((d for d in range(1, len(pool) + 1) if len(work[i]) + d in fits), None)
-        if d is not None:
-            work[i] += pool[:d]
-            del pool[:d]
-            moves.add("extend")
+@dataclass
+class _Repair:
+    """The groups being repaired, the template sizes they must reach, and the moves made so far."""
 
-    def merge() -> None:
+    groups: list[list[str]]
+    fits: set[int]
+    moves: set[str] = field(default_factory=set)
+
+    def short(self) -> list[int]:
+        """The groups whose size has no template."""
+        return [i for i, g in enumerate(self.groups) if len(g) not in self.fits]
+
+    def top_up(self, pool: list[str]) -> None:
+        """Grow short groups to a template size from the added nodes in `pool` (taken from it)."""
+        for i in self.short():
+            d = next((d for d in range(1, len(pool) + 1) if len(self.groups[i]) + d in self.fits), None)
+            if d is not None:
+                self.groups[i] += pool[:d]
+                del pool[:d]
+                self.moves.add("extend")
+
+    def merge_shorts(self) -> None:
+        """Merge pairs of short groups whose sizes add up to a template size."""
+        work = self.groups
         while True:
-            todo = short()
-            pair = next(((i, j) for i in todo for j in todo if i < j and len(work[i]) + len(work[j]) in fits), None)
+            todo = self.short()
+            pair = next(
+                ((i, j) for i in todo for j in todo if i < j and len(work[i]) + len(work[j]) in self.fits), None
+            )
             if pair is None:
                 return
             i, j = pair
             work[i] += work.pop(j)
-            moves.add("merge")
+            self.moves.add("merge")
 
-    def borrow() -> bool:
-        for i in short():
-            donors = [j for j in range(len(work)) if j != i and len(work[j]) in fits]
+    def borrow_or_join(self) -> bool:
+        """Give short groups nodes from the largest group that stays a template size, or merge a short group
+        into the smallest group that makes one; False if some short group can do neither."""
+        work = self.groups
+        for i in self.short():
+            donors = [j for j in range(len(work)) if j != i and len(work[j]) in self.fits]
             if donors:
                 donor = max(donors, key=lambda j: (len(work[j]), -j))
                 room = len(work[donor])
-                d = next((d for d in range(1, room) if len(work[i]) + d in fits and room - d in fits), None)
+                d = next((d for d in range(1, room) if len(work[i]) + d in self.fits and room - d in self.fits), None)
                 if d is not None:
                     work[i] += work[donor][room - d :]
                     del work[donor][room - d :]
-                    moves.add("borrow")
+                    self.moves.add("borrow")
                     continue
-            # Nothing to borrow: join the smallest group that makes a template size.
             partner = min(
-                (j for j in range(len(work)) if j != i and len(work[i]) + len(work[j]) in fits),
+                (j for j in range(len(work)) if j != i and len(work[i]) + len(work[j]) in self.fits),
                 key=lambda j: (len(work[j]), j),
                 default=None,
             )
@@ -107,39 +136,32 @@ def repair(
                 return False
             low, high = sorted((i, partner))
             work[low] += work.pop(high)
-            moves.add("merge")
+            self.moves.add("merge")
             return True  # indices moved: rescan
         return True
 
-    if merge_first:
-        merge()
-    for _ in range(len(work) + 1):
-        if not short():
-            break
-        if not borrow():
-            return None
-    if short():
-        return None
-    if pool:
+    def place_added(self, pool: list[str], sizes: Sequence[int]) -> bool:
+        """Added nodes left over form new pipelines, or, too few for one, grow existing pipelines one node at a
+        time; False if neither works."""
+        work = self.groups
+        self.moves.add("extend")
         parts = partition(len(pool), sizes)
-        if parts is None:
-            # Too few added nodes for a pipeline of their own: grow existing pipelines one node at a time.
-            for node in pool:
-                target = min(
-                    (j for j in range(len(work)) if len(work[j]) + 1 in fits),
-                    key=lambda j: (len(work[j]), j),
-                    default=None,
-                )
-                if target is None:
-                    return None
-                work[target].append(node)
-        else:
+        if parts is not None:
             taken = 0
             for n in parts:
                 work.append(pool[taken : taken + n])
                 taken += n
-        moves.add("extend")
-    return work, moves
+            return True
+        for node in pool:
+            target = min(
+                (j for j in range(len(work)) if len(work[j]) + 1 in self.fits),
+                key=lambda j: (len(work[j]), j),
+                default=None,
+            )
+            if target is None:
+                return False
+            work[target].append(node)
+        return True
 
 
 def fresh(groups: list[list[str]], intact: list[bool], added: list[str], needed: list[int]) -> list[list[str]]:
