@@ -247,7 +247,8 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
     )
     metrics = env["operator"].metrics()
     assert 'oobleck_operator_jobs{phase="Running"} 1.0' in metrics
-    assert "oobleck_operator_pods_created_total 4.0" in metrics  # 3 workers + the coordinator
+    created = [line for line in metrics.splitlines() if line.startswith("oobleck_operator_pods_created_total ")]
+    assert created == ["oobleck_operator_pods_created_total 4.0"], (created, workers(cluster, ns))  # 3 + coordinator
     cluster.kubectl("delete", "oobleckjob", "tiny", "-n", ns, "--wait=true", timeout=90)
     wait_for(
         lambda: (
