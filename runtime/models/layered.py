@@ -124,6 +124,7 @@ class Block(nn.Module):
     def __init__(self, sizes: GPTSizes) -> None:
         super().__init__()
         self.heads = sizes.heads
+        self.head_dim = sizes.hidden // sizes.heads
         self.dropout = sizes.dropout
         self.norm1 = nn.LayerNorm(sizes.hidden)
         self.qkv = nn.Linear(sizes.hidden, 3 * sizes.hidden)
@@ -136,12 +137,13 @@ class Block(nn.Module):
             nn.init.zeros_(linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, hidden = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(hidden, dim=2)
-        shape = (batch, seq, self.heads, hidden // self.heads)
+        # Head counts come from the shapes: a tensor-parallel rank holds a fraction of the heads.
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=2)
+        shape = (batch, seq, -1, self.head_dim)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + F.dropout(self.proj(attended.transpose(1, 2).reshape(batch, seq, hidden)), self.dropout, self.training)
+        x = x + F.dropout(self.proj(attended.transpose(1, 2).reshape(batch, seq, -1)), self.dropout, self.training)
         return x + F.dropout(self.down(F.gelu(self.up(self.norm2(x)))), self.dropout, self.training)
 
 
