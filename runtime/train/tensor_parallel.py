@@ -128,36 +128,86 @@ def vocab_parallel_cross_entropy(
 # --- splitting modules in place ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ShardRule:
+    """How one parameter splits: along `dim`, each of `parts` equal fused blocks (Q, K, V) cut by
+    `shard_bounds`. A parameter without a rule is replicated."""
+
+    dim: int
+    parts: int = 1
+
+
+RULES_ATTRIBUTE = "_tensor_parallel_rules"
+"""Where a split module records its parameters' rules (see `split_rules`)."""
+
+
+def cut(whole: torch.Tensor, rule: ShardRule, size: int, rank: int) -> torch.Tensor:
+    """Shard `rank` of `size` of a whole tensor (a parameter or one of its AdamW moments)."""
+    blocks = whole.chunk(rule.parts, dim=rule.dim)
+    pieces = []
+    for block in blocks:
+        start, end = shard_bounds(block.shape[rule.dim], size, rank)
+        pieces.append(block.narrow(rule.dim, start, end - start))
+    return torch.cat(pieces, dim=rule.dim).clone()
+
+
+def glue(shards: list[torch.Tensor], rule: ShardRule | None) -> torch.Tensor:
+    """The whole tensor from every rank's shard, in rank order (`cut`'s inverse)."""
+    if rule is None:
+        return shards[0].clone()
+    per_rank = [shard.chunk(rule.parts, dim=rule.dim) for shard in shards]
+    blocks = [torch.cat([blocks[b] for blocks in per_rank], dim=rule.dim) for b in range(rule.parts)]
+    return torch.cat(blocks, dim=rule.dim)
+
+
+def split_rules(layer: nn.Module) -> dict[str, ShardRule]:
+    """Every split parameter of a split layer by its name in `layer.named_parameters()`; the others are replicated."""
+    rules: dict[str, ShardRule] = {}
+    for prefix, module in layer.named_modules():
+        for name, rule in getattr(module, RULES_ATTRIBUTE, {}).items():
+            rules[f"{prefix}.{name}" if prefix else name] = rule
+    return rules
+
+
+def whole_state(shards: list[dict[str, torch.Tensor]], rules: dict[str, ShardRule]) -> dict[str, torch.Tensor]:
+    """Whole tensors from every rank's named tensors; a name `param` or `param/<moment>` follows `param`'s rule."""
+    return {name: glue([s[name] for s in shards], rules.get(name.split("/")[0])) for name in shards[0]}
+
+
+def shard_state(
+    whole: dict[str, torch.Tensor], rules: dict[str, ShardRule], size: int, rank: int
+) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s named tensors of `size` from whole ones (`whole_state`'s inverse): with it, a layer's
+    state moves from a stage of one tensor-parallel degree to a stage of another."""
+    out = {}
+    for name, tensor in whole.items():
+        rule = rules.get(name.split("/")[0])
+        out[name] = tensor.clone() if rule is None else cut(tensor, rule, size, rank)
+    return out
+
+
 def _is_conv1d(module: nn.Module) -> bool:
     """transformers' Conv1D (GPT-2): a linear layer whose weight is stored transposed, `[in, out]`."""
     return type(module).__name__ == "Conv1D"
 
 
-def _out_dim(module: nn.Module) -> int:
-    return 1 if _is_conv1d(module) else 0
-
-
-def _rows(tensor: torch.Tensor, dim: int, parts: int, tp: TensorParallelGroup) -> torch.Tensor:
-    """This rank's shard along `dim` of each of `parts` equal blocks (fused Q, K, V: each split by heads)."""
-    if tensor.shape[dim] % (parts * tp.size):
-        raise ValueError(f"cannot split {tensor.shape[dim]} rows into {parts} blocks over {tp.size} ranks")
-    blocks = tensor.chunk(parts, dim=dim)
-    size = blocks[0].shape[dim] // tp.size
-    return torch.cat([b.narrow(dim, tp.rank * size, size) for b in blocks], dim=dim).clone()
-
-
-def _set(module: nn.Module, name: str, value: torch.Tensor) -> None:
+def _split_parameter(module: nn.Module, name: str, rule: ShardRule, tp: TensorParallelGroup) -> None:
     old = getattr(module, name)
-    setattr(module, name, nn.Parameter(value, requires_grad=old.requires_grad))
+    if rule.parts > 1 and old.shape[rule.dim] % (rule.parts * tp.size):
+        raise ValueError(f"cannot split {old.shape[rule.dim]} rows into {rule.parts} blocks over {tp.size} ranks")
+    setattr(module, name, nn.Parameter(cut(old.data, rule, tp.size, tp.rank), requires_grad=old.requires_grad))
+    rules = getattr(module, RULES_ATTRIBUTE, {})
+    rules[name] = rule
+    setattr(module, RULES_ATTRIBUTE, rules)
 
 
 def split_columns(module: nn.Module, tp: TensorParallelGroup, parts: int = 1) -> None:
     """Keep this rank's output rows of a linear layer (`parts` fused blocks, each split)."""
-    dim = _out_dim(module)
-    _set(module, "weight", _rows(module.weight.data, dim, parts, tp))
+    conv = _is_conv1d(module)
+    _split_parameter(module, "weight", ShardRule(1 if conv else 0, parts), tp)
     if getattr(module, "bias", None) is not None:
-        _set(module, "bias", _rows(module.bias.data, 0, parts, tp))
-    if _is_conv1d(module):
+        _split_parameter(module, "bias", ShardRule(0, parts), tp)
+    if conv:
         module.nf = module.weight.shape[1]  # Conv1D sizes its output from `nf`
     else:
         module.out_features = module.weight.shape[0]
@@ -167,7 +217,7 @@ def split_rows(module: nn.Module, tp: TensorParallelGroup) -> None:
     """Keep this rank's input columns of a linear layer; its forward then sums the parts over the group
     and adds the (replicated) bias once."""
     conv = _is_conv1d(module)
-    _set(module, "weight", _rows(module.weight.data, 0 if conv else 1, 1, tp))
+    _split_parameter(module, "weight", ShardRule(0 if conv else 1), tp)
     if not conv:
         module.in_features = module.weight.shape[1]
 
@@ -192,9 +242,8 @@ def enter_at(module: nn.Module, tp: TensorParallelGroup) -> None:
 
 def split_vocab_embedding(embedding: nn.Embedding, tp: TensorParallelGroup) -> None:
     """Keep this rank's vocabulary rows; a token outside them looks up zeros, and the group sums."""
-    vocab = embedding.num_embeddings
-    start, end = shard_bounds(vocab, tp.size, tp.rank)
-    _set(embedding, "weight", embedding.weight.data[start:end].clone())
+    start, end = shard_bounds(embedding.num_embeddings, tp.size, tp.rank)
+    _split_parameter(embedding, "weight", ShardRule(0), tp)
     pad = embedding.padding_idx
     local_pad = pad - start if pad is not None and start <= pad < end else None
 
@@ -210,9 +259,8 @@ def split_vocab_embedding(embedding: nn.Embedding, tp: TensorParallelGroup) -> N
 def split_vocab_head(head: nn.Linear, tp: TensorParallelGroup) -> None:
     """Keep this rank's vocabulary rows of the LM head: it outputs a logits shard (see
     `vocab_parallel_cross_entropy`)."""
-    start, end = shard_bounds(head.out_features, tp.size, tp.rank)
-    _set(head, "weight", head.weight.data[start:end].clone())
-    head.out_features = end - start
+    _split_parameter(head, "weight", ShardRule(0), tp)
+    head.out_features = head.weight.shape[0]
     enter_at(head, tp)
 
 
