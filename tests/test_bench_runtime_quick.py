@@ -42,6 +42,13 @@ def test_gpu_single_quick_on_cpu(tmp_path):
     assert math.isfinite(figures["ratio"]) and figures["ratio"] > 0
 
 
+def test_tp_vs_torch_quick(tmp_path):
+    figures = _run("tp_vs_torch.py", tmp_path)
+    assert math.isfinite(figures["ratio"]) and figures["ratio"] > 0
+    assert figures["iqr"][0] <= figures["ratio"] <= figures["iqr"][1]
+    assert figures["runtime_ms"] > 0 and figures["torch_ms"] > 0 and figures["target"] == 1.10
+
+
 def test_vs_torch_names_an_unknown_model():
     proc = subprocess.run(
         [sys.executable, str(BENCH / "vs_torch.py"), "--model", "nope"], capture_output=True, text=True, timeout=120

@@ -17,7 +17,9 @@ both copies one gradient, summed over every holder of either layer, so they stay
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import json
 import math
 from pathlib import Path
@@ -84,6 +86,16 @@ def _classes(model_type: str) -> dict[str, type]:
     return {key: getattr(module, prefix + suffix) for key, suffix in names.items()}
 
 
+@functools.cache
+def _no_cache() -> dict[str, None]:
+    """The mask builders' "no KV cache" argument: `cache` since transformers 5.x (which warns on the old
+    name), `past_key_values` before."""
+    from transformers.masking_utils import create_causal_mask
+
+    name = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+    return {name: None}
+
+
 # --- layers ---------------------------------------------------------------------------------------
 
 
@@ -117,9 +129,7 @@ class LlamaBlock(nn.Module):
         masking = create_causal_mask
         if kinds and kinds[self.index] == "sliding_attention":
             masking = create_sliding_window_causal_mask
-        mask = masking(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=None
-        )
+        mask = masking(config=self.config, inputs_embeds=hidden, attention_mask=None, position_ids=None, **_no_cache())
         return self.layer(
             hidden,
             attention_mask=mask,
@@ -161,7 +171,7 @@ class GPT2Layer(nn.Module):
 
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=None
+            config=self.config, inputs_embeds=hidden, attention_mask=None, position_ids=None, **_no_cache()
         )
         return self.layer(hidden, None, mask, position_ids=positions)
 
