@@ -5,6 +5,8 @@ Accounting (README, Simulating goodput):
   best throughput our planner reaches (f = 0, no fault tolerance) on the nodes up then (after their start-up
   delay), or on fewer of them if that is faster. No policy trains faster on the same nodes, so goodput never
   exceeds 100 %, on growing traces too.
+  The ideal ignores node speeds and warm spares: it is every node up at full speed, so a straggler's or a
+  spare's cost shows in every policy's goodput.
 - Each policy's time splits into categories that sum to the trace length: "effective" (training whose work
   was kept), "lost work" (training thrown away by a failure) and its other states (reconfiguring,
   restarting, checkpointing, waiting, ...). The effective time share is effective / trace length.
@@ -228,6 +230,8 @@ def simulate(trace: Trace, job: Job, costs: Costs, policies: Sequence[str] = POL
     ideal = ideal_rates(ready, planner)
     ideal_samples = integrate(ideal, ready.duration_s)
     result = Result(trace, ready, job, costs, baseline.samples_per_s, baseline.iteration_s, None, ideal, ideal_samples)
+    # Warm spares are nodes up that do not train: the ideal still counts them, the policies do without.
+    ready = ready.with_spares(costs.nodes.spares, costs.nodes.spare_join_s)
     for name in policies:
         if name == "oobleck":
             timeline = OobleckPolicy(ready, planner, job.f, costs.oobleck, job.start_plan).run()
@@ -253,6 +257,7 @@ def recommend_f(trace: Trace, job: Job, costs: Costs, most: int = 8) -> list[tup
     ready = trace.ready_after(costs.nodes.startup_s)
     planner = _planner(ready, job)
     ideal_samples = integrate(ideal_rates(ready, planner), ready.duration_s)
+    ready = ready.with_spares(costs.nodes.spares, costs.nodes.spare_join_s)
     scores = []
     for f in range(most + 1):
         if (f + 1) * planner.min_nodes > ready.max_nodes() or f + 1 > job.microbatches:

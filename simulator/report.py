@@ -30,11 +30,14 @@ def _duration(seconds: float) -> str:
 
 def table(result: Result) -> str:
     trace, ready = result.trace, result.ready
-    added = len(trace.events) - trace.losses()
+    spares = result.costs.nodes.spares
     lines = [
         f"trace {trace.name}: {len(trace.initial)} nodes at start, {trace.losses()} losses, "
-        f"{added} additions over {_duration(trace.duration_s)}"
-        + (f"; nodes usable {result.costs.nodes.startup_s:g} s after they join" if ready is not trace else ""),
+        f"{trace.additions()} additions"
+        + (f", {trace.slowdowns()} slowdowns" if trace.slowdowns() else "")
+        + f" over {_duration(trace.duration_s)}"
+        + (f"; nodes usable {result.costs.nodes.startup_s:g} s after they join" if ready is not trace else "")
+        + (f"; {spares} warm spares, {result.costs.nodes.spare_join_s:g} s to fold one in" if spares else ""),
         f"model {result.job.profile.model}: {len(result.job.profile.layers)} layers, global batch "
         f"{result.job.global_batch}, f = {result.job.f}; ideal (f = 0, every node up) "
         f"{result.ideal_samples / trace.duration_s:.2f} samples/s on average, {result.baseline_samples_per_s:.2f} "
@@ -87,7 +90,8 @@ def document(result: Result, recommended: list[tuple[int, float]] | None = None)
             "initial_nodes": len(trace.initial),
             "most_nodes": trace.max_nodes(),
             "losses": trace.losses(),
-            "additions": len(trace.events) - trace.losses(),
+            "additions": trace.additions(),
+            "slowdowns": trace.slowdowns(),
             "duration_s": trace.duration_s,
         },
         "job": {
