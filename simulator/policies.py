@@ -311,10 +311,7 @@ class OobleckPolicy(Policy):
                 copy_s = copy_seconds(plan, self.bandwidth)
                 layout = self._known(self.planner.layout(plan))
                 benched = (self.benched - set(back)) | set(slow)
-                what = f"bench {len(slow)} slow nodes" + (f", {len(back)} back" if back else "") if slow else ""
-                options.append(
-                    (what or f"{len(back)} nodes back at full speed", plan, layout, copy_s, moved_s + copy_s, benched)
-                )
+                options.append((_membership(slow, back), plan, layout, copy_s, moved_s + copy_s, benched))
         horizon = self.costs.horizon_steps
         name, plan, layout, copy_s, pause_s, benched = min(
             options, key=lambda option: option[3] + horizon * option[2].iteration_s
@@ -392,6 +389,18 @@ class OobleckPolicy(Policy):
         self.note(
             f"-{len(lost)} +{len(added)} nodes: {len(layout.groups)} pipelines, Z = {layout.iteration_s * 1e3:.1f} ms"
         )
+
+
+def _nodes(count: int) -> str:
+    return f"{count} node" + ("s" if count != 1 else "")
+
+
+def _membership(slow: list[str], back: list[str]) -> str:
+    """Mitigation (c) in words: slow nodes benched, recovered ones taken back."""
+    parts = ([f"bench {_nodes(len(slow))} as slow"] if slow else []) + (
+        [f"{_nodes(len(back))} back at full speed"] if back else []
+    )
+    return ", ".join(parts)
 
 
 class CheckpointPolicy(Policy):

@@ -43,6 +43,10 @@ def table(result: Result) -> str:
         f"{result.ideal_samples / trace.duration_s:.2f} samples/s on average, {result.baseline_samples_per_s:.2f} "
         f"at {ready.max_nodes()} nodes (Z = {result.baseline_iteration_s * 1e3:.1f} ms)",
     ]
+    if result.speed_bound < 1.0:
+        lines.append(
+            f"node speeds: the ideal x the mean speed of the nodes up is {result.speed_bound * 100:.1f} % of the ideal"
+        )
     if result.bamboo_slowdown is not None:
         lines.append(f"redundant computation: steady-state slowdown {result.bamboo_slowdown:.3f}x")
     categories = [EFFECTIVE, LOST, REDUNDANT]
@@ -108,6 +112,7 @@ def document(result: Result, recommended: list[tuple[int, float]] | None = None)
         "costs": describe(result.costs),
         "baseline": {"samples_per_s": result.baseline_samples_per_s, "iteration_s": result.baseline_iteration_s},
         "ideal_samples": result.ideal_samples,
+        "speed_bound": result.speed_bound,
         "redundant_computation_slowdown": result.bamboo_slowdown,
         "policies": {
             name: {

@@ -372,6 +372,8 @@ def test_oobleck_resplits_the_batch_around_a_slow_pipeline() -> None:
         "straggler mitigation: re-split the batch, Z = 240.0 ms",
     ]
     assert result.summaries["oobleck"].time_by_category["mitigating"] == pytest.approx(0.22)
+    # Issue #22's reference: the ideal x mean speed, 3.5 / 4 for 50 of the 100 s.
+    assert result.speed_bound == pytest.approx((50 + 50 * 3.5 / 4) / 100)
     _check_accounting(result)
 
 
@@ -415,8 +417,8 @@ def test_oobleck_benches_a_very_slow_node_and_takes_it_back() -> None:
     training = [s.samples_per_s for s in timeline.segments if s.state == "training"]
     assert training == pytest.approx([16 / 0.600, 16 / 9.720, 16 / 0.720, 16 / 0.600])
     assert [what.split(",")[0] for _, what in timeline.events[1:]] == [
-        "straggler mitigation: bench 1 slow nodes",
-        "straggler mitigation: 1 nodes back at full speed",
+        "straggler mitigation: bench 1 node as slow",
+        "straggler mitigation: 1 node back at full speed",
     ]
     assert timeline.events[1][0] == pytest.approx(10 + 20 * 9.720)
     # Checkpoint-restart knows nothing of speeds: the whole slowdown at the slowest pipeline's pace.
@@ -799,6 +801,10 @@ def test_cli_table_plot_and_recommend_f(tmp_path: Path, capsys: pytest.CaptureFi
             "--costs: oobleck-artifact is per model",
         ),
         (["--mtbf", "1h", "--repair", "0"], "--repair: must be > 0"),
+        (["--mtbf", "1h", "--spares", "-1"], "--spares: must be >= 0, got -1"),
+        (["--mtbf", "1h", "--spare-join", "soon"], "--spare-join: expected a number"),
+        (["--mtbf", "1h", "--straggler-window", "0"], "--straggler-window: must be >= 1, got 0"),
+        (["--mtbf", "1h", "--replica-timeout", "0"], "--replica-timeout: must be > 0"),
         (["--trace", "missing.csv"], "missing.csv: cannot read"),
         (["--mtbf", "1h", "--gpu-memory", "1MiB"], "cannot be planned"),
         ([], "--trace: give a trace"),
@@ -841,6 +847,20 @@ def test_cli_spot_pattern_and_node_startup(capsys: pytest.CaptureFixture[str]) -
     for name, policy in document["policies"].items():
         assert policy["time_by_category"]["waiting"] >= 480 + 45, name  # nothing up until the first joins
         assert 0 < policy["goodput"] <= 1, name
+
+
+def test_cli_straggler_trace_with_spares_and_timeouts(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--model", "gpt3-2.7b", "--trace", "stragglers-32n-2h", "--spares", "2"]
+    assert main([*args, "--spare-join", "4", "--straggler-window", "5", "--replica-timeout", "30"]) == 0
+    table = capsys.readouterr().out
+    assert "32 nodes at start, 3 losses, 3 additions, 5 slowdowns over 2.0 h; 2 warm spares, 4 s" in table
+    assert "the ideal x the mean speed of the nodes up is" in table
+    assert main([*args, "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["trace"]["slowdowns"] == 5 and 0.95 < document["speed_bound"] < 1
+    assert document["costs"]["nodes"]["spares"] == 2
+    assert document["costs"]["oobleck"]["straggler_window_steps"] == 20
+    assert document["costs"]["replicas"]["timeout_s"] == 60.0
 
 
 def test_paper_figures_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
