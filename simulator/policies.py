@@ -258,6 +258,9 @@ class OobleckPolicy(Policy):
         layout = self._known(self.planner.layout(plan))
         self.layout = layout
         self.set_layout(layout)
+        if any(self.speeds.get(n, 1.0) != 1.0 for group in layout.groups for n in group):
+            # The speeds are known already: weigh moving layers or benching at once (after this recovery).
+            self.wake_at = self.now
         return layout
 
     def sped(self, changed: set[str]) -> None:

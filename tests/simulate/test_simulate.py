@@ -428,6 +428,24 @@ def test_oobleck_benches_a_very_slow_node_and_takes_it_back() -> None:
     _check_accounting(result)
 
 
+def test_oobleck_mitigates_right_after_a_failure_when_a_slow_node_is_known() -> None:
+    six = "".join(f"0,add,n{i}\n" for i in range(6))
+    trace = trace_of(six + "10000,slow,n1,0.5\n100000,remove,n4\n", 200000)
+    result = simulate(trace, paired_job(12), Costs(), policies=("oobleck",))
+    timeline = result.timelines["oobleck"]
+    # Three 2-node pipelines: re-splitting around n1 is the cheapest (720 ms). Losing n4 leaves pipelines
+    # of 2 and 3 nodes, n1 still slow (1050 ms); its speed is known, so the mitigation is weighed at once
+    # and follows the reconfiguration: benching n1 leaves two 2-node pipelines, 6 microbatches each, 840 ms.
+    assert [(t, what.split(",")[0]) for t, what in timeline.events[1:]] == [
+        (pytest.approx(10 + 20 * 1.080), "straggler mitigation: re-split the batch"),
+        (100.0, "-1 +0 nodes: 2 pipelines"),
+        (100.0, "straggler mitigation: bench 1 node as slow"),
+    ]
+    states = [(s.state, s.samples_per_s) for s in timeline.segments if s.start_s >= 100]
+    assert states == [("reconfiguring", 0.0), ("mitigating", 0.0), ("training", pytest.approx(12 / 0.840))]
+    _check_accounting(result)
+
+
 def test_checkpoint_restart_runs_at_the_slowest_pace() -> None:
     no_checkpoints = Costs(checkpoint=CheckpointCosts(interval_s=1e9))
     for policy in ("checkpoint-restart", "redundant-computation"):
