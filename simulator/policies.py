@@ -185,14 +185,17 @@ class Policy:
                 self.alive.pop(node, None)
             for node in step.added:
                 self.alive[node] = None
-            self.speeds.update(step.speeds)
             if self.started:
                 if step.removed or step.added:
                     self.handle(set(step.removed), list(step.added))
+                # After the layout change: a new speed is not known to the planner until detected.
+                self.speeds.update(step.speeds)
                 if step.speeds:
                     self.sped(set(step.speeds))
-            elif self.alive:
-                self.start()
+            else:
+                self.speeds.update(step.speeds)
+                if self.alive:
+                    self.start()
         self.wake_until(self.trace.duration_s)
         self.advance(self.trace.duration_s)
         if not self.started:
@@ -301,7 +304,7 @@ class OobleckPolicy(Policy):
         if busiest:
             layout = paced(current, self.speeds, resplit=True, timings=tuple(timings), microbatch_size=self._mbs)
             copy_s = busiest / self.bandwidth
-            options.append(("move layers off slow nodes", self.plan, layout, copy_s, moved_s + copy_s, self.benched))
+            options.append(("move layers by node speed", self.plan, layout, copy_s, moved_s + copy_s, self.benched))
         planned = {n for p in self.plan.pipelines for n in p.nodes}
         slow = sorted(n for n in planned if self.speeds.get(n, 1.0) < 1.0)
         back = [n for n in self.alive if n in self.benched and self.speeds.get(n, 1.0) == 1.0]
@@ -466,7 +469,8 @@ class CheckpointPolicy(Policy):
     def train(self, start: float, end: float) -> None:
         t = start
         while t < end:
-            due = t + self.interval_s - self.trained_since_checkpoint
+            # max: the interval may have shrunk below what was trained (Z fell back with a node's speed)
+            due = t + max(0.0, self.interval_s - self.trained_since_checkpoint)
             stop = min(due, end)
             self.timeline.add(t, stop, TRAINING, self.rate)
             self.trained_since_checkpoint += stop - t

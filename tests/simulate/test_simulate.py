@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -462,6 +463,18 @@ def test_checkpoint_restart_runs_at_the_slowest_pace() -> None:
         _check_accounting(result)
 
 
+def test_checkpoints_every_n_steps_follow_the_pace() -> None:
+    # Every 10 iterations: 4.8 s apart at n1's slow pace, 2.4 s once it is back; a checkpoint due sooner
+    # than what was trained since the last one is written at once (and the time still sums up).
+    costs = Costs(checkpoint=CheckpointCosts(interval_steps=10, checkpoint_time_s=0.5))
+    for text in (SLOW_N1, FOUR + "10000,slow,n1,0.5\n13000,slow,n1,1\n"):
+        result = simulate(trace_of(text, 100000), job(), costs, policies=("checkpoint-restart",))
+        segments = result.timelines["checkpoint-restart"].segments
+        writes = [s.start_s for s in segments if s.state == "checkpointing"]
+        assert all(b - a >= 2.4 + 0.5 - 1e-9 for a, b in zip(writes, writes[1:]))
+        _check_accounting(result)
+
+
 def test_replica_dropping_waits_for_a_slow_replica_within_the_timeout() -> None:
     result = simulate(trace_of(SLOW_N1, 100000), job(), Costs(), policies=("replica-dropping",))
     timeline = result.timelines["replica-dropping"]
@@ -555,20 +568,37 @@ def test_spares_fold_in_for_every_policy_and_the_fresh_node_becomes_the_spare() 
         _check_accounting(result)
 
 
-def test_bundled_straggler_trace_with_and_without_spares() -> None:
-    from oobleck.planner.synthetic import PRESETS, gpt_profile
+def _readme_straggler_table() -> dict[str, list[tuple[float, float]]]:
+    """The README's straggler table: policy -> [(goodput %, eff. share %)] per column."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("**Stragglers and spares, bundled trace**") :]
+    rows = {}
+    for line in section.splitlines()[section.count("\n", 0, section.index("| policy |")) + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[cells[0]] = [tuple(float(x) for x in re.findall(r"([0-9.]+) %", cell)) for cell in cells[1:]]
+    return rows
 
-    shape = PRESETS["gpt3-2.7b"]
-    profile = gpt_profile(shape, seq_len=shape.seq_len, microbatch_size=1, gpu_flops=125e12, hbm_bandwidth=1.5e12)
-    paper_job = Job(profile, 1, 40 * GiB, 300e9, 6.25e9, f=1, global_batch=512)
-    trace = traces.load("stragglers-32n-2h")
-    assert (len(trace.initial), trace.losses(), trace.slowdowns()) == (32, 3, 5)
-    for spares in (0, 2):
-        result = simulate(trace, paper_job, Costs(nodes=NodeCosts(spares=spares)))
-        _check_accounting(result)
-        goodput = {name: summary.goodput for name, summary in result.summaries.items()}
-        assert max(goodput, key=lambda name: goodput[name]) == "oobleck", goodput
-        assert result.summaries["replica-dropping"].time_by_category["timeout"] > 60  # the 1/20 node
+
+def test_bundled_straggler_trace_matches_the_readme_table(capsys: pytest.CaptureFixture[str]) -> None:
+    table = _readme_straggler_table()
+    names = {"redundant computation": "redundant-computation", "replica dropping": "replica-dropping"}
+    columns = [["--spares", "0"], ["--spares", "2"], ["--costs", "oobleck-artifact"]]
+    columns.append(["--costs", "oobleck-artifact", "--spares", "2"])
+    for k, extra in enumerate(columns):
+        args = ["simulate", "--model", "gpt3-2.7b", "--trace", "stragglers-32n-2h", *extra, "--json", "-"]
+        assert main(args) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert document["trace"]["slowdowns"] == 5 and document["trace"]["losses"] == 3
+        for policy, cells in table.items():
+            summary = document["policies"][names.get(policy, policy)]
+            measured = (round(summary["goodput"] * 100, 1), round(summary["effective_time_share"] * 100, 1))
+            assert measured == cells[k], (policy, extra)
+            assert math.fsum(summary["time_by_category"].values()) == pytest.approx(7200.0)
+        goodput = {name: policy["goodput"] for name, policy in document["policies"].items()}
+        assert max(goodput, key=lambda name: goodput[name]) == "oobleck", (extra, goodput)
+        assert document["policies"]["replica-dropping"]["time_by_category"]["timeout"] > 60  # the 1/20 node
 
 
 # -- accounting ----------------------------------------------------------------------------------------
