@@ -14,7 +14,7 @@ from oobleck.api.plan import Plan, Template
 from oobleck.api.profile import ClusterShape, ModelProfile
 from oobleck.planner import LostLayersError, instantiate, reconfigure
 from oobleck.planner.errors import PlanningError
-from oobleck.planner.instantiate import TemplateCost, split_batch, template_cost
+from oobleck.planner.instantiate import TemplateCost, known, split_batch, template_cost
 from oobleck.planner.templates import generate_templates
 
 JOB = "simulated"
@@ -44,6 +44,11 @@ class PipelineTiming:
 
 
 def pipeline_timing(template: Template) -> PipelineTiming:
+    """A template's timing (cached per template object, as the planner caches its costs)."""
+    return known(template, "simulator timing", lambda: _pipeline_timing(template))
+
+
+def _pipeline_timing(template: Template) -> PipelineTiming:
     base = template_cost(template)
     stage_ms = tuple(stage.forward_ms + stage.backward_ms for stage in template.stages)
     return PipelineTiming(
