@@ -37,7 +37,11 @@ def table(result: Result) -> str:
         + (f", {trace.slowdowns()} slowdowns" if trace.slowdowns() else "")
         + f" over {_duration(trace.duration_s)}"
         + (f"; nodes usable {result.costs.nodes.startup_s:g} s after they join" if ready is not trace else "")
-        + (f"; {spares} warm spares, {result.costs.nodes.spare_join_s:g} s to fold one in" if spares else ""),
+        + (
+            f"; {spares} warm spare{'s' * (spares != 1)}, {result.costs.nodes.spare_join_s:g} s to fold one in"
+            if spares
+            else ""
+        ),
         f"model {result.job.profile.model}: {len(result.job.profile.layers)} layers, global batch "
         f"{result.job.global_batch}, f = {result.job.f}; ideal (f = 0, every node up) "
         f"{result.ideal_samples / trace.duration_s:.2f} samples/s on average, {result.baseline_samples_per_s:.2f} "

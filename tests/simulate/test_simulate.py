@@ -18,6 +18,7 @@ from oobleck.cli import main
 from oobleck.planner import plan_job
 from oobleck.simulate import Costs, Job, simulate, traces
 from oobleck.simulate.costs import BambooCosts, CheckpointCosts, NodeCosts, OobleckCosts, ReplicaCosts
+from oobleck.simulate.planning import PipelineTiming, Planner, paced, rebalanced
 from oobleck.simulate.traces import TraceError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,6 +186,26 @@ def test_iteration_time_is_the_planners_z(model: str, nodes: int, gpus: int, mem
     assert first.samples_per_s == pytest.approx(batch / (plan.iteration_ms / 1e3), rel=1e-12)
     no_ft = plan_job(profile, cluster, 0, batch, "x")
     assert result.baseline_iteration_s == pytest.approx(no_ft.iteration_ms / 1e3, rel=1e-12)
+    # The simulator's per-pipeline cost model at full speed is the planner's: same T per pipeline, same split.
+    layout = Planner(profile, cluster, batch).layout(plan)
+    assert paced(layout, {}, resplit=False).group_iteration_s == pytest.approx(layout.group_iteration_s, rel=1e-12)
+    assert paced(layout, {}, resplit=True).group_samples == layout.group_samples
+    assert [p.iteration_ms / 1e3 for p in plan.pipelines] == pytest.approx(layout.group_iteration_s, rel=1e-12)
+
+
+def test_moved_stage_boundaries_keep_to_the_memory_rule() -> None:
+    # Two stages of 4 layers (30 ms, 1 GiB and 1 activation byte each); the second node at 1/2. With room,
+    # the first node takes 6 layers (180 ms) and the slow one 2 (120 ms at 1/2): 2 GiB to receive.
+    timing = PipelineTiming((120.0, 120.0), (0, 1), ((0, 4), (4, 8)), (1, 1), 0.0, None)
+    layer_ms, state, activation = [30.0] * 8, [GiB] * 8, [1] * 8
+    moved, received = rebalanced(timing, ["a", "b"], {"b": 0.5}, layer_ms, state, activation, 16 * GiB)
+    assert moved.stage_layers == ((0, 6), (6, 8)) and moved.stage_ms == (180.0, 60.0) and received == 2 * GiB
+    assert moved.cost(["a", "b"], {"b": 0.5}).slope_ms == 180.0
+    # Memory for exactly the first stage as it is (4 GiB + 2 microbatches in flight x 4 bytes): nothing moves.
+    assert rebalanced(timing, ["a", "b"], {"b": 0.5}, layer_ms, state, activation, 4 * GiB + 8) == (timing, 0)
+    # One more layer's room: the first node takes 5 (150 ms), the slow one 3 (180 ms at 1/2).
+    moved, received = rebalanced(timing, ["a", "b"], {"b": 0.5}, layer_ms, state, activation, 5 * GiB + 10)
+    assert moved.stage_layers == ((0, 5), (5, 8)) and received == GiB
 
 
 # -- each policy on a hand-checked trace ----------------------------------------------------------------
