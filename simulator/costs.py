@@ -104,9 +104,9 @@ class ReplicaCosts:
     """pause of the surviving replicas while the quorum changes (our assumption; torchft's per-step quorum is
     sub-second when the lighthouse answers at once)"""
     timeout_s: float = 60.0
-    """a replica whose step ends this much after the others' is dropped (the others' allreduce times out and
-    the step is discarded); one within it is waited for every step. torchft's Manager `timeout` (default
-    60 s; it bounds collectives such as the allreduce)"""
+    """a replica whose step ends more than this after the fastest replica's is dropped (the allreduce the
+    fastest entered first times out and the step is discarded); one within it is waited for every step.
+    torchft's Manager `timeout` (default 60 s; it bounds collectives such as the allreduce)"""
 
     def heal_s(self, state_bytes_per_node: int, bandwidth: float) -> float:
         return self.quorum_s + state_bytes_per_node / bandwidth

@@ -223,6 +223,18 @@ class Policy:
         """The time asked for in `wake_at` has come."""
 
 
+@dataclass(frozen=True)
+class Option:
+    """A straggler mitigation as priced: the layout it leads to, its copy time and its pause."""
+
+    name: str
+    plan: Plan
+    layout: Layout
+    copy_s: float
+    pause_s: float
+    benched: frozenset[str]
+
+
 class OobleckPolicy(Policy):
     """Our planner's reconfiguration in place; rollback to a snapshot beyond f; scale-up on additions."""
 
@@ -277,19 +289,34 @@ class OobleckPolicy(Policy):
         self.wake_at = self.now + self.costs.straggler_window_steps * self.layout.iteration_s
 
     def wake(self) -> None:
-        """Price the straggler mitigations as copy time + horizon x Z and take the cheapest."""
+        """Price the straggler mitigations as copy time + horizon x Z and take the cheapest (ties: keep)."""
         if self.plan is None or self.layout is None:
             return
-        current = self.layout
-        plan_s, moved_s = self.costs.plan_s, self.costs.plan_s + self.costs.rendezvous_s
-        # (name, plan, layout, copy seconds, pause seconds, nodes benched after)
-        options: list[tuple[str, Plan, Layout, float, float, set[str]]] = [
-            ("keep", self.plan, current, 0.0, 0.0, self.benched)
-        ]
-        resplit = paced(current, self.speeds, resplit=True, microbatch_size=self._mbs)
-        options.append(("re-split the batch", self.plan, resplit, 0.0, plan_s, self.benched))
+        options = [Option("keep", self.plan, self.layout, 0.0, 0.0, frozenset(self.benched))]
+        options += [o for o in (self._resplit(), self._move_layers(), self._bench()) if o is not None]
+        best = min(options, key=lambda o: o.copy_s + self.costs.horizon_steps * o.layout.iteration_s)
+        if best.name == "keep":
+            return
+        self.plan, self.layout, self.benched = best.plan, best.layout, set(best.benched)
+        self.set_layout(best.layout)
+        if self.state != TRAINING and self.schedule:  # mid-recovery: the mitigation follows it
+            resume = self.schedule[-1][0]
+            self.schedule = [(resume, "mitigating", 0.0), (resume + best.pause_s, TRAINING, self.train_rate)]
+        else:
+            self.pause("mitigating", best.pause_s)
+        self.note(f"straggler mitigation: {best.name}, Z = {best.layout.iteration_s * 1e3:.1f} ms")
+
+    def _resplit(self) -> Option:
+        """(a) The batch split by the pipelines' slowed costs: nothing moves, a new generation is published."""
+        assert self.plan is not None and self.layout is not None, "only while a plan trains"
+        layout = paced(self.layout, self.speeds, resplit=True, microbatch_size=self._mbs)
+        return Option("re-split the batch", self.plan, layout, 0.0, self.costs.plan_s, frozenset(self.benched))
+
+    def _move_layers(self) -> Option | None:
+        """(b) Stage boundaries moved by node speed inside every pipeline, the batch re-split."""
+        assert self.plan is not None and self.layout is not None, "only while a plan trains"
         timings, busiest = [], 0
-        for timing, group in zip(current.timings, current.groups):
+        for timing, group in zip(self.layout.timings, self.layout.groups):
             moved, received = rebalanced(
                 timing,
                 group,
@@ -301,37 +328,32 @@ class OobleckPolicy(Policy):
             )
             timings.append(moved)
             busiest = max(busiest, received)  # pipelines are disjoint: their copies run in parallel
-        if busiest:
-            layout = paced(current, self.speeds, resplit=True, timings=tuple(timings), microbatch_size=self._mbs)
-            copy_s = busiest / self.bandwidth
-            options.append(("move layers by node speed", self.plan, layout, copy_s, moved_s + copy_s, self.benched))
+        if not busiest:
+            return None
+        layout = paced(self.layout, self.speeds, resplit=True, timings=tuple(timings), microbatch_size=self._mbs)
+        copy_s = busiest / self.bandwidth
+        pause_s = self.costs.plan_s + self.costs.rendezvous_s + copy_s
+        return Option("move layers by node speed", self.plan, layout, copy_s, pause_s, frozenset(self.benched))
+
+    def _bench(self) -> Option | None:
+        """(c) Slow nodes out of training (kept up), benched nodes back at full speed in: the planner's
+        reconfigure. Not when it would cost the f + 1 pipelines that tolerate f failures."""
+        assert self.plan is not None, "only while a plan trains"
         planned = {n for p in self.plan.pipelines for n in p.nodes}
         slow = sorted(n for n in planned if self.speeds.get(n, 1.0) < 1.0)
         back = [n for n in self.alive if n in self.benched and self.speeds.get(n, 1.0) == 1.0]
-        if slow or back:
-            try:
-                plan = self.planner.reconfigure(self.plan, slow, back)
-            except (NoPipeline, LostLayersError):
-                pass
-            else:
-                copy_s = copy_seconds(plan, self.bandwidth)
-                layout = self._known(self.planner.layout(plan))
-                benched = (self.benched - set(back)) | set(slow)
-                options.append((_membership(slow, back), plan, layout, copy_s, moved_s + copy_s, benched))
-        horizon = self.costs.horizon_steps
-        name, plan, layout, copy_s, pause_s, benched = min(
-            options, key=lambda option: option[3] + horizon * option[2].iteration_s
-        )
-        if name == "keep":
-            return
-        self.plan, self.layout, self.benched = plan, layout, set(benched)
-        self.set_layout(layout)
-        if self.state != TRAINING and self.schedule:  # mid-recovery: the mitigation follows it
-            resume = self.schedule[-1][0]
-            self.schedule = [(resume, "mitigating", 0.0), (resume + pause_s, TRAINING, self.train_rate)]
-        else:
-            self.pause("mitigating", pause_s)
-        self.note(f"straggler mitigation: {name}, Z = {layout.iteration_s * 1e3:.1f} ms")
+        if not slow and not back:
+            return None
+        try:
+            plan = self.planner.reconfigure(self.plan, slow, back)
+        except (NoPipeline, LostLayersError):
+            return None
+        if plan.degraded and not self.plan.degraded:
+            return None
+        copy_s = copy_seconds(plan, self.bandwidth)
+        pause_s = self.costs.plan_s + self.costs.rendezvous_s + copy_s
+        benched = frozenset((self.benched - set(back)) | set(slow))
+        return Option(_membership(slow, back), plan, self._known(self.planner.layout(plan)), copy_s, pause_s, benched)
 
     def start(self) -> None:
         try:
@@ -635,19 +657,20 @@ class ReplicaPolicy(Policy):
         self.train_rate = self.samples_per_iteration / self.iteration_s
 
     def _settle(self) -> tuple[list[int], list[int]]:
-        """The timeout model: the slowest replica of the quorum is dropped while its step ends more than
-        `timeout_s` after the next slowest one's; a dropped replica rejoins once its step would end within
-        the timeout of the quorum's slowest. Returns (dropped now, rejoined now)."""
+        """The timeout model: the first replica to reach the allreduce waits `timeout_s` for the others, so
+        every replica of the quorum whose step ends more than that after the fastest one's is dropped (the
+        step fails for all); a dropped replica rejoins once its step would end within the timeout of the
+        quorum's fastest. Returns (dropped now, rejoined now)."""
+        whole = self._whole()
         dropped: list[int] = []
-        while len(whole := sorted(self._whole(), key=self._step_s)) > 1:
-            if self._step_s(whole[-1]) - self._step_s(whole[-2]) <= self.costs.timeout_s:
-                break
-            self.dropped.add(whole[-1])
-            dropped.append(whole[-1])
-        pace = max((self._step_s(i) for i in self._whole()), default=0.0)
+        if len(whole) > 1:
+            fastest = min(self._step_s(i) for i in whole)
+            dropped = [i for i in whole if self._step_s(i) - fastest > self.costs.timeout_s]
+            self.dropped.update(dropped)
+        fastest = min((self._step_s(i) for i in self._whole()), default=math.inf)
         rejoined = []
         for i in sorted(self.dropped - set(dropped)):
-            if None in self.slots[i] or self._step_s(i) - pace <= self.costs.timeout_s:
+            if None in self.slots[i] or self._step_s(i) - fastest <= self.costs.timeout_s:
                 self.dropped.discard(i)  # an incomplete replica heals through its new nodes instead
                 if None not in self.slots[i]:
                     rejoined.append(i)
@@ -662,7 +685,7 @@ class ReplicaPolicy(Policy):
         if not dropped and not rejoined:
             self.repace(old)
             return
-        self._reform(dropped, rejoined, timed_out=bool(dropped))
+        self._reform(dropped, rejoined, old, timed_out=bool(dropped))
 
     def handle(self, removed: set[str], added: list[str]) -> None:
         if self.layout is None:
@@ -690,12 +713,13 @@ class ReplicaPolicy(Policy):
         if not broke and not healed and not timed_out:
             self.repace(old)
             return
-        self._reform(broke + timed_out, healed, timed_out=bool(timed_out), already_lost=bool(broke))
+        self._reform(broke + timed_out, healed, old, timed_out=bool(timed_out), already_lost=bool(broke))
 
-    def _reform(self, broke: list[int], healed: list[int], *, timed_out: bool, already_lost: bool = False) -> None:
+    def _reform(
+        self, broke: list[int], healed: list[int], before: float, *, timed_out: bool, already_lost: bool = False
+    ) -> None:
         """The quorum changes: replicas out (the step in flight lost), replicas back (healing from a live one)."""
         assert self.layout is not None, "replicas exist only under a layout"
-        before = self.train_rate
         if broke and not already_lost:
             self.lose_steps(self.steps - math.floor(self.steps), "iteration in flight")
         # A replica dropped on timeout held the others for the whole timeout before the quorum changed.

@@ -531,6 +531,32 @@ def test_replica_dropping_drops_a_slow_replica_on_timeout_and_heals_it_back() ->
     _check_accounting(result)
 
 
+def test_replica_dropping_drops_every_replica_the_fastest_would_time_out_on() -> None:
+    costs = Costs(replicas=ReplicaCosts(quorum_s=0.5, timeout_s=0.2))
+    trace = trace_of(FOUR + "10000,slow,n1,0.5\n10000,slow,n2,0.5\n60000,slow,n1,1\n", 100000)
+    timeline = simulate(trace, job(), costs, policies=("replica-dropping",)).timelines["replica-dropping"]
+    # Both slow replicas end their steps 0.24 s after the fastest: both go; n1's comes back at 60 s.
+    assert [what for _, what in timeline.events] == [
+        "start: 4 replicas",
+        "2/4 replicas in the quorum (was 33.3 samples/s), 2 dropped as too slow",
+        "3/4 replicas in the quorum (was 16.7 samples/s), 1 dropped as too slow",
+    ]
+    assert [s.samples_per_s for s in timeline.segments if s.state == "training"] == pytest.approx(
+        [RATE, 4 / Z, 4 / Z, 6 / Z]
+    )
+
+
+def test_oobleck_never_benches_below_f_plus_one_pipelines() -> None:
+    # Two 2-node pipelines (f = 1): benching n1 at 1/20 would leave one 3-node pipeline (870 ms, degraded);
+    # moving layers keeps both: n1 keeps 1 layer (600 ms a microbatch), re-split 1 | 7 -> 960 ms.
+    trace = trace_of(FOUR + "10000,slow,n1,0.05\n600000,slow,n1,1\n", 900000)
+    timeline = simulate(trace, paired_job(8), Costs(), policies=("oobleck",)).timelines["oobleck"]
+    assert [what for _, what in timeline.events[1:]] == [
+        "straggler mitigation: move layers by node speed, Z = 960.0 ms",
+        "straggler mitigation: move layers by node speed, Z = 600.0 ms",
+    ]
+
+
 def test_warm_spares_replace_losses_after_the_join_time() -> None:
     trace = trace_of(
         FOUR + "10000,remove,n1\n30000,add,n9\n40000,remove,n0\n41000,remove,n9\n"
