@@ -376,6 +376,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--policies: unknown {unknown or policies}; choose from {', '.join(POLICIES)}")
         costs = _costs(args)
         trace = _trace(args)
+        if costs.nodes.spares and costs.nodes.spares >= trace.max_nodes():
+            raise InputError(
+                f"--spares: {costs.nodes.spares} leaves no node to train (the trace has {trace.max_nodes()} at most)"
+            )
         job = _job(args)
         result = simulate(trace, job, costs, policies)
         recommended = recommend_f(trace, job, costs) if args.recommend_f else None

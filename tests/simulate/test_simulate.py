@@ -897,6 +897,7 @@ def test_cli_table_plot_and_recommend_f(tmp_path: Path, capsys: pytest.CaptureFi
         ),
         (["--mtbf", "1h", "--repair", "0"], "--repair: must be > 0"),
         (["--mtbf", "1h", "--spares", "-1"], "--spares: must be >= 0, got -1"),
+        (["--mtbf", "1h", "--spares", "4"], "--spares: 4 leaves no node to train (the trace has 4 at most)"),
         (["--mtbf", "1h", "--spare-join", "soon"], "--spare-join: expected a number"),
         (["--mtbf", "1h", "--straggler-window", "0"], "--straggler-window: must be >= 1, got 0"),
         (["--mtbf", "1h", "--replica-timeout", "0"], "--replica-timeout: must be > 0"),
