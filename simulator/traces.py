@@ -157,7 +157,9 @@ class Trace:
             out += [Event(step.time_s, SLOW, node, speed) for node, speed in step.speeds.items()]
         flush(self.duration_s)
         out.sort(key=_order)
-        return Trace(f"{self.name} ({count} warm spares)", tuple(initial), tuple(out), self.duration_s)
+        return Trace(
+            f"{self.name} ({count} warm spare{'s' * (count != 1)})", tuple(initial), tuple(out), self.duration_s
+        )
 
     def renamed(self, names: dict[str, str]) -> Trace:
         """The same trace with nodes renamed by `names`; other nodes whose name a new one takes get a
@@ -310,7 +312,7 @@ def dump(trace: Trace) -> str:
     lines = [f"# duration_ms: {round(trace.duration_s * 1e3)}"]
     lines += [f"0,add,{node}" for node in trace.initial]
     lines += [
-        f"{round(e.time_s * 1e3)},{e.kind},{e.node}" + (f",{e.speed:g}" if e.kind == SLOW else "") for e in trace.events
+        f"{round(e.time_s * 1e3)},{e.kind},{e.node}" + (f",{e.speed!r}" if e.kind == SLOW else "") for e in trace.events
     ]
     return "\n".join(lines) + "\n"
 
