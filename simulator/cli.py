@@ -6,6 +6,7 @@
     oobleck simulate --model gpt3-1.3b --nodes 32 --mtbf 12h --repair 10m --duration 3d --recommend-f
     oobleck simulate --model bert-large --trace artifact-30n-10m --costs oobleck-artifact
     oobleck simulate --model gpt3-2.7b --spot-pattern gcp --seed 1 --min-nodes-per-pipeline 2
+    oobleck simulate --model gpt3-2.7b --trace stragglers-32n-2h --spares 2
 
 Durations take s, m, h or d (default seconds); bytes and bandwidths take k/M/G/T(i)B. Invalid input
 (flags, trace files, a job the planner cannot place) exits 2 with a message naming the flag, file, line
@@ -89,7 +90,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "nodes taken as the trace's first nodes in order",
     )
     trace = p.add_argument_group("availability trace (a file, or generated from a seed)")
-    trace.add_argument("--trace", help=f"TIME_MS,add|remove,NODE file, or a bundled one: {bundled}")
+    trace.add_argument(
+        "--trace", help=f"TIME_MS,add|remove,NODE (and TIME_MS,slow,NODE,SPEED) file, or a bundled one: {bundled}"
+    )
     trace.add_argument("--mtbf", help="independent failures: mean time between failures of one node")
     trace.add_argument("--repair", default="1h", help="with --mtbf: a failed node is back after this long")
     trace.add_argument("--spot-interval", help="preemption waves: mean time between waves")
@@ -124,6 +127,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     costs.add_argument("--bamboo-failover", help="redundant computation: failover pause (s; default 1)")
     costs.add_argument("--quorum", help="replica dropping: quorum change pause (s; default 1)")
+    costs.add_argument(
+        "--replica-timeout",
+        help="replica dropping: a replica this much later than the others is dropped (s; default 60)",
+    )
+    costs.add_argument(
+        "--straggler-window", type=int, help="oobleck: steps before a speed change is known and acted on (default 20)"
+    )
+    costs.add_argument("--spares", type=int, help="every policy: warm spare nodes kept out of training (default 0)")
+    costs.add_argument("--spare-join", help="every policy: a warm spare trains this long after a loss (s; default 5)")
     costs.add_argument("--node-startup", help="every policy: a node is usable this long after it joins (default 0)")
     out = p.add_argument_group("output")
     out.add_argument("--policies", default=",".join(_policies()), help="comma-separated subset")
@@ -291,6 +303,10 @@ def _costs(args: argparse.Namespace):
         raise InputError(f"--snapshot-every: must be >= 1, got {args.snapshot_every}")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise InputError(f"--checkpoint-every: must be >= 1, got {args.checkpoint_every}")
+    if args.spares is not None and args.spares < 0:
+        raise InputError(f"--spares: must be >= 0, got {args.spares}")
+    if args.straggler_window is not None and args.straggler_window < 1:
+        raise InputError(f"--straggler-window: must be >= 1, got {args.straggler_window}")
     if args.bamboo_slowdown is not None and not args.bamboo_slowdown >= 1:
         raise InputError(f"--bamboo-slowdown: must be >= 1, got {args.bamboo_slowdown}")
 
@@ -322,6 +338,7 @@ def _costs(args: argparse.Namespace):
                 plan_s=time("--plan-time", args.plan_time, zero_ok=True),
                 rendezvous_s=time("--rendezvous", args.rendezvous, zero_ok=True),
                 snapshot_interval_steps=args.snapshot_every,
+                straggler_window_steps=args.straggler_window,
             ),
         ),
         checkpoint=replace(base.checkpoint, **checkpoint),
@@ -329,8 +346,18 @@ def _costs(args: argparse.Namespace):
             base.bamboo,
             **given(slowdown=args.bamboo_slowdown, failover_s=time("--bamboo-failover", args.bamboo_failover)),
         ),
-        replicas=replace(base.replicas, **given(quorum_s=time("--quorum", args.quorum))),
-        nodes=replace(base.nodes, **given(startup_s=time("--node-startup", args.node_startup, zero_ok=True))),
+        replicas=replace(
+            base.replicas,
+            **given(quorum_s=time("--quorum", args.quorum), timeout_s=time("--replica-timeout", args.replica_timeout)),
+        ),
+        nodes=replace(
+            base.nodes,
+            **given(
+                startup_s=time("--node-startup", args.node_startup, zero_ok=True),
+                spares=args.spares,
+                spare_join_s=time("--spare-join", args.spare_join, zero_ok=True),
+            ),
+        ),
     )
 
 
@@ -349,6 +376,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--policies: unknown {unknown or policies}; choose from {', '.join(POLICIES)}")
         costs = _costs(args)
         trace = _trace(args)
+        if costs.nodes.spares and costs.nodes.spares >= trace.max_nodes():
+            raise InputError(
+                f"--spares: {costs.nodes.spares} leaves no node to train (the trace has {trace.max_nodes()} at most)"
+            )
         job = _job(args)
         result = simulate(trace, job, costs, policies)
         recommended = recommend_f(trace, job, costs) if args.recommend_f else None

@@ -29,6 +29,12 @@ class OobleckCosts:
     """process groups rebuilt + holdings exchanged (bench/recovery.py: 0.17 s, tiny GPT's copies included)"""
     snapshot_interval_steps: int = 10
     """steps between in-memory snapshots (runtime default snapshot.interval_steps); bounds the work a rollback loses"""
+    straggler_window_steps: int = 20
+    """steps a node's speed change takes to be known (issue #22's detection target: within 20 steps); the job
+    runs at the unmitigated pace meanwhile"""
+    horizon_steps: int = 100
+    """iterations a straggler mitigation is priced over: copy time + horizon x Z, the cheapest wins (the
+    planner's reconfiguration horizon, oobleck.planner.reconfigure.DEFAULT_HORIZON)"""
 
     def pause_s(self, copy_s: float) -> float:
         return self.detection_s + self.plan_s + self.rendezvous_s + copy_s
@@ -97,6 +103,10 @@ class ReplicaCosts:
     quorum_s: float = 1.0
     """pause of the surviving replicas while the quorum changes (our assumption; torchft's per-step quorum is
     sub-second when the lighthouse answers at once)"""
+    timeout_s: float = 60.0
+    """a replica whose step ends more than this after the fastest replica's is dropped (the allreduce the
+    fastest entered first times out and the step is discarded); one within it is waited for every step.
+    torchft's Manager `timeout` (default 60 s; it bounds collectives such as the allreduce)"""
 
     def heal_s(self, state_bytes_per_node: int, bandwidth: float) -> float:
         return self.quorum_s + state_bytes_per_node / bandwidth
@@ -109,6 +119,12 @@ class NodeCosts:
     startup_s: float = 0.0
     """a node added to the trace is usable this much later (the artifact's simulators: 45 s, their "spot
     instance creation time"); it applies to the nodes at time 0 too, and to the ideal goodput is measured by"""
+    spares: int = 0
+    """warm spares: this many of the nodes up are kept started and connected but not training; a lost node is
+    replaced by one after `spare_join_s` instead of waiting for a fresh node (the ideal still counts every node)"""
+    spare_join_s: float = 5.0
+    """a warm spare lost node -> training in its place (issue #22's target for a spare: 5 s; TrainMover reports
+    about 20 s of downtime at 1,024 GPUs)"""
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ Accounting (README, Simulating goodput):
   best throughput our planner reaches (f = 0, no fault tolerance) on the nodes up then (after their start-up
   delay), or on fewer of them if that is faster. No policy trains faster on the same nodes, so goodput never
   exceeds 100 %, on growing traces too.
+  The ideal ignores node speeds and warm spares: it is every node up at full speed, so a straggler's or a
+  spare's cost shows in every policy's goodput.
 - Each policy's time splits into categories that sum to the trace length: "effective" (training whose work
   was kept), "lost work" (training thrown away by a failure) and its other states (reconfiguring,
   restarting, checkpointing, waiting, ...). The effective time share is effective / trace length.
@@ -88,6 +90,7 @@ class Result:
     bamboo_slowdown: float | None
     ideal: list[tuple[float, float]]  # (time, ideal samples/s from then on)
     ideal_samples: float
+    speed_bound: float = 1.0  # the ideal scaled by the nodes' mean speed (issue #22's reference), over the ideal
     timelines: dict[str, Timeline] = field(default_factory=dict)
     summaries: dict[str, Summary] = field(default_factory=dict)
 
@@ -131,6 +134,36 @@ def ideal_rates(trace: Trace, planner: Planner) -> list[tuple[float, float]]:
     # of every count at or below this one that the trace visits.
     envelope = {n: max(r for k, r in best.items() if k <= n) for n in best}
     return [(time_s, envelope[count]) for time_s, count in counts]
+
+
+def speed_bound(trace: Trace, ideal: list[tuple[float, float]]) -> float:
+    """The share of the ideal left when every moment's ideal is scaled by the mean speed of the nodes up
+    (issue #22: the unthrottled throughput x sum of speeds / nodes; 3.5 / 4 with one node of 4 at 1/2)."""
+    if not any(e.kind == "slow" for e in trace.events):
+        return 1.0
+    speeds: dict[str, float] = {}
+    up = set(trace.initial)
+    points = [(0.0, 1.0)]
+    for step in trace.steps():
+        up -= set(step.removed)
+        up |= set(step.added)
+        speeds.update(step.speeds)
+        mean = sum(speeds.get(n, 1.0) for n in up) / len(up) if up else 1.0
+        points.append((step.time_s, mean))
+    times = sorted({t for t, _ in ideal} | {t for t, _ in points})
+    rate = [(t, _at(ideal, t) * _at(points, t)) for t in times]
+    whole = integrate(ideal, trace.duration_s)
+    return integrate(rate, trace.duration_s) / whole if whole > 0 else 1.0
+
+
+def _at(steps: list[tuple[float, float]], time_s: float) -> float:
+    """The value of a step function (time, value from then on) at `time_s`."""
+    value = steps[0][1]
+    for t, v in steps:
+        if t > time_s:
+            break
+        value = v
+    return value
 
 
 def integrate(steps: list[tuple[float, float]], duration_s: float) -> float:
@@ -228,6 +261,9 @@ def simulate(trace: Trace, job: Job, costs: Costs, policies: Sequence[str] = POL
     ideal = ideal_rates(ready, planner)
     ideal_samples = integrate(ideal, ready.duration_s)
     result = Result(trace, ready, job, costs, baseline.samples_per_s, baseline.iteration_s, None, ideal, ideal_samples)
+    result.speed_bound = speed_bound(ready, ideal)
+    # Warm spares are nodes up that do not train: the ideal still counts them, the policies do without.
+    ready = ready.with_spares(costs.nodes.spares, costs.nodes.spare_join_s)
     for name in policies:
         if name == "oobleck":
             timeline = OobleckPolicy(ready, planner, job.f, costs.oobleck, job.start_plan).run()
@@ -253,6 +289,7 @@ def recommend_f(trace: Trace, job: Job, costs: Costs, most: int = 8) -> list[tup
     ready = trace.ready_after(costs.nodes.startup_s)
     planner = _planner(ready, job)
     ideal_samples = integrate(ideal_rates(ready, planner), ready.duration_s)
+    ready = ready.with_spares(costs.nodes.spares, costs.nodes.spare_join_s)
     scores = []
     for f in range(most + 1):
         if (f + 1) * planner.min_nodes > ready.max_nodes() or f + 1 > job.microbatches:

@@ -9,6 +9,8 @@ Shared rules, so the policies differ only in what the papers say they do:
 - Nodes are taken in the order they first appeared, so the same trace always gives the same layouts.
 - A trace may start empty or too small: the job waits ("waiting") and starts, at no cost, at the first
   event after which its nodes form a pipeline; starting is not a failure, so every policy starts alike.
+- Node speeds (the trace's `slow` events) slow every stage on the node (planning.PipelineTiming); a
+  synchronous job runs at its slowest pipeline's pace until a policy does something about it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from oobleck.api.plan import Plan
 
 from .costs import BambooCosts, CheckpointCosts, OobleckCosts, ReplicaCosts
-from .planning import Layout, LostLayersError, NoPipeline, Planner, copy_seconds
+from .planning import Layout, LostLayersError, NoPipeline, Planner, copy_seconds, paced, rebalanced
 from .traces import Trace
 
 TRAINING = "training"
@@ -77,8 +79,14 @@ class Policy:
         self.samples_per_iteration = 0
         self.train_rate = 0.0  # throughput of the current layout when training
         self.steps = 0.0  # iterations since the last restore point (fractional: the one in flight)
+        # The latest steps as [steps, seconds per step, samples per step], newest last: work thrown away is
+        # priced at the pace it was done at (speeds change Z between snapshots).
+        self.recent: list[list[float]] = []
+        self.keep_steps = 1.0  # the most steps a loss can take back (a policy with snapshots keeps more)
         self.schedule: list[tuple[float, str, float]] = []
         self.started = False  # set by start() once the job trains
+        self.speeds: dict[str, float] = {}  # nodes not named run at full speed (1)
+        self.wake_at: float | None = None  # when the policy acts on its own (a straggler decision)
 
     # -- machinery -------------------------------------------------------------------------------------
     def set_layout(self, layout: Layout | None) -> None:
@@ -88,6 +96,16 @@ class Policy:
             self.iteration_s = layout.iteration_s
             self.samples_per_iteration = layout.samples_per_iteration
             self.train_rate = layout.samples_per_s
+
+    def repace(self, old_rate: float) -> None:
+        """The layout's throughput changed under the job (speeds): training, or the training a pause
+        leads to, goes on at the new one."""
+        if self.state == TRAINING:
+            self.rate = self.train_rate
+        self.schedule = [
+            (at, state, self.train_rate if state == TRAINING and rate == old_rate else rate)
+            for at, state, rate in self.schedule
+        ]
 
     def pause(self, state: str, seconds: float, then_rate: float | None = None) -> None:
         """Sit in `state` for `seconds` from now, then train (at the layout's throughput by default)."""
@@ -104,14 +122,39 @@ class Policy:
             self.timeline.losses.append(Loss(self.now, samples, seconds, why))
 
     def lose_steps(self, steps: float, why: str) -> None:
-        self.lose(steps * self.samples_per_iteration, steps * self.iteration_s, why)
+        """Take back the latest `steps` steps, each at the pace it was trained at."""
+        samples = seconds = 0.0
+        left = steps
+        while left > 1e-12 and self.recent:
+            chunk = self.recent[-1]
+            taken = min(left, chunk[0])
+            seconds += taken * chunk[1]
+            samples += taken * chunk[2]
+            left -= taken
+            chunk[0] -= taken
+            if chunk[0] <= 1e-12:
+                self.recent.pop()
+        self.lose(samples, seconds, why)
         self.steps -= steps
+
+    def restore_point(self) -> None:
+        """Nothing trained before now can be lost any more (a rollback restored the last snapshot)."""
+        self.steps = 0.0
+        self.recent.clear()
 
     def train(self, start: float, end: float) -> None:
         """Record training over [start, end); policies that checkpoint split it."""
         self.timeline.add(start, end, TRAINING, self.rate)
-        if self.iteration_s < math.inf:
-            self.steps += (end - start) / self.iteration_s
+        if self.iteration_s < math.inf and end > start:
+            steps = (end - start) / self.iteration_s
+            self.steps += steps
+            pace = [self.iteration_s, self.rate * self.iteration_s]
+            if self.recent and self.recent[-1][1:] == pace:
+                self.recent[-1][0] += steps
+            else:
+                self.recent.append([steps, *pace])
+            while self.recent and sum(chunk[0] for chunk in self.recent[1:]) >= self.keep_steps:
+                self.recent.pop(0)
 
     def advance(self, until: float) -> None:
         while True:
@@ -126,19 +169,34 @@ class Policy:
                 return
             _, self.state, self.rate = self.schedule.pop(0)
 
+    def wake_until(self, until: float) -> None:
+        while self.wake_at is not None and self.wake_at <= until:
+            at, self.wake_at = self.wake_at, None
+            self.advance(at)
+            self.wake()
+
     def run(self) -> Timeline:
         if self.alive:
             self.start()
-        for time_s, removed, added in self.trace.batches():
-            self.advance(time_s)
-            for node in removed:
+        for step in self.trace.steps():
+            self.wake_until(step.time_s)
+            self.advance(step.time_s)
+            for node in step.removed:
                 self.alive.pop(node, None)
-            for node in added:
+            for node in step.added:
                 self.alive[node] = None
             if self.started:
-                self.handle(set(removed), list(added))
-            elif self.alive:
-                self.start()
+                if step.removed or step.added:
+                    self.handle(set(step.removed), list(step.added))
+                # After the layout change: a new speed is not known to the planner until detected.
+                self.speeds.update(step.speeds)
+                if step.speeds:
+                    self.sped(set(step.speeds))
+            else:
+                self.speeds.update(step.speeds)
+                if self.alive:
+                    self.start()
+        self.wake_until(self.trace.duration_s)
         self.advance(self.trace.duration_s)
         if not self.started:
             self.timeline.note = "never started: the nodes up never formed a pipeline"
@@ -157,6 +215,25 @@ class Policy:
     def handle(self, removed: set[str], added: list[str]) -> None:
         raise NotImplementedError
 
+    def sped(self, changed: set[str]) -> None:
+        """Nodes changed speed (the policy's layout already runs at the new speeds' pace when called)."""
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        """The time asked for in `wake_at` has come."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """A straggler mitigation as priced: the layout it leads to, its copy time and its pause."""
+
+    name: str
+    plan: Plan
+    layout: Layout
+    copy_s: float
+    pause_s: float
+    benched: frozenset[str]
+
 
 class OobleckPolicy(Policy):
     """Our planner's reconfiguration in place; rollback to a snapshot beyond f; scale-up on additions."""
@@ -171,12 +248,112 @@ class OobleckPolicy(Policy):
         self.start_plan = start_plan  # generation 0 as given (its nodes named as the trace's first nodes)
         self.plan: Plan | None = None
         self.bandwidth = planner.cluster.inter_node_bandwidth
+        self.layout: Layout | None = None  # the plan at the nodes' speeds, as the job runs it now
+        self.benched: set[str] = set()  # up, but taken out of training for being slow (mitigation (c))
+        self.layer_ms = [layer.forward_ms + layer.backward_ms for layer in planner.profile.layers]
+        self.layer_activation = [layer.activation_bytes for layer in planner.profile.layers]
+        self.keep_steps = float(costs.snapshot_interval_steps)
+
+    def nodes(self) -> list[str]:
+        return [n for n in self.alive if n not in self.benched]
+
+    def _known(self, layout: Layout, timings: tuple | None = None) -> Layout:
+        """A layout planned with the speeds known: the batch split by them (the plan's own at full speed)."""
+        planned = {n for group in layout.groups for n in group}
+        if timings is None and all(self.speeds.get(n, 1.0) == 1.0 for n in planned):
+            return layout
+        return paced(layout, self.speeds, resplit=True, timings=timings, microbatch_size=self._mbs)
+
+    @property
+    def _mbs(self) -> int:
+        return self.planner.profile.microbatch_size
 
     def _adopt(self, plan: Plan) -> Layout:
         self.plan = plan
-        layout = self.planner.layout(plan)
+        layout = self._known(self.planner.layout(plan))
+        self.layout = layout
         self.set_layout(layout)
+        if any(self.speeds.get(n, 1.0) != 1.0 for group in layout.groups for n in group):
+            # The speeds are known already: weigh moving layers or benching at once (after this recovery).
+            self.wake_at = self.now
         return layout
+
+    def sped(self, changed: set[str]) -> None:
+        if self.plan is None or self.layout is None:
+            return
+        # The job keeps its split until the change is known: it runs at its slowest pipeline's pace.
+        old = self.train_rate
+        self.layout = paced(self.layout, self.speeds, resplit=False, microbatch_size=self._mbs)
+        self.set_layout(self.layout)
+        self.repace(old)
+        self.wake_at = self.now + self.costs.straggler_window_steps * self.layout.iteration_s
+
+    def wake(self) -> None:
+        """Price the straggler mitigations as copy time + horizon x Z and take the cheapest (ties: keep)."""
+        if self.plan is None or self.layout is None:
+            return
+        options = [Option("keep", self.plan, self.layout, 0.0, 0.0, frozenset(self.benched))]
+        options += [o for o in (self._resplit(), self._move_layers(), self._bench()) if o is not None]
+        best = min(options, key=lambda o: o.copy_s + self.costs.horizon_steps * o.layout.iteration_s)
+        if best.name == "keep":
+            return
+        self.plan, self.layout, self.benched = best.plan, best.layout, set(best.benched)
+        self.set_layout(best.layout)
+        if self.state != TRAINING and self.schedule:  # mid-recovery: the mitigation follows it
+            resume = self.schedule[-1][0]
+            self.schedule = [(resume, "mitigating", 0.0), (resume + best.pause_s, TRAINING, self.train_rate)]
+        else:
+            self.pause("mitigating", best.pause_s)
+        self.note(f"straggler mitigation: {best.name}, Z = {best.layout.iteration_s * 1e3:.1f} ms")
+
+    def _resplit(self) -> Option:
+        """(a) The batch split by the pipelines' slowed costs: nothing moves, a new generation is published."""
+        assert self.plan is not None and self.layout is not None, "only while a plan trains"
+        layout = paced(self.layout, self.speeds, resplit=True, microbatch_size=self._mbs)
+        return Option("re-split the batch", self.plan, layout, 0.0, self.costs.plan_s, frozenset(self.benched))
+
+    def _move_layers(self) -> Option | None:
+        """(b) Stage boundaries moved by node speed inside every pipeline, the batch re-split."""
+        assert self.plan is not None and self.layout is not None, "only while a plan trains"
+        timings, busiest = [], 0
+        for timing, group in zip(self.layout.timings, self.layout.groups):
+            moved, received = rebalanced(
+                timing,
+                group,
+                self.speeds,
+                self.layer_ms,
+                self.planner.layer_bytes,
+                self.layer_activation,
+                self.planner.cluster.gpu_memory_bytes,
+            )
+            timings.append(moved)
+            busiest = max(busiest, received)  # pipelines are disjoint: their copies run in parallel
+        if not busiest:
+            return None
+        layout = paced(self.layout, self.speeds, resplit=True, timings=tuple(timings), microbatch_size=self._mbs)
+        copy_s = busiest / self.bandwidth
+        pause_s = self.costs.plan_s + self.costs.rendezvous_s + copy_s
+        return Option("move layers by node speed", self.plan, layout, copy_s, pause_s, frozenset(self.benched))
+
+    def _bench(self) -> Option | None:
+        """(c) Slow nodes out of training (kept up), benched nodes back at full speed in: the planner's
+        reconfigure. Not when it would cost the f + 1 pipelines that tolerate f failures."""
+        assert self.plan is not None, "only while a plan trains"
+        planned = {n for p in self.plan.pipelines for n in p.nodes}
+        slow = sorted(n for n in planned if self.speeds.get(n, 1.0) < 1.0)
+        back = [n for n in self.alive if n in self.benched and self.speeds.get(n, 1.0) == 1.0]
+        if not slow and not back:
+            return None
+        try:
+            plan = self.planner.reconfigure(self.plan, slow, back)
+        except (NoPipeline, LostLayersError):
+            return None
+        if plan.degraded and not self.plan.degraded:
+            return None
+        copy_s = copy_seconds(plan, self.bandwidth)
+        pause_s = self.costs.plan_s + self.costs.rendezvous_s + copy_s
+        benched = frozenset((self.benched - set(back)) | set(slow))
+        return Option(_membership(slow, back), plan, self._known(self.planner.layout(plan)), copy_s, pause_s, benched)
 
     def start(self) -> None:
         try:
@@ -199,7 +376,7 @@ class OobleckPolicy(Policy):
         try:
             layout = self._adopt(self.planner.initial(self.nodes(), self.f))
         except NoPipeline:
-            self.plan = None
+            self.plan = self.layout = None
             self.set_layout(None)
             self.hold("waiting")
             self.note(f"{why}: waiting for nodes")
@@ -209,25 +386,28 @@ class OobleckPolicy(Policy):
         self.note(f"{why}: fresh layout of {len(layout.groups)} pipelines, Z = {layout.iteration_s * 1e3:.1f} ms")
 
     def handle(self, removed: set[str], added: list[str]) -> None:
+        self.benched -= removed
         if self.plan is None:
             if added:
                 self._restart("nodes back")
             return
         in_plan = {n for p in self.plan.pipelines for n in p.nodes}
         lost = sorted(removed & in_plan, key=lambda n: n)
+        if not lost and not added:
+            return
         if lost:
             self.lose_steps(self.steps - math.floor(self.steps), "iteration in flight")
         try:
             plan = self.planner.reconfigure(self.plan, lost, added)
         except LostLayersError:
             self.lose_steps(self.steps % self.costs.snapshot_interval_steps, "rollback to the last snapshot")
-            self.steps = 0.0
+            self.restore_point()
             self._restart(f"lost {len(lost)} nodes holding every replica of some layers")
             return
         except NoPipeline:
             self.lose_steps(self.steps % self.costs.snapshot_interval_steps, "rollback to the last snapshot")
-            self.steps = 0.0
-            self.plan = None
+            self.restore_point()
+            self.plan = self.layout = None
             self.set_layout(None)
             self.hold("waiting")
             self.note("too few nodes for a pipeline: waiting")
@@ -239,6 +419,18 @@ class OobleckPolicy(Policy):
         )
 
 
+def _nodes(count: int) -> str:
+    return f"{count} node" + ("s" if count != 1 else "")
+
+
+def _membership(slow: list[str], back: list[str]) -> str:
+    """Mitigation (c) in words: slow nodes benched, recovered ones taken back."""
+    parts = ([f"bench {_nodes(len(slow))} as slow"] if slow else []) + (
+        [f"{_nodes(len(back))} back at full speed"] if back else []
+    )
+    return ", ".join(parts)
+
+
 class CheckpointPolicy(Policy):
     """Checkpoint + restart, re-planned for the nodes up (Varuna's job morphing, torchrun)."""
 
@@ -248,6 +440,7 @@ class CheckpointPolicy(Policy):
         super().__init__(trace)
         self.planner, self.costs, self.slowdown = planner, costs, slowdown
         self.layout: Layout | None = None
+        self.planned: Layout | None = None  # the layout at full speed, as restarted (speeds unknown to it)
         self.trained_since_checkpoint = 0.0  # seconds of training since the last completed checkpoint
         self.samples_since_checkpoint = 0.0
         self.interval_s = math.inf
@@ -255,6 +448,9 @@ class CheckpointPolicy(Policy):
         self.writing_until: float | None = None  # a checkpoint write an event interrupted ends then
 
     def set_layout(self, layout: Layout | None) -> None:
+        self.planned = layout
+        if layout is not None and any(self.speeds.get(n, 1.0) != 1.0 for g in layout.groups for n in g):
+            layout = paced(layout, self.speeds, resplit=False, microbatch_size=self.planner.profile.microbatch_size)
         if layout is not None and self.slowdown != 1.0:
             layout = Layout(
                 layout.iteration_s * self.slowdown,
@@ -295,7 +491,8 @@ class CheckpointPolicy(Policy):
     def train(self, start: float, end: float) -> None:
         t = start
         while t < end:
-            due = t + self.interval_s - self.trained_since_checkpoint
+            # max: the interval may have shrunk below what was trained (Z fell back with a node's speed)
+            due = t + max(0.0, self.interval_s - self.trained_since_checkpoint)
             stop = min(due, end)
             self.timeline.add(t, stop, TRAINING, self.rate)
             self.trained_since_checkpoint += stop - t
@@ -342,6 +539,13 @@ class CheckpointPolicy(Policy):
 
     def used(self) -> set[str]:
         return {n for g in self.layout.groups for n in g} if self.layout else set()
+
+    def sped(self, changed: set[str]) -> None:
+        """No mitigation: the job runs at its slowest pipeline's pace (the restart plans ignore speeds too)."""
+        if self.planned is not None and changed & self.used():
+            old = self.train_rate
+            self.set_layout(self.planned)
+            self.repace(old)
 
     def handle(self, removed: set[str], added: list[str]) -> None:
         if removed & self.used():
@@ -412,6 +616,7 @@ class ReplicaPolicy(Policy):
         self.slots: list[list[str | None]] = []
         self.layout: Layout | None = None
         self.bandwidth = planner.cluster.inter_node_bandwidth
+        self.dropped: set[int] = set()  # whole replicas left out of the quorum for being too slow
 
     def start(self) -> None:
         try:
@@ -424,7 +629,21 @@ class ReplicaPolicy(Policy):
         self.note(f"start: {len(self.slots)} replicas")
 
     def _whole(self) -> list[int]:
-        return [i for i, slots in enumerate(self.slots) if None not in slots]
+        """The replicas in the quorum: complete, and not dropped for being too slow."""
+        return [i for i, slots in enumerate(self.slots) if None not in slots and i not in self.dropped]
+
+    def _step_s(self, i: int) -> float:
+        """Replica i's step at its nodes' speeds (its share of the batch never changes)."""
+        assert self.layout is not None, "replicas exist only under a layout"
+        nodes = [n or "" for n in self.slots[i]]
+        microbatches = self.layout.group_samples[i] // self.planner.profile.microbatch_size
+        return self.layout.timings[i].cost(nodes, self.speeds).at(microbatches) / 1e3
+
+    def _rate_of(self, replicas: set[int] | list[int]) -> float:
+        if not replicas:
+            return 0.0
+        assert self.layout is not None, "replicas exist only under a layout"
+        return sum(self.layout.group_samples[i] for i in replicas) / max(self._step_s(i) for i in replicas)
 
     def _update_rate(self) -> None:
         whole = self._whole()
@@ -433,14 +652,45 @@ class ReplicaPolicy(Policy):
             return
         assert self.layout is not None, "whole replicas exist only under a layout"
         # Synchronous data parallelism: every whole replica runs its own share; the slowest sets the pace.
-        self.iteration_s = max(self.layout.group_iteration_s[i] for i in whole)
+        self.iteration_s = max(self._step_s(i) for i in whole)
         self.samples_per_iteration = sum(self.layout.group_samples[i] for i in whole)
         self.train_rate = self.samples_per_iteration / self.iteration_s
+
+    def _settle(self) -> tuple[list[int], list[int]]:
+        """The timeout model: the first replica to reach the allreduce waits `timeout_s` for the others, so
+        every replica of the quorum whose step ends more than that after the fastest one's is dropped (the
+        step fails for all); a dropped replica rejoins once its step would end within the timeout of the
+        quorum's fastest. Returns (dropped now, rejoined now)."""
+        whole = self._whole()
+        dropped: list[int] = []
+        if len(whole) > 1:
+            fastest = min(self._step_s(i) for i in whole)
+            dropped = [i for i in whole if self._step_s(i) - fastest > self.costs.timeout_s]
+            self.dropped.update(dropped)
+        fastest = min((self._step_s(i) for i in self._whole()), default=math.inf)
+        rejoined = []
+        for i in sorted(self.dropped - set(dropped)):
+            if None in self.slots[i] or self._step_s(i) - fastest <= self.costs.timeout_s:
+                self.dropped.discard(i)  # an incomplete replica heals through its new nodes instead
+                if None not in self.slots[i]:
+                    rejoined.append(i)
+        return dropped, rejoined
+
+    def sped(self, changed: set[str]) -> None:
+        if self.layout is None:
+            return
+        old = self.train_rate
+        dropped, rejoined = self._settle()
+        self._update_rate()
+        if not dropped and not rejoined:
+            self.repace(old)
+            return
+        self._reform(dropped, rejoined, old, timed_out=bool(dropped))
 
     def handle(self, removed: set[str], added: list[str]) -> None:
         if self.layout is None:
             return
-        broke = [i for i, slots in enumerate(self.slots) if removed & {s for s in slots if s}]
+        broke = [i for i, slots in enumerate(self.slots) if i not in self.dropped and removed & {s for s in slots if s}]
         for slots in self.slots:
             for k, node in enumerate(slots):
                 if node in removed:
@@ -456,22 +706,34 @@ class ReplicaPolicy(Policy):
             self.slots[i][self.slots[i].index(None)] = node
             if None not in self.slots[i]:
                 healed.append(i)
-        before = self.train_rate
+        timed_out, rejoined = self._settle()
+        healed = [i for i in healed if i not in self.dropped] + rejoined
+        old = self.train_rate
         self._update_rate()
-        if not broke and not healed:
+        if not broke and not healed and not timed_out:
+            self.repace(old)
             return
+        self._reform(broke + timed_out, healed, old, timed_out=bool(timed_out), already_lost=bool(broke))
+
+    def _reform(
+        self, broke: list[int], healed: list[int], before: float, *, timed_out: bool, already_lost: bool = False
+    ) -> None:
+        """The quorum changes: replicas out (the step in flight lost), replicas back (healing from a live one)."""
+        assert self.layout is not None, "replicas exist only under a layout"
+        if broke and not already_lost:
+            self.lose_steps(self.steps - math.floor(self.steps), "iteration in flight")
+        # A replica dropped on timeout held the others for the whole timeout before the quorum changed.
+        wait = self.costs.quorum_s + (self.costs.timeout_s if timed_out else 0.0)
         if healed:
             # The healed replicas fetch their state from a live one while the others keep training.
             heal = self.costs.heal_s(self.layout.state_bytes_per_node, self.bandwidth)
             with_healed = self.train_rate
-            whole = set(self._whole()) - set(healed)
-            without = (
-                sum(self.layout.group_samples[i] for i in whole) / max(self.layout.group_iteration_s[i] for i in whole)
-                if whole
-                else 0.0
-            )
-            self.pause("quorum", self.costs.quorum_s, then_rate=without)
-            self.schedule.append((self.now + max(heal, self.costs.quorum_s), TRAINING, with_healed))
+            without = self._rate_of(set(self._whole()) - set(healed))
+            self.pause("timeout" if timed_out else "quorum", wait, then_rate=without)
+            self.schedule.append((self.now + max(heal, wait), TRAINING, with_healed))
         else:
-            self.pause("quorum", self.costs.quorum_s)
-        self.note(f"{len(self._whole())}/{len(self.slots)} replicas whole (was {before:.1f} samples/s)")
+            self.pause("timeout" if timed_out else "quorum", wait)
+        self.note(
+            f"{len(self._whole())}/{len(self.slots)} replicas in the quorum (was {before:.1f} samples/s)"
+            + (f", {len(self.dropped)} dropped as too slow" if self.dropped else "")
+        )

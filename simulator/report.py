@@ -30,16 +30,27 @@ def _duration(seconds: float) -> str:
 
 def table(result: Result) -> str:
     trace, ready = result.trace, result.ready
-    added = len(trace.events) - trace.losses()
+    spares = result.costs.nodes.spares
     lines = [
         f"trace {trace.name}: {len(trace.initial)} nodes at start, {trace.losses()} losses, "
-        f"{added} additions over {_duration(trace.duration_s)}"
-        + (f"; nodes usable {result.costs.nodes.startup_s:g} s after they join" if ready is not trace else ""),
+        f"{trace.additions()} additions"
+        + (f", {trace.slowdowns()} slowdowns" if trace.slowdowns() else "")
+        + f" over {_duration(trace.duration_s)}"
+        + (f"; nodes usable {result.costs.nodes.startup_s:g} s after they join" if ready is not trace else "")
+        + (
+            f"; {spares} warm spare{'s' * (spares != 1)}, {result.costs.nodes.spare_join_s:g} s to fold one in"
+            if spares
+            else ""
+        ),
         f"model {result.job.profile.model}: {len(result.job.profile.layers)} layers, global batch "
         f"{result.job.global_batch}, f = {result.job.f}; ideal (f = 0, every node up) "
         f"{result.ideal_samples / trace.duration_s:.2f} samples/s on average, {result.baseline_samples_per_s:.2f} "
         f"at {ready.max_nodes()} nodes (Z = {result.baseline_iteration_s * 1e3:.1f} ms)",
     ]
+    if result.speed_bound < 1.0:
+        lines.append(
+            f"node speeds: the ideal x the mean speed of the nodes up is {result.speed_bound * 100:.1f} % of the ideal"
+        )
     if result.bamboo_slowdown is not None:
         lines.append(f"redundant computation: steady-state slowdown {result.bamboo_slowdown:.3f}x")
     categories = [EFFECTIVE, LOST, REDUNDANT]
@@ -87,7 +98,8 @@ def document(result: Result, recommended: list[tuple[int, float]] | None = None)
             "initial_nodes": len(trace.initial),
             "most_nodes": trace.max_nodes(),
             "losses": trace.losses(),
-            "additions": len(trace.events) - trace.losses(),
+            "additions": trace.additions(),
+            "slowdowns": trace.slowdowns(),
             "duration_s": trace.duration_s,
         },
         "job": {
@@ -104,6 +116,7 @@ def document(result: Result, recommended: list[tuple[int, float]] | None = None)
         "costs": describe(result.costs),
         "baseline": {"samples_per_s": result.baseline_samples_per_s, "iteration_s": result.baseline_iteration_s},
         "ideal_samples": result.ideal_samples,
+        "speed_bound": result.speed_bound,
         "redundant_computation_slowdown": result.bamboo_slowdown,
         "policies": {
             name: {

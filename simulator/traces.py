@@ -3,6 +3,9 @@
 File format (the Oobleck artifact's, inherited from Bamboo's simulator): one event per line,
 `TIME_MS,add|remove,NODE`, in time order; nodes added at time 0 are the starting cluster, which may be
 empty: real availability traces start empty or grow (the job starts once its nodes can form a pipeline).
+Our extension for stragglers: `TIME_MS,slow,NODE,SPEED`, where SPEED in (0, 1] is the node's speed from
+then on as a share of its profiled speed (0.5: every stage on it takes twice as long; 1 ends a slowdown).
+A node keeps its speed across removals and re-additions until the next `slow` event names it.
 Blank lines and lines starting with `#` are comments, except `# duration_ms: N`, which sets how long the
 trace runs. Without it (and without a duration given by the caller) a trace ends at its last event, as the
 artifact's simulators stop there. Bad input raises TraceError naming the file, line and field.
@@ -26,8 +29,22 @@ class TraceError(ValueError):
 @dataclass(frozen=True)
 class Event:
     time_s: float
-    kind: str  # "add" or "remove"
+    kind: str  # "add", "remove" or "slow"
     node: str
+    speed: float = 1.0  # "slow" events: the node's speed from now on (share of its profiled speed)
+
+
+SLOW = "slow"
+
+
+@dataclass(frozen=True)
+class Step:
+    """Everything that happens at one time: nodes removed, nodes added, new speeds."""
+
+    time_s: float
+    removed: list[str]
+    added: list[str]
+    speeds: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -40,13 +57,27 @@ class Trace:
     duration_s: float
 
     def batches(self) -> list[tuple[float, list[str], list[str]]]:
-        """Events grouped by time: (time, removed nodes, added nodes), in time order."""
-        out: list[tuple[float, list[str], list[str]]] = []
+        """Availability events grouped by time: (time, removed nodes, added nodes), in time order."""
+        return [(s.time_s, s.removed, s.added) for s in self.steps() if s.removed or s.added]
+
+    def steps(self) -> list[Step]:
+        """Every event grouped by time, speed changes included, in time order."""
+        out: list[Step] = []
         for event in self.events:
-            if not out or out[-1][0] != event.time_s:
-                out.append((event.time_s, [], []))
-            (out[-1][1] if event.kind == "remove" else out[-1][2]).append(event.node)
+            if not out or out[-1].time_s != event.time_s:
+                out.append(Step(event.time_s, [], [], {}))
+            if event.kind == SLOW:
+                out[-1].speeds[event.node] = event.speed
+            else:
+                (out[-1].removed if event.kind == "remove" else out[-1].added).append(event.node)
         return out
+
+    def slowdowns(self) -> int:
+        """Speed changes below full speed (the straggler episodes)."""
+        return sum(1 for e in self.events if e.kind == SLOW and e.speed < 1)
+
+    def additions(self) -> int:
+        return sum(1 for e in self.events if e.kind == "add")
 
     def ready_after(self, startup_s: float) -> Trace:
         """The same trace with every node usable `startup_s` after it is added (the node start-up delay,
@@ -60,7 +91,7 @@ class Trace:
             if event.kind == "remove":
                 removals.setdefault(event.node, []).append(event.time_s)
         stays = [(0.0, node) for node in self.initial] + [(e.time_s, e.node) for e in self.events if e.kind == "add"]
-        moved: list[Event] = []
+        moved: list[Event] = [e for e in self.events if e.kind == SLOW]  # speeds are the node's, up or not
         for time_s, node in stays:
             ends = [t for t in removals.get(node, []) if t >= time_s]
             end = ends[0] if ends else math.inf
@@ -69,8 +100,66 @@ class Trace:
                 moved.append(Event(start, "add", node))
                 if end < math.inf:
                     moved.append(Event(end, "remove", node))
-        moved.sort(key=lambda e: (e.time_s, e.kind != "remove", e.node))
+        moved.sort(key=_order)
         return Trace(f"{self.name} (+{startup_s:g} s start-up)", (), tuple(moved), self.duration_s)
+
+    def with_spares(self, count: int, join_s: float) -> Trace:
+        """The nodes that train when `count` of the nodes up are kept as warm spares (started, not training).
+
+        A training node lost is replaced by a spare that trains `join_s` later (instead of waiting for a
+        fresh node and its start-up); a fresh node fills a vacancy left with no spare to take it first,
+        then the spare pool, and trains only when the pool is full. At the start the last `count` nodes
+        are the spares. Speed events pass through unchanged. Apply after `ready_after`."""
+        if count <= 0:
+            return self
+        spares: list[str] = []
+        joining: dict[str, float] = {}  # spare folded in -> when it trains
+        vacancies = 0  # training nodes lost with no spare to replace them
+        out: list[Event] = []
+
+        def replace(time_s: float) -> None:
+            nonlocal vacancies
+            if spares:
+                joining[spares.pop(0)] = time_s + join_s
+            else:
+                vacancies += 1
+
+        def flush(until: float) -> None:
+            for node, due in sorted(joining.items(), key=lambda item: (item[1], item[0])):
+                if due <= until:
+                    del joining[node]
+                    if due <= self.duration_s:
+                        out.append(Event(due, "add", node))
+
+        def arrive(time_s: float, nodes: list[str]) -> list[str]:
+            """The nodes of an arriving batch that train (the others become spares)."""
+            nonlocal vacancies
+            fill = min(vacancies, len(nodes))
+            vacancies -= fill
+            rest = nodes[fill:]
+            pooled = min(count - len(spares), len(rest))
+            spares.extend(rest[len(rest) - pooled :])
+            return nodes[:fill] + rest[: len(rest) - pooled]
+
+        initial = arrive(0.0, list(self.initial))
+        for step in self.steps():
+            flush(step.time_s)
+            for node in step.removed:
+                if node in spares:
+                    spares.remove(node)
+                elif node in joining:
+                    del joining[node]
+                    replace(step.time_s)
+                else:
+                    out.append(Event(step.time_s, "remove", node))
+                    replace(step.time_s)
+            out += [Event(step.time_s, "add", node) for node in arrive(step.time_s, step.added)]
+            out += [Event(step.time_s, SLOW, node, speed) for node, speed in step.speeds.items()]
+        flush(self.duration_s)
+        out.sort(key=_order)
+        return Trace(
+            f"{self.name} ({count} warm spare{'s' * (count != 1)})", tuple(initial), tuple(out), self.duration_s
+        )
 
     def renamed(self, names: dict[str, str]) -> Trace:
         """The same trace with nodes renamed by `names`; other nodes whose name a new one takes get a
@@ -82,14 +171,15 @@ class Trace:
                 return names[node]
             return f"trace:{node}" if node in taken else node
 
-        events = tuple(Event(e.time_s, e.kind, name(e.node)) for e in self.events)
+        events = tuple(Event(e.time_s, e.kind, name(e.node), e.speed) for e in self.events)
         return Trace(self.name, tuple(name(n) for n in self.initial), events, self.duration_s)
 
     def max_nodes(self) -> int:
         alive, most = len(self.initial), len(self.initial)
         for event in self.events:
-            alive += 1 if event.kind == "add" else -1
-            most = max(most, alive)
+            if event.kind != SLOW:
+                alive += 1 if event.kind == "add" else -1
+                most = max(most, alive)
         return most
 
     def node_counts(self) -> list[tuple[float, int]]:
@@ -101,6 +191,11 @@ class Trace:
 
     def losses(self) -> int:
         return sum(1 for e in self.events if e.kind == "remove")
+
+
+def _order(event: Event) -> tuple[float, int, str]:
+    """Events at one time: removals, then additions, then speed changes."""
+    return (event.time_s, ("remove", "add", SLOW).index(event.kind), event.node)
 
 
 def build(
@@ -148,9 +243,11 @@ def parse(text: str, source: str = "trace", duration_s: float | None = None) -> 
         if not line:
             continue
         parts = [part.strip() for part in line.split(",")]
-        if len(parts) != 3:
-            raise TraceError(f"{where}: expected 3 fields TIME_MS,add|remove,NODE, got {len(parts)}: {raw!r}")
-        time_text, kind, node = parts
+        expected = 4 if len(parts) > 1 and parts[1] == SLOW else 3
+        if len(parts) != expected:
+            form = "TIME_MS,slow,NODE,SPEED" if expected == 4 else "TIME_MS,add|remove,NODE"
+            raise TraceError(f"{where}: expected {expected} fields {form}, got {len(parts)}: {raw!r}")
+        time_text, kind, node = parts[:3]
         try:
             time_ms = float(time_text)
         except ValueError:
@@ -159,10 +256,17 @@ def parse(text: str, source: str = "trace", duration_s: float | None = None) -> 
             raise TraceError(f"{where}: time: must be a finite number >= 0, got {time_text!r}")
         if time_ms / 1e3 < last:
             raise TraceError(f"{where}: time: {time_text} ms is before the previous event ({last * 1e3:g} ms)")
-        if kind not in ("add", "remove"):
-            raise TraceError(f"{where}: event: expected 'add' or 'remove', got {kind!r}")
+        if kind not in ("add", "remove", SLOW):
+            raise TraceError(f"{where}: event: expected 'add', 'remove' or 'slow', got {kind!r}")
         if not node:
             raise TraceError(f"{where}: node: empty")
+        if kind == SLOW:
+            speed = _speed(parts[3], where)
+            if node not in alive:
+                raise TraceError(f"{where}: node: {node!r} is slowed while not up")
+            last = time_ms / 1e3
+            events.append(Event(time_ms / 1e3, SLOW, node, speed))
+            continue
         if kind == "add" and node in alive:
             raise TraceError(f"{where}: node: {node!r} is added while already up")
         if kind == "remove" and node not in alive:
@@ -181,6 +285,16 @@ def parse(text: str, source: str = "trace", duration_s: float | None = None) -> 
     )
 
 
+def _speed(text: str, where: str) -> float:
+    try:
+        speed = float(text)
+    except ValueError:
+        raise TraceError(f"{where}: speed: expected a share of full speed in (0, 1], got {text!r}") from None
+    if not 0 < speed <= 1:
+        raise TraceError(f"{where}: speed: must be in (0, 1] (0.5: half speed, 1: full speed again), got {text!r}")
+    return speed
+
+
 def load(path: str | Path, duration_s: float | None = None) -> Trace:
     """Read a trace file; a bare name (e.g. `artifact-30n-10m`) is looked up among the bundled traces."""
     path = Path(path)
@@ -197,7 +311,9 @@ def dump(trace: Trace) -> str:
     """The artifact's CSV text of a trace (what `parse` reads back)."""
     lines = [f"# duration_ms: {round(trace.duration_s * 1e3)}"]
     lines += [f"0,add,{node}" for node in trace.initial]
-    lines += [f"{round(e.time_s * 1e3)},{e.kind},{e.node}" for e in trace.events]
+    lines += [
+        f"{round(e.time_s * 1e3)},{e.kind},{e.node}" + (f",{e.speed!r}" if e.kind == SLOW else "") for e in trace.events
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from oobleck.cli import main
 from oobleck.planner import plan_job
 from oobleck.simulate import Costs, Job, simulate, traces
 from oobleck.simulate.costs import BambooCosts, CheckpointCosts, NodeCosts, OobleckCosts, ReplicaCosts
+from oobleck.simulate.planning import PipelineTiming, Planner, paced, rebalanced
 from oobleck.simulate.traces import TraceError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,7 +62,14 @@ def test_artifact_format_parses_with_batches_and_duration() -> None:
         (FOUR + "soon,remove,n1\n", "t.csv:5: time: expected milliseconds, got 'soon'"),
         (FOUR + "-5,remove,n1\n", "t.csv:5: time: must be a finite number >= 0"),
         (FOUR + "20,remove,n1\n10,remove,n2\n", "t.csv:6: time: 10 ms is before the previous event"),
-        (FOUR + "10,crash,n1\n", "t.csv:5: event: expected 'add' or 'remove', got 'crash'"),
+        (FOUR + "10,crash,n1\n", "t.csv:5: event: expected 'add', 'remove' or 'slow', got 'crash'"),
+        (FOUR + "10,slow,n1\n", "t.csv:5: expected 4 fields TIME_MS,slow,NODE,SPEED, got 3"),
+        (FOUR + "10,remove,n1,0.5\n", "t.csv:5: expected 3 fields TIME_MS,add|remove,NODE, got 4"),
+        (FOUR + "10,slow,n1,half\n", "t.csv:5: speed: expected a share of full speed in (0, 1], got 'half'"),
+        (FOUR + "10,slow,n1,2\n", "t.csv:5: speed: must be in (0, 1]"),
+        (FOUR + "10,slow,n1,0\n", "t.csv:5: speed: must be in (0, 1]"),
+        (FOUR + "10,slow,n7,0.5\n", "t.csv:5: node: 'n7' is slowed while not up"),
+        (FOUR + "10,slow,,0.5\n", "t.csv:5: node: empty"),
         (FOUR + "10,remove,n7\n", "t.csv:5: node: 'n7' is removed while not up"),
         (FOUR + "10,add,n0\n", "t.csv:5: node: 'n0' is added while already up"),
         (FOUR + "10,remove, \n", "t.csv:5: node: empty"),
@@ -80,7 +90,7 @@ def test_bad_trace_file_exits_2_naming_line_and_field(tmp_path: Path, capsys: py
     path.write_text(FOUR + "100,remove,n1\n200,explode,n2\n")
     assert main(["simulate", "--trace", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"{path}:6: event: expected 'add' or 'remove', got 'explode'" in err
+    assert f"{path}:6: event: expected 'add', 'remove' or 'slow', got 'explode'" in err
 
 
 def test_generated_traces_are_seeded_and_valid() -> None:
@@ -176,6 +186,26 @@ def test_iteration_time_is_the_planners_z(model: str, nodes: int, gpus: int, mem
     assert first.samples_per_s == pytest.approx(batch / (plan.iteration_ms / 1e3), rel=1e-12)
     no_ft = plan_job(profile, cluster, 0, batch, "x")
     assert result.baseline_iteration_s == pytest.approx(no_ft.iteration_ms / 1e3, rel=1e-12)
+    # The simulator's per-pipeline cost model at full speed is the planner's: same T per pipeline, same split.
+    layout = Planner(profile, cluster, batch).layout(plan)
+    assert paced(layout, {}, resplit=False).group_iteration_s == pytest.approx(layout.group_iteration_s, rel=1e-12)
+    assert paced(layout, {}, resplit=True).group_samples == layout.group_samples
+    assert [p.iteration_ms / 1e3 for p in plan.pipelines] == pytest.approx(layout.group_iteration_s, rel=1e-12)
+
+
+def test_moved_stage_boundaries_keep_to_the_memory_rule() -> None:
+    # Two stages of 4 layers (30 ms, 1 GiB and 1 activation byte each); the second node at 1/2. With room,
+    # the first node takes 6 layers (180 ms) and the slow one 2 (120 ms at 1/2): 2 GiB to receive.
+    timing = PipelineTiming((120.0, 120.0), (0, 1), ((0, 4), (4, 8)), (1, 1), 0.0, None)
+    layer_ms, state, activation = [30.0] * 8, [GiB] * 8, [1] * 8
+    moved, received = rebalanced(timing, ["a", "b"], {"b": 0.5}, layer_ms, state, activation, 16 * GiB)
+    assert moved.stage_layers == ((0, 6), (6, 8)) and moved.stage_ms == (180.0, 60.0) and received == 2 * GiB
+    assert moved.cost(["a", "b"], {"b": 0.5}).slope_ms == 180.0
+    # Memory for exactly the first stage as it is (4 GiB + 2 microbatches in flight x 4 bytes): nothing moves.
+    assert rebalanced(timing, ["a", "b"], {"b": 0.5}, layer_ms, state, activation, 4 * GiB + 8) == (timing, 0)
+    # One more layer's room: the first node takes 5 (150 ms), the slow one 3 (180 ms at 1/2).
+    moved, received = rebalanced(timing, ["a", "b"], {"b": 0.5}, layer_ms, state, activation, 5 * GiB + 10)
+    assert moved.stage_layers == ((0, 5), (5, 8)) and received == GiB
 
 
 # -- each policy on a hand-checked trace ----------------------------------------------------------------
@@ -313,6 +343,311 @@ def test_replica_dropping_by_hand() -> None:
     assert timeline.segments[-1].start_s == pytest.approx(20 + heal)
 
 
+# -- stragglers and spares ----------------------------------------------------------------------------
+
+# n1 at half speed from 10 s to 60 s, on the hand job's four one-node pipelines (2 microbatches each).
+SLOW_N1 = FOUR + "10000,slow,n1,0.5\n60000,slow,n1,1\n"
+
+
+def test_slow_events_parse_group_and_dump() -> None:
+    trace = trace_of(FOUR + "# duration_ms: 90000\n5000,slow,n1,0.25\n5000,remove,n2\n8000,slow,n1,1\n")
+    assert [(e.time_s, e.kind, e.node, e.speed) for e in trace.events] == [
+        (5.0, "slow", "n1", 0.25),
+        (5.0, "remove", "n2", 1.0),
+        (8.0, "slow", "n1", 1.0),
+    ]
+    assert [(s.time_s, s.removed, s.added, s.speeds) for s in trace.steps()] == [
+        (5.0, ["n2"], [], {"n1": 0.25}),
+        (8.0, [], [], {"n1": 1.0}),
+    ]
+    assert trace.batches() == [(5.0, ["n2"], [])]  # availability only
+    assert trace.node_counts() == [(0.0, 4), (5.0, 3)] and trace.max_nodes() == 4
+    assert (trace.losses(), trace.additions(), trace.slowdowns()) == (1, 0, 1)
+    again = traces.parse(traces.dump(trace), "again")
+    assert sorted(again.events, key=lambda e: (e.time_s, e.kind)) == sorted(
+        trace.events, key=lambda e: (e.time_s, e.kind)
+    )
+    # Start-up delays move additions, never speed changes (a speed is the node's, up or not).
+    late = trace.ready_after(2.0)
+    assert [(e.time_s, e.kind, e.node) for e in late.events if e.kind == "slow"] == [
+        (5.0, "slow", "n1"),
+        (8.0, "slow", "n1"),
+    ]
+
+
+def test_oobleck_resplits_the_batch_around_a_slow_pipeline() -> None:
+    result = simulate(trace_of(SLOW_N1, 100000), job(), Costs(), policies=("oobleck",))
+    timeline = result.timelines["oobleck"]
+    # Unmitigated: n1's pipeline takes T(2) = 2 * 240 ms, the job with it. Known after 20 such steps
+    # (9.6 s): re-split as 3, 3, 1 | 1 microbatch on n1 -> Z = max(3 * 120, 240) = 360 ms, a 0.11 s pause
+    # (plan published, nothing moves: benching n1 reaches the same Z but copies). Back at full speed:
+    # known 20 steps of 360 ms later, the even split again.
+    training = [(s.start_s, s.end_s, s.samples_per_s) for s in timeline.segments if s.state == "training"]
+    assert training == [
+        (0.0, 10.0, pytest.approx(RATE)),
+        (10.0, pytest.approx(19.6), pytest.approx(8 / 0.480)),
+        (pytest.approx(19.71), pytest.approx(67.2), pytest.approx(8 / 0.360)),
+        (pytest.approx(67.31), 100.0, pytest.approx(RATE)),
+    ]
+    assert [what for _, what in timeline.events[1:]] == [
+        "straggler mitigation: re-split the batch, Z = 360.0 ms",
+        "straggler mitigation: re-split the batch, Z = 240.0 ms",
+    ]
+    assert result.summaries["oobleck"].time_by_category["mitigating"] == pytest.approx(0.22)
+    # Issue #22's reference: the ideal x mean speed, 3.5 / 4 for 50 of the 100 s.
+    assert result.speed_bound == pytest.approx((50 + 50 * 3.5 / 4) / 100)
+    _check_accounting(result)
+
+
+def paired_job(batch: int) -> Job:
+    """8 equal layers (30 ms, 1 GiB each) on two-node pipelines: 4 layers a node, T(m) = 240 + (m - 1) * 120 ms."""
+    return Job(flat_profile(8), 1, 16 * GiB, 1e11, 1e9, f=1, global_batch=batch, min_nodes_per_pipeline=2)
+
+
+def test_oobleck_moves_layers_off_a_slow_node() -> None:
+    trace = trace_of(FOUR + "10000,slow,n1,0.5\n200000,slow,n1,1\n", 300000)
+    result = simulate(trace, paired_job(8), Costs(), policies=("oobleck",))
+    timeline = result.timelines["oobleck"]
+    # n1 at 1/2 holds the second half of pipeline (n0, n1): 240 ms a microbatch -> T(4) = 360 + 3 * 240.
+    # Options at Z (priced copy + 100 Z): (a) re-split 2 | 6 or 3 | 5: 840 ms; (b) n0 takes 6 layers
+    # (180 ms), n1 keeps 2 (120 ms at 1/2): T_A(m) = 300 + (m - 1) * 180, split 3 | 5 -> Z = 720 ms for
+    # 2 GiB copied to n0 (2.15 s); (c) bench n1: a 3-node pipeline and a 2-node one, 870 ms. (b) wins.
+    copy = 2 * GiB / 1e9
+    rates = [(s.state, s.samples_per_s) for s in timeline.segments]
+    assert rates == [
+        ("training", pytest.approx(8 / 0.600)),
+        ("training", pytest.approx(8 / 1.080)),
+        ("mitigating", 0.0),
+        ("training", pytest.approx(8 / 0.720)),
+        ("mitigating", 0.0),
+        ("training", pytest.approx(8 / 0.600)),  # back at full speed: the layers move back
+    ]
+    mitigating = [s for s in timeline.segments if s.state == "mitigating"]
+    assert mitigating[0].start_s == pytest.approx(10 + 20 * 1.080)
+    assert mitigating[0].end_s - mitigating[0].start_s == pytest.approx(0.11 + 0.17 + copy)
+    assert "move layers" in timeline.events[1][1]
+    _check_accounting(result)
+
+
+def test_oobleck_benches_a_very_slow_node_and_takes_it_back() -> None:
+    eight = "".join(f"0,add,n{i}\n" for i in range(8))
+    trace = trace_of(eight + "10000,slow,n1,0.05\n600000,slow,n1,1\n", 900000)
+    result = simulate(trace, paired_job(16), Costs(), policies=("oobleck", "checkpoint-restart"))
+    timeline = result.timelines["oobleck"]
+    # At 1/20, n1's 4 layers take 2.4 s a microbatch: T(4) = 2.52 + 3 * 2.4 = 9.72 s. Moving layers leaves
+    # n1 one layer (600 ms): 810 ms at best; benching n1 gives pipelines of 3, 2 and 2 nodes: 720 ms.
+    training = [s.samples_per_s for s in timeline.segments if s.state == "training"]
+    assert training == pytest.approx([16 / 0.600, 16 / 9.720, 16 / 0.720, 16 / 0.600])
+    assert [what.split(",")[0] for _, what in timeline.events[1:]] == [
+        "straggler mitigation: bench 1 node as slow",
+        "straggler mitigation: 1 node back at full speed",
+    ]
+    assert timeline.events[1][0] == pytest.approx(10 + 20 * 9.720)
+    # Checkpoint-restart knows nothing of speeds: the whole slowdown at the slowest pipeline's pace.
+    checkpoint = [s for s in result.timelines["checkpoint-restart"].segments if s.state == "training"]
+    assert {round(s.samples_per_s, 6) for s in checkpoint} == {round(16 / 0.600, 6), round(16 / 9.720, 6)}
+    assert result.summaries["oobleck"].goodput > 1.8 * result.summaries["checkpoint-restart"].goodput
+    _check_accounting(result)
+
+
+def test_oobleck_mitigates_right_after_a_failure_when_a_slow_node_is_known() -> None:
+    six = "".join(f"0,add,n{i}\n" for i in range(6))
+    trace = trace_of(six + "10000,slow,n1,0.5\n100000,remove,n4\n", 200000)
+    result = simulate(trace, paired_job(12), Costs(), policies=("oobleck",))
+    timeline = result.timelines["oobleck"]
+    # Three 2-node pipelines: re-splitting around n1 is the cheapest (720 ms). Losing n4 leaves pipelines
+    # of 2 and 3 nodes, n1 still slow (1050 ms); its speed is known, so the mitigation is weighed at once
+    # and follows the reconfiguration: benching n1 leaves two 2-node pipelines, 6 microbatches each, 840 ms.
+    assert [(t, what.split(",")[0]) for t, what in timeline.events[1:]] == [
+        (pytest.approx(10 + 20 * 1.080), "straggler mitigation: re-split the batch"),
+        (100.0, "-1 +0 nodes: 2 pipelines"),
+        (100.0, "straggler mitigation: bench 1 node as slow"),
+    ]
+    states = [(s.state, s.samples_per_s) for s in timeline.segments if s.start_s >= 100]
+    assert states == [("reconfiguring", 0.0), ("mitigating", 0.0), ("training", pytest.approx(12 / 0.840))]
+    _check_accounting(result)
+
+
+def test_checkpoint_restart_runs_at_the_slowest_pace() -> None:
+    no_checkpoints = Costs(checkpoint=CheckpointCosts(interval_s=1e9))
+    for policy in ("checkpoint-restart", "redundant-computation"):
+        result = simulate(trace_of(SLOW_N1, 100000), job(), no_checkpoints, policies=(policy,))
+        timeline = result.timelines[policy]
+        plain = timeline.segments[0].samples_per_s
+        assert [(s.start_s, s.end_s) for s in timeline.segments] == [(0.0, 10.0), (10.0, 60.0), (60.0, 100.0)]
+        rates = [s.samples_per_s for s in timeline.segments]
+        if policy == "checkpoint-restart":
+            # n1's pipeline runs its 2 microbatches at 1/2 speed: the job's Z doubles, nothing else changes.
+            assert rates == pytest.approx([plain, plain / 2, plain])
+        else:  # its own (deeper) pipelines: n1's is slower, and the job with it
+            assert rates[1] < plain and rates[2] == plain
+        _check_accounting(result)
+
+
+def test_checkpoints_every_n_steps_follow_the_pace() -> None:
+    # Every 10 iterations: 4.8 s apart at n1's slow pace, 2.4 s once it is back; a checkpoint due sooner
+    # than what was trained since the last one is written at once (and the time still sums up).
+    costs = Costs(checkpoint=CheckpointCosts(interval_steps=10, checkpoint_time_s=0.5))
+    for text in (SLOW_N1, FOUR + "10000,slow,n1,0.5\n13000,slow,n1,1\n"):
+        result = simulate(trace_of(text, 100000), job(), costs, policies=("checkpoint-restart",))
+        segments = result.timelines["checkpoint-restart"].segments
+        writes = [s.start_s for s in segments if s.state == "checkpointing"]
+        assert all(b - a >= 2.4 + 0.5 - 1e-9 for a, b in zip(writes, writes[1:]))
+        _check_accounting(result)
+
+
+def test_replica_dropping_waits_for_a_slow_replica_within_the_timeout() -> None:
+    result = simulate(trace_of(SLOW_N1, 100000), job(), Costs(), policies=("replica-dropping",))
+    timeline = result.timelines["replica-dropping"]
+    # 480 ms against 240 ms: 0.24 s late, well within torchft's 60 s: every step waits for it.
+    assert [(s.start_s, s.samples_per_s) for s in timeline.segments] == [
+        (0.0, pytest.approx(RATE)),
+        (10.0, pytest.approx(8 / 0.480)),
+        (60.0, pytest.approx(RATE)),
+    ]
+    assert timeline.losses == []
+
+
+def test_replica_dropping_drops_a_slow_replica_on_timeout_and_heals_it_back() -> None:
+    costs = Costs(replicas=ReplicaCosts(quorum_s=0.5, timeout_s=0.2))
+    result = simulate(trace_of(SLOW_N1, 100000), job(), costs, policies=("replica-dropping",))
+    timeline = result.timelines["replica-dropping"]
+    # 0.24 s late > 0.2 s: the step in flight is lost, the others wait out the timeout and the quorum
+    # change, then go on as 3 replicas (6 samples per 240 ms). Back at full speed n1's replica heals
+    # from a live one (0.5 s + 4 GiB at 1 GB/s) while the others train.
+    heal = 0.5 + 4 * GiB / 1e9
+    assert [(s.state, round(s.samples_per_s, 6)) for s in timeline.segments] == [
+        ("training", round(RATE, 6)),
+        ("timeout", 0.0),
+        ("training", round(6 / Z, 6)),
+        ("quorum", 0.0),
+        ("training", round(6 / Z, 6)),
+        ("training", round(RATE, 6)),
+    ]
+    assert timeline.segments[1].end_s == pytest.approx(10 + 0.2 + 0.5)
+    assert timeline.segments[-1].start_s == pytest.approx(60 + heal)
+    [loss] = timeline.losses
+    assert loss.why == "iteration in flight" and loss.time_s == 10.0
+    _check_accounting(result)
+
+
+def test_replica_dropping_drops_every_replica_the_fastest_would_time_out_on() -> None:
+    costs = Costs(replicas=ReplicaCosts(quorum_s=0.5, timeout_s=0.2))
+    trace = trace_of(FOUR + "10000,slow,n1,0.5\n10000,slow,n2,0.5\n60000,slow,n1,1\n", 100000)
+    timeline = simulate(trace, job(), costs, policies=("replica-dropping",)).timelines["replica-dropping"]
+    # Both slow replicas end their steps 0.24 s after the fastest: both go; n1's comes back at 60 s.
+    assert [what for _, what in timeline.events] == [
+        "start: 4 replicas",
+        "2/4 replicas in the quorum (was 33.3 samples/s), 2 dropped as too slow",
+        "3/4 replicas in the quorum (was 16.7 samples/s), 1 dropped as too slow",
+    ]
+    assert [s.samples_per_s for s in timeline.segments if s.state == "training"] == pytest.approx(
+        [RATE, 4 / Z, 4 / Z, 6 / Z]
+    )
+
+
+def test_oobleck_never_benches_below_f_plus_one_pipelines() -> None:
+    # Two 2-node pipelines (f = 1): benching n1 at 1/20 would leave one 3-node pipeline (870 ms, degraded);
+    # moving layers keeps both: n1 keeps 1 layer (600 ms a microbatch), re-split 1 | 7 -> 960 ms.
+    trace = trace_of(FOUR + "10000,slow,n1,0.05\n600000,slow,n1,1\n", 900000)
+    timeline = simulate(trace, paired_job(8), Costs(), policies=("oobleck",)).timelines["oobleck"]
+    assert [what for _, what in timeline.events[1:]] == [
+        "straggler mitigation: move layers by node speed, Z = 960.0 ms",
+        "straggler mitigation: move layers by node speed, Z = 600.0 ms",
+    ]
+
+
+def test_warm_spares_replace_losses_after_the_join_time() -> None:
+    trace = trace_of(
+        FOUR + "10000,remove,n1\n30000,add,n9\n40000,remove,n0\n41000,remove,n9\n"
+        "50000,remove,n2\n60000,add,n10\n62000,add,n11\n",
+        80000,
+    )
+    training = trace.with_spares(1, 5.0)
+    # n3 is the spare. n1 lost: n3 trains at 15 s. n9 arrives: the pool is empty, it becomes the spare.
+    # n0 lost: n9 folds in at 45 s, but is lost itself at 41 s: nothing left to fold in (one vacancy);
+    # n2 lost: a second vacancy; n10 and n11 fill them at once (already started).
+    assert training.initial == ("n0", "n1", "n2")
+    assert [(e.time_s, e.kind, e.node) for e in training.events] == [
+        (10.0, "remove", "n1"),
+        (15.0, "add", "n3"),
+        (40.0, "remove", "n0"),
+        (50.0, "remove", "n2"),
+        (60.0, "add", "n10"),
+        (62.0, "add", "n11"),
+    ]
+    assert trace.with_spares(0, 5.0) is trace
+    one = "0,add,a\n0,add,b\n0,add,c\n"
+    spare_lost = trace_of(one + "5000,remove,c\n6000,add,d\n7000,remove,a\n", 20000).with_spares(1, 2.0)
+    # The spare c is lost (nothing trains less); d refills the pool and replaces a at 9 s.
+    assert [(e.time_s, e.kind, e.node) for e in spare_lost.events] == [(7.0, "remove", "a"), (9.0, "add", "d")]
+
+
+def test_spares_fold_in_for_every_policy_and_the_fresh_node_becomes_the_spare() -> None:
+    # Nodes are usable 20 s after they join; n1 is lost at 50 s, its replacement n9 joins at 60 s.
+    text = FOUR + "50000,remove,n1\n60000,add,n9\n"
+    costs = Costs(checkpoint=CheckpointCosts(interval_s=1e9, restart_s=4.0), nodes=NodeCosts(startup_s=20.0))
+    spared = replace(costs, nodes=NodeCosts(startup_s=20.0, spares=1, spare_join_s=3.0))
+    without = simulate(trace_of(text, 200000), job(), costs)
+    with_spare = simulate(trace_of(text, 200000), job(), spared)
+    assert without.ideal_samples == with_spare.ideal_samples  # the ideal counts the spare as a node up
+    # n3 is the spare: n0, n1, n2 train from 20 s; n3 trains 3 s after n1's loss; n9 (usable at 80 s)
+    # becomes the spare, so nothing happens then.
+    ready = trace_of(text, 200000).ready_after(20.0).with_spares(1, 3.0)
+    assert [(e.time_s, e.kind, e.node) for e in ready.events] == [
+        (20.0, "add", "n0"),
+        (20.0, "add", "n1"),
+        (20.0, "add", "n2"),
+        (50.0, "remove", "n1"),
+        (53.0, "add", "n3"),
+    ]
+    assert [what for _, what in with_spare.timelines["checkpoint-restart"].events] == [
+        "start on 3 nodes",
+        "lost 1 nodes: restart on 2 nodes, Z = 480.0 ms",
+        "+1 nodes: restart on 3 nodes, Z = 360.0 ms",  # during the first restart: it starts over
+    ]
+    # Without a spare the job waits for n9's start-up: 30 s on 3 nodes instead of 3 s on 2.
+    assert [t for t, _ in without.timelines["checkpoint-restart"].events] == [20.0, 50.0, 80.0]
+    for name in ("oobleck", "replica-dropping"):
+        assert with_spare.timelines[name].segments[-1].samples_per_s == pytest.approx(8 / 0.360), name
+        assert without.timelines[name].segments[-1].samples_per_s == pytest.approx(RATE), name
+    for result in (without, with_spare):
+        _check_accounting(result)
+
+
+def _readme_straggler_table() -> dict[str, list[tuple[float, float]]]:
+    """The README's straggler table: policy -> [(goodput %, eff. share %)] per column."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("**Stragglers and spares, bundled trace**") :]
+    rows = {}
+    for line in section.splitlines()[section.count("\n", 0, section.index("| policy |")) + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[cells[0]] = [tuple(float(x) for x in re.findall(r"([0-9.]+) %", cell)) for cell in cells[1:]]
+    return rows
+
+
+def test_bundled_straggler_trace_matches_the_readme_table(capsys: pytest.CaptureFixture[str]) -> None:
+    table = _readme_straggler_table()
+    names = {"redundant computation": "redundant-computation", "replica dropping": "replica-dropping"}
+    columns = [["--spares", "0"], ["--spares", "2"], ["--costs", "oobleck-artifact"]]
+    columns.append(["--costs", "oobleck-artifact", "--spares", "2"])
+    for k, extra in enumerate(columns):
+        args = ["simulate", "--model", "gpt3-2.7b", "--trace", "stragglers-32n-2h", *extra, "--json", "-"]
+        assert main(args) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert document["trace"]["slowdowns"] == 5 and document["trace"]["losses"] == 3
+        for policy, cells in table.items():
+            summary = document["policies"][names.get(policy, policy)]
+            measured = (round(summary["goodput"] * 100, 1), round(summary["effective_time_share"] * 100, 1))
+            assert measured == cells[k], (policy, extra)
+            assert math.fsum(summary["time_by_category"].values()) == pytest.approx(7200.0)
+        goodput = {name: policy["goodput"] for name, policy in document["policies"].items()}
+        assert max(goodput, key=lambda name: goodput[name]) == "oobleck", (extra, goodput)
+        assert document["policies"]["replica-dropping"]["time_by_category"]["timeout"] > 60  # the 1/20 node
+
+
 # -- accounting ----------------------------------------------------------------------------------------
 
 
@@ -332,6 +667,9 @@ def _check_accounting(result) -> None:
 
 GROWING = "".join(f"{t},add,g{i}\n" for i, t in enumerate([0, 0, 1000, 1000, 4000, 4000, 4000, 9000]))
 GROWING += "12000,remove,g2\n15000,add,g8\n"
+# Slowdowns of every depth, a slow node lost, a fresh node that arrives and then slows down.
+STRAGGLING = FOUR + "3000,slow,n1,0.3\n8000,remove,n2\n9000,slow,n1,1\n9000,slow,n3,0.1\n"
+STRAGGLING += "11000,remove,n3\n12000,add,n7\n15000,slow,n7,0.5\n17000,slow,n0,0.02\n"
 
 
 @pytest.mark.parametrize(
@@ -341,13 +679,17 @@ GROWING += "12000,remove,g2\n15000,add,g8\n"
         lambda: trace_of("3000,add,a\n3000,add,b\n6000,add,c\n8000,remove,a\n", 12000),  # starts empty
         hand_trace,
         lambda: traces.mtbf(6, 40.0, 15.0, 300.0, seed=3),
+        lambda: trace_of(STRAGGLING, 20000),
     ],
 )
 @pytest.mark.parametrize("startup", [0.0, 0.5])
-def test_time_categories_sum_to_the_trace_length_and_goodput_stays_below_one(make, startup: float) -> None:
+@pytest.mark.parametrize("spares", [0, 1])
+def test_time_categories_sum_to_the_trace_length_and_goodput_stays_below_one(make, startup: float, spares: int) -> None:
     costs = Costs(
         checkpoint=CheckpointCosts(interval_s=2.0, storage_bandwidth=4e9, restart_s=1.0),
-        nodes=NodeCosts(startup_s=startup),
+        replicas=ReplicaCosts(timeout_s=0.5),  # small enough for the slow nodes below to time out
+        oobleck=OobleckCosts(straggler_window_steps=3),  # acts within these short traces
+        nodes=NodeCosts(startup_s=startup, spares=spares, spare_join_s=0.7),
     )
     tight = Job(flat_profile(), 1, int(2.5 * GiB), 1e11, 1e9, f=1, global_batch=8)
     for sim_job in (job(), tight):
@@ -554,6 +896,11 @@ def test_cli_table_plot_and_recommend_f(tmp_path: Path, capsys: pytest.CaptureFi
             "--costs: oobleck-artifact is per model",
         ),
         (["--mtbf", "1h", "--repair", "0"], "--repair: must be > 0"),
+        (["--mtbf", "1h", "--spares", "-1"], "--spares: must be >= 0, got -1"),
+        (["--mtbf", "1h", "--spares", "4"], "--spares: 4 leaves no node to train (the trace has 4 at most)"),
+        (["--mtbf", "1h", "--spare-join", "soon"], "--spare-join: expected a number"),
+        (["--mtbf", "1h", "--straggler-window", "0"], "--straggler-window: must be >= 1, got 0"),
+        (["--mtbf", "1h", "--replica-timeout", "0"], "--replica-timeout: must be > 0"),
         (["--trace", "missing.csv"], "missing.csv: cannot read"),
         (["--mtbf", "1h", "--gpu-memory", "1MiB"], "cannot be planned"),
         ([], "--trace: give a trace"),
@@ -596,6 +943,20 @@ def test_cli_spot_pattern_and_node_startup(capsys: pytest.CaptureFixture[str]) -
     for name, policy in document["policies"].items():
         assert policy["time_by_category"]["waiting"] >= 480 + 45, name  # nothing up until the first joins
         assert 0 < policy["goodput"] <= 1, name
+
+
+def test_cli_straggler_trace_with_spares_and_timeouts(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--model", "gpt3-2.7b", "--trace", "stragglers-32n-2h", "--spares", "2"]
+    assert main([*args, "--spare-join", "4", "--straggler-window", "5", "--replica-timeout", "30"]) == 0
+    table = capsys.readouterr().out
+    assert "32 nodes at start, 3 losses, 3 additions, 5 slowdowns over 2.0 h; 2 warm spares, 4 s" in table
+    assert "the ideal x the mean speed of the nodes up is" in table
+    assert main([*args, "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["trace"]["slowdowns"] == 5 and 0.95 < document["speed_bound"] < 1
+    assert document["costs"]["nodes"]["spares"] == 2
+    assert document["costs"]["oobleck"]["straggler_window_steps"] == 20
+    assert document["costs"]["replicas"]["timeout_s"] == 60.0
 
 
 def test_paper_figures_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
