@@ -350,7 +350,10 @@ def service_account(job: str, namespace: str, uid: str) -> dict[str, Any]:
 
 def worker_role(job: str, namespace: str, uid: str) -> dict[str, Any]:
     """Least privilege for workers, exactly what runtime/backends/pod/main.py calls: get / list / watch their plan
-    ConfigMap (by name), get pods (the coordinator's IP), patch pods (their own annotations)."""
+    ConfigMap and get the coordinator pod (its IP), both by name, and patch pods. RBAC cannot name pods
+    created later, so the patch rule covers the namespace's pods; the cluster's admission policy
+    (charts/oobleck-operator/files/admission/worker-pods.yaml) narrows it to the token's own pod and the
+    runtime's report annotations."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
@@ -362,9 +365,9 @@ def worker_role(job: str, namespace: str, uid: str) -> dict[str, Any]:
                 "resourceNames": [plan_name(job)],
                 "verbs": ["get", "list", "watch"],
             },
-            # A worker writes FAILURE_ANNOTATION / PROGRESS_ANNOTATION on its own pod (RBAC cannot name
-            # pods created later, so the rule covers the namespace's pods; no create or delete).
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
+            {"apiGroups": [""], "resources": ["pods"], "resourceNames": [coordinator_name(job)], "verbs": ["get"]},
+            # A worker writes its report annotations on its own pod (no create or delete).
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]},
         ],
     }
 
