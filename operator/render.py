@@ -178,8 +178,20 @@ def annotations_current(
     return (annotations or {}).get(RANKS_ANNOTATION) == ranks
 
 
+IMAGE_UID = 65532
+"""the image's user and group (Dockerfile): workers run as it, and fsGroup makes a fresh claim writable by it"""
+
+
 def _security() -> tuple[dict[str, Any], dict[str, Any]]:
-    pod = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+    pod = {
+        "runAsNonRoot": True,
+        "runAsUser": IMAGE_UID,
+        "runAsGroup": IMAGE_UID,
+        "fsGroup": IMAGE_UID,
+        # Only a volume's root is checked: a large checkpoint claim is not re-chowned file by file at each start.
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     container = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     return pod, container
 
