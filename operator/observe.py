@@ -286,6 +286,7 @@ class JobObservation:
     loss: float | None = None  # of the newest step any worker reported
     samples_per_second: float | None = None
     checkpoint_step: int | None = None  # the newest complete checkpoint step any worker reported
+    checkpoint_error: str = ""  # "<pod>: why" of a live member whose last checkpoint write failed
     unrecoverable: str = ""  # a member found some layer's state gone everywhere (the job cannot go on)
     retry: str = ""  # why the current generation must be redone on the same nodes now (coordinator restart)
     stalled_since: float | None = None  # earliest report of a failure that names no dead worker (wall time)
@@ -323,6 +324,18 @@ def agreed_step(plan: Plan | None, workers: Mapping[str, Worker], summaries: Map
         progress = ProgressReport.parse(summaries[name].progress)
         steps.append(progress.step if progress is not None else 0)
     return max(min(steps, default=0), 0)
+
+
+def _checkpoint_error(plan: Plan | None, workers: Mapping[str, Worker], summaries: Mapping[str, PodSummary]) -> str:
+    """The first running member's report of a failed checkpoint write, as "<pod>: why" ("" when none)."""
+    for name in plan.nodes if plan is not None else ():
+        worker = workers.get(name)
+        if worker is None or worker.status != "running":
+            continue
+        progress = ProgressReport.parse(summaries[name].progress)
+        if progress is not None and progress.checkpoint_error:
+            return f"{name}: {progress.checkpoint_error}"
+    return ""
 
 
 def observe(
@@ -436,6 +449,7 @@ def observe(
                     accepted.append(f"{target}: {why}")
     ordered = tuple(sorted(workers.values(), key=lambda w: w.index))
     step = agreed_step(plan, workers, summaries)
+    checkpoint_error = _checkpoint_error(plan, workers, summaries)
     measured = next(
         (
             summaries[w.name].measured_profile
@@ -455,6 +469,7 @@ def observe(
         loss=latest[0],
         samples_per_second=latest[1],
         checkpoint_step=checkpoint_step,
+        checkpoint_error=checkpoint_error,
         unrecoverable=unrecoverable,
         retry=retry,
         stalled_since=stalled_since,

@@ -594,3 +594,22 @@ def test_a_worker_image_that_cannot_be_pulled_fails_the_job_after_the_start_time
     failed = cond(d.status, "Failed")
     assert failed.reason == "ImagePullBackOff" and stuck in failed.message and "nope:1" in failed.message
     assert d.status["phase"] == "Failed" and d.create == ()
+
+
+def test_a_failed_checkpoint_write_raises_a_condition_and_one_event(h):
+    world = _running(h)
+    member = world.current.plan.nodes[1]
+    error = "step 20 in /ckpt/tiny: OSError: [Errno 28] No space left on device"
+    world.pods[member] = replace(
+        world.pods[member], progress=json.dumps({"generation": 0, "step": 21, "checkpointError": error})
+    )
+    d = world.step()
+    failing = cond(d.status, ConditionType.CHECKPOINT_FAILING)
+    assert (failing.status, failing.reason, failing.message) == ("True", "CheckpointWriteFailed", f"{member}: {error}")
+    assert [(e.type, e.reason) for e in d.events] == [("Warning", "CheckpointWriteFailed")]
+    assert d.status["phase"] == "Running"
+    world.apply(d)
+    assert world.step().events == ()  # one event as it turns True, not one per pass
+    _progress(world, 30)  # the next write succeeded: the reports carry no error
+    d = world.step()
+    assert cond(d.status, ConditionType.CHECKPOINT_FAILING).status == "False"

@@ -67,7 +67,12 @@ def _log(event: str, env: PodEnv, **fields) -> None:
 
 def _report_final(progress: ProgressReporter, worker) -> None:
     """The last step on the pod, which the operator marks the job Succeeded by: it must arrive."""
-    progress.update(worker.plan.generation if worker.plan else -1, worker.step, checkpoint_step=worker.checkpoint_step)
+    progress.update(
+        worker.plan.generation if worker.plan else -1,
+        worker.step,
+        checkpoint_step=worker.checkpoint_step,
+        checkpoint_error=worker.checkpoint_error,
+    )
     if not progress.flush():
         raise PodFailure(ExitCode.ERROR, f"the final step {worker.step} could not be reported: {progress.error}")
 
