@@ -7,7 +7,7 @@ that deleting the job garbage-collects them and a retried create answers 409 ins
     <job>-coordinator    the Pod hosting the rendezvous store (outlives any worker)
     <job>-workers        a headless Service: stable DNS names for the pods above
     <job>-plan           the ConfigMap holding the versioned plan (the source of truth)
-    <job>-worker         the ServiceAccount, Role and RoleBinding of the workers
+    <job>-oobleck-worker the ServiceAccount, Role and RoleBinding of the workers (see WORKER_ACCOUNT_SUFFIX)
 
 The contract with the runtime - the worker container's environment (built here as a
 oobleck.api.contract.PodContract, parsed by the pod), the ports, the exit codes and the annotations -
@@ -98,8 +98,13 @@ def plan_name(job: str) -> str:
     return f"{job}-plan"
 
 
+WORKER_ACCOUNT_SUFFIX = "-oobleck-worker"
+"""names the workers' ServiceAccount (and Role, RoleBinding); the cluster's worker-pod admission policy keys on it
+(charts/oobleck-operator/files/admission/worker-pods.yaml), so it must not look like anyone else's account"""
+
+
 def rbac_name(job: str) -> str:
-    return f"{job}-worker"
+    return f"{job}{WORKER_ACCOUNT_SUFFIX}"
 
 
 def worker_index(job: str, pod_name: str) -> int | None:

@@ -325,9 +325,9 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
         assert status.get("phase") == "Running", status  # the status subresource was patched
         for kind, child in [
             ("service", f"{name}-workers"),
-            ("serviceaccount", f"{name}-worker"),
-            ("role", f"{name}-worker"),
-            ("rolebinding", f"{name}-worker"),
+            ("serviceaccount", f"{name}-oobleck-worker"),
+            ("role", f"{name}-oobleck-worker"),
+            ("rolebinding", f"{name}-oobleck-worker"),
             ("pod", f"{name}-coordinator"),
         ]:
             cluster.kubectl("get", kind, child, "-n", served)

@@ -225,9 +225,9 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
     uid = body["metadata"]["uid"]
     for kind, name in [
         ("service", "tiny-workers"),
-        ("serviceaccount", "tiny-worker"),
-        ("role", "tiny-worker"),
-        ("rolebinding", "tiny-worker"),
+        ("serviceaccount", "tiny-oobleck-worker"),
+        ("role", "tiny-oobleck-worker"),
+        ("rolebinding", "tiny-oobleck-worker"),
         ("configmap", "tiny-plan"),
         ("pod", "tiny-coordinator"),
         ("secret", "tiny-key"),

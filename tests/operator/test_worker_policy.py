@@ -193,3 +193,30 @@ def test_the_policy_is_in_force_from_the_start(cluster):
     policy = cluster.kubectl_json("get", "validatingadmissionpolicy", "oobleck-worker-pods")
     assert policy["status"]["observedGeneration"] == policy["metadata"]["generation"]
     assert not (policy["status"].get("typeChecking") or {}).get("expressionWarnings"), policy["status"]
+
+
+def test_other_accounts_ending_in_worker_are_not_restricted(cluster, world):
+    """The policy matches the operator's `<job>-oobleck-worker` accounts only: a cluster's own `build-worker`
+    (say, a CI runner with pod patch rights) still changes other pods' labels."""
+    ns = world["ns"]
+    rbac = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "build-worker"}},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": {"name": "build-worker"},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": "build-worker"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "build-worker"},
+            "subjects": [{"kind": "ServiceAccount", "name": "build-worker", "namespace": ns}],
+        },
+    ]
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": rbac}))
+    token = cluster.kubectl("create", "token", "build-worker", "-n", ns, "--duration=1h").stdout.strip()
+    target = render.worker_name("beta", 1)
+    _patch(_client(cluster, ns, token), target, {"metadata": {"labels": {"example.com/built": "yes"}}})
+    assert cluster.kubectl_json("get", "pod", target, "-n", ns)["metadata"]["labels"]["example.com/built"] == "yes"
