@@ -388,6 +388,24 @@ def _retry_reason(obs: JobObservation, wall: float) -> str:
     return ""
 
 
+def _checkpoint_condition(ctx: JobContext, obs: JobObservation, status: _Status) -> tuple[Event, ...]:
+    """CheckpointFailing from the members' reports: True (and a Warning event as it turns True) while a
+    running member's last checkpoint write failed, False once their writes succeed again."""
+    if obs.checkpoint_error:
+        status.set(ConditionType.CHECKPOINT_FAILING, "True", Reason.CHECKPOINT_WRITE_FAILED, obs.checkpoint_error)
+        if is_true(ctx.status.conditions, ConditionType.CHECKPOINT_FAILING):
+            return ()
+        return (Event("Warning", Reason.CHECKPOINT_WRITE_FAILED, obs.checkpoint_error),)
+    if any(c.type == ConditionType.CHECKPOINT_FAILING for c in status.conditions):
+        status.set(
+            ConditionType.CHECKPOINT_FAILING,
+            "False",
+            Reason.CHECKPOINTS_WRITTEN,
+            "the members' last checkpoint writes succeeded",
+        )
+    return ()
+
+
 def _pending_condition(status: _Status, pending: Sequence[Worker], timeout_s: int, now: float) -> None:
     stuck = [w for w in pending if not w.scheduled and w.created is not None and now - w.created >= timeout_s]
     if stuck:
@@ -723,6 +741,7 @@ def _converge(
             Reason.FULLY_REDUNDANT,
             f"{len(in_force.pipelines)} pipelines >= f + 1 = {spec.f + 1}",
         )
+    events = change.events + _checkpoint_condition(ctx, obs, status)
     in_force_set = set(in_force.nodes)
     # Pods on their way in: pending, or running but not folded in yet (still starting, see _membership).
     pending = [w for w in obs.workers if w.status in ("pending", "running") and w.name not in in_force_set]
@@ -741,7 +760,7 @@ def _converge(
         delete=tuple(dict(delete).items()),
         create=create,
         create_coordinator=create_coordinator,
-        events=change.events,
+        events=events,
         lost=tuple(members.lost),
         planner_seconds=change.planner_seconds,
     )

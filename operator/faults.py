@@ -95,14 +95,22 @@ def pod_fault(pod: PodSummary) -> Fault | None:
         return None
     code, reason = pod.terminated
     if reason == "OOMKilled":
-        return Fault(pod.name, pod.uid, Reason.OUT_OF_MEMORY, f"{pod.name}: {_exit_text(pod)} (over its memory limit)")
+        return Fault(
+            pod.name,
+            pod.uid,
+            Reason.OUT_OF_MEMORY,
+            f"{pod.name}: {_exit_text(pod)} (over its memory limit; field spec.resources.memory)",
+        )
     if code in KIND_OF_EXIT:  # the worker exited with a cause it could not put on the pod
         return Fault(pod.name, pod.uid, KIND_OF_EXIT[code], f"{pod.name}: {_exit_text(pod)}")
     # Before the runtime reported anything, not killed by a signal (a node's loss, a test's SIGKILL):
     # the image or the command cannot run the runtime.
     if pod.progress is None and code <= SIGNAL_BASE and reason in ("Error", "StartError", "ContainerCannotRun"):
         return Fault(
-            pod.name, pod.uid, Reason.WORKER_FAILED, f"{pod.name}: {_exit_text(pod)}, before its runtime started"
+            pod.name,
+            pod.uid,
+            Reason.WORKER_FAILED,
+            f"{pod.name}: {_exit_text(pod)}, before its runtime started (fields spec.image, spec.command)",
         )
     return None
 
@@ -124,7 +132,8 @@ def _start_failure(pod: PodSummary, timeout_s: float, now: float) -> tuple[str, 
     reason, message = pod.waiting
     return reason, (
         f"{pod.name}: container waiting in {reason} for {now - pod.created:.0f} s "
-        f"(failurePolicy.startTimeoutSeconds {timeout_s:.0f})" + (f": {message}" if message else "")
+        f"(failurePolicy.startTimeoutSeconds {timeout_s:.0f}; fields spec.image, spec.command)"
+        + (f": {message}" if message else "")
     )
 
 

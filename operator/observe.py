@@ -3,7 +3,7 @@
 `summarize_pod` / `summarize_node` reduce an object to the few fields health depends on (the kopf
 indexes store these, so equal summaries mean "nothing relevant changed"). `observe` turns a job's
 pod summaries, the node summaries and the current plan into a `JobObservation`: which workers run,
-which are pending (and why), which are lost (and why), and the progress the workers reported.
+which are pending (and why), which are lost (and why), and the progress the members agree on (`agreed_step`).
 
 A worker is lost when any of these holds (the first that does is the reason):
 pod being deleted; pod Failed (evicted included); worker container terminated with a non-zero
@@ -280,12 +280,13 @@ class JobObservation:
 
     workers: tuple[Worker, ...]
     coordinator: PodSummary | None
-    step: int = 0
+    step: int = 0  # the step every live member of the current plan reported (`agreed_step`)
     foreign: tuple[str, ...] = ()  # pods with our names but another owner (a previous job's leftovers)
     reports: tuple[str, ...] = field(default=())  # accepted worker reports, for logs and events
-    loss: float | None = None  # of the newest step a worker reported
+    loss: float | None = None  # of the newest step any worker reported
     samples_per_second: float | None = None
     checkpoint_step: int | None = None  # the newest complete checkpoint step any worker reported
+    checkpoint_error: str = ""  # "<pod>: why" of a live member whose last checkpoint write failed
     unrecoverable: str = ""  # a member found some layer's state gone everywhere (the job cannot go on)
     retry: str = ""  # why the current generation must be redone on the same nodes now (coordinator restart)
     stalled_since: float | None = None  # earliest report of a failure that names no dead worker (wall time)
@@ -305,6 +306,38 @@ class JobObservation:
         return self._by_name.get(name)  # type: ignore[attr-defined]
 
 
+def agreed_step(plan: Plan | None, workers: Mapping[str, Worker], summaries: Mapping[str, PodSummary]) -> int:
+    """The step the current plan's members agree on: the smallest step reported by the members whose pods
+    still run or succeeded (a member that reported nothing counts 0; lost members do not count).
+
+    Members train in lockstep (every step's gradients are all-reduced across pipelines, and each runtime
+    always reports its final step), so they agree within a report interval; a pod claiming a step its
+    peers have not reached (a bug, or code writing its own annotation) moves nothing, and cannot end
+    the job Succeeded. 0 before the first plan."""
+    if plan is None:
+        return 0
+    steps = []
+    for name in plan.nodes:
+        worker = workers.get(name)
+        if worker is None or worker.status not in ("running", "succeeded"):
+            continue
+        progress = ProgressReport.parse(summaries[name].progress)
+        steps.append(progress.step if progress is not None else 0)
+    return max(min(steps, default=0), 0)
+
+
+def _checkpoint_error(plan: Plan | None, workers: Mapping[str, Worker], summaries: Mapping[str, PodSummary]) -> str:
+    """The first running member's report of a failed checkpoint write, as "<pod>: why" ("" when none)."""
+    for name in plan.nodes if plan is not None else ():
+        worker = workers.get(name)
+        if worker is None or worker.status != "running":
+            continue
+        progress = ProgressReport.parse(summaries[name].progress)
+        if progress is not None and progress.checkpoint_error:
+            return f"{name}: {progress.checkpoint_error}"
+    return ""
+
+
 def observe(
     job: str,
     uid: str,
@@ -320,7 +353,7 @@ def observe(
     coordinator = None
     foreign = []
     summaries: dict[str, PodSummary] = {}
-    step = 0
+    newest = 0  # the highest step any pod claims: only for the loss and throughput shown
     latest: tuple[float | None, float | None] = (None, None)  # loss, samples/s of the newest step
     checkpoint_step: int | None = None
     silent: set[str] = set()  # running workers lost only because their node's status went silent
@@ -338,8 +371,8 @@ def observe(
         progress = ProgressReport.parse(pod.progress)
         if progress is not None and progress.checkpoint_step is not None:
             checkpoint_step = max(checkpoint_step or 0, progress.checkpoint_step)
-        if progress is not None and progress.step >= step:
-            step = progress.step
+        if progress is not None and progress.step >= newest:
+            newest = progress.step
             latest = (progress.loss, progress.samples_per_second)
         problem = pod_problem(pod)
         if problem is None and pod.node_name is not None and pod.phase != "Succeeded":
@@ -415,6 +448,8 @@ def observe(
                     workers[target] = Worker(**{**peer.__dict__, "status": "lost", "reason": why})
                     accepted.append(f"{target}: {why}")
     ordered = tuple(sorted(workers.values(), key=lambda w: w.index))
+    step = agreed_step(plan, workers, summaries)
+    checkpoint_error = _checkpoint_error(plan, workers, summaries)
     measured = next(
         (
             summaries[w.name].measured_profile
@@ -434,6 +469,7 @@ def observe(
         loss=latest[0],
         samples_per_second=latest[1],
         checkpoint_step=checkpoint_step,
+        checkpoint_error=checkpoint_error,
         unrecoverable=unrecoverable,
         retry=retry,
         stalled_since=stalled_since,

@@ -7,7 +7,7 @@ that deleting the job garbage-collects them and a retried create answers 409 ins
     <job>-coordinator    the Pod hosting the rendezvous store (outlives any worker)
     <job>-workers        a headless Service: stable DNS names for the pods above
     <job>-plan           the ConfigMap holding the versioned plan (the source of truth)
-    <job>-worker         the ServiceAccount, Role and RoleBinding of the workers
+    <job>-oobleck-worker the ServiceAccount, Role and RoleBinding of the workers (see WORKER_ACCOUNT_SUFFIX)
 
 The contract with the runtime - the worker container's environment (built here as a
 oobleck.api.contract.PodContract, parsed by the pod), the ports, the exit codes and the annotations -
@@ -98,8 +98,13 @@ def plan_name(job: str) -> str:
     return f"{job}-plan"
 
 
+WORKER_ACCOUNT_SUFFIX = "-oobleck-worker"
+"""names the workers' ServiceAccount (and Role, RoleBinding); the cluster's worker-pod admission policy keys on it
+(charts/oobleck-operator/files/admission/worker-pods.yaml), so it must not look like anyone else's account"""
+
+
 def rbac_name(job: str) -> str:
-    return f"{job}-worker"
+    return f"{job}{WORKER_ACCOUNT_SUFFIX}"
 
 
 def worker_index(job: str, pod_name: str) -> int | None:
@@ -178,8 +183,20 @@ def annotations_current(
     return (annotations or {}).get(RANKS_ANNOTATION) == ranks
 
 
+IMAGE_UID = 65532
+"""the image's user and group (Dockerfile): workers run as it, and fsGroup makes a fresh claim writable by it"""
+
+
 def _security() -> tuple[dict[str, Any], dict[str, Any]]:
-    pod = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+    pod = {
+        "runAsNonRoot": True,
+        "runAsUser": IMAGE_UID,
+        "runAsGroup": IMAGE_UID,
+        "fsGroup": IMAGE_UID,
+        # Only a volume's root is checked: a large checkpoint claim is not re-chowned file by file at each start.
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     container = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     return pod, container
 
@@ -350,7 +367,10 @@ def service_account(job: str, namespace: str, uid: str) -> dict[str, Any]:
 
 def worker_role(job: str, namespace: str, uid: str) -> dict[str, Any]:
     """Least privilege for workers, exactly what runtime/backends/pod/main.py calls: get / list / watch their plan
-    ConfigMap (by name), get pods (the coordinator's IP), patch pods (their own annotations)."""
+    ConfigMap and get the coordinator pod (its IP), both by name, and patch pods. RBAC cannot name pods
+    created later, so the patch rule covers the namespace's pods; the cluster's admission policy
+    (charts/oobleck-operator/files/admission/worker-pods.yaml) narrows it to the token's own pod and the
+    runtime's report annotations."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
@@ -362,9 +382,9 @@ def worker_role(job: str, namespace: str, uid: str) -> dict[str, Any]:
                 "resourceNames": [plan_name(job)],
                 "verbs": ["get", "list", "watch"],
             },
-            # A worker writes FAILURE_ANNOTATION / PROGRESS_ANNOTATION on its own pod (RBAC cannot name
-            # pods created later, so the rule covers the namespace's pods; no create or delete).
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
+            {"apiGroups": [""], "resources": ["pods"], "resourceNames": [coordinator_name(job)], "verbs": ["get"]},
+            # A worker writes its report annotations on its own pod (no create or delete).
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]},
         ],
     }
 

@@ -307,8 +307,9 @@ def test_user_and_ports_match_the_chart() -> None:
     uid, _, gid = FINAL.all("USER")[-1].args.partition(":")
     pod = CHART_VALUES["podSecurityContext"]
     assert (int(uid), int(gid)) == (pod["runAsUser"], pod["runAsGroup"])
-    from oobleck.operator.render import STORE_PORT, WORKER_PORT
+    from oobleck.operator.render import IMAGE_UID, STORE_PORT, WORKER_PORT
 
+    assert int(uid) == int(gid) == IMAGE_UID  # worker pods run as the image's user (operator/render.py)
     exposed = {int(p.split("/")[0]) for i in FINAL.all("EXPOSE") for p in i.args.split()}
     assert {CHART_VALUES["metrics"]["port"], CHART_VALUES["liveness"]["port"], STORE_PORT, WORKER_PORT} <= exposed
 

@@ -277,6 +277,17 @@ def default_crds_dir() -> Path | None:
     return root / "crds" if root is not None and (root / "crds").is_dir() else None
 
 
+# "The chart's admission policies": the worker-pod policy every Oobleck cluster runs (see the file).
+DEFAULT_ADMISSION = Path("<checkout>/charts/oobleck-operator/files/admission")
+
+
+def default_admission_dir() -> Path | None:
+    """The chart's `files/admission/` in the source checkout, if there is one."""
+    root = repo_root()
+    folder = root / "charts" / "oobleck-operator" / "files" / "admission" if root is not None else None
+    return folder if folder is not None and folder.is_dir() else None
+
+
 def _not_established(listing: str) -> list[str]:
     """Names of the CustomResourceDefinitions in a `kubectl get -o json` listing not yet Established."""
     data = json.loads(listing)
@@ -296,7 +307,9 @@ class ControlPlane:
 
     `kubeconfig`: where to write the admin kubeconfig (default: `<workdir>/kubeconfig`); it embeds
     its certificates. `crds_dir`: every *.yaml/*.yml/*.json in it is installed (default: the
-    checkout's `crds/`; None or an empty folder installs nothing). `workdir_parent`: where the
+    checkout's `crds/`; None or an empty folder installs nothing). `admission_dir`: admission policies
+    installed likewise (default: the chart's worker-pod policy, as a Helm install would have it).
+    `workdir_parent`: where the
     temporary work folder goes (default: the system temp folder).
 
     Start it from a thread that outlives it (the main thread): children die with that thread.
@@ -308,12 +321,18 @@ class ControlPlane:
         *,
         kubeconfig: Path | None = None,
         crds_dir: Path | None = DEFAULT_CRDS,
+        admission_dir: Path | None = DEFAULT_ADMISSION,
         timeouts: Timeouts = Timeouts(),
         workdir_parent: Path | None = None,
     ) -> None:
         self.tools = tools or find_tools()
         self.timeouts = timeouts
         self.crds_dir = default_crds_dir() if crds_dir is DEFAULT_CRDS else (Path(crds_dir) if crds_dir else None)
+        self.admission_dir = (
+            default_admission_dir()
+            if admission_dir is DEFAULT_ADMISSION
+            else (Path(admission_dir) if admission_dir else None)
+        )
         self._kubeconfig_arg = Path(kubeconfig) if kubeconfig else None
         self._workdir_parent = Path(workdir_parent) if workdir_parent else None
         self.workdir: Path | None = None
@@ -528,7 +547,9 @@ class ControlPlane:
         mark = self._phase("controllers", mark)
 
         self._install_crds()
-        self._phase("crds", mark)
+        mark = self._phase("crds", mark)
+        self._install_admission()
+        self._phase("admission", mark)
 
     def _launch(
         self,
@@ -581,6 +602,30 @@ class ControlPlane:
                     f"timed out after {timeout:.0f} s (crds_established) waiting for the CRDs in {self.crds_dir} "
                     f"to be Established; not yet: {', '.join(pending)}"
                 )
+            time.sleep(0.2)
+
+    def _install_admission(self) -> None:
+        """Apply the admission policies and wait until the API server has type-checked each (its
+        status.observedGeneration), so that the first test already meets them."""
+        if self.admission_dir is None:
+            return
+        files = sorted(p for p in self.admission_dir.iterdir() if p.suffix in (".yaml", ".yml"))
+        if not files:
+            return
+        flags = [arg for path in files for arg in ("-f", str(path))]
+        self.kubectl("apply", "--server-side", "--force-conflicts", *flags)
+        deadline = time.monotonic() + self.timeouts.crds_established
+        while True:
+            listing = json.loads(self.kubectl("get", "validatingadmissionpolicies", "-o", "json").stdout)
+            pending = [
+                item["metadata"]["name"]
+                for item in listing["items"]
+                if (item.get("status") or {}).get("observedGeneration") != item["metadata"]["generation"]
+            ]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"admission policies not type-checked in time: {', '.join(pending)}")
             time.sleep(0.2)
 
     def kubectl(

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from oobleck.api.causes import make_cause
 from oobleck.api.plan import Plan
-from oobleck.runtime.causes import blame, model_field
+from oobleck.runtime.causes import JobFault, blame, model_field
 from oobleck.runtime.elastic.commit import CommittingOptimizer, StepCommitter
 from oobleck.runtime.train.config import WorkerConfig, build_dataset, build_model
 from oobleck.runtime.train.engine import Engine, StepOutcome
@@ -65,7 +66,15 @@ def choose_device(config: WorkerConfig, gpu: int) -> torch.device:
     """cuda:<gpu> when asked for (or auto and available), else cpu."""
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ValueError("device: 'cuda' requested but CUDA is not available")
+            # The spec's choice, unless only this node lacks its GPUs: CudaError fails the job once two pods agree.
+            raise JobFault(
+                make_cause(
+                    "CudaError",
+                    "device: cuda, but CUDA is not available on this node (torch.cuda.is_available() is False): "
+                    "run on GPU nodes, or set device: cpu",
+                    field="spec.device",
+                )
+            )
         # Recover in-process: NCCL's watchdog must not tear the process down on a peer's death,
         # and groups are aborted explicitly when a generation is abandoned.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")

@@ -179,6 +179,9 @@ class Snapshotter:
         self._begun: set[tuple[int, int]] = set()
         self.checkpoint_step: int | None = None
         """the newest step complete in the checkpoint directory after this agent's last write (None: none yet)"""
+        self.checkpoint_error: str | None = None
+        """why the last checkpoint write failed (None: it succeeded, or none was due yet); the worker reports
+        it on its progress and the operator raises the job's CheckpointFailing condition and an event"""
         self.stats = {"snapshots": 0, "capture_s": 0.0, "push_s": 0.0, "pushed_bytes": 0, "checkpoint_s": 0.0}
         threading.Thread(target=self._capture_loop, name="snapshot-capture", daemon=True).start()
         threading.Thread(target=self._ship_loop, name="snapshot-ship", daemon=True).start()
@@ -272,6 +275,29 @@ class Snapshotter:
             )
         )
 
+    def _write_checkpoint(self, job: _Job, captured: dict[int, torch.Tensor]) -> None:
+        """Write this worker's layers of `job.step`, export, prune; a failure (a full or read-only volume, a
+        claim the worker's uid cannot write) is kept in `checkpoint_error` for the operator, not swallowed."""
+        assert self.checkpoint_dir is not None, "writes are planned only with a checkpoint directory"
+        began = time.perf_counter()
+        try:
+            for layer in job.write:
+                write_checkpoint_layer(self.checkpoint_dir, job.step, layer, captured[layer])
+            if self.export is not None:
+                self.export(job.step, {layer: captured[layer] for layer in job.write})
+        except OSError as error:
+            self.checkpoint_error = f"step {job.step} in {self.checkpoint_dir}: {type(error).__name__}: {error}"[:300]
+            log.warning(
+                json.dumps({"event": "checkpoint-write-failed", "worker": self.worker, "error": self.checkpoint_error})
+            )
+            return
+        self.checkpoint_error = None
+        self.stats["checkpoint_s"] += time.perf_counter() - began
+        if not self.store.frozen and self.num_layers > 0:
+            prune_checkpoints(self.checkpoint_dir, self.num_layers, self.checkpoint_keep)
+        if self.num_layers > 0:
+            self.checkpoint_step = newest_complete_step(self.checkpoint_dir, self.num_layers)
+
     def _ship(self, job: _Job, captured: dict[int, torch.Tensor]) -> None:
         """Push to the buddy, write the checkpoint files, count the step done, prune."""
         started = time.perf_counter()
@@ -297,17 +323,7 @@ class Snapshotter:
                 )
             self.stats["push_s"] += time.perf_counter() - began
         if job.write:
-            assert self.checkpoint_dir is not None, "writes are planned only with a checkpoint directory"
-            began = time.perf_counter()
-            for layer in job.write:
-                write_checkpoint_layer(self.checkpoint_dir, job.step, layer, captured[layer])
-            if self.export is not None:
-                self.export(job.step, {layer: captured[layer] for layer in job.write})
-            self.stats["checkpoint_s"] += time.perf_counter() - began
-            if not self.store.frozen and self.num_layers > 0:
-                prune_checkpoints(self.checkpoint_dir, self.num_layers, self.checkpoint_keep)
-            if self.num_layers > 0:
-                self.checkpoint_step = newest_complete_step(self.checkpoint_dir, self.num_layers)
+            self._write_checkpoint(job, captured)
         if job.push and pushed:
             count = self._store_call(lambda s: s.add(done_key(job.generation, job.step), 1))
             if count == job.world_size:

@@ -97,6 +97,9 @@ def release(cluster, tmp_path_factory) -> Iterator[Release]:
         "operator": {"watchNamespaces": [rel.served]},
         "leaderElection": {"enabled": True, "name": rel.peering, "priority": 1},
         "crds": {"install": True, "keep": True},  # keep: the session's other tests use the CRD
+        # The control plane installed the same cluster-wide policy at start, and the session's other tests
+        # rely on it: an uninstall here would delete it (its rendering is in tests/helm/golden).
+        "workerPolicy": {"install": False},
     }
     values_file = tmp_path_factory.mktemp("helm") / "values.yaml"
     values_file.write_text(yaml.safe_dump(values))
@@ -322,9 +325,9 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
         assert status.get("phase") == "Running", status  # the status subresource was patched
         for kind, child in [
             ("service", f"{name}-workers"),
-            ("serviceaccount", f"{name}-worker"),
-            ("role", f"{name}-worker"),
-            ("rolebinding", f"{name}-worker"),
+            ("serviceaccount", f"{name}-oobleck-worker"),
+            ("role", f"{name}-oobleck-worker"),
+            ("rolebinding", f"{name}-oobleck-worker"),
             ("pod", f"{name}-coordinator"),
         ]:
             cluster.kubectl("get", kind, child, "-n", served)

@@ -306,10 +306,14 @@ def test_waits_for_nodes_then_plans_without_pending_after_the_timeout(h):
     assert d.create == ()  # the pending pods wait; no more are piled up
 
 
+def _progress(world: World, step: int, *names: str) -> None:
+    for name in names or world.current.plan.nodes:
+        world.pods[name] = replace(world.pods[name], progress=json.dumps({"generation": 0, "step": step}))
+
+
 def test_progress_to_the_last_step_succeeds(h):
     world = _running(h, cleanPodPolicy="All")
-    name = world.names(0)[0]
-    world.pods[name] = replace(world.pods[name], progress=json.dumps({"generation": 0, "step": 40}))
+    _progress(world, 40)
     d = world.step()
     assert cond(d.status, "Succeeded").status == "True" and d.status["phase"] == "Succeeded"
     assert len(d.delete) == 5 and "completionTime" in d.status
@@ -321,8 +325,7 @@ def test_last_step_in_the_status_succeeds_even_with_the_workers_gone(h):
     """A pass that saw the last step wrote it to the status; if its Succeeded patch was then lost (an etcd
     restart) and the cleanup took the pods, the next pass must still succeed, not count the pods lost."""
     world = _running(h)
-    name = world.names(0)[0]
-    world.pods[name] = replace(world.pods[name], progress=json.dumps({"generation": 0, "step": 39}))
+    _progress(world, 39)
     world.apply(world.step())
     assert world.status.progress.step == 39 and world.status.phase == "Running"
     world.status = world.status.model_copy(update={"progress": world.status.progress.model_copy(update={"step": 40})})
@@ -330,6 +333,34 @@ def test_last_step_in_the_status_succeeds_even_with_the_workers_gone(h):
     d = world.step()
     assert d.status["phase"] == "Succeeded" and cond(d.status, "Succeeded").reason == "StepsCompleted", d.status
     assert d.plan is None and not d.create
+
+
+def test_one_pod_claiming_the_last_step_does_not_end_the_job(h):
+    """Every live member of the plan must report the last step: one pod's word (its code can write its own
+    annotation) neither ends the job nor moves status.progress.step; the slowest member's report does."""
+    world = _running(h, cleanPodPolicy="All")
+    members = world.current.plan.nodes
+    _progress(world, 12)
+    _progress(world, 10**9, members[0])
+    d = world.step()
+    assert d.status["phase"] == "Running" and not d.delete, d.status
+    assert d.status["progress"]["step"] == 12
+    world.apply(d)
+    _progress(world, 40, *members[1:-1])  # all but one member done
+    assert world.step().status["progress"]["step"] == 12
+    _progress(world, 40, members[-1])
+    d = world.step()
+    assert d.status["phase"] == "Succeeded" and cond(d.status, "Succeeded").message == "40 of 40 steps done"
+
+
+def test_a_lost_members_report_does_not_hold_the_job_back(h):
+    """The agreement is among the members still running (or done): a lost member's stale report is not waited for."""
+    world = _running(h, cleanPodPolicy="All")
+    members = world.current.plan.nodes
+    _progress(world, 40, *members[:-1])
+    _progress(world, 7, members[-1])
+    world.pods[members[-1]] = replace(world.pods[members[-1]], phase="Failed", status_reason="Evicted")
+    assert world.step().status["phase"] == "Succeeded"
 
 
 def _two_node_pipelines(h) -> World:
@@ -411,11 +442,13 @@ def test_a_failure_that_names_nobody_redoes_the_generation_only_if_nothing_expla
 def test_progress_carries_loss_and_throughput_into_the_status(h):
     world = World(h, h.spec(), n_nodes=4)
     world.settle()
-    name = world.current.plan.nodes[0]
-    world.pods[name] = replace(
-        world.pods[name], progress=json.dumps({"generation": 0, "step": 7, "loss": 5.25, "samplesPerSecond": 300.0})
+    first, *others = world.current.plan.nodes
+    _progress(world, 7, *others)
+    world.pods[first] = replace(
+        world.pods[first], progress=json.dumps({"generation": 0, "step": 8, "loss": 5.25, "samplesPerSecond": 300.0})
     )
     progress = parse_status(world.step().status).progress
+    # The step all members reached; the loss and throughput of the newest report.
     assert (progress.step, progress.loss, progress.samples_per_second) == (7, 5.25, 300.0)
 
 
@@ -561,3 +594,22 @@ def test_a_worker_image_that_cannot_be_pulled_fails_the_job_after_the_start_time
     failed = cond(d.status, "Failed")
     assert failed.reason == "ImagePullBackOff" and stuck in failed.message and "nope:1" in failed.message
     assert d.status["phase"] == "Failed" and d.create == ()
+
+
+def test_a_failed_checkpoint_write_raises_a_condition_and_one_event(h):
+    world = _running(h)
+    member = world.current.plan.nodes[1]
+    error = "step 20 in /ckpt/tiny: OSError: [Errno 28] No space left on device"
+    world.pods[member] = replace(
+        world.pods[member], progress=json.dumps({"generation": 0, "step": 21, "checkpointError": error})
+    )
+    d = world.step()
+    failing = cond(d.status, ConditionType.CHECKPOINT_FAILING)
+    assert (failing.status, failing.reason, failing.message) == ("True", "CheckpointWriteFailed", f"{member}: {error}")
+    assert [(e.type, e.reason) for e in d.events] == [("Warning", "CheckpointWriteFailed")]
+    assert d.status["phase"] == "Running"
+    world.apply(d)
+    assert world.step().events == ()  # one event as it turns True, not one per pass
+    _progress(world, 30)  # the next write succeeded: the reports carry no error
+    d = world.step()
+    assert cond(d.status, ConditionType.CHECKPOINT_FAILING).status == "False"

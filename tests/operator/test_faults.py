@@ -43,8 +43,9 @@ def test_signals_drops_and_pods_that_trained_are_not_the_jobs_fault(h):
 def test_a_container_that_never_ran_the_runtime_and_an_oom_kill(h):
     fault = pod_fault(failed(h, 0, 127, message="exec: nope: not found"))
     assert fault.kind == "WorkerFailed" and "code 127" in fault.message and "nope: not found" in fault.message
+    assert "fields spec.image, spec.command" in fault.message  # what the user changes (the cause audit)
     oom = pod_fault(failed(h, 1, 137, "OOMKilled", progress='{"generation": 0, "step": 3}'))
-    assert oom.kind == "OutOfMemory" and "OOMKilled" in oom.message
+    assert oom.kind == "OutOfMemory" and "OOMKilled" in oom.message and "field spec.resources.memory" in oom.message
     # A cause the worker could not write on its pod still shows in its exit code.
     assert pod_fault(failed(h, 2, EXIT_CODES["DataUnavailable"], message="FileNotFoundError")).kind == "DataUnavailable"
 
@@ -87,6 +88,7 @@ def test_a_start_failure_fails_after_the_timeout_with_the_pods_own_reason(h):
     assert assess(h.UID, [pod], 0, [], POLICY, now).fail is None
     reason, message = assess(h.UID, [pod], 0, [], POLICY, pod.created + POLICY.start_timeout_seconds).fail
     assert reason == "ImagePullBackOff" and 'pulling image "nope:1"' in message and "startTimeoutSeconds 120" in message
+    assert "fields spec.image, spec.command" in message
 
 
 def test_pods_of_another_owner_or_the_coordinator_are_not_judged(h):

@@ -225,9 +225,9 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
     uid = body["metadata"]["uid"]
     for kind, name in [
         ("service", "tiny-workers"),
-        ("serviceaccount", "tiny-worker"),
-        ("role", "tiny-worker"),
-        ("rolebinding", "tiny-worker"),
+        ("serviceaccount", "tiny-oobleck-worker"),
+        ("role", "tiny-oobleck-worker"),
+        ("rolebinding", "tiny-oobleck-worker"),
         ("configmap", "tiny-plan"),
         ("pod", "tiny-coordinator"),
         ("secret", "tiny-key"),
@@ -502,10 +502,19 @@ def test_kubectl_scale_changes_the_node_count(cluster, env):
 
 
 def test_final_step_succeeds_and_cleans_pods(cluster, env):
+    """Only once every member reports the last step: one pod's claim (here a huge step) ends nothing."""
     ns = env["ns"]
     plan = running_job(cluster, env, cleanPodPolicy="Running")
-    progress = json.dumps({"generation": 0, "step": 40})
-    cluster.kubectl("annotate", "pod", plan.nodes[0], "-n", ns, f"{render.PROGRESS_ANNOTATION}={progress}")
+    first, *others = plan.nodes
+    for pod, step in ((first, 10**9), *((pod, 12) for pod in others)):
+        progress = json.dumps({"generation": 0, "step": step})
+        cluster.kubectl("annotate", "pod", pod, "-n", ns, "--overwrite", f"{render.PROGRESS_ANNOTATION}={progress}")
+    wait_for(lambda: (job(cluster, ns)["status"].get("progress") or {}).get("step") == 12, "status.progress.step 12")
+    time.sleep(2)  # further passes of the operator over the same reports
+    assert job(cluster, ns)["status"]["phase"] == "Running"
+    for pod in plan.nodes:
+        progress = json.dumps({"generation": 0, "step": 40})
+        cluster.kubectl("annotate", "pod", pod, "-n", ns, "--overwrite", f"{render.PROGRESS_ANNOTATION}={progress}")
     wait_for(lambda: job(cluster, ns)["status"]["phase"] == "Succeeded", "Succeeded")
     wait_for(
         lambda: not cluster.kubectl_json("get", "pods", "-n", ns, "-l", "oobleck.dev/job=tiny")["items"],

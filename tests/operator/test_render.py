@@ -78,13 +78,28 @@ def test_cpu_pods_request_no_gpu_and_overrides_apply(h):
     assert pod["metadata"]["labels"]["team"] == "x"
 
 
+def test_workers_run_as_the_images_user_with_an_fs_group(h):
+    """uid 65532 (the Dockerfile's USER), and fsGroup so that a fresh checkpoint or data claim is writable."""
+    spec = h.spec(device="cpu", checkpoint={"path": "/ckpt", "claimName": "c", "intervalSteps": 10})
+    for pod in (
+        render.worker_pod(h.JOB, "ns", h.UID, spec, 0, default_image="i", default_command=["c"]),
+        render.coordinator_pod(h.JOB, "ns", h.UID, spec, default_image="i"),
+    ):
+        security = pod["spec"]["securityContext"]
+        assert (security["runAsUser"], security["runAsGroup"], security["fsGroup"]) == (65532, 65532, 65532)
+        assert security["runAsNonRoot"] is True and security["fsGroupChangePolicy"] == "OnRootMismatch"
+
+
 def test_role_is_least_privilege(h):
     role = render.worker_role(h.JOB, "ns", h.UID)
-    verbs = {tuple(rule["resources"]): set(rule["verbs"]) for rule in role["rules"]}
-    assert verbs[("configmaps",)] == {"get", "list", "watch"}
-    assert verbs[("pods",)] == {"get", "patch"}
-    assert all("create" not in v and "delete" not in v for v in verbs.values())
-    assert role["rules"][0]["resourceNames"] == ["tiny-plan"]
+    rules = {(rule["resources"][0], tuple(rule.get("resourceNames", ()))): rule["verbs"] for rule in role["rules"]}
+    # By name where RBAC can name the object; patching pods is narrowed to the token's own pod and its report
+    # annotations by the cluster's admission policy (tests/operator/test_worker_policy.py).
+    assert rules == {
+        ("configmaps", ("tiny-plan",)): ["get", "list", "watch"],
+        ("pods", ("tiny-coordinator",)): ["get"],
+        ("pods", ()): ["patch"],
+    }
 
 
 def test_plan_config_map_round_trips_inline_and_gzipped(h, monkeypatch):

@@ -78,7 +78,19 @@ def world(cluster, tmp_path_factory):
         "apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
     )
     folder = tmp_path_factory.mktemp("serviceaccount")
-    token = cluster.kubectl("create", "token", render.rbac_name(JOB), "-n", ns, "--duration=1h").stdout.strip()
+    # Bound to worker 0's pod, as a kubelet mounts it (the cluster's worker-pod policy keys on that claim).
+    pod = cluster.kubectl_json("get", "pod", render.worker_name(JOB, 0), "-n", ns)["metadata"]
+    token = cluster.kubectl(
+        "create",
+        "token",
+        render.rbac_name(JOB),
+        "-n",
+        ns,
+        "--duration=1h",
+        "--bound-object-kind=Pod",
+        f"--bound-object-name={pod['name']}",
+        f"--bound-object-uid={pod['uid']}",
+    ).stdout.strip()
     (folder / "token").write_text(token)
     (folder / "namespace").write_text(ns)
     kubeconfig = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]

@@ -110,11 +110,11 @@ def test_checkpoint_spec_maps_under_the_container_root_and_snapshots_stay_on():
     spec = example_spec(checkpoint={"path": "/ckpt", "claimName": "c", "intervalSteps": 7, "keep": 3})
     config = worker_config(spec, "j", container_root="/var/pods/x/root")
     assert (config.checkpoint.path, config.checkpoint.interval_steps, config.checkpoint.keep) == (
-        "/var/pods/x/root/ckpt",
+        "/var/pods/x/root/ckpt/j",
         7,
         3,
     )
-    assert worker_config(spec, "j").checkpoint.path == "/ckpt"
+    assert worker_config(spec, "j").checkpoint.path == "/ckpt/j"  # scoped per job
     # In-memory snapshots are on by default: a pod gets a snapshot agent (snapshot.snapshotter_for).
     assert config.snapshot.interval_steps > 0
 
@@ -296,3 +296,28 @@ def test_gloo_groups_listen_on_the_bound_address():
         local = [line.split()[1].split(":")[0] for line in table.readlines()[1:]]
     assert hexed in local
     groups.GRAVEYARD.append(made)  # gloo groups are never destroyed mid-test (see groups.GRAVEYARD)
+
+
+def test_two_jobs_sharing_a_checkpoint_path_never_restore_or_prune_each_others_steps(tmp_path):
+    """Both jobs' specs name the same volume path; each writes, prunes and restores in its own folder."""
+    import torch
+
+    from oobleck.runtime.snapshot.checkpoint_dir import (
+        newest_complete_step,
+        prune_checkpoints,
+        read_checkpoint_layer,
+        write_checkpoint_layer,
+    )
+
+    spec = example_spec(checkpoint={"path": str(tmp_path), "intervalSteps": 10, "keep": 1})
+    first, second = (worker_config(spec, job).checkpoint.path for job in ("first", "second"))
+    assert first != second
+    for step in (10, 20):
+        for layer in range(2):
+            write_checkpoint_layer(first, step, layer, torch.full((4,), step, dtype=torch.uint8))
+    write_checkpoint_layer(second, 30, 0, torch.full((4,), 30, dtype=torch.uint8))
+    write_checkpoint_layer(second, 30, 1, torch.full((4,), 30, dtype=torch.uint8))
+    prune_checkpoints(second, num_layers=2, keep=1)  # the second job keeps only its own newest step
+    assert newest_complete_step(first, 2) == 20 and newest_complete_step(second, 2) == 30
+    prune_checkpoints(first, num_layers=2, keep=1)
+    assert newest_complete_step(second, 2) == 30 and read_checkpoint_layer(first, 20, 1).tolist() == [20] * 4

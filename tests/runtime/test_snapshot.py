@@ -308,3 +308,48 @@ def test_workers_roll_back_from_own_and_peer_snapshots_and_replay_exactly(profil
     assert all(int(s.step) == 6 for w in workers.values() for s in w.optimizer.state.values())
     for worker in workers.values():
         worker.snapshots.server.close()
+
+
+def test_a_failed_checkpoint_write_is_kept_for_the_operator_and_cleared_by_the_next_good_one(profile, tmp_path):
+    """A real Worker and its agent: the checkpoint folder cannot be created (its parent is a file), so the
+    write at step 2 fails; the error is kept (the progress report carries it), not swallowed. Once the
+    folder can be written, the step-4 checkpoint succeeds and the error is cleared."""
+    from torch.distributed import TCPStore
+
+    from oobleck.api.reports import ProgressReport
+    from oobleck.runtime.backends.pod.report import progress_annotation
+    from oobleck.runtime.elastic.worker import Worker
+    from oobleck.runtime.snapshot.agent import Snapshotter
+
+    config = WorkerConfig(job="ckpt", microbatch_size=2, steps=6, device="cpu")
+    shape = ClusterShape(
+        nodes=1, gpus_per_node=1, gpu_memory_bytes=10**12, intra_node_bandwidth=100e9, inter_node_bandwidth=10e9
+    )
+    plan = plan_job(profile, shape, 0, 4, "ckpt", nodes=["node0"])
+    blocker = tmp_path / "volume"
+    blocker.write_text("not a folder")  # as a full or read-only volume would, every write fails
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = lambda: TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)  # noqa: E731
+    agent = Snapshotter(
+        "node0:0",
+        0,
+        client,
+        checkpoint_dir=str(blocker / "ckpt"),
+        checkpoint_interval=2,
+        num_layers=len(profile.layers),
+    )
+    worker = Worker(config, client(), "node0", 0, snapshots=agent)
+    worker.adopt(plan)
+    for _ in range(3):  # steps 0, 1, 2: the checkpoint of step 2 (the state before it) is due
+        worker.train_step()
+    assert agent.wait_idle(30)
+    assert agent.checkpoint_error is not None and agent.checkpoint_error.startswith("step 2 in ")
+    assert agent.checkpoint_step is None
+    report = ProgressReport.parse(progress_annotation(0, 3, checkpoint_error=agent.checkpoint_error))
+    assert report is not None and report.checkpoint_error == agent.checkpoint_error
+    blocker.unlink()
+    blocker.mkdir()
+    for _ in range(2):  # steps 3, 4: the step-4 checkpoint
+        worker.train_step()
+    assert agent.wait_idle(30)
+    assert agent.checkpoint_error is None and agent.checkpoint_step == 4

@@ -33,6 +33,11 @@ class PodEnv(PodContract):
     """"cpu" overrides a cuda spec's compute device (see runtime/backends/pod/main.py's docstring)"""
 
 
+def job_checkpoint_dir(path: str, job: str) -> str:
+    """The job's own folder under spec.checkpoint.path: `<path>/<job>` (a job name is a DNS label)."""
+    return f"{path.rstrip('/')}/{job}"
+
+
 def worker_config(
     spec: OobleckJobSpec,
     job: str,
@@ -90,7 +95,8 @@ def worker_config(
     checkpoint = CheckpointConfig()
     if spec.checkpoint is not None:
         checkpoint = CheckpointConfig(
-            path=in_container(spec.checkpoint.path),
+            # Scoped per job: jobs sharing a volume never restore or prune each other's steps.
+            path=in_container(job_checkpoint_dir(spec.checkpoint.path, job)),
             interval_steps=spec.checkpoint.interval_steps,
             keep=spec.checkpoint.keep,
             format=spec.checkpoint.format,

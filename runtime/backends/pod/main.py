@@ -67,7 +67,12 @@ def _log(event: str, env: PodEnv, **fields) -> None:
 
 def _report_final(progress: ProgressReporter, worker) -> None:
     """The last step on the pod, which the operator marks the job Succeeded by: it must arrive."""
-    progress.update(worker.plan.generation if worker.plan else -1, worker.step, checkpoint_step=worker.checkpoint_step)
+    progress.update(
+        worker.plan.generation if worker.plan else -1,
+        worker.step,
+        checkpoint_step=worker.checkpoint_step,
+        checkpoint_error=worker.checkpoint_error,
+    )
     if not progress.flush():
         raise PodFailure(ExitCode.ERROR, f"the final step {worker.step} could not be reported: {progress.error}")
 
@@ -78,24 +83,32 @@ class PodFailure(RuntimeError):
         self.code = code
 
 
+def job_spec_config(env: PodEnv):
+    """The job's spec (OOBLECK_JOB_SPEC) and this worker's config from it; an unusable one is InvalidConfig
+    (the message carries the validation error, which names the field)."""
+    from oobleck.api.job import parse_spec
+
+    try:
+        spec = parse_spec(json.loads(env.job_spec or "null"))
+        config = worker_config(spec, env.job, container_root=env.container_root, compute_device=env.compute_device)
+    except ValueError as error:
+        raise JobFault(make_cause("InvalidConfig", f"OOBLECK_JOB_SPEC: {error}")) from error
+    return spec, config
+
+
 def measure_profile(env: PodEnv, kube: Kube, source) -> bool:
     """For a `profile: measure` job without a plan yet: profile the model on this pod's device and put
     the result on the pod (MEASURED_PROFILE_ANNOTATION), which the operator plans generation 0 with.
     Returns whether it measured."""
     import torch
 
-    from oobleck.api.job import parse_spec
     from oobleck.runtime.elastic.worker import choose_device
     from oobleck.runtime.train.config import build_model
     from oobleck.runtime.train.profiler import profile_model
 
     if env.job_spec is None or source.current() is not None:
         return False
-    try:
-        spec = parse_spec(json.loads(env.job_spec))
-        config = worker_config(spec, env.job, container_root=env.container_root, compute_device=env.compute_device)
-    except ValueError as error:
-        raise JobFault(make_cause("InvalidConfig", f"OOBLECK_JOB_SPEC: {error}")) from error
+    spec, config = job_spec_config(env)
     if spec.profile.source != "measure":
         return False
     torch.set_num_threads(config.threads)
@@ -104,10 +117,10 @@ def measure_profile(env: PodEnv, kube: Kube, source) -> bool:
         model = build_model(config)
         with torch.device("meta"):
             model.build_layer(model.num_layers - 1)  # an entry point's errors, before measuring
-    with blame("OutOfMemory", field="spec.resources.memory"):  # what else goes wrong while measuring is the model's
-        profile = profile_model(
-            model, config.microbatch_size, choose_device(config, 0), 1, 3, config.precision, config.recompute
-        )
+    device = choose_device(config, 0)  # no CUDA on a cuda job: CudaError naming spec.device
+    # Running out of memory names the memory (runtime/causes.py); anything else while measuring is the model's.
+    with blame("ModelLoadFailed", field=model_field(config)):
+        profile = profile_model(model, config.microbatch_size, device, 1, 3, config.precision, config.recompute)
     annotate(kube, env.namespace, env.node, {MEASURED_PROFILE_ANNOTATION: profile.model_dump_json()})
     _log("profiled", env, layers=len(profile.layers), seconds=round(time.monotonic() - began, 3))
     return True

@@ -19,6 +19,11 @@ class PodWorker(Worker):
         """The newest complete checkpoint step this worker's snapshot agent saw (status.progress.lastCheckpointStep)."""
         return self.snapshots.checkpoint_step if self.snapshots is not None else None
 
+    @property
+    def checkpoint_error(self) -> str | None:
+        """Why the snapshot agent's last checkpoint write failed (None: it succeeded, or none was due)."""
+        return self.snapshots.checkpoint_error if self.snapshots is not None else None
+
     def abandon(self) -> None:
         # run_elastic abandons a generation right after it broke: recovery_seconds runs from here to the
         # first step completed in the next one.
@@ -30,5 +35,7 @@ class PodWorker(Worker):
         outcome = super().train_step()
         if self.progress is not None and self.plan is not None:
             rate = outcome.samples / outcome.seconds if outcome.seconds > 0 else None
-            self.progress.update(self.plan.generation, self.step, outcome.loss, rate, self.checkpoint_step)
+            self.progress.update(
+                self.plan.generation, self.step, outcome.loss, rate, self.checkpoint_step, self.checkpoint_error
+            )
         return outcome

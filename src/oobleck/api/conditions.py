@@ -31,6 +31,9 @@ class ConditionType(StrEnum):
     """The job stopped and will not resume by itself."""
     WORKERS_PENDING = "WorkersPending"
     """Worker pods (replacements or a scale-up) cannot be scheduled; the message says why."""
+    CHECKPOINT_FAILING = "CheckpointFailing"
+    """A worker's last checkpoint write failed (the message names the worker, step and error): a rollback
+    beyond f failures may find no checkpoint. False again once the workers' writes succeed."""
 
 
 class Reason:
@@ -60,6 +63,9 @@ class Reason:
     # WorkersPending
     UNSCHEDULABLE = "Unschedulable"
     ALL_SCHEDULED = "AllScheduled"
+    # CheckpointFailing (and a Warning event when it turns True)
+    CHECKPOINT_WRITE_FAILED = "CheckpointWriteFailed"
+    CHECKPOINTS_WRITTEN = "CheckpointsWritten"
     # Failed
     INVALID_SPEC = "InvalidSpec"
     CHILD_REJECTED = "ChildRejected"

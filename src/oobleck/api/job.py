@@ -608,7 +608,8 @@ class CheckpointSpec(_Model):
         min_length=2,
         max_length=1024,
         pattern=ABSOLUTE_PATH_PATTERN,
-        description="Absolute directory in the worker container to write checkpoints to.",
+        description="Absolute directory in the worker container; a job writes its checkpoints below "
+        "`<path>/<job name>/`, so jobs sharing a volume never restore or prune each other's steps.",
     )
     claim_name: DnsName | None = Field(
         default=None,
@@ -621,7 +622,7 @@ class CheckpointSpec(_Model):
         default="native",
         description="native: the runtime's own layer files (for rollback). huggingface (model.transformers only): "
         "also a Hugging Face directory `huggingface-step<N>` at every checkpoint. A transformers job always "
-        "writes `<path>/huggingface` (config.json + sharded model.safetensors) when it succeeds.",
+        "writes `<path>/<job name>/huggingface` (config.json + sharded model.safetensors) when it succeeds.",
     )
 
     _RULES = (_mount_rule("checkpoint.path", "self.path", lambda m: m.path),)

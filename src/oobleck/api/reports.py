@@ -62,6 +62,10 @@ class FailureReport(BaseModel):
         return _parse(cls, raw)
 
 
+CHECKPOINT_ERROR_CHARS = 300
+"""a progress report carries this much of a checkpoint write error (the report's cap is MAX_REPORT_BYTES)"""
+
+
 class ProgressReport(BaseModel):
     """A worker's progress: `{"generation": -1, "step": 0}` means up and waiting for its first plan."""
 
@@ -75,6 +79,13 @@ class ProgressReport(BaseModel):
     """global throughput of the last step"""
     checkpoint_step: int | None = Field(default=None, ge=0, alias="checkpointStep")
     """the newest step complete in the job's checkpoint directory, as this worker last saw it"""
+    checkpoint_error: str | None = Field(default=None, alias="checkpointError")
+    """why this worker's last checkpoint write failed (None: it succeeded, or none was due yet)"""
+
+    @field_validator("checkpoint_error")
+    @classmethod
+    def _short(cls, value: str | None) -> str | None:
+        return value[:CHECKPOINT_ERROR_CHARS] if value else None
 
     @field_validator("loss", "samples_per_second")
     @classmethod
@@ -83,13 +94,15 @@ class ProgressReport(BaseModel):
 
     def to_json(self) -> str:
         """Rounded to what a status line needs; absent values left out."""
-        body: dict[str, int | float] = {"generation": self.generation, "step": self.step}
+        body: dict[str, int | float | str] = {"generation": self.generation, "step": self.step}
         if self.loss is not None:
             body["loss"] = float(f"{self.loss:.6g}")
         if self.samples_per_second is not None:
             body["samplesPerSecond"] = round(self.samples_per_second, 3)
         if self.checkpoint_step is not None:
             body["checkpointStep"] = self.checkpoint_step
+        if self.checkpoint_error:
+            body["checkpointError"] = self.checkpoint_error
         return json.dumps(body)
 
     @classmethod
