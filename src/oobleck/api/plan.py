@@ -35,6 +35,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _untouched(degree: int) -> bool:
+    """t = 1 is left out of the JSON: plans without tensor parallelism keep their bytes (and their size)."""
+    return degree == 1
+
+
+def _check_tensor_parallel(degree: int, gpus: int) -> None:
+    if degree & (degree - 1) or gpus % degree:
+        raise ValueError(f"tensor_parallel: must be a power of two dividing the stage's {gpus} GPUs, got {degree}")
+
+
 class TemplateStage(_Strict):
     """A stage of a pipeline template: layers [start, end) on `gpus` GPUs of one node."""
 
@@ -43,8 +53,20 @@ class TemplateStage(_Strict):
     node: int = Field(ge=0, description="index of the node within the pipeline")
     gpus: int = Field(ge=1, description="GPUs splitting every microbatch (a power of two)")
     gpu_offset: int = Field(ge=0, description="first local GPU of the stage on its node")
-    forward_ms: float = Field(ge=0, description="per microbatch, already divided by gpus")
-    backward_ms: float = Field(ge=0, description="per microbatch, already divided by gpus")
+    forward_ms: float = Field(ge=0, description="per microbatch, already divided by gpus / tensor_parallel")
+    backward_ms: float = Field(ge=0, description="per microbatch, already divided by gpus / tensor_parallel")
+    tensor_parallel: int = Field(
+        default=1,
+        ge=1,
+        exclude_if=_untouched,
+        description="t: each layer is split over t GPUs (Megatron-style); the gpus / t groups split every "
+        "microbatch. A power of two dividing gpus",
+    )
+
+    @model_validator(mode="after")
+    def _tp_divides_gpus(self) -> TemplateStage:
+        _check_tensor_parallel(self.tensor_parallel, self.gpus)
+        return self
 
 
 class Template(_Strict):
@@ -76,6 +98,18 @@ class Stage(_Strict):
         description="the rank of each GPU in `gpus` (as many; checked by the Plan): all hold the stage's layers; "
         "ranks[i] runs the i-th 1/len of every microbatch",
     )
+    tensor_parallel: int = Field(
+        default=1,
+        ge=1,
+        exclude_if=_untouched,
+        description="t: consecutive runs of t ranks split each layer (Megatron-style) and share one 1/(len/t) of "
+        "every microbatch. A power of two dividing len(gpus); the runtime runs t = 1 only (so far)",
+    )
+
+    @model_validator(mode="after")
+    def _tp_divides_gpus(self) -> Stage:
+        _check_tensor_parallel(self.tensor_parallel, len(self.gpus))
+        return self
 
 
 class Pipeline(_Strict):
