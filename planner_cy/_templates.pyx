@@ -51,16 +51,22 @@ cdef inline int level(int tp) noexcept nogil:
     return k
 
 
-cdef inline int64_t stage_time(const Tables* t, int i, int j, int g, int tp) noexcept nogil:
-    # units of 1/G ns: ticks_t * t / g * G, exact because g divides G
-    cdef int64_t row = <int64_t>level(tp) * (t.num_layers + 1)
+cdef inline int64_t degree_time(const Tables* t, int i, int j, int g, int tp, int k) noexcept nogil:
+    # units of 1/G ns: ticks_t * t / g * G, exact because g divides G; k: the row of degree tp (tp == 2**k)
+    cdef int64_t row = <int64_t>k * (t.num_layers + 1)
     return (t.time_pf[row + j] - t.time_pf[row + i]) * (t.gpus // g) * tp
+
+
+cdef inline int64_t stage_time(const Tables* t, int i, int j, int g, int tp) noexcept nogil:
+    return degree_time(t, i, j, g, tp, level(tp))
 
 
 cdef inline bint fits(const Tables* t, int i, int j, int g, int tp, int p) noexcept nogil:
     # every GPU of the stage: state / t + min(p, m) * (split / t + replicated) * t / g <= memory, times g
     cdef int64_t inflight = p if p < t.m_ref else t.m_ref
-    cdef int64_t act = t.act_pf[j] - t.act_pf[i] + (tp - 1) * (t.rep_pf[j] - t.rep_pf[i])
+    cdef int64_t act = t.act_pf[j] - t.act_pf[i]
+    if tp > 1:
+        act += (tp - 1) * (t.rep_pf[j] - t.rep_pf[i])
     return (g // tp) * (t.state_pf[j] - t.state_pf[i]) + inflight * act <= g * t.memory
 
 
@@ -69,14 +75,17 @@ cdef inline int64_t best_time(const Tables* t, int i, int j, int g, int p) noexc
 
     Non-decreasing in j (each degree's time grows, and fewer degrees fit), so callers may stop at the first -1.
     """
-    cdef int tp = lowest_tp(t, g), top = highest_tp(t, g)
+    cdef int tp = lowest_tp(t, g), top = highest_tp(t, g), k = level(tp)
     cdef int64_t best = -1, st
+    if tp == top:  # one degree (always without tensor parallelism)
+        return degree_time(t, i, j, g, tp, k) if fits(t, i, j, g, tp, p) else -1
     while tp <= top:
         if fits(t, i, j, g, tp, p):
-            st = stage_time(t, i, j, g, tp)
+            st = degree_time(t, i, j, g, tp, k)
             if best < 0 or st < best:
                 best = st
         tp *= 2
+        k += 1
     return best
 
 
