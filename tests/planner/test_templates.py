@@ -573,3 +573,22 @@ def test_tensor_parallel_errors_name_the_field():
         )
     with pytest.raises(ValueError, match="degree\n.*must be a power of two, got 6"):
         TensorParallelTimes(degree=6, forward_ms=1, backward_ms=1)
+
+
+def test_measured_tensor_parallel_times_override_the_estimate():
+    """Where the profile measured a degree, the planner believes the measurement: a slow measured t = 2 is avoided
+    even though the estimate (half the compute, cheap all-reduces) would take it."""
+    layers = [
+        LayerProfile(forward_ms=4, backward_ms=8, state_bytes=10, activation_bytes=0, output_bytes=1000)
+        for _ in range(4)
+    ]
+    profile = ModelProfile(model="m", microbatch_size=1, layers=layers)
+    cluster = ClusterShape(
+        nodes=1, gpus_per_node=2, gpu_memory_bytes=100, intra_node_bandwidth=1e9, inter_node_bandwidth=1e9
+    )
+    (estimated,) = T.all_templates(profile, cluster, 4, microbatch_size=1, max_tp=2)
+    assert [s.tensor_parallel for s in estimated.stages] == [2]  # 6 ms per layer at t = 2 beats 2 x 12 ms stages
+    slow = TensorParallelTimes(degree=2, forward_ms=4, backward_ms=8)  # measured: no faster than one GPU
+    measured = profile.model_copy(update={"layers": [x.model_copy(update={"tensor_parallel": [slow]}) for x in layers]})
+    (template,) = T.all_templates(measured, cluster, 4, microbatch_size=1, max_tp=2)
+    assert [(s.gpus, s.tensor_parallel) for s in template.stages] == [(1, 1), (1, 1)]
