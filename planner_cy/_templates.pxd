@@ -37,6 +37,14 @@ cdef struct Fronts:
     int32_t* count
 
 
+cdef struct StageTimes:
+    # best_time of every stage starting at one layer i, for each GPU count 2**gk and position p <= K:
+    # time[((gk * K + p - 1) * (L + 1)) + j], valid for j <= reach[gk * K + p - 1] (i when none fits).
+    int64_t* time
+    int32_t* reach
+    int levels                  # GPU counts 1, 2, .., max_gpus; 0: no table (max_tp == 1, computed directly)
+
+
 cdef struct Buffer:
     # The front under construction for one state (sorted by peak ascending, total strictly descending).
     Entry* data

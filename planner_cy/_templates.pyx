@@ -70,6 +70,14 @@ cdef inline bint fits(const Tables* t, int i, int j, int g, int tp, int p) noexc
     return (g // tp) * (t.state_pf[j] - t.state_pf[i]) + inflight * act <= g * t.memory
 
 
+cdef inline int64_t plain_time(const Tables* t, int i, int j, int g, int p) noexcept nogil:
+    """best_time when max_tp == 1: the rule without TP, nothing to choose (the hot loops' fast path)."""
+    cdef int64_t inflight = p if p < t.m_ref else t.m_ref
+    if g * (t.state_pf[j] - t.state_pf[i]) + inflight * (t.act_pf[j] - t.act_pf[i]) > g * t.memory:
+        return -1
+    return (t.time_pf[j] - t.time_pf[i]) * (t.gpus // g)
+
+
 cdef inline int64_t best_time(const Tables* t, int i, int j, int g, int p) noexcept nogil:
     """The least time of layers [i, j) on g GPUs over the degrees that fit at position p; -1: none fits.
 
@@ -226,7 +234,7 @@ cdef void upper_bounds(const Tables* t, int64_t* bound) noexcept nogil:
             at = <int64_t>i * KK + k - 1
             best_peak[at] = -1
             for j in range(i + 1, L - k + 2):
-                st = best_time(t, i, j, t.max_gpus, k)
+                st = best_time(t, i, j, t.max_gpus, k) if t.max_tp > 1 else plain_time(t, i, j, t.max_gpus, k)
                 if st < 0:
                     break  # longer stages hold more state
                 if k == 1:
@@ -255,7 +263,35 @@ cdef void upper_bounds(const Tables* t, int64_t* bound) noexcept nogil:
     free(best_total)
 
 
-cdef int build_fronts(const Tables* t, Fronts* fronts) noexcept nogil:
+cdef void fill_stage_times(const Tables* t, int i, StageTimes* times) noexcept nogil:
+    """best_time of every stage [i, j) per GPU count and position, once per i (it depends on neither c nor u)."""
+    cdef int L = t.num_layers, K = t.positions, gk, p, j
+    cdef int64_t row, st
+    for gk in range(times.levels):
+        for p in range(1, K + 1):
+            row = <int64_t>gk * K + p - 1
+            times.reach[row] = i
+            for j in range(i + 1, L + 1):
+                st = best_time(t, i, j, 1 << gk, p)
+                if st < 0:
+                    break  # longer stages never fit either (best_time)
+                times.time[row * (L + 1) + j] = st
+                times.reach[row] = j
+
+
+cdef inline int64_t cached_time(const Tables* t, const StageTimes* times, int i, int j, int g, int p) noexcept nogil:
+    """best_time(i, j, g, p), from the table filled for i when there is one (-1: none fits).
+
+    Without tensor parallelism (max_tp == 1) there is no table: one degree per stage is as cheap to compute.
+    """
+    cdef int64_t row
+    if times.levels == 0:
+        return plain_time(t, i, j, g, p)
+    row = <int64_t>level(g) * t.positions + p - 1
+    return times.time[row * (t.num_layers + 1) + j] if j <= times.reach[row] else -1
+
+
+cdef int build_fronts(const Tables* t, Fronts* fronts, StageTimes* times) noexcept nogil:
     """Fill the front of every suffix state, from the last layer backwards; -1: out of memory."""
     cdef int L = t.num_layers, G = t.gpus, K = t.positions
     cdef int i, c, u, p, g, j, j_hi, c2, u2, q, fewest, most
@@ -278,6 +314,8 @@ cdef int build_fronts(const Tables* t, Fronts* fronts) noexcept nogil:
         free(least_pf)
         return -1
     for i in range(L - 1, -1, -1):
+        if times.levels > 0:
+            fill_stage_times(t, i, times)
         for c in range(t.max_nodes):
             # the layers before i take at least least_pf[i] (units >= ticks * t), so a suffix may spend the rest
             limit = bound[c] - least_pf[i] if bound[c] != INT64_MAX else INT64_MAX
@@ -309,7 +347,7 @@ cdef int build_fronts(const Tables* t, Fronts* fronts) noexcept nogil:
                             j_hi = i  # the stage must end the pipeline
                         if p > 1 or K == 1:  # a stage before others (p == 1 means exactly one stage unless K == 1)
                             for j in range(i + 1, j_hi + 1):
-                                st = best_time(t, i, j, g, p)
+                                st = cached_time(t, times, i, j, g, p)
                                 if st < 0:
                                     break
                                 if limit != INT64_MAX and st * t.m_ref > limit:
@@ -325,7 +363,7 @@ cdef int build_fronts(const Tables* t, Fronts* fronts) noexcept nogil:
                                         return -1
                                     q += 1
                         if p == 1 and c == 0 and u == g:
-                            st = best_time(t, i, L, g, 1)
+                            st = cached_time(t, times, i, L, g, 1)
                             if st >= 0 and st * t.m_ref <= limit and insert(&b, st, st) < 0:
                                 free(b.data)
                                 free(bound)
@@ -392,7 +430,7 @@ cdef int reconstruct(const Tables* t, const Fronts* fronts, int nodes, int64_t* 
     cdef int L = t.num_layers, G = t.gpus, K = t.positions
     cdef int64_t m1 = t.m_ref - 1, best = -1, best_peak = 0, total, remaining
     cdef int i = 0, c = nodes - 1, u = G, p, q, j = 0, g = 0, tp = 0, k = 0
-    cdef bint chosen
+    cdef bint chosen, within
     cdef int64_t s
     cdef const Entry* front
     cdef unsigned char* current
@@ -424,17 +462,20 @@ cdef int reconstruct(const Tables* t, const Fronts* fronts, int nodes, int64_t* 
     while True:
         chosen = False
         for j in range(i + 1, L + 1):
+            within = False  # some stage [i, j) is no slower than the optimum's slowest one
             g = top_power(t, u)
             while g >= 1 and not chosen:
                 tp = lowest_tp(t, g)
                 while tp <= highest_tp(t, g) and not chosen:
-                    chosen = follow(t, fronts, i, j, g, tp, c, u, best_peak, remaining, current, upcoming)
+                    if stage_time(t, i, j, g, tp) <= best_peak:
+                        within = True
+                        chosen = follow(t, fronts, i, j, g, tp, c, u, best_peak, remaining, current, upcoming)
                     if not chosen:
                         tp *= 2
                 if not chosen:
                     g //= 2
-            if chosen:
-                break
+            if chosen or not within:
+                break  # not within: every longer stage is slower still (times only grow with j)
         if not chosen:
             free(current)
             free(upcoming)
@@ -473,6 +514,7 @@ def search(const int64_t[:, ::1] time_pf, const int64_t[::1] state_pf, const int
     cdef int L = time_pf.shape[1] - 1, n, count
     cdef Tables t
     cdef Fronts fronts
+    cdef StageTimes times
     cdef int64_t states
     cdef int status = 0
     for name, size, want in (("time_pf rows", time_pf.shape[0], max_tp.bit_length() if max_tp > 0 else 1),
@@ -509,6 +551,9 @@ def search(const int64_t[:, ::1] time_pf, const int64_t[::1] state_pf, const int
     with nogil:
         t.positions = memory_cap(&t)
     states = <int64_t>L * t.max_nodes * gpus * t.positions
+    times.levels = level(t.max_gpus) + 1 if max_tp > 1 else 0  # no table without tensor parallelism
+    times.time = <int64_t*>malloc(max(1, <int64_t>times.levels * t.positions * (L + 1)) * sizeof(int64_t))
+    times.reach = <int32_t*>malloc(max(1, <int64_t>times.levels * t.positions) * sizeof(int32_t))
     fronts.size = 0
     fronts.capacity = 4096
     fronts.pool = <Entry*>malloc(fronts.capacity * sizeof(Entry))
@@ -517,8 +562,10 @@ def search(const int64_t[:, ::1] time_pf, const int64_t[::1] state_pf, const int
     try:
         if fronts.pool == NULL or fronts.offset == NULL or fronts.count == NULL:
             raise MemoryError(f"template search: {states} suffix states do not fit in memory")
+        if times.time == NULL or times.reach == NULL:
+            raise MemoryError(f"template search: stage times of {times.levels} x {t.positions} x {L + 1} do not fit")
         with nogil:
-            status = build_fronts(&t, &fronts)
+            status = build_fronts(&t, &fronts, &times)
             if status == 0:
                 for n in range(1, max_nodes + 1):
                     count = reconstruct(&t, &fronts, n, &objective[n], &peak[n], &ends[n, 0], &stage_gpus[n, 0],
@@ -535,4 +582,6 @@ def search(const int64_t[:, ::1] time_pf, const int64_t[::1] state_pf, const int
         free(fronts.pool)
         free(fronts.offset)
         free(fronts.count)
+        free(times.time)
+        free(times.reach)
     return t.positions
