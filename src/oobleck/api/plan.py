@@ -25,7 +25,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 PLAN_API_VERSION: Final = "oobleck.dev/plan-v2"
 PLAN_V1 = "oobleck.dev/plan-v1"
@@ -35,9 +43,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _untouched(degree: int) -> bool:
-    """t = 1 is left out of the JSON: plans without tensor parallelism keep their bytes (and their size)."""
-    return degree == 1
+class _OmitsDegreeOne(_Strict):
+    """tensor_parallel = 1 is left out of the JSON: plans without tensor parallelism keep their bytes (and size)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_degree_one(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tensor_parallel") == 1:
+            del data["tensor_parallel"]
+        return data
 
 
 def _check_tensor_parallel(degree: int, gpus: int) -> None:
@@ -45,7 +59,7 @@ def _check_tensor_parallel(degree: int, gpus: int) -> None:
         raise ValueError(f"tensor_parallel: must be a power of two dividing the stage's {gpus} GPUs, got {degree}")
 
 
-class TemplateStage(_Strict):
+class TemplateStage(_OmitsDegreeOne):
     """A stage of a pipeline template: layers [start, end) on `gpus` GPUs of one node."""
 
     start: int = Field(ge=0)
@@ -58,7 +72,6 @@ class TemplateStage(_Strict):
     tensor_parallel: int = Field(
         default=1,
         ge=1,
-        exclude_if=_untouched,
         description="t: each layer is split over t GPUs (Megatron-style); the gpus / t groups split every "
         "microbatch. A power of two dividing gpus",
     )
@@ -84,7 +97,7 @@ class Template(_Strict):
     )
 
 
-class Stage(_Strict):
+class Stage(_OmitsDegreeOne):
     """A stage of a concrete pipeline: layers [start, end) on GPUs of one node, one rank per GPU."""
 
     start: int = Field(ge=0)
@@ -101,7 +114,6 @@ class Stage(_Strict):
     tensor_parallel: int = Field(
         default=1,
         ge=1,
-        exclude_if=_untouched,
         description="t: consecutive runs of t ranks split each layer (Megatron-style) and share one 1/(len/t) of "
         "every microbatch. A power of two dividing len(gpus); the runtime runs t = 1 only (so far)",
     )
