@@ -72,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         default=None,
         help="instead of a profile: a synthetic preset (planner_cy/synthetic.py PRESETS, e.g. bert-large, "
-        "gpt2-artifact, gpt3-medium, gpt3-2.7b, gpt3-6.7b) at its context, 125 TFLOP/s and 1.5 TB/s per GPU",
+        "gpt2-artifact, gpt3-medium, gpt3-2.7b, gpt3-6.7b, gpt3-175b, llama3-70b) at its context, 125 TFLOP/s and "
+        "1.5 TB/s per GPU",
     )
     parser.add_argument("--nodes", type=int, required=True, help="N: nodes of the job")
     parser.add_argument("--gpus-per-node", type=int, required=True, help="G: GPUs per node (a power of two)")
