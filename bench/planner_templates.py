@@ -4,11 +4,13 @@ Prints, pinned to one CPU core:
 - G = 1: the best template of every size 1..64 nodes (total ms, target <= 100 ms);
 - G = 8: every size 1..128 nodes (total ms, target <= 1000 ms; a node holds >= 1 layer, so 97..128 have none);
 - the speed-up of the compiled core over the pure-Python reference, on the same inputs, after checking that
-  both return the same layouts.
+  both return the same layouts;
+- tensor parallelism: the same G = 8 sizes with stages of tensor-parallel degree up to 8 against none (the
+  baseline, same run), and GPT-3 175B's template generation for N = 1024 x 8 GPUs (f = 3, m_ref = 32) likewise.
 "Total" is what a caller pays: quantising the profile, the search, and building the pydantic Templates.
 
 Run: .venv/bin/python bench/planner_templates.py [--repeat N] [--m-ref M] [--quick]
-(--quick: a 22-layer model, sizes 1..16 and 1..8, one run each: seconds, what the tests run)
+(--quick: a 22-layer model, sizes 1..16 and 1..8, GPT-3 175B on 128 nodes, one run each: seconds, what the tests run)
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def main() -> int:
             f"{len(sizes)} templates ({min(sizes)}..{max(sizes)} nodes), T({args.m_ref}) at {max(sizes)} nodes: {templates[-1].iteration_ms:.1f} ms"
         )
 
+    tensor_parallel(profile, cluster(8, 8 if args.quick else 128), args)
+    gpt3_175b(128 if args.quick else 1024, args)
+
     # the reference needs ~10 s for G = 8 on 4 nodes
     for G, N in ((1, 8),) if args.quick else ((1, 64), (8, 4)):
         tables = T.cost_tables(profile, cluster(G, N), args.m_ref)
@@ -85,6 +90,37 @@ def main() -> int:
             f"x{reference_ms / compiled_ms:.0f} (same layouts)"
         )
     return 0
+
+
+def tensor_parallel(profile, shape: ClusterShape, args: argparse.Namespace) -> None:
+    """Every size with stages of degree t <= 8 against t = 1 only, same profile and cluster."""
+    plain_ms, plain = timed(lambda: T.all_templates(profile, shape, m_ref=args.m_ref), args.repeat)
+    tp_ms, with_tp = timed(lambda: T.all_templates(profile, shape, m_ref=args.m_ref, max_tp=8), args.repeat)
+    print(
+        f"G=8 tensor-parallel (t <= 8) vs none, sizes 1..{shape.nodes}: {tp_ms:.1f} ms vs {plain_ms:.1f} ms: "
+        f"x{tp_ms / plain_ms:.2f}; T({args.m_ref}) at {with_tp[-1].nodes} nodes: {with_tp[-1].iteration_ms:.1f} ms vs "
+        f"{plain[-1].iteration_ms:.1f} ms"
+    )
+
+
+def gpt3_175b(nodes: int, args: argparse.Namespace) -> None:
+    """generate_templates for GPT-3 175B (98 layers) on `nodes` x 8 GPUs, f = 3, m_ref = 32, t <= 8 vs t = 1."""
+    profile = gpt_profile(
+        GPTShape(blocks=96, hidden=12288, heads=96),
+        seq_len=2048,
+        microbatch_size=1,
+        gpu_flops=GPU_FLOPS,
+        hbm_bandwidth=HBM,
+    )
+    shape = ClusterShape(
+        nodes=nodes, gpus_per_node=8, gpu_memory_bytes=MEMORY, intra_node_bandwidth=NVLINK, inter_node_bandwidth=NETWORK
+    )
+    plain_ms, plain = timed(lambda: T.generate_templates(profile, shape, 3, 32), args.repeat)
+    tp_ms, with_tp = timed(lambda: T.generate_templates(profile, shape, 3, 32, max_tp=8), args.repeat)
+    print(
+        f"GPT-3 175B templates, N = {nodes} x 8 GPUs, f = 3: t <= 8 {tp_ms:.1f} ms ({len(with_tp)} sizes) vs none "
+        f"{plain_ms:.1f} ms ({len(plain)} sizes): x{tp_ms / plain_ms:.2f}"
+    )
 
 
 if __name__ == "__main__":

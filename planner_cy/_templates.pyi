@@ -9,10 +9,12 @@ def search(
     time_pf: npt.NDArray[np.int64],
     state_pf: npt.NDArray[np.int64],
     act_pf: npt.NDArray[np.int64],
+    rep_pf: npt.NDArray[np.int64],
     comm_intra: npt.NDArray[np.int64],
     comm_inter: npt.NDArray[np.int64],
     gpus: int,
-    max_gpus: int,
+    max_dp: int,
+    max_tp: int,
     max_nodes: int,
     m_ref: int,
     memory: int,
@@ -21,5 +23,6 @@ def search(
     stages: npt.NDArray[np.int32],
     ends: npt.NDArray[np.int32],
     stage_gpus: npt.NDArray[np.int32],
+    stage_tp: npt.NDArray[np.int32],
 ) -> int:
     """Best template of every node count 1..max_nodes into the output arrays; returns the position cap K."""

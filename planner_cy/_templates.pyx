@@ -13,6 +13,10 @@ Suffix state (i, c, u, p): layers [i, L) remain; their first stage sits on a nod
 still free for this suffix, followed by c whole nodes; p = number of stages in the suffix, capped at K.
 The cap is exact: K is the smallest position from which no stage's memory verdict changes any more
 (memory_cap), so positions >= K are interchangeable.
+
+Tensor parallelism: a stage (i, j, g) at position p runs at the degree t of least time among those that fit
+at p (best_time). A slower degree never completes an optimum (the faster one, same suffix, is strictly better),
+so the fronts need only that least time, and the walk tries degrees smallest first for the tie-break.
 """
 
 from libc.stdint cimport INT64_MAX, int32_t, int64_t
@@ -30,15 +34,67 @@ cdef inline int64_t state_index(const Tables* t, int i, int c, int u, int p) noe
     return ((<int64_t>i * t.max_nodes + c) * t.gpus + (u - 1)) * t.positions + (p - 1)
 
 
-cdef inline int64_t stage_time(const Tables* t, int i, int j, int g) noexcept nogil:
-    # units of 1/G ns: ticks / g * G, exact because g divides G
+cdef inline int lowest_tp(const Tables* t, int g) noexcept nogil:
+    """The least degree a stage of g GPUs may take: its g / t groups must split the microbatch evenly."""
+    return g // t.max_dp if g > t.max_dp else 1
+
+
+cdef inline int highest_tp(const Tables* t, int g) noexcept nogil:
+    return g if g < t.max_tp else t.max_tp
+
+
+cdef inline int level(int tp) noexcept nogil:
+    """k with 2**k == tp: the row of time_pf."""
+    cdef int k = 0
+    while (1 << k) < tp:
+        k += 1
+    return k
+
+
+cdef inline int64_t degree_time(const Tables* t, int i, int j, int g, int tp, int k) noexcept nogil:
+    # units of 1/G ns: ticks_t * t / g * G, exact because g divides G; k: the row of degree tp (tp == 2**k)
+    cdef int64_t row = <int64_t>k * (t.num_layers + 1)
+    return (t.time_pf[row + j] - t.time_pf[row + i]) * (t.gpus // g) * tp
+
+
+cdef inline int64_t stage_time(const Tables* t, int i, int j, int g, int tp) noexcept nogil:
+    return degree_time(t, i, j, g, tp, level(tp))
+
+
+cdef inline bint fits(const Tables* t, int i, int j, int g, int tp, int p) noexcept nogil:
+    # every GPU of the stage: state / t + min(p, m) * (split / t + replicated) * t / g <= memory, times g
+    cdef int64_t inflight = p if p < t.m_ref else t.m_ref
+    cdef int64_t act = t.act_pf[j] - t.act_pf[i]
+    if tp > 1:
+        act += (tp - 1) * (t.rep_pf[j] - t.rep_pf[i])
+    return (g // tp) * (t.state_pf[j] - t.state_pf[i]) + inflight * act <= g * t.memory
+
+
+cdef inline int64_t plain_time(const Tables* t, int i, int j, int g, int p) noexcept nogil:
+    """best_time when max_tp == 1: the rule without TP, nothing to choose (the hot loops' fast path)."""
+    cdef int64_t inflight = p if p < t.m_ref else t.m_ref
+    if g * (t.state_pf[j] - t.state_pf[i]) + inflight * (t.act_pf[j] - t.act_pf[i]) > g * t.memory:
+        return -1
     return (t.time_pf[j] - t.time_pf[i]) * (t.gpus // g)
 
 
-cdef inline bint fits(const Tables* t, int i, int j, int g, int p) noexcept nogil:
-    # every GPU of the stage: state + min(p, m) * activations / g <= memory (times g: integers only)
-    cdef int64_t inflight = p if p < t.m_ref else t.m_ref
-    return g * (t.state_pf[j] - t.state_pf[i]) + inflight * (t.act_pf[j] - t.act_pf[i]) <= g * t.memory
+cdef inline int64_t best_time(const Tables* t, int i, int j, int g, int p) noexcept nogil:
+    """The least time of layers [i, j) on g GPUs over the degrees that fit at position p; -1: none fits.
+
+    Non-decreasing in j (each degree's time grows, and fewer degrees fit), so callers may stop at the first -1.
+    """
+    cdef int tp = lowest_tp(t, g), top = highest_tp(t, g), k = level(tp)
+    cdef int64_t best = -1, st
+    if tp == top:  # one degree (always without tensor parallelism)
+        return degree_time(t, i, j, g, tp, k) if fits(t, i, j, g, tp, p) else -1
+    while tp <= top:
+        if fits(t, i, j, g, tp, p):
+            st = degree_time(t, i, j, g, tp, k)
+            if best < 0 or st < best:
+                best = st
+        tp *= 2
+        k += 1
+    return best
 
 
 cdef inline int top_power(const Tables* t, int u) noexcept nogil:
@@ -50,20 +106,23 @@ cdef inline int top_power(const Tables* t, int u) noexcept nogil:
 
 
 cdef int memory_cap(const Tables* t) noexcept nogil:
-    """K = 1 + the largest last-feasible position below m_ref over all stages (i, j, g), at most L."""
-    cdef int L = t.num_layers, i, j, g
+    """K = 1 + the largest last-feasible position below m_ref over all stages (i, j, g, t), at most L."""
+    cdef int L = t.num_layers, i, j, g, tp
     cdef int64_t room, act, last, worst = 0
     for i in range(L):
         g = 1
         while g <= t.max_gpus:
-            for j in range(i + 1, L + 1):
-                room = g * t.memory - g * (t.state_pf[j] - t.state_pf[i])
-                act = t.act_pf[j] - t.act_pf[i]
-                if room < 0:
-                    break  # longer stages hold even more state: all infeasible, last position 0
-                last = t.m_ref if act == 0 else room // act
-                if last < t.m_ref and last > worst:
-                    worst = last
+            tp = lowest_tp(t, g)
+            while tp <= highest_tp(t, g):
+                for j in range(i + 1, L + 1):
+                    room = g * t.memory - (g // tp) * (t.state_pf[j] - t.state_pf[i])
+                    act = t.act_pf[j] - t.act_pf[i] + (tp - 1) * (t.rep_pf[j] - t.rep_pf[i])
+                    if room < 0:
+                        break  # longer stages hold even more state: all infeasible, last position 0
+                    last = t.m_ref if act == 0 else room // act
+                    if last < t.m_ref and last > worst:
+                        worst = last
+                tp *= 2
             g *= 2
     return <int>(worst + 1 if worst + 1 < L else L)
 
@@ -133,11 +192,29 @@ cdef int merge(Buffer* b, const Tables* t, const Fronts* fronts, int64_t sub, in
     return 0
 
 
+cdef void least_times(const Tables* t, int64_t* least_pf) noexcept nogil:
+    """least_pf[l]: a lower bound on the time of layers [0, l) in any layout: sum of min over t of ticks_t * t."""
+    cdef int L = t.num_layers, l, tp, k
+    cdef int64_t best, here
+    least_pf[0] = 0
+    for l in range(L):
+        best = -1
+        tp = 1
+        k = 0
+        while tp <= t.max_tp:
+            here = (t.time_pf[<int64_t>k * (L + 1) + l + 1] - t.time_pf[<int64_t>k * (L + 1) + l]) * tp
+            if best < 0 or here < best:
+                best = here
+            tp *= 2
+            k += 1
+        least_pf[l + 1] = least_pf[l] + best
+
+
 cdef void upper_bounds(const Tables* t, int64_t* bound) noexcept nogil:
     """bound[c] >= the optimal T(m_ref) of every template of more than c nodes; INT64_MAX: unknown.
 
     From a feasible layout per node count: every node split into R = G / max_gpus stages of max_gpus GPUs
-    (one stage of G GPUs when no cap applies), the least peak (then the least total) by a plain DP over
+    (one stage of G GPUs when no cap applies), each at its best degree, the least peak (then the least total) by a plain DP over
     (first layer, stages left). The exact search may then drop any suffix whose own total + (m - 1) * peak,
     plus the least time of the layers before it, exceeds the bound of its state.
     """
@@ -157,9 +234,9 @@ cdef void upper_bounds(const Tables* t, int64_t* bound) noexcept nogil:
             at = <int64_t>i * KK + k - 1
             best_peak[at] = -1
             for j in range(i + 1, L - k + 2):
-                if not fits(t, i, j, t.max_gpus, k):
+                st = best_time(t, i, j, t.max_gpus, k) if t.max_tp > 1 else plain_time(t, i, j, t.max_gpus, k)
+                if st < 0:
                     break  # longer stages hold more state
-                st = (t.time_pf[j] - t.time_pf[i]) * R
                 if k == 1:
                     if j == L:
                         best_peak[at] = st
@@ -186,7 +263,35 @@ cdef void upper_bounds(const Tables* t, int64_t* bound) noexcept nogil:
     free(best_total)
 
 
-cdef int build_fronts(const Tables* t, Fronts* fronts) noexcept nogil:
+cdef void fill_stage_times(const Tables* t, int i, StageTimes* times) noexcept nogil:
+    """best_time of every stage [i, j) per GPU count and position, once per i (it depends on neither c nor u)."""
+    cdef int L = t.num_layers, K = t.positions, gk, p, j
+    cdef int64_t row, st
+    for gk in range(times.levels):
+        for p in range(1, K + 1):
+            row = <int64_t>gk * K + p - 1
+            times.reach[row] = i
+            for j in range(i + 1, L + 1):
+                st = best_time(t, i, j, 1 << gk, p)
+                if st < 0:
+                    break  # longer stages never fit either (best_time)
+                times.time[row * (L + 1) + j] = st
+                times.reach[row] = j
+
+
+cdef inline int64_t cached_time(const Tables* t, const StageTimes* times, int i, int j, int g, int p) noexcept nogil:
+    """best_time(i, j, g, p), from the table filled for i when there is one (-1: none fits).
+
+    Without tensor parallelism (max_tp == 1) there is no table: one degree per stage is as cheap to compute.
+    """
+    cdef int64_t row
+    if times.levels == 0:
+        return plain_time(t, i, j, g, p)
+    row = <int64_t>level(g) * t.positions + p - 1
+    return times.time[row * (t.num_layers + 1) + j] if j <= times.reach[row] else -1
+
+
+cdef int build_fronts(const Tables* t, Fronts* fronts, StageTimes* times) noexcept nogil:
     """Fill the front of every suffix state, from the last layer backwards; -1: out of memory."""
     cdef int L = t.num_layers, G = t.gpus, K = t.positions
     cdef int i, c, u, p, g, j, j_hi, c2, u2, q, fewest, most
@@ -194,19 +299,26 @@ cdef int build_fronts(const Tables* t, Fronts* fronts) noexcept nogil:
     cdef Entry* grown
     cdef Buffer b
     cdef int64_t* bound = <int64_t*>malloc(t.max_nodes * sizeof(int64_t))
-    if bound == NULL:
+    cdef int64_t* least_pf = <int64_t*>malloc((L + 1) * sizeof(int64_t))
+    if bound == NULL or least_pf == NULL:
+        free(bound)
+        free(least_pf)
         return -1
+    least_times(t, least_pf)
     upper_bounds(t, bound)
     b.size = 0
     b.capacity = 64
     b.data = <Entry*>malloc(b.capacity * sizeof(Entry))
     if b.data == NULL:
         free(bound)
+        free(least_pf)
         return -1
     for i in range(L - 1, -1, -1):
+        if times.levels > 0:
+            fill_stage_times(t, i, times)
         for c in range(t.max_nodes):
-            # the layers before i take at least time_pf[i] (units >= ticks), so a suffix may spend the rest
-            limit = bound[c] - t.time_pf[i] if bound[c] != INT64_MAX else INT64_MAX
+            # the layers before i take at least least_pf[i] (units >= ticks * t), so a suffix may spend the rest
+            limit = bound[c] - least_pf[i] if bound[c] != INT64_MAX else INT64_MAX
             for u in range(1, G + 1):
                 fewest = c + 1  # stages in the suffix: one per node at least, one per GPU or layer at most
                 most = c * G + u
@@ -235,9 +347,9 @@ cdef int build_fronts(const Tables* t, Fronts* fronts) noexcept nogil:
                             j_hi = i  # the stage must end the pipeline
                         if p > 1 or K == 1:  # a stage before others (p == 1 means exactly one stage unless K == 1)
                             for j in range(i + 1, j_hi + 1):
-                                if not fits(t, i, j, g, p):
+                                st = cached_time(t, times, i, j, g, p)
+                                if st < 0:
                                     break
-                                st = stage_time(t, i, j, g)
                                 if limit != INT64_MAX and st * t.m_ref > limit:
                                     break  # total >= st and peak >= st; longer stages only take longer
                                 cm = t.comm_intra[j - 1] if u > g else t.comm_inter[j - 1]
@@ -247,13 +359,15 @@ cdef int build_fronts(const Tables* t, Fronts* fronts) noexcept nogil:
                                     if q >= 1 and merge(&b, t, fronts, state_index(t, j, c2, u2, q), st, cm, limit) < 0:
                                         free(b.data)
                                         free(bound)
+                                        free(least_pf)
                                         return -1
                                     q += 1
-                        if p == 1 and c == 0 and u == g and fits(t, i, L, g, 1):
-                            st = stage_time(t, i, L, g)
-                            if st * t.m_ref <= limit and insert(&b, st, st) < 0:
+                        if p == 1 and c == 0 and u == g:
+                            st = cached_time(t, times, i, L, g, 1)
+                            if st >= 0 and st * t.m_ref <= limit and insert(&b, st, st) < 0:
                                 free(b.data)
                                 free(bound)
+                                free(least_pf)
                                 return -1
                         g //= 2
                     if fronts.size + b.size > fronts.capacity:
@@ -261,6 +375,7 @@ cdef int build_fronts(const Tables* t, Fronts* fronts) noexcept nogil:
                         if grown == NULL:
                             free(b.data)
                             free(bound)
+                            free(least_pf)
                             return -1
                         fronts.pool = grown
                         fronts.capacity = fronts.capacity * 2 + b.size
@@ -269,22 +384,54 @@ cdef int build_fronts(const Tables* t, Fronts* fronts) noexcept nogil:
                     fronts.size += b.size
     free(b.data)
     free(bound)
+    free(least_pf)
     return 0
 
 
+cdef bint follow(const Tables* t, const Fronts* fronts, int i, int j, int g, int tp, int c, int u, int64_t best_peak,
+                 int64_t remaining, const unsigned char* current, unsigned char* upcoming) noexcept nogil:
+    """Whether stage [i, j) on g GPUs at degree tp, from a live state, completes the optimum.
+
+    Marks in `upcoming` the live positions of the suffix after it (none when it ends the pipeline).
+    """
+    cdef int L = t.num_layers, G = t.gpus, K = t.positions, p, q
+    cdef int c2 = c if u > g else c - 1  # -1: no node left after this one
+    cdef int u2 = u - g if u > g else G
+    cdef int64_t st = stage_time(t, i, j, g, tp)
+    cdef int64_t cm = t.comm_intra[j - 1] if u > g else t.comm_inter[j - 1]
+    cdef bint more = False
+    if st > best_peak:
+        return False
+    memset(upcoming, 0, K + 1)
+    for p in range(1, K + 1):
+        if not current[p] or not fits(t, i, j, g, tp, p):
+            continue
+        if j == L:
+            if p == 1 and c == 0 and u == g and st == remaining:
+                return True
+        elif c2 >= 0 and j <= L - 1 - c2 and (p > 1 or K == 1):
+            q = p - 1 if p < K else K - 1
+            while q <= (p - 1 if p < K else K):
+                if q >= 1 and min_total(t, fronts, j, c2, u2, q, best_peak) == remaining - st - cm:
+                    upcoming[q] = 1
+                    more = True
+                q += 1
+    return more
+
+
 cdef int reconstruct(const Tables* t, const Fronts* fronts, int nodes, int64_t* objective, int64_t* peak,
-                     int32_t* ends, int32_t* gpus) noexcept nogil:
+                     int32_t* ends, int32_t* gpus, int32_t* degrees) noexcept nogil:
     """Write the best template of `nodes` nodes; returns its stage count, 0 if none fits, -1 on a bug.
 
     Best = least objective, then least peak, then the lexicographically first stage sequence (stage by
-    stage from the first: the earlier end layer, then the more GPUs). The walk keeps every suffix state
-    (one per capped position) that still completes the optimum, so the lexicographic choice is global.
+    stage from the first: the earlier end layer, then the more GPUs, then the smaller degree). The walk keeps
+    every suffix state (one per capped position) that still completes the optimum, so the choice is global.
     """
     cdef int L = t.num_layers, G = t.gpus, K = t.positions
-    cdef int64_t m1 = t.m_ref - 1, best = -1, best_peak = 0, total, remaining, st, cm
-    cdef int i = 0, c = nodes - 1, u = G, p, q, j, g, c2 = 0, u2 = 0, k = 0
+    cdef int64_t m1 = t.m_ref - 1, best = -1, best_peak = 0, total, remaining
+    cdef int i = 0, c = nodes - 1, u = G, p, q, j = 0, g = 0, tp = 0, k = 0
+    cdef bint chosen, within
     cdef int64_t s
-    cdef bint chosen, last, more
     cdef const Entry* front
     cdef unsigned char* current
     cdef unsigned char* upcoming
@@ -315,96 +462,98 @@ cdef int reconstruct(const Tables* t, const Fronts* fronts, int nodes, int64_t* 
     while True:
         chosen = False
         for j in range(i + 1, L + 1):
+            within = False  # some stage [i, j) is no slower than the optimum's slowest one
             g = top_power(t, u)
             while g >= 1 and not chosen:
-                st = stage_time(t, i, j, g)
-                if st <= best_peak:
-                    memset(upcoming, 0, K + 1)
-                    last = False
-                    more = False
-                    c2 = c if u > g else c - 1  # -1: no node left after this one
-                    u2 = u - g if u > g else G
-                    cm = t.comm_intra[j - 1] if u > g else t.comm_inter[j - 1]
-                    for p in range(1, K + 1):
-                        if not current[p] or not fits(t, i, j, g, p):
-                            continue
-                        if j == L:
-                            last = last or (p == 1 and c == 0 and u == g and st == remaining)
-                        elif c2 >= 0 and j <= L - 1 - c2 and (p > 1 or K == 1):
-                            q = p - 1 if p < K else K - 1
-                            while q <= (p - 1 if p < K else K):
-                                if q >= 1 and min_total(t, fronts, j, c2, u2, q, best_peak) == remaining - st - cm:
-                                    upcoming[q] = 1
-                                    more = True
-                                q += 1
-                    if last or more:
-                        ends[k] = j
-                        gpus[k] = g
-                        k += 1
-                        chosen = True
-                        if last:
-                            free(current)
-                            free(upcoming)
-                            return k
-                        remaining -= st + cm
-                        i = j
-                        c = c2
-                        u = u2
-                        swap = current
-                        current = upcoming
-                        upcoming = swap
-                g //= 2
-            if chosen:
-                break
+                tp = lowest_tp(t, g)
+                while tp <= highest_tp(t, g) and not chosen:
+                    if stage_time(t, i, j, g, tp) <= best_peak:
+                        within = True
+                        chosen = follow(t, fronts, i, j, g, tp, c, u, best_peak, remaining, current, upcoming)
+                    if not chosen:
+                        tp *= 2
+                if not chosen:
+                    g //= 2
+            if chosen or not within:
+                break  # not within: every longer stage is slower still (times only grow with j)
         if not chosen:
             free(current)
             free(upcoming)
             return -1
+        ends[k] = j
+        gpus[k] = g
+        degrees[k] = tp
+        k += 1
+        if j == L:
+            free(current)
+            free(upcoming)
+            return k
+        remaining -= stage_time(t, i, j, g, tp) + (t.comm_intra[j - 1] if u > g else t.comm_inter[j - 1])
+        c = c if u > g else c - 1
+        u = u - g if u > g else G
+        i = j
+        swap = current
+        current = upcoming
+        upcoming = swap
 
 
-def search(const int64_t[::1] time_pf, const int64_t[::1] state_pf, const int64_t[::1] act_pf,
-           const int64_t[::1] comm_intra, const int64_t[::1] comm_inter, int gpus, int max_gpus, int max_nodes,
-           int m_ref, int64_t memory, int64_t[::1] objective, int64_t[::1] peak, int32_t[::1] stages,
-           int32_t[:, ::1] ends, int32_t[:, ::1] stage_gpus):
+def search(const int64_t[:, ::1] time_pf, const int64_t[::1] state_pf, const int64_t[::1] act_pf,
+           const int64_t[::1] rep_pf, const int64_t[::1] comm_intra, const int64_t[::1] comm_inter, int gpus,
+           int max_dp, int max_tp, int max_nodes, int m_ref, int64_t memory, int64_t[::1] objective,
+           int64_t[::1] peak, int32_t[::1] stages, int32_t[:, ::1] ends, int32_t[:, ::1] stage_gpus,
+           int32_t[:, ::1] stage_tp):
     """Best template of every node count 1..max_nodes, written into the output arrays (row n = n nodes).
 
-    Stages use at most max_gpus GPUs (a power of two <= gpus), so that the microbatch splits evenly over them.
+    A stage of g GPUs takes a tensor-parallel degree t (a power of two <= max_tp dividing g) such that its g / t
+    groups split the microbatch evenly (g / t <= max_dp, both powers of two <= gpus). time_pf has one row per
+    degree 1, 2, .., max_tp.
 
     Inputs are the integer tables of templates.cost_tables. objective/peak: in units of 1/G ns;
     stages[n] = 0 where no template of n nodes fits. Returns K, the position cap used (a diagnostic).
     """
-    cdef int L = time_pf.shape[0] - 1, n, count
+    cdef int L = time_pf.shape[1] - 1, n, count
     cdef Tables t
     cdef Fronts fronts
+    cdef StageTimes times
     cdef int64_t states
     cdef int status = 0
-    for name, size, want in (("state_pf", state_pf.shape[0], L + 1), ("act_pf", act_pf.shape[0], L + 1),
+    for name, size, want in (("time_pf rows", time_pf.shape[0], max_tp.bit_length() if max_tp > 0 else 1),
+                             ("state_pf", state_pf.shape[0], L + 1), ("act_pf", act_pf.shape[0], L + 1),
+                             ("rep_pf", rep_pf.shape[0], L + 1),
                              ("comm_intra", comm_intra.shape[0], L), ("comm_inter", comm_inter.shape[0], L),
                              ("objective", objective.shape[0], max_nodes + 1), ("peak", peak.shape[0], max_nodes + 1),
                              ("stages", stages.shape[0], max_nodes + 1), ("ends", ends.shape[0], max_nodes + 1),
                              ("stage_gpus", stage_gpus.shape[0], max_nodes + 1), ("ends columns", ends.shape[1], L),
-                             ("stage_gpus columns", stage_gpus.shape[1], L)):
+                             ("stage_gpus columns", stage_gpus.shape[1], L),
+                             ("stage_tp", stage_tp.shape[0], max_nodes + 1), ("stage_tp columns", stage_tp.shape[1], L)):
         if size != want:
             raise ValueError(f"{name}: length {size}, expected {want} (L = {L}, max_nodes = {max_nodes})")
-    if (L < 1 or gpus < 1 or gpus & (gpus - 1) or max_gpus < 1 or max_gpus & (max_gpus - 1) or max_gpus > gpus
-            or max_nodes < 1 or m_ref < 1 or memory <= 0):
+    if (L < 1 or gpus < 1 or gpus & (gpus - 1) or max_dp < 1 or max_dp & (max_dp - 1) or max_dp > gpus
+            or max_tp < 1 or max_tp & (max_tp - 1) or max_tp > gpus or max_nodes < 1 or m_ref < 1 or memory <= 0):
         raise ValueError(
-            f"invalid shape: L={L} gpus={gpus} max_gpus={max_gpus} max_nodes={max_nodes} m_ref={m_ref} memory={memory}"
+            f"invalid shape: L={L} gpus={gpus} max_dp={max_dp} max_tp={max_tp} max_nodes={max_nodes} m_ref={m_ref} "
+            f"memory={memory}"
         )
     t.num_layers = L
     t.gpus = gpus
-    t.max_gpus = max_gpus
+    t.max_dp = max_dp
+    t.max_tp = max_tp
+    t.max_gpus = max_dp * max_tp if max_dp * max_tp < gpus else gpus
     t.max_nodes = max_nodes if max_nodes < L else L  # more nodes than layers never fit: a node holds >= 1 layer
     t.m_ref = m_ref
     t.memory = memory
-    t.time_pf = &time_pf[0]
+    t.time_pf = &time_pf[0, 0]
     t.state_pf = &state_pf[0]
     t.act_pf = &act_pf[0]
+    t.rep_pf = &rep_pf[0]
     t.comm_intra = &comm_intra[0]
     t.comm_inter = &comm_inter[0]
     with nogil:
         t.positions = memory_cap(&t)
     states = <int64_t>L * t.max_nodes * gpus * t.positions
+    times.levels = level(t.max_gpus) + 1 if max_tp > 1 else 0  # no table without tensor parallelism
+    times.time = <int64_t*>malloc(max(1, <int64_t>times.levels * t.positions * (L + 1)) * sizeof(int64_t))
+    times.reach = <int32_t*>malloc(max(1, <int64_t>times.levels * t.positions) * sizeof(int32_t))
     fronts.size = 0
     fronts.capacity = 4096
     fronts.pool = <Entry*>malloc(fronts.capacity * sizeof(Entry))
@@ -413,11 +562,14 @@ def search(const int64_t[::1] time_pf, const int64_t[::1] state_pf, const int64_
     try:
         if fronts.pool == NULL or fronts.offset == NULL or fronts.count == NULL:
             raise MemoryError(f"template search: {states} suffix states do not fit in memory")
+        if times.time == NULL or times.reach == NULL:
+            raise MemoryError(f"template search: stage times of {times.levels} x {t.positions} x {L + 1} do not fit")
         with nogil:
-            status = build_fronts(&t, &fronts)
+            status = build_fronts(&t, &fronts, &times)
             if status == 0:
                 for n in range(1, max_nodes + 1):
-                    count = reconstruct(&t, &fronts, n, &objective[n], &peak[n], &ends[n, 0], &stage_gpus[n, 0])
+                    count = reconstruct(&t, &fronts, n, &objective[n], &peak[n], &ends[n, 0], &stage_gpus[n, 0],
+                                        &stage_tp[n, 0])
                     if count < 0:
                         status = -2 - n
                         break
@@ -430,4 +582,6 @@ def search(const int64_t[::1] time_pf, const int64_t[::1] state_pf, const int64_
         free(fronts.pool)
         free(fronts.offset)
         free(fronts.count)
+        free(times.time)
+        free(times.reach)
     return t.positions

@@ -72,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         default=None,
         help="instead of a profile: a synthetic preset (planner_cy/synthetic.py PRESETS, e.g. bert-large, "
-        "gpt2-artifact, gpt3-medium, gpt3-2.7b, gpt3-6.7b) at its context, 125 TFLOP/s and 1.5 TB/s per GPU",
+        "gpt2-artifact, gpt3-medium, gpt3-2.7b, gpt3-6.7b, gpt3-175b, llama3-70b) at its context, 125 TFLOP/s and "
+        "1.5 TB/s per GPU",
     )
     parser.add_argument("--nodes", type=int, required=True, help="N: nodes of the job")
     parser.add_argument("--gpus-per-node", type=int, required=True, help="G: GPUs per node (a power of two)")
@@ -92,6 +93,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="samples per microbatch: a stage uses only GPU counts that split it evenly (default: any)",
+    )
+    parser.add_argument(
+        "--max-tensor-parallel",
+        type=int,
+        default=1,
+        help="the largest tensor-parallel degree t a stage may take (a power of two <= G; default 1: none). "
+        "Planning only: the runtime does not run t > 1 yet",
     )
     parser.add_argument(
         "--min-nodes-per-pipeline",
@@ -188,6 +196,7 @@ def _plan_text(args: argparse.Namespace) -> str:
             global_microbatches=args.microbatches,
             microbatch_size=args.microbatch_size,
             min_nodes_per_pipeline=args.min_nodes_per_pipeline,
+            max_tp=args.max_tensor_parallel,
         )
         nodes = [str(i) for i in range(cluster.nodes)]
         plan = instantiate(templates, nodes, args.f, args.microbatches, args.job, gpus_per_node=cluster.gpus_per_node)
@@ -265,6 +274,7 @@ def _flag_names(message: str) -> str:
         ("microbatch_size", "--microbatch-size"),
         ("m_ref", "--m-ref"),
         ("min_nodes_per_pipeline", "--min-nodes-per-pipeline"),
+        ("max_tensor_parallel", "--max-tensor-parallel"),
         ("nodes", "--nodes"),
         ("f", "--f"),
         ("lost", "--lost"),
@@ -290,6 +300,16 @@ def _ranges(sizes: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+def _any_tensor_parallel(plan) -> bool:
+    return any(s.tensor_parallel > 1 for t in plan.templates for s in t.stages)
+
+
+def _stage_text(stage) -> str:
+    """`layers(GPUs)`, or `layers(GPUs,tT)` for a stage of tensor-parallel degree T > 1."""
+    degree = f",t{stage.tensor_parallel}" if stage.tensor_parallel > 1 else ""
+    return f"{stage.end - stage.start}({stage.gpus}{degree})"
+
+
 def describe(plan, profile) -> str:
     """The plan as readable tables: templates, pipelines with their batch split, copies."""
     from .instantiate import template_cost
@@ -312,11 +332,11 @@ def describe(plan, profile) -> str:
         f"used: {', '.join(f'{n} nodes x {k}' for n, k in sorted(used.items(), reverse=True))}",
         "templates:",
         f"  {'nodes':>5} {'used':>4} {'stages':>6} {'T(1) ms':>10} {'slowest ms':>10} {'max mb':>6}  "
-        "layers per stage (GPUs)",
+        "layers per stage (GPUs" + (", tensor-parallel degree t)" if _any_tensor_parallel(plan) else ")"),
     ]
     for template in plan.templates:
         cost = template_cost(template)
-        layout = " ".join(f"{s.end - s.start}({s.gpus})" for s in template.stages)
+        layout = " ".join(_stage_text(s) for s in template.stages)
         if len(layout) > 70:
             layout = layout[:67] + "..."
         most = "any" if template.max_microbatches is None else str(template.max_microbatches)

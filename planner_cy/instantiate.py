@@ -328,6 +328,7 @@ def build_plan(
                     "node": nodes[stage.node],
                     "gpus": gpus,
                     "ranks": [int(r) for r in numbers],
+                    "tensor_parallel": stage.tensor_parallel,
                 }
             )
             position += stage.gpus

@@ -8,12 +8,13 @@ the tests also check that K loses nothing.
 Suffix state (i, c, u, p): layers [i, L) remain, the suffix's first stage is on a node with u GPUs left
 for the suffix, c whole nodes follow, p = min(number of stages in the suffix, cap). Its value is the
 Pareto front of (total, peak) over all valid suffixes: total = stage times + communication, peak = the
-slowest stage. See templates.py for the cost model, the units and the tie-break.
+slowest stage. A stage (i, j, g) at position p runs at the tensor-parallel degree of least time that fits
+there (best_time). See templates.py for the cost model, the units and the tie-break.
 """
 
 from __future__ import annotations
 
-from oobleck.planner.templates import CostTables, Layout
+from oobleck.planner.templates import CostTables, Layout, stage_memory
 
 Front = list[tuple[int, int]]  # (total, peak), peak ascending, total strictly descending
 
@@ -42,14 +43,19 @@ class _Search:
         self.cap = min(tables.m_ref, self.L)
         self.fronts: dict[tuple[int, int, int, int], Front] = {}
 
-    def time(self, i: int, j: int, g: int) -> int:
-        return int(self.t.time_pf[j] - self.t.time_pf[i]) * (self.G // g)
+    def time(self, i: int, j: int, g: int, t: int) -> int:
+        row = t.bit_length() - 1
+        return int(self.t.time_pf[row, j] - self.t.time_pf[row, i]) * (self.G // g) * t
 
-    def fits(self, i: int, j: int, g: int, p: int) -> bool:
-        state = int(self.t.state_pf[j] - self.t.state_pf[i])
-        act = int(self.t.act_pf[j] - self.t.act_pf[i])
-        # state + min(p, m) * act / g <= memory, times g to stay in integers
-        return g * state + min(p, self.t.m_ref) * act <= g * self.t.memory
+    def fits(self, i: int, j: int, g: int, t: int, p: int) -> bool:
+        room, act = stage_memory(self.t, i, j, g, t)
+        # state / t + min(p, m) * (split / t + replicated) * t / g <= memory, times g to stay in integers
+        return min(p, self.t.m_ref) * act <= room
+
+    def best_time(self, i: int, j: int, g: int, p: int) -> int | None:
+        """The least time of [i, j) on g GPUs over the degrees that fit at position p; None: none fits."""
+        times = [self.time(i, j, g, t) for t in self.t.degrees(g) if self.fits(i, j, g, t, p)]
+        return min(times) if times else None
 
     def step(self, c: int, u: int, g: int, j: int) -> tuple[int, int, int] | None:
         """(c', u', comm) after a stage of g GPUs ending at layer j, or None if no node is left for the rest."""
@@ -80,9 +86,9 @@ class _Search:
                         candidates = []
                         for g in _powers(u, self.t.max_gpus):
                             for j in range(i + 1, L + 1):
-                                if not self.fits(i, j, g, p):
+                                st = self.best_time(i, j, g, p)
+                                if st is None:
                                     continue
-                                st = self.time(i, j, g)
                                 if j == L:
                                     if p == 1 and c == 0 and u == g:
                                         candidates.append((st, st))
@@ -104,31 +110,32 @@ class _Search:
     def next_stage(self, current: set[tuple[int, int, int, int]], remaining: int, peak: int):
         """The first stage, in tie-break order, that some live state can take while keeping the optimum.
 
-        Returns (end, gpus, time spent, the live states after it), the latter None when it ends the pipeline.
+        Returns (end, gpus, degree, time spent, the live states after it), the latter None when it ends the pipeline.
         """
         i, c, u, _ = next(iter(current))  # live states differ only in their capped position
         for j in range(i + 1, self.L + 1):
             for g in _powers(u, self.t.max_gpus):
-                st = self.time(i, j, g)
-                positions = {state[3] for state in current if self.fits(i, j, g, state[3])}
-                if st > peak or not positions:
-                    continue
-                if j == self.L:
-                    if 1 in positions and c == 0 and u == g and st == remaining:
-                        return j, g, st, None
-                    continue
-                after = self.step(c, u, g, j)
-                if after is None:
-                    continue
-                c2, u2, cm = after
-                upcoming = {
-                    (j, c2, u2, q)
-                    for p in positions
-                    for q in self.next_positions(p)
-                    if self.min_total((j, c2, u2, q), peak) == remaining - st - cm
-                }
-                if upcoming:
-                    return j, g, st + cm, upcoming
+                for t in self.t.degrees(g):
+                    st = self.time(i, j, g, t)
+                    positions = {state[3] for state in current if self.fits(i, j, g, t, state[3])}
+                    if st > peak or not positions:
+                        continue
+                    if j == self.L:
+                        if 1 in positions and c == 0 and u == g and st == remaining:
+                            return j, g, t, st, None
+                        continue
+                    after = self.step(c, u, g, j)
+                    if after is None:
+                        continue
+                    c2, u2, cm = after
+                    upcoming = {
+                        (j, c2, u2, q)
+                        for p in positions
+                        for q in self.next_positions(p)
+                        if self.min_total((j, c2, u2, q), peak) == remaining - st - cm
+                    }
+                    if upcoming:
+                        return j, g, t, st + cm, upcoming
         raise AssertionError(f"reference walk lost the optimum at layer {i}")
 
     def layout(self, n: int) -> Layout | None:
@@ -145,12 +152,14 @@ class _Search:
         current = {root for root in roots if self.min_total(root, peak) == remaining}
         ends: list[int] = []
         gpus: list[int] = []
+        degrees: list[int] = []
         while current is not None:
-            end, g, spent, current = self.next_stage(current, remaining, peak)
+            end, g, t, spent, current = self.next_stage(current, remaining, peak)
             ends.append(end)
             gpus.append(g)
+            degrees.append(t)
             remaining -= spent
-        return Layout(n, objective, peak, tuple(ends), tuple(gpus))
+        return Layout(n, objective, peak, tuple(ends), tuple(gpus), tuple(degrees))
 
 
 def search_layouts_ref(tables: CostTables, max_nodes: int) -> dict[int, Layout]:

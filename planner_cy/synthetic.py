@@ -1,19 +1,28 @@
-"""Synthetic profiles of GPT-style models, for benchmarks and the simulator (no GPU, no torch).
+"""Synthetic profiles of GPT- and Llama-style models, for benchmarks and the simulator (no GPU, no torch).
 
-The model is an embedding layer, `blocks` transformer blocks and a head (final layer norm + an untied
-LM head): blocks + 2 planner layers. Per layer and microbatch (b samples of s tokens, hidden h, a heads,
-vocabulary V), mixed-precision training with Adam, no activation recomputation:
+The model is an embedding layer, `blocks` transformer blocks and a head (final norm + an untied LM head):
+blocks + 2 planner layers. Per layer and microbatch (b samples of s tokens, hidden h, a heads of which kv share
+keys and values (h_kv = h * kv / a), MLP width f, vocabulary V), mixed-precision training with Adam, no
+activation recomputation. The GPT family has a 2-matrix GeLU MLP (f = 4h), biases, layer norms and learned
+positions; the Llama family a 3-matrix SwiGLU MLP, no biases, RMSNorm and rotary positions:
 
-- parameters: block 12h^2 + 13h; embedding V*h + s*h (tokens + positions); head V*h + 2h.
+- parameters: block 2h^2 + 2h*h_kv (Q, O; K, V) + n*h*f (n = 2 GeLU, 3 SwiGLU) + 13h (GPT: biases and norms) or
+  2h (Llama: norms); embedding V*h (+ s*h learned positions); head V*h + 2h.
 - state_bytes = 16 per parameter (fp16 weights and gradients, fp32 master weights and two Adam moments).
-- forward FLOPs: block 24*b*s*h^2 + 4*b*s^2*h (matmuls + attention scores); head 2*b*s*h*V; embedding 0.
-  Backward = 2 x forward.
-- activation_bytes: block s*b*h*(34 + 5*a*s/h) (Korthikanti et al., "Reducing Activation Recomputation
-  in Large Transformer Models", 2022); embedding 8*b*s (token ids); head 4*b*s*h + 4*b*s*V (layer-norm
-  input and output in fp16, logits in fp32 for the loss).
+- forward FLOPs: block 2*b*s*(block matmul parameters) + 4*b*s^2*h (GPT: 24*b*s*h^2 + 4*b*s^2*h); head
+  2*b*s*h*V; embedding 0. Backward = 2 x forward.
+- activation_bytes: block s*b*h*(34 + 5*a*s/h) for GPT (Korthikanti et al., "Reducing Activation Recomputation
+  in Large Transformer Models", 2022, section 4.1), generalised term by term: attention 7sbh + 4sb*h_kv +
+  5as^2b (left out with flash_attention), MLP 3sbh + 4sbf (GeLU: its input and output) or 8sbf (SwiGLU: gate, up, activation, product),
+  norms 4sbh; embedding 8*b*s (token ids); head 4*b*s*h + 4*b*s*V (norm input and output in fp16, logits in
+  fp32 for the loss).
+- replicated_activation_bytes (what tensor parallelism does not split; the same paper, section 4.2: sbh(10 +
+  24/t + 5as/(ht)) per GPT block): block 10*s*b*h (norm inputs, the attention and MLP inputs, two dropout
+  masks); embedding all (token ids); head 4*b*s*h (the vocabulary-parallel logits split).
 - output_bytes = 2*b*s*h (the fp16 hidden state), 0 for the head.
 - time (roofline): max(FLOPs / gpu_flops, bytes moved / hbm_bandwidth), where the forward moves the fp16
-  weights once plus the activations it keeps, the backward twice that.
+  weights once plus the activations it keeps, the backward twice that. Tensor-parallel times are not given:
+  the planner estimates them (compute / t plus the Megatron all-reduces; planner_cy/templates.py).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ STATE_BYTES_PER_PARAM = 16
 
 @dataclass(frozen=True)
 class GPTShape:
-    """The architecture of a GPT-style model."""
+    """The architecture of a GPT- or Llama-style model."""
 
     blocks: int
     """transformer blocks (the profile has blocks + 2 layers: embedding and head around them)"""
@@ -40,6 +49,14 @@ class GPTShape:
     """vocabulary size V (GPT-2's BPE by default)"""
     seq_len: int = 2048
     """the context it is trained at (the default sequence length of its profile)"""
+    family: str = "gpt"
+    """"gpt" (GeLU MLP, biases, learned positions) or "llama" (SwiGLU MLP, no biases, rotary positions)"""
+    ffn: int = 0
+    """MLP width f; 0: 4h"""
+    kv_heads: int = 0
+    """key/value heads (grouped-query attention; a must be a multiple); 0: a"""
+    flash_attention: bool = False
+    """attention that keeps no s x s scores (FlashAttention): the 5as^2b activation term is left out"""
 
 
 GPT3 = {
@@ -64,8 +81,22 @@ PRESETS = {
     "gpt2-artifact": GPTShape(blocks=32, hidden=1024, heads=16, seq_len=1024),
     # GPT-3 Medium is Brown et al.'s name for the 350M model.
     "gpt3-medium": GPT3["gpt3-350m"],
+    # Llama 3 70B (Llama Team, "The Llama 3 Herd of Models", 2024, table 3: 80 layers, model dimension 8,192,
+    # FFN dimension 28,672, 64 attention heads, 8 key/value heads, vocabulary 128,000 (128,256 in the released
+    # config), pre-trained at a context of 8,192), costed with FlashAttention as it is trained.
+    "llama3-70b": GPTShape(
+        blocks=80,
+        hidden=8192,
+        heads=64,
+        vocab=128256,
+        seq_len=8192,
+        family="llama",
+        ffn=28672,
+        kv_heads=8,
+        flash_attention=True,  # trained with it: s x s scores of 64 heads at 8,192 tokens would be 21 GB per block
+    ),
 }
-"""Every synthetic model by name: the GPT-3 sizes and the Oobleck paper's evaluation models."""
+"""Every synthetic model by name: the GPT-3 sizes, the Oobleck paper's evaluation models and Llama 3 70B."""
 
 
 def _positive(**values: float) -> None:
@@ -75,7 +106,14 @@ def _positive(**values: float) -> None:
 
 
 def _layer(
-    name: str, flops: float, params: int, activation: int, output: int, gpu_flops: float, hbm: float
+    name: str,
+    flops: float,
+    params: int,
+    activation: int,
+    output: int,
+    gpu_flops: float,
+    hbm: float,
+    replicated: int,
 ) -> LayerProfile:
     weights = 2 * params  # fp16 copy read by the forward
     forward_s = max(flops / gpu_flops, (weights + activation) / hbm)
@@ -87,7 +125,43 @@ def _layer(
         state_bytes=STATE_BYTES_PER_PARAM * params,
         activation_bytes=activation,
         output_bytes=output,
+        replicated_activation_bytes=replicated,
     )
+
+
+def _check_shape(shape: GPTShape, seq_len: int, microbatch_size: int) -> None:
+    named = (
+        ("blocks", shape.blocks),
+        ("hidden", shape.hidden),
+        ("heads", shape.heads),
+        ("vocab", shape.vocab),
+        ("seq_len", seq_len),
+        ("microbatch_size", microbatch_size),
+    )
+    for field, value in named:
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field}: must be a positive integer, got {value!r}")
+    if shape.hidden % shape.heads:
+        raise ValueError(f"hidden: must be a multiple of heads, got hidden = {shape.hidden}, heads = {shape.heads}")
+    if shape.family not in ("gpt", "llama"):
+        raise ValueError(f"family: must be 'gpt' or 'llama', got {shape.family!r}")
+    if not isinstance(shape.ffn, int) or shape.ffn < 0:
+        raise ValueError(f"ffn: must be an integer >= 0 (0: 4 * hidden), got {shape.ffn!r}")
+    if not isinstance(shape.kv_heads, int) or shape.kv_heads < 0 or (shape.kv_heads and shape.heads % shape.kv_heads):
+        raise ValueError(f"kv_heads: must divide heads = {shape.heads} (0: heads), got {shape.kv_heads!r}")
+
+
+def _block(shape: GPTShape, s: int, b: int) -> tuple[int, int, int]:
+    """(matmul parameters, other parameters, kept activation bytes) of one block (module docstring)."""
+    h, a = shape.hidden, shape.heads
+    f = shape.ffn or 4 * h
+    h_kv = h * (shape.kv_heads or a) // a
+    gated = shape.family == "llama"
+    matmul = 2 * h * h + 2 * h * h_kv + (3 if gated else 2) * h * f
+    other = 2 * h if gated else 13 * h
+    attention = 7 * s * b * h + 4 * s * b * h_kv + (0 if shape.flash_attention else 5 * a * s * s * b)
+    mlp = 3 * s * b * h + (8 if gated else 4) * s * b * f
+    return matmul, other, attention + mlp + 4 * s * b * h
 
 
 def gpt_profile(
@@ -99,38 +173,38 @@ def gpt_profile(
     hbm_bandwidth: float,
     name: str = "",
 ) -> ModelProfile:
-    """Per-layer times and bytes of a GPT-style model on one GPU (formulas in the module docstring).
+    """Per-layer times and bytes of a GPT- or Llama-style model on one GPU (formulas in the module docstring).
 
     gpu_flops is the sustained FLOP/s of the GPU's matmuls (not the datasheet peak); hbm_bandwidth its
     memory bandwidth in bytes/s. Raises ValueError naming the first invalid argument.
     """
-    h, a, V, s, b = shape.hidden, shape.heads, shape.vocab, seq_len, microbatch_size
-    named = (
-        ("blocks", shape.blocks),
-        ("hidden", h),
-        ("heads", a),
-        ("vocab", V),
-        ("seq_len", s),
-        ("microbatch_size", b),
-    )
-    for field, value in named:
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{field}: must be a positive integer, got {value!r}")
-    if h % a:
-        raise ValueError(f"hidden: must be a multiple of heads, got hidden = {h}, heads = {a}")
+    h, V, s, b = shape.hidden, shape.vocab, seq_len, microbatch_size
+    _check_shape(shape, s, b)
     _positive(gpu_flops=gpu_flops, hbm_bandwidth=hbm_bandwidth)
     hidden_state = 2 * b * s * h
+    matmul, other, kept = _block(shape, s, b)
     block = _layer(
         "block",
-        flops=24 * b * s * h * h + 4 * b * s * s * h,
-        params=12 * h * h + 13 * h,
-        activation=s * b * h * 34 + 5 * a * s * s * b,
+        flops=2 * b * s * matmul + 4 * b * s * s * h,
+        params=matmul + other,
+        activation=kept,
         output=hidden_state,
         gpu_flops=gpu_flops,
         hbm=hbm_bandwidth,
+        replicated=10 * s * b * h,
     )
-    embedding = _layer("embedding", 0, V * h + s * h, 8 * b * s, hidden_state, gpu_flops, hbm_bandwidth)
-    head = _layer("head", 2 * b * s * h * V, V * h + 2 * h, 4 * b * s * h + 4 * b * s * V, 0, gpu_flops, hbm_bandwidth)
+    positions = 0 if shape.family == "llama" else s * h
+    embedding = _layer("embedding", 0, V * h + positions, 8 * b * s, hidden_state, gpu_flops, hbm_bandwidth, 8 * b * s)
+    head = _layer(
+        "head",
+        2 * b * s * h * V,
+        V * h + 2 * h,
+        4 * b * s * h + 4 * b * s * V,
+        0,
+        gpu_flops,
+        hbm_bandwidth,
+        4 * b * s * h,
+    )
     layers = [embedding] + [block.model_copy(update={"name": f"block{k}"}) for k in range(shape.blocks)] + [head]
     return ModelProfile(
         model=name or f"gpt-{shape.blocks}x{h}",

@@ -100,8 +100,8 @@ def add_profile_parser(subparsers) -> None:
     parser.add_argument(
         "--estimate",
         action="store_true",
-        help="write the planner's roofline estimate from the preset's sizes instead of measuring (a transformers "
-        "preset given by --model; --gpu-flops, --hbm-bandwidth)",
+        help="write the planner's roofline estimate from the preset's sizes instead of measuring (--model: a "
+        "transformers preset or a planner preset such as gpt3-175b, llama3-70b; --gpu-flops, --hbm-bandwidth)",
     )
     parser.add_argument("--gpu-flops", type=float, default=300e12, help="sustained FLOP/s for --estimate")
     parser.add_argument("--hbm-bandwidth", type=float, default=2e12, help="bytes/s of GPU memory for --estimate")
@@ -168,19 +168,28 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def _estimate_profile(args: argparse.Namespace) -> int:
-    """`oobleck profile --estimate --model PRESET`: the GPT roofline profile of a transformers preset's sizes."""
+    """`oobleck profile --estimate --model PRESET`: the roofline profile of a planner preset (gpt3-175b,
+    llama3-70b, ...; planner_cy/synthetic.py) or of a transformers preset's sizes."""
     from oobleck.api.hfpresets import PRESETS, sizes
+    from oobleck.planner.synthetic import PRESETS as SHAPES
     from oobleck.planner.synthetic import GPTShape, gpt_profile
 
-    if args.model not in PRESETS:
-        print(f"oobleck profile: --estimate needs --model naming a preset: {', '.join(PRESETS)}", file=sys.stderr)
+    if args.model in SHAPES:
+        shape = SHAPES[args.model]
+    elif args.model in PRESETS:
+        fields = PRESETS[args.model]
+        size = sizes(fields, fields["model_type"])
+        shape = GPTShape(
+            blocks=size.blocks, hidden=size.hidden, heads=size.heads, vocab=size.vocab, seq_len=size.positions
+        )
+    else:
+        known = ", ".join(dict.fromkeys([*PRESETS, *SHAPES]))
+        print(f"oobleck profile: --estimate needs --model naming a preset: {known}", file=sys.stderr)
         return 2
-    fields = PRESETS[args.model]
-    size = sizes(fields, fields["model_type"])
     try:
         profile = gpt_profile(
-            GPTShape(blocks=size.blocks, hidden=size.hidden, heads=size.heads, vocab=size.vocab),
-            seq_len=size.positions,
+            shape,
+            seq_len=shape.seq_len,
             microbatch_size=args.microbatch_size or 1,
             gpu_flops=args.gpu_flops,
             hbm_bandwidth=args.hbm_bandwidth,

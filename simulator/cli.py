@@ -85,6 +85,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--min-nodes-per-pipeline", type=int, default=1, help="no pipeline of fewer nodes (the artifact's n0)"
     )
     job.add_argument(
+        "--max-tensor-parallel",
+        type=int,
+        default=1,
+        help="the largest tensor-parallel degree t a stage may take (a power of two <= G; default 1: none)",
+    )
+    job.add_argument(
         "--start-plan",
         help="oobleck starts from this plan JSON (`oobleck plan --json`): its templates and pipelines, its "
         "nodes taken as the trace's first nodes in order",
@@ -239,6 +245,11 @@ def _job(args: argparse.Namespace):
         )
     if args.gpus_per_node < 1 or args.gpus_per_node & (args.gpus_per_node - 1):
         raise InputError(f"--gpus-per-node: must be a power of two, got {args.gpus_per_node}")
+    tp = args.max_tensor_parallel
+    if tp < 1 or tp & (tp - 1) or tp > args.gpus_per_node:
+        raise InputError(
+            f"--max-tensor-parallel: must be a power of two <= --gpus-per-node ({args.gpus_per_node}), got {tp}"
+        )
     least = args.min_nodes_per_pipeline
     if least < 1 or least > len(profile.layers):
         raise InputError(
@@ -256,6 +267,7 @@ def _job(args: argparse.Namespace):
         global_batch=args.global_batch,
         m_ref=args.m_ref,
         min_nodes_per_pipeline=least,
+        max_tensor_parallel=args.max_tensor_parallel,
     )
 
 

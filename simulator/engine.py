@@ -47,6 +47,7 @@ class Job:
     m_ref: int | None = None
     min_nodes_per_pipeline: int = 1  # the artifact's n0: no pipeline of fewer nodes
     start_plan: Plan | None = None  # oobleck starts from this plan (its templates serve every policy)
+    max_tensor_parallel: int = 1  # the largest tensor-parallel degree a stage may take (planning only)
 
     @property
     def microbatches(self) -> int:
@@ -219,6 +220,7 @@ def _bamboo(trace: Trace, job: Job, planner: Planner, costs: Costs) -> tuple[Tim
             job.cluster(trace.max_nodes()),
             job.microbatches,
             min_nodes=job.min_nodes_per_pipeline,
+            max_tp=job.max_tensor_parallel,
         )
         most = [str(i) for i in range(trace.max_nodes())]
         slowdown = redundant.fresh(most, 0).iteration_s / planner.fresh(most, 0).iteration_s
@@ -238,6 +240,7 @@ def _planner(trace: Trace, job: Job) -> Planner:
         m_ref=job.m_ref,
         min_nodes=job.min_nodes_per_pipeline,
         templates=job.start_plan.templates if job.start_plan is not None else None,
+        max_tp=job.max_tensor_parallel,
     )
 
 

@@ -118,6 +118,7 @@ class Planner:
         m_ref: int | None = None,
         min_nodes: int = 1,
         templates: Sequence[Template] | None = None,
+        max_tp: int = 1,
     ) -> None:
         self.profile = profile
         self.cluster = cluster
@@ -131,7 +132,7 @@ class Planner:
             # The planner's advice: m_ref = the most microbatches a pipeline will run. With the default, a
             # deep model's few pipelines may not hold the batch at all; then plan for what they must hold.
             # A larger m_ref keeps more microbatches in flight, which can deepen the pipelines: iterate a little.
-            self.templates = generate_templates(profile, cluster, f=0, min_nodes_per_pipeline=min_nodes)
+            self.templates = generate_templates(profile, cluster, f=0, min_nodes_per_pipeline=min_nodes, max_tp=max_tp)
             for _ in range(4):
                 most = cluster.nodes // min(t.nodes for t in self.templates)
                 need = -(-microbatches // most)
@@ -139,9 +140,13 @@ class Planner:
                 capped = any(t.m_ref < len(t.stages) for t in self.templates)
                 if not capped or need <= self.templates[0].m_ref:
                     break
-                self.templates = generate_templates(profile, cluster, f=0, m_ref=need, min_nodes_per_pipeline=min_nodes)
+                self.templates = generate_templates(
+                    profile, cluster, f=0, m_ref=need, min_nodes_per_pipeline=min_nodes, max_tp=max_tp
+                )
         else:
-            self.templates = generate_templates(profile, cluster, f=0, m_ref=m_ref, min_nodes_per_pipeline=min_nodes)
+            self.templates = generate_templates(
+                profile, cluster, f=0, m_ref=m_ref, min_nodes_per_pipeline=min_nodes, max_tp=max_tp
+            )
         self.min_nodes = min(t.nodes for t in self.templates)
         self._fresh: dict[tuple[int, int], tuple[Plan, int] | None] = {}
         self._why = ""  # why the last uncached count formed no plan (for the error message)

@@ -112,6 +112,7 @@ def document(result: Result, recommended: list[tuple[int, float]] | None = None)
             "f": result.job.f,
             "global_batch": result.job.global_batch,
             "min_nodes_per_pipeline": result.job.min_nodes_per_pipeline,
+            "max_tensor_parallel": result.job.max_tensor_parallel,
         },
         "costs": describe(result.costs),
         "baseline": {"samples_per_s": result.baseline_samples_per_s, "iteration_s": result.baseline_iteration_s},

@@ -34,6 +34,10 @@ def test_planner_templates_quick() -> None:
     assert re.search(rf"G=1: sizes 1\.\.16: {NUMBER} ms total \(search {NUMBER} ms\)", out), out
     assert re.search(rf"G=8: sizes 1\.\.8: {NUMBER} ms total", out), out
     assert re.search(
+        rf"G=8 tensor-parallel \(t <= 8\) vs none, sizes 1\.\.8: {NUMBER} ms vs {NUMBER} ms: x{NUMBER}", out
+    )
+    assert re.search(rf"GPT-3 175B templates, N = 128 x 8 GPUs, f = 3: t <= 8 {NUMBER} ms", out), out
+    assert re.search(
         rf"speed-up G=1, sizes 1\.\.8: compiled {NUMBER} ms, reference {NUMBER} ms: x{NUMBER} \(same layouts\)", out
     ), out
 

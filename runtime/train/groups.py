@@ -108,6 +108,11 @@ def layout(plan: Plan, rank: int) -> Layout:
     assignment = plan.ranks[rank]
     pipeline = next(p for p in plan.pipelines if p.index == assignment.pipeline)
     stage = pipeline.stages[assignment.stage]
+    if stage.tensor_parallel != 1:  # the planner makes such stages only when asked (--max-tensor-parallel)
+        raise ValueError(
+            f"pipelines[{pipeline.index}].stages[{assignment.stage}].tensor_parallel: {stage.tensor_parallel}; "
+            "this runtime runs tensor_parallel = 1 only (plan without --max-tensor-parallel)"
+        )
     if rank not in stage.ranks:
         raise ValueError(f"ranks[{rank}]: pipeline {pipeline.index} stage {assignment.stage} does not list rank {rank}")
     sets: dict[tuple[int, ...], list[int]] = {}

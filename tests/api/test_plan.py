@@ -231,3 +231,17 @@ def test_stage_parts():
         LayerCopy(layer=0, src_node="a", src_gpu=0, src_rank=0, dst_node="b", dst_gpu=0, dst_rank=1, bytes=1).bytes == 1
     )
     assert Pipeline.model_fields["stages"].is_required()
+
+
+def test_stages_carry_their_tensor_parallel_degree():
+    """t defaults to 1 and is then left out of the JSON (older plans keep their bytes); t must divide the GPUs."""
+    one = Stage(start=0, end=1, node="a", gpus=[0, 1], ranks=[0, 1])
+    assert one.tensor_parallel == 1 and "tensor_parallel" not in one.model_dump_json()
+    two = Stage(start=0, end=1, node="a", gpus=[0, 1], ranks=[0, 1], tensor_parallel=2)
+    assert Stage.model_validate_json(two.model_dump_json()) == two and '"tensor_parallel":2' in two.model_dump_json()
+    with pytest.raises(ValidationError, match="tensor_parallel: must be a power of two dividing the stage's 2 GPUs"):
+        Stage(start=0, end=1, node="a", gpus=[0, 1], ranks=[0, 1], tensor_parallel=4)
+    with pytest.raises(ValidationError, match="tensor_parallel: must be a power of two dividing the stage's 8 GPUs"):
+        TemplateStage(start=0, end=1, node=0, gpus=8, gpu_offset=0, forward_ms=1, backward_ms=1, tensor_parallel=3)
+    stage = TemplateStage(start=0, end=1, node=0, gpus=8, gpu_offset=0, forward_ms=1, backward_ms=1, tensor_parallel=8)
+    assert TemplateStage.model_validate_json(stage.model_dump_json()).tensor_parallel == 8

@@ -183,3 +183,31 @@ def test_console_entry_point(tmp_path: Path) -> None:
         text=True,
     )
     assert done.returncode == 2 and "--nodes" in done.stderr
+
+
+def test_tensor_parallel_stages_in_the_table_and_the_json(tmp_path: Path, capsys) -> None:
+    """8 GiB of state per layer on 40 GiB GPUs, one-sample microbatches: without TP a layer's state sits whole on
+    one GPU; with t = 4 a stage of 4 GPUs holds 2 GiB of it per GPU, and the plan says so per stage."""
+    profile = str(write_profile(tmp_path))
+    args = [*CLUSTER, "--microbatch-size", "1"]
+    code, out, err = run(capsys, profile, *args, "--json")
+    assert code == 0, err
+    assert '"tensor_parallel"' not in out  # t = 1 everywhere: left out, the plan as before
+    plain = Plan.model_validate_json(out)
+    code, out, err = run(capsys, profile, *args, "--max-tensor-parallel", "4", "--json")
+    assert code == 0, err
+    plan = Plan.model_validate_json(out)
+    degrees = {s.tensor_parallel for p in plan.pipelines for s in p.stages}
+    assert degrees - {1} and all(len(s.gpus) % s.tensor_parallel == 0 for p in plan.pipelines for s in p.stages)
+    for pipeline in plan.pipelines:  # a pipeline's stages carry its template's degrees
+        template = next(t for t in plan.templates if t.nodes == pipeline.template_nodes)
+        assert [s.tensor_parallel for s in pipeline.stages] == [s.tensor_parallel for s in template.stages]
+    assert plan.iteration_ms < plain.iteration_ms  # fewer stages per pipeline: a shorter pipeline bubble
+    code, out, err = run(capsys, profile, *args, "--max-tensor-parallel", "4")
+    assert code == 0, err
+    assert "(GPUs, tensor-parallel degree t)" in out and ",t4)" in out
+    code, out, err = run(capsys, profile, *args, "--max-tensor-parallel", "4", "--lost", "3", "--json")
+    assert code == 0, err
+    assert Plan.model_validate_json(out).generation == 1
+    code, out, err = run(capsys, profile, *args, "--max-tensor-parallel", "8")
+    assert code == 2 and "--max-tensor-parallel (max_tensor_parallel: 8 exceeds gpus_per_node = 4" in err

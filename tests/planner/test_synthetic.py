@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from oobleck.api.profile import ClusterShape
 from oobleck.planner import templates as T
 from oobleck.planner.profile_io import ProfileError, dump_profile, load_profile, parse_profile, save_profile
-from oobleck.planner.synthetic import GPT3, STATE_BYTES_PER_PARAM, GPTShape, gpt_profile
+from oobleck.planner.synthetic import GPT3, PRESETS, STATE_BYTES_PER_PARAM, GPTShape, gpt_profile
 
 H100 = dict(gpu_flops=400e12, hbm_bandwidth=3.35e12)
 
@@ -49,6 +49,30 @@ def test_block_figures_follow_the_formulas():
     assert embedding.forward_ms > 0 and embedding.activation_bytes == 8 * b * s
 
 
+def test_llama3_70b_follows_the_llama3_paper():
+    """Table 3 of "The Llama 3 Herd of Models": 80 layers, 8,192 wide, FFN 28,672, 64 heads, 8 KV heads: 70.6 B."""
+    shape = PRESETS["llama3-70b"]
+    profile = gpt_profile(shape, seq_len=shape.seq_len, microbatch_size=1, **H100)
+    assert len(profile.layers) == 82 and shape.seq_len == 8192
+    assert params(profile) == pytest.approx(70.55e9, rel=1e-3)
+    b, s, h, f, h_kv = 1, 8192, 8192, 28672, 1024
+    block = profile.layers[1]
+    assert block.state_bytes == 16 * (2 * h * h + 2 * h * h_kv + 3 * h * f + 2 * h)
+    # no s x s scores (FlashAttention); SwiGLU keeps gate, up, activation and product
+    assert block.activation_bytes == 7 * s * b * h + 4 * s * b * h_kv + 3 * s * b * h + 8 * s * b * f + 4 * s * b * h
+    assert block.replicated_activation_bytes == 10 * s * b * h
+
+
+def test_tensor_parallelism_splits_all_but_the_replicated_activations():
+    """Korthikanti et al. 2022, section 4.2: a GPT block keeps sbh(10 + 24/t + 5as/(ht)) with TP degree t."""
+    b, s, h, a = 1, 2048, 4096, 32
+    profile = gpt_profile(GPTShape(blocks=1, hidden=h, heads=a), seq_len=s, microbatch_size=b, **H100)
+    block = profile.layers[1]
+    for t in (1, 2, 4, 8):
+        kept = block.replicated_activation_bytes + (block.activation_bytes - block.replicated_activation_bytes) / t
+        assert kept == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.sampled_from(sorted(GPT3)), st.integers(1, 8), st.sampled_from([512, 1024, 2048]))
 def test_larger_microbatches_cost_proportionally_more(name, b, s):
@@ -71,6 +95,9 @@ def test_larger_microbatches_cost_proportionally_more(name, b, s):
         (GPTShape(blocks=2, hidden=1024, heads=16), {"microbatch_size": 1.5}, "microbatch_size"),
         (GPTShape(blocks=2, hidden=1024, heads=16), {"gpu_flops": 0}, "gpu_flops"),
         (GPTShape(blocks=2, hidden=1024, heads=16), {"hbm_bandwidth": -1.0}, "hbm_bandwidth"),
+        (GPTShape(blocks=2, hidden=1024, heads=16, family="bert"), {}, "family: must be 'gpt' or 'llama'"),
+        (GPTShape(blocks=2, hidden=1024, heads=16, kv_heads=3), {}, "kv_heads: must divide heads = 16"),
+        (GPTShape(blocks=2, hidden=1024, heads=16, ffn=-1), {}, "ffn: must be an integer >= 0"),
     ],
 )
 def test_bad_arguments_name_the_field(shape, kwargs, field):

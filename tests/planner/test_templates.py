@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oobleck.api.profile import ClusterShape, LayerProfile, ModelProfile
+from oobleck.api.profile import ClusterShape, LayerProfile, ModelProfile, TensorParallelTimes
 from oobleck.planner import templates as T
 from oobleck.planner.errors import PlanningError
 from oobleck.planner.ref_templates import search_layouts_ref
@@ -31,43 +31,72 @@ def compositions(total: int, most: int | None = None) -> list[tuple[int, ...]]:
     return out
 
 
-def brute_force(profile: ModelProfile, cluster: ClusterShape, nodes: int, m: int, microbatch_size: int | None = None):
-    """(objective, peak, ends, gpus) of the best template by the documented order, or None.
+def layer_ticks(layer: LayerProfile, t: int, intra: float) -> int:
+    """Forward + backward ticks of one microbatch at degree t: measured, else the documented estimate."""
+    if t == 1:
+        return round(layer.forward_ms * 1e6) + round(layer.backward_ms * 1e6)
+    measured = {entry.degree: entry for entry in layer.tensor_parallel}.get(t)
+    if measured is not None:
+        return round(measured.forward_ms * 1e6) + round(measured.backward_ms * 1e6)
+    all_reduces = round(2 * 2 * (t - 1) / t * layer.output_bytes * 1e9 / intra)  # 2 ring all-reduces per direction
+    return round(layer.forward_ms * 1e6 / t) + round(layer.backward_ms * 1e6 / t) + 2 * all_reduces
 
-    With a microbatch size, a stage's GPU count must divide it (every GPU gets an equal share)."""
+
+def brute_force(
+    profile: ModelProfile,
+    cluster: ClusterShape,
+    nodes: int,
+    m: int,
+    microbatch_size: int | None = None,
+    max_tp: int = 1,
+):
+    """(objective, peak, ends, gpus, degrees) of the best template by the documented order, or None.
+
+    With a microbatch size, a stage's data-parallel ways g / t must divide it (every group gets an equal share);
+    every stage tries every degree t <= max_tp dividing its g."""
     G, L = cluster.gpus_per_node, len(profile.layers)
-    most = None if microbatch_size is None else max(g for g in (1, 2, 4, 8, 16) if microbatch_size % g == 0)
-    ticks = [round(x.forward_ms * 1e6) + round(x.backward_ms * 1e6) for x in profile.layers]
+    most_dp = G if microbatch_size is None else max(g for g in (1, 2, 4, 8, 16) if microbatch_size % g == 0)
+    intra = cluster.intra_node_bandwidth
 
     def comm(layer: int, bandwidth: float) -> int:
         return round(2 * profile.layers[layer].output_bytes * 1e9 * G / bandwidth)
 
+    def degrees(g: int) -> list[int]:
+        return [t for t in (1, 2, 4, 8) if t <= max_tp and g % t == 0 and g // t <= most_dp]
+
     best = None
-    for per_node in itertools.product(compositions(G, most), repeat=nodes):
+    for per_node in itertools.product(compositions(G, most_dp * max_tp), repeat=nodes):
         gpus = [g for node in per_node for g in node]
         node_of = [k for k, node in enumerate(per_node) for _ in node]
         S = len(gpus)
         for cuts in itertools.combinations(range(1, L), S - 1):
             bounds = (0, *cuts, L)
-            times, fits = [], True
-            for s in range(S):
-                i, j, g = bounds[s], bounds[s + 1], gpus[s]
-                state = sum(x.state_bytes for x in profile.layers[i:j])
-                act = sum(x.activation_bytes for x in profile.layers[i:j])
-                fits &= g * state + min(S - s, m) * act <= g * cluster.gpu_memory_bytes
-                times.append(sum(ticks[i:j]) * (G // g))
-            if not fits:
-                continue
-            total = sum(times) + sum(
+            comms = sum(
                 comm(
                     bounds[s + 1] - 1,
                     cluster.inter_node_bandwidth if node_of[s] != node_of[s + 1] else cluster.intra_node_bandwidth,
                 )
                 for s in range(S - 1)
             )
-            key = (total + (m - 1) * max(times), max(times), [(bounds[s + 1], -gpus[s]) for s in range(S)])
-            if best is None or key < best[0]:
-                best = (key, (key[0], key[1], bounds[1:], tuple(gpus)))
+            for tps in itertools.product(*(degrees(g) for g in gpus)):
+                times, fits = [], True
+                for s in range(S):
+                    i, j, g, t = bounds[s], bounds[s + 1], gpus[s], tps[s]
+                    state = sum(x.state_bytes for x in profile.layers[i:j])
+                    rep = sum(x.replicated_activation_bytes for x in profile.layers[i:j])
+                    split = sum(x.activation_bytes for x in profile.layers[i:j]) - rep
+                    # state / t + in-flight * (split / t + rep) * t / g <= memory, times g
+                    fits &= (g // t) * state + min(S - s, m) * (split + t * rep) <= g * cluster.gpu_memory_bytes
+                    times.append(sum(layer_ticks(x, t, intra) for x in profile.layers[i:j]) * t * (G // g))
+                if not fits:
+                    continue
+                key = (
+                    sum(times) + comms + (m - 1) * max(times),
+                    max(times),
+                    [(bounds[s + 1], -gpus[s], tps[s]) for s in range(S)],
+                )
+                if best is None or key < best[0]:
+                    best = (key, (key[0], key[1], bounds[1:], tuple(gpus), tuple(tps)))
     return None if best is None else best[1]
 
 
@@ -76,53 +105,86 @@ def brute_force(profile: ModelProfile, cluster: ClusterShape, nodes: int, m: int
 
 
 @st.composite
-def instances(draw, max_layers=6, gpus=(1, 2, 4), max_nodes=3):
+def instances(draw, max_layers=6, gpus=(1, 2, 4), max_nodes=3, tp=False):
+    """(profile, cluster, m, microbatch size, max_tp); with tp, measured TP times and replicated activations."""
     L = draw(st.integers(1, max_layers))
-    layers = [
-        LayerProfile(
-            forward_ms=draw(st.integers(0, 4)) * 0.5,
-            backward_ms=draw(st.integers(0, 4)) * 0.25,
-            state_bytes=draw(st.integers(0, 12)),
-            activation_bytes=draw(st.integers(0, 6)),
-            output_bytes=draw(st.integers(0, 3)) * 1000,
+    G = draw(st.sampled_from(gpus))
+    max_tp = draw(st.sampled_from([t for t in (1, 2, 4, 8) if t <= G])) if tp else 1
+    layers = []
+    for _ in range(L):
+        activation = draw(st.integers(0, 6))
+        measured = [
+            TensorParallelTimes(
+                degree=t, forward_ms=draw(st.integers(0, 4)) * 0.25, backward_ms=draw(st.integers(0, 4)) * 0.125
+            )
+            for t in (2, 4, 8)
+            if tp and t <= max_tp and draw(st.booleans())
+        ]
+        layers.append(
+            LayerProfile(
+                forward_ms=draw(st.integers(0, 4)) * 0.5,
+                backward_ms=draw(st.integers(0, 4)) * 0.25,
+                state_bytes=draw(st.integers(0, 12)),
+                activation_bytes=activation,
+                output_bytes=draw(st.integers(0, 3)) * 1000,
+                replicated_activation_bytes=draw(st.integers(0, activation)) if tp else 0,
+                tensor_parallel=measured,
+            )
         )
-        for _ in range(L)
-    ]
     if sum(x.forward_ms + x.backward_ms for x in layers) == 0:
         layers[0] = layers[0].model_copy(update={"forward_ms": 1.0})
     profile = ModelProfile(model="random", microbatch_size=1, layers=layers)
     cluster = ClusterShape(
         nodes=draw(st.integers(1, max_nodes)),
-        gpus_per_node=draw(st.sampled_from(gpus)),
+        gpus_per_node=G,
         gpu_memory_bytes=draw(st.integers(4, 40)),
         intra_node_bandwidth=1e6,
         inter_node_bandwidth=draw(st.sampled_from([2.5e5, 1e6])),
     )
-    return profile, cluster, draw(st.integers(1, 5)), draw(st.sampled_from([None, 1, 2, 3, 4, 6, 8]))
+    return profile, cluster, draw(st.integers(1, 5)), draw(st.sampled_from([None, 1, 2, 3, 4, 6, 8])), max_tp
 
 
 FAST = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@FAST
-@given(instances())
-def test_search_equals_brute_force(case):
-    profile, cluster, m, mbs = case
-    tables = T.cost_tables(profile, cluster, m, mbs)
+def check_against_brute_force(case) -> None:
+    profile, cluster, m, mbs, max_tp = case
+    tables = T.cost_tables(profile, cluster, m, mbs, max_tp)
     compiled = T.search_layouts(tables, cluster.nodes)
     reference = search_layouts_ref(tables, cluster.nodes)
     for n in range(1, cluster.nodes + 1):
-        expected = brute_force(profile, cluster, n, m, mbs)
+        expected = brute_force(profile, cluster, n, m, mbs, max_tp)
         for name, found in (("compiled", compiled.get(n)), ("reference", reference.get(n))):
-            got = None if found is None else (found.objective, found.peak, found.ends, found.gpus)
+            got = None if found is None else (found.objective, found.peak, found.ends, found.gpus, found.tp)
             assert got == expected, f"{name}, {n} nodes"
+
+
+@FAST
+@given(instances())
+def test_search_equals_brute_force(case):
+    check_against_brute_force(case)
+
+
+@FAST
+@given(instances(max_layers=5, tp=True))
+def test_tensor_parallel_search_equals_brute_force(case):
+    """Per-stage degrees, measured or estimated TP times, replicated activations: all three searches agree."""
+    check_against_brute_force(case)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances(max_layers=12, gpus=(1, 2, 4, 8), max_nodes=7))
 def test_compiled_equals_reference(case):
-    profile, cluster, m, mbs = case
+    profile, cluster, m, mbs, _ = case
     tables = T.cost_tables(profile, cluster, m, mbs)
+    assert T.search_layouts(tables, cluster.nodes) == search_layouts_ref(tables, cluster.nodes)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_layers=12, gpus=(1, 2, 4, 8), max_nodes=7, tp=True))
+def test_tensor_parallel_compiled_equals_reference(case):
+    profile, cluster, m, mbs, max_tp = case
+    tables = T.cost_tables(profile, cluster, m, mbs, max_tp)
     assert T.search_layouts(tables, cluster.nodes) == search_layouts_ref(tables, cluster.nodes)
 
 
@@ -138,7 +200,7 @@ def test_tie_break_earliest_end_then_more_gpus():
     )
     template = T.best_template(profile, cluster, 2, m_ref=4)
     assert [(s.start, s.end, s.gpus) for s in template.stages] == [(0, 1, 2), (1, 4, 2)]
-    assert brute_force(profile, cluster, 2, 4)[2:] == ((1, 4), (2, 2))
+    assert brute_force(profile, cluster, 2, 4)[2:4] == ((1, 4), (2, 2))
     assert search_layouts_ref(T.cost_tables(profile, cluster, 4), 2)[2].gpus == (2, 2)
     tight = cluster.model_copy(
         update={"gpu_memory_bytes": 2}
@@ -226,7 +288,7 @@ def check_template(profile: ModelProfile, cluster: ClusterShape, template, m: in
 @FAST
 @given(instances(max_layers=10, gpus=(1, 2, 4, 8), max_nodes=6))
 def test_templates_follow_the_cost_model(case):
-    profile, cluster, m, mbs = case
+    profile, cluster, m, mbs, _ = case
     for template in T.all_templates(profile, cluster, m_ref=m, microbatch_size=mbs):
         check_template(profile, cluster, template, m, mbs)
 
@@ -384,8 +446,10 @@ def test_compiled_boundary_rejects_bad_shapes():
             tables.time_pf,
             tables.state_pf,
             tables.act_pf,
+            tables.rep_pf,
             tables.comm_intra,
             tables.comm_inter,
+            1,
             1,
             1,
             2,
@@ -395,6 +459,7 @@ def test_compiled_boundary_rejects_bad_shapes():
             out(3),
             out(3, t=np.int32),
             out(2, 4, t=np.int32),
+            out(3, 4, t=np.int32),
             out(3, 4, t=np.int32),
         )
 
@@ -426,3 +491,104 @@ def test_compiled_equals_reference_on_gpt_profiles(memory_gib, m, mbs):
     compiled = T.search_layouts(tables, 4)
     assert compiled == search_layouts_ref(tables, 4)
     assert compiled or (mbs == 2 and memory_gib == 3), "some size must fit"  # 2-GPU stages at most: 3 GiB is too tight
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: opt-in, the estimate's arithmetic, memory, errors.
+
+
+def test_tensor_parallelism_is_opt_in():
+    profile, cluster = gpt_like(24, random.Random(5)), cluster_of(6, G=8, memory=16 * 10**9)
+    plain = T.all_templates(profile, cluster)
+    assert all(s.tensor_parallel == 1 for t in plain for s in t.stages)
+    assert plain == T.all_templates(profile, cluster, max_tp=1)
+    with_tp = T.all_templates(profile, cluster, max_tp=8)
+    assert any(s.tensor_parallel > 1 for t in with_tp for s in t.stages)
+    for a, b in zip(plain, with_tp):
+        assert b.iteration_ms <= a.iteration_ms  # t = 1 stays available: TP never plans slower
+
+
+def test_estimated_tensor_parallel_times_follow_the_formula():
+    """f_t = forward / t + 2 ring all-reduces of output_bytes (2 (t - 1) / t of them each) over the intra bandwidth."""
+    layer = LayerProfile(
+        forward_ms=8.0, backward_ms=16.0, state_bytes=0, activation_bytes=0, output_bytes=10**9, name="block"
+    )
+    profile = ModelProfile(model="one", microbatch_size=1, layers=[layer])
+    cluster = cluster_of(1, G=4)
+    tables = T.cost_tables(profile, cluster, max_tp=4)
+    bandwidth = cluster.intra_node_bandwidth
+    for row, t in enumerate((1, 2, 4)):
+        all_reduces_ms = 2 * 2 * (t - 1) / t * 1e9 / bandwidth * 1e3
+        assert tables.forward_pf[row, 1] == pytest.approx((8.0 / t + all_reduces_ms) * 1e6, abs=1)
+        assert tables.backward_pf[row, 1] == pytest.approx((16.0 / t + all_reduces_ms) * 1e6, abs=1)
+    measured = layer.model_copy(
+        update={"tensor_parallel": [TensorParallelTimes(degree=2, forward_ms=5, backward_ms=9)]}
+    )
+    tables = T.cost_tables(profile.model_copy(update={"layers": [measured]}), cluster, max_tp=2)
+    assert (tables.forward_pf[1, 1], tables.backward_pf[1, 1]) == (5_000_000, 9_000_000)  # measured: no estimate
+
+
+def test_tensor_parallelism_divides_state_and_split_activations():
+    """20 bytes of state and 8 of activations (2 replicated) on 12-byte GPUs, microbatches of one sample (no
+    data-parallel split): only t = 4 fits, state / t + (split / t + replicated) * t / g per GPU."""
+    layer = LayerProfile(
+        forward_ms=1, backward_ms=0, state_bytes=20, activation_bytes=8, replicated_activation_bytes=2, output_bytes=0
+    )
+    profile = ModelProfile(model="one", microbatch_size=1, layers=[layer])
+    cluster = ClusterShape(
+        nodes=1, gpus_per_node=4, gpu_memory_bytes=12, intra_node_bandwidth=1e9, inter_node_bandwidth=1e9
+    )
+    with pytest.raises(PlanningError, match="no template fits"):
+        T.min_nodes(profile, cluster, m_ref=1, microbatch_size=1)
+    # t = 2 on 2 GPUs: 20 / 2 + (6 / 2 + 2) = 15 > 12; t = 4 on 4 GPUs: 20 / 4 + (6 / 4 + 2) = 8.5 <= 12
+    (template,) = T.all_templates(profile, cluster, 1, microbatch_size=1, max_tp=4)
+    assert [(s.gpus, s.tensor_parallel) for s in template.stages] == [(4, 4)]
+    assert template.stages[0].forward_ms == pytest.approx(1 / 4)
+    assert template.max_microbatches is None  # one stage keeps one microbatch in flight at any count
+
+
+def test_tensor_parallel_errors_name_the_field():
+    profile = gpt_like(4)
+    with pytest.raises(PlanningError, match="max_tensor_parallel: must be a power of two >= 1, got 3"):
+        T.cost_tables(profile, cluster_of(2), max_tp=3)
+    with pytest.raises(PlanningError, match="max_tensor_parallel: 16 exceeds gpus_per_node = 8"):
+        T.cost_tables(profile, cluster_of(2, G=8), max_tp=16)
+    with pytest.raises(ValueError, match="replicated_activation_bytes: 5 exceeds activation_bytes = 4"):
+        LayerProfile(
+            forward_ms=1,
+            backward_ms=1,
+            state_bytes=0,
+            activation_bytes=4,
+            replicated_activation_bytes=5,
+            output_bytes=0,
+        )
+    with pytest.raises(ValueError, match=r"tensor_parallel: each degree at most once, got \[2, 2\]"):
+        LayerProfile(
+            forward_ms=1,
+            backward_ms=1,
+            state_bytes=0,
+            activation_bytes=0,
+            output_bytes=0,
+            tensor_parallel=[TensorParallelTimes(degree=2, forward_ms=1, backward_ms=1)] * 2,
+        )
+    with pytest.raises(ValueError, match="degree\n.*must be a power of two, got 6"):
+        TensorParallelTimes(degree=6, forward_ms=1, backward_ms=1)
+
+
+def test_measured_tensor_parallel_times_override_the_estimate():
+    """Where the profile measured a degree, the planner believes the measurement: a slow measured t = 2 is avoided
+    even though the estimate (half the compute, cheap all-reduces) would take it."""
+    layers = [
+        LayerProfile(forward_ms=4, backward_ms=8, state_bytes=10, activation_bytes=0, output_bytes=1000)
+        for _ in range(4)
+    ]
+    profile = ModelProfile(model="m", microbatch_size=1, layers=layers)
+    cluster = ClusterShape(
+        nodes=1, gpus_per_node=2, gpu_memory_bytes=100, intra_node_bandwidth=1e9, inter_node_bandwidth=1e9
+    )
+    (estimated,) = T.all_templates(profile, cluster, 4, microbatch_size=1, max_tp=2)
+    assert [s.tensor_parallel for s in estimated.stages] == [2]  # 6 ms per layer at t = 2 beats 2 x 12 ms stages
+    slow = TensorParallelTimes(degree=2, forward_ms=4, backward_ms=8)  # measured: no faster than one GPU
+    measured = profile.model_copy(update={"layers": [x.model_copy(update={"tensor_parallel": [slow]}) for x in layers]})
+    (template,) = T.all_templates(measured, cluster, 4, microbatch_size=1, max_tp=2)
+    assert [(s.gpus, s.tensor_parallel) for s in template.stages] == [(1, 1), (1, 1)]

@@ -11,6 +11,7 @@ import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 from torch.distributed import TCPStore
 
+from oobleck.api.plan import Plan
 from oobleck.runtime.models.layered import load_model
 from oobleck.runtime.train.config import OptimConfig, WorkerConfig, load_config
 from oobleck.runtime.train.engine import one_f_one_b
@@ -70,6 +71,16 @@ def test_layout_and_groups(plan_builder):
     assert [rows(5, 2, i) for i in range(2)] == [(0, 2), (2, 5)]
     with pytest.raises(ValueError, match="rank: 9 is outside"):
         layout(plan, 9)
+
+
+def test_layout_refuses_tensor_parallel_stages(plan_builder):
+    """The planner may emit t > 1 when asked; this runtime does not run it yet and says so, naming the field."""
+    make_plan, Spec = plan_builder
+    plan = make_plan([Spec(stages=[(0, 6, 0, 2)], microbatches=2)], num_layers=6, gpus_per_node=2)
+    data = plan.model_dump()
+    data["pipelines"][0]["stages"][0]["tensor_parallel"] = 2
+    with pytest.raises(ValueError, match=r"pipelines\[0\]\.stages\[0\]\.tensor_parallel: 2; this runtime runs"):
+        layout(Plan.model_validate(data), 0)
 
 
 def test_schedule_warms_up_then_decays():

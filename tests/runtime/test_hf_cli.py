@@ -41,3 +41,24 @@ def test_the_gpt3_example_plans_from_its_presets_estimate(tmp_path, capsys):
     assert "model gpt3-2.7b: 34 layers; 16 nodes x 8 GPUs; f = 1; 128 microbatches" in text
     assert "pipelines (" in text
     assert main(["profile", "--estimate", "--model", "tiny-gpt"]) == 2
+
+
+def test_large_presets_estimate_and_plan_with_tensor_parallelism(tmp_path, capsys):
+    """llama3-70b (Llama 3 paper, table 3) and gpt3-175b: estimated, then planned on 8 x H100-80GB nodes with TP."""
+    out = tmp_path / "llama.json"
+    assert main(["profile", "--estimate", "--model", "llama3-70b", "--gpu-flops", "400e12", "--out", str(out)]) == 0
+    profile = ModelProfile.model_validate_json(out.read_text())
+    assert len(profile.layers) == 82 and profile.model == "llama3-70b"
+    params = sum(layer.state_bytes for layer in profile.layers) / 16
+    assert 70.5e9 < params < 70.6e9  # 70.55 B: 80 GQA + SwiGLU blocks and the untied 128,256-token embedding/head
+    plan_args = ["--nodes", "16", "--gpus-per-node", "8", "--gpu-memory", "80GiB", "--microbatches", "64"]
+    plan_args += ["--f", "1", "--microbatch-size", "1", "--intra-bandwidth", "450GB", "--inter-bandwidth", "50GB"]
+    capsys.readouterr()
+    assert main(["plan", str(out), *plan_args]) == 2  # one sample per microbatch, 1-GPU stages: 9 nodes at least
+    assert "cannot hold f+1 = 2 pipelines of at least n0 = 9 nodes" in capsys.readouterr().err
+    assert main(["plan", str(out), *plan_args, "--max-tensor-parallel", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "(GPUs, tensor-parallel degree t)" in text and "(8,t8)" in text
+    assert main(["plan", str(out), *plan_args, "--max-tensor-parallel", "3"]) == 2
+    assert "--max-tensor-parallel (max_tensor_parallel: must be a power of two >= 1, got 3)" in capsys.readouterr().err
+    assert main(["profile", "--estimate", "--model", "gpt3-175b", "--out", str(tmp_path / "gpt.json")]) == 0

@@ -793,6 +793,17 @@ def test_paper_presets(model: str, layers: int, seq: int, capsys: pytest.Capture
     assert document["job"]["model"] == model and document["job"]["layers"] == layers
 
 
+def test_tensor_parallel_planning_in_the_simulator() -> None:
+    """4 layers of 1 GiB on 2-GPU nodes of 2.5 GiB each: without TP a node needs two 1-GPU stages (a pipeline
+    bubble); with t = 2 one stage of 2 GPUs holds all 4 layers at 2 GiB per GPU, and the iteration is shorter."""
+    plain = Job(flat_profile(), 2, int(2.5 * GiB), 1e11, 1e9, f=1, global_batch=8)
+    split = Job(flat_profile(), 2, int(2.5 * GiB), 1e11, 1e9, f=1, global_batch=8, max_tensor_parallel=2)
+    one = simulate(hand_trace(), plain, Costs(), policies=("oobleck",))
+    two = simulate(hand_trace(), split, Costs(), policies=("oobleck",))
+    assert two.baseline_iteration_s < one.baseline_iteration_s
+    _check_accounting(two)
+
+
 def test_min_nodes_per_pipeline_in_the_simulator(capsys: pytest.CaptureFixture[str]) -> None:
     sim_job = job()
     narrow = Job(flat_profile(), 1, 8 * GiB, 1e11, 1e9, f=1, global_batch=8, min_nodes_per_pipeline=2)
@@ -904,6 +915,10 @@ def test_cli_table_plot_and_recommend_f(tmp_path: Path, capsys: pytest.CaptureFi
         (["--trace", "missing.csv"], "missing.csv: cannot read"),
         (["--mtbf", "1h", "--gpu-memory", "1MiB"], "cannot be planned"),
         ([], "--trace: give a trace"),
+        (
+            ["--mtbf", "1h", "--max-tensor-parallel", "2"],
+            "--max-tensor-parallel: must be a power of two <= --gpus-per-node (1), got 2",
+        ),
     ],
 )
 def test_cli_bad_input_exits_2(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

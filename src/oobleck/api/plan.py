@@ -25,7 +25,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 PLAN_API_VERSION: Final = "oobleck.dev/plan-v2"
 PLAN_V1 = "oobleck.dev/plan-v1"
@@ -35,7 +43,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class TemplateStage(_Strict):
+class _OmitsDegreeOne(_Strict):
+    """tensor_parallel = 1 is left out of the JSON: plans without tensor parallelism keep their bytes (and size)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_degree_one(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tensor_parallel") == 1:
+            del data["tensor_parallel"]
+        return data
+
+
+def _check_tensor_parallel(degree: int, gpus: int) -> None:
+    if degree & (degree - 1) or gpus % degree:
+        raise ValueError(f"tensor_parallel: must be a power of two dividing the stage's {gpus} GPUs, got {degree}")
+
+
+class TemplateStage(_OmitsDegreeOne):
     """A stage of a pipeline template: layers [start, end) on `gpus` GPUs of one node."""
 
     start: int = Field(ge=0)
@@ -43,8 +67,19 @@ class TemplateStage(_Strict):
     node: int = Field(ge=0, description="index of the node within the pipeline")
     gpus: int = Field(ge=1, description="GPUs splitting every microbatch (a power of two)")
     gpu_offset: int = Field(ge=0, description="first local GPU of the stage on its node")
-    forward_ms: float = Field(ge=0, description="per microbatch, already divided by gpus")
-    backward_ms: float = Field(ge=0, description="per microbatch, already divided by gpus")
+    forward_ms: float = Field(ge=0, description="per microbatch, already divided by gpus / tensor_parallel")
+    backward_ms: float = Field(ge=0, description="per microbatch, already divided by gpus / tensor_parallel")
+    tensor_parallel: int = Field(
+        default=1,
+        ge=1,
+        description="t: each layer is split over t GPUs (Megatron-style); the gpus / t groups split every "
+        "microbatch. A power of two dividing gpus",
+    )
+
+    @model_validator(mode="after")
+    def _tp_divides_gpus(self) -> TemplateStage:
+        _check_tensor_parallel(self.tensor_parallel, self.gpus)
+        return self
 
 
 class Template(_Strict):
@@ -62,7 +97,7 @@ class Template(_Strict):
     )
 
 
-class Stage(_Strict):
+class Stage(_OmitsDegreeOne):
     """A stage of a concrete pipeline: layers [start, end) on GPUs of one node, one rank per GPU."""
 
     start: int = Field(ge=0)
@@ -76,6 +111,17 @@ class Stage(_Strict):
         description="the rank of each GPU in `gpus` (as many; checked by the Plan): all hold the stage's layers; "
         "ranks[i] runs the i-th 1/len of every microbatch",
     )
+    tensor_parallel: int = Field(
+        default=1,
+        ge=1,
+        description="t: consecutive runs of t ranks split each layer (Megatron-style) and share one 1/(len/t) of "
+        "every microbatch. A power of two dividing len(gpus); the runtime runs t = 1 only (so far)",
+    )
+
+    @model_validator(mode="after")
+    def _tp_divides_gpus(self) -> Stage:
+        _check_tensor_parallel(self.tensor_parallel, len(self.gpus))
+        return self
 
 
 class Pipeline(_Strict):

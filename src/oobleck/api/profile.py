@@ -13,8 +13,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TensorParallelTimes(_Strict):
+    """A layer's times measured at tensor-parallel degree t: one whole microbatch on t GPUs, collectives included."""
+
+    degree: int = Field(ge=2, description="t: the tensor-parallel degree measured (a power of two >= 2)")
+    forward_ms: float = Field(ge=0, allow_inf_nan=False, description="forward time of one microbatch on t GPUs")
+    backward_ms: float = Field(ge=0, allow_inf_nan=False, description="backward time of one microbatch on t GPUs")
+
+    @field_validator("degree")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two, got {value}")
+        return value
+
+
 class LayerProfile(_Strict):
-    """One layer, for one microbatch on one GPU."""
+    """One layer, for one microbatch on one GPU (and, optionally, on t tensor-parallel GPUs)."""
 
     name: str = ""
     forward_ms: float = Field(ge=0, allow_inf_nan=False, description="forward time of one microbatch")
@@ -22,6 +37,33 @@ class LayerProfile(_Strict):
     state_bytes: int = Field(ge=0, description="weights + gradients + optimizer state")
     activation_bytes: int = Field(ge=0, description="kept per in-flight microbatch until its backward")
     output_bytes: int = Field(ge=0, description="sent to the next layer per microbatch")
+    replicated_activation_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="the part of activation_bytes that tensor parallelism does not split (every one of the t GPUs "
+        "keeps it: layer-norm inputs, dropout masks); the rest is divided by t",
+    )
+    tensor_parallel: list[TensorParallelTimes] = Field(
+        default_factory=list,
+        description="times measured at tensor-parallel degrees t >= 2; a degree not listed is estimated by the "
+        "planner (forward_ms / t plus the Megatron all-reduces over the intra-node bandwidth)",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LayerProfile:
+        if self.replicated_activation_bytes > self.activation_bytes:
+            raise ValueError(
+                f"replicated_activation_bytes: {self.replicated_activation_bytes} exceeds activation_bytes = "
+                f"{self.activation_bytes} (it is a part of them)"
+            )
+        degrees = [entry.degree for entry in self.tensor_parallel]
+        if len(set(degrees)) != len(degrees):
+            raise ValueError(f"tensor_parallel: each degree at most once, got {degrees}")
+        return self
+
+    def measured_at(self, degree: int) -> TensorParallelTimes | None:
+        """The times measured at tensor-parallel degree `degree` (>= 2), None if not measured."""
+        return next((entry for entry in self.tensor_parallel if entry.degree == degree), None)
 
 
 class ModelProfile(_Strict):
