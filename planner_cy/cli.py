@@ -142,10 +142,6 @@ class _Lost(Exception):
 
 
 def _plan_text(args: argparse.Namespace) -> str:
-    from pydantic import ValidationError
-
-    from oobleck.api.profile import ClusterShape
-
     from .errors import PlanningError
     from .instantiate import instantiate
     from .profile_io import ProfileError, parse_profile
@@ -153,38 +149,9 @@ def _plan_text(args: argparse.Namespace) -> str:
     from .templates import generate_templates
 
     profile = _profile(args, parse_profile, ProfileError)
-    if args.microbatches < 1:
-        raise InputError(f"--microbatches: must be >= 1, got {args.microbatches}")
-    if args.f < 0:
-        raise InputError(f"--f: must be >= 0, got {args.f}")
-    if args.m_ref is not None and args.m_ref < 1:
-        raise InputError(f"--m-ref: must be >= 1, got {args.m_ref}")
-    if args.microbatch_size is not None and args.microbatch_size < 1:
-        raise InputError(f"--microbatch-size: must be >= 1, got {args.microbatch_size}")
-    if not 1 <= args.min_nodes_per_pipeline <= max(args.nodes, 1):
-        raise InputError(
-            f"--min-nodes-per-pipeline: must be in 1..--nodes ({args.nodes}), got {args.min_nodes_per_pipeline}"
-        )
+    _check_numbers(args)
     horizon = DEFAULT_HORIZON if args.horizon is None else args.horizon
-    if horizon < 0:
-        raise InputError(f"--horizon: must be >= 0, got {horizon}")
-    flags = {
-        "nodes": "--nodes",
-        "gpus_per_node": "--gpus-per-node",
-        "gpu_memory_bytes": "--gpu-memory",
-        "intra_node_bandwidth": "--intra-bandwidth",
-        "inter_node_bandwidth": "--inter-bandwidth",
-    }
-    try:
-        cluster = ClusterShape(
-            nodes=args.nodes,
-            gpus_per_node=args.gpus_per_node,
-            gpu_memory_bytes=int(quantity(args.gpu_memory, "--gpu-memory")),
-            intra_node_bandwidth=quantity(args.intra_bandwidth, "--intra-bandwidth"),
-            inter_node_bandwidth=quantity(args.inter_bandwidth, "--inter-bandwidth"),
-        )
-    except ValidationError as error:
-        raise InputError(_pydantic_message(error, "cluster", flags)) from None
+    cluster = _cluster(args)
     lost = node_list(args.lost, "--lost") if args.lost is not None else []
     added = node_list(args.added, "--added") if args.added is not None else []
     try:
@@ -220,23 +187,70 @@ def _plan_text(args: argparse.Namespace) -> str:
         return (after or plan).to_json()
     parts = [describe(plan, profile)]
     if after is not None:
-        parts.append(describe(after, profile))
-        rows = [
-            f"candidates (cost = busiest node's copy bytes / {cluster.inter_node_bandwidth:.3g} B/s "
-            f"+ {horizon} x iteration):",
-            f"  {'reason':<22} {'pipelines':>9} {'copy GiB':>10} {'busiest GiB':>11} {'iteration ms':>12} "
-            f"{'cost ms':>12}",
-        ]
         assert chosen is not None
-        for index, c in enumerate(chosen.considered):
-            mark = "  <- chosen" if index == chosen.chosen else ""
-            rows.append(
-                f"  {c.reason + (' (degraded)' if c.degraded else ''):<22} {c.pipelines:>9} "
-                f"{c.copy_bytes / 2**30:>10.2f} {c.busiest_bytes / 2**30:>11.2f} {c.iteration_ms:>12.2f} "
-                f"{c.cost_ms:>12.1f}{mark}"
-            )
-        parts.append("\n".join(rows))
+        parts += [describe(after, profile), _candidates_table(chosen, cluster.inter_node_bandwidth, horizon)]
     return "\n\n".join(parts)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """The numeric flags' bounds, each error naming its flag."""
+    if args.microbatches < 1:
+        raise InputError(f"--microbatches: must be >= 1, got {args.microbatches}")
+    if args.f < 0:
+        raise InputError(f"--f: must be >= 0, got {args.f}")
+    if args.m_ref is not None and args.m_ref < 1:
+        raise InputError(f"--m-ref: must be >= 1, got {args.m_ref}")
+    if args.microbatch_size is not None and args.microbatch_size < 1:
+        raise InputError(f"--microbatch-size: must be >= 1, got {args.microbatch_size}")
+    if not 1 <= args.min_nodes_per_pipeline <= max(args.nodes, 1):
+        raise InputError(
+            f"--min-nodes-per-pipeline: must be in 1..--nodes ({args.nodes}), got {args.min_nodes_per_pipeline}"
+        )
+    if args.horizon is not None and args.horizon < 0:
+        raise InputError(f"--horizon: must be >= 0, got {args.horizon}")
+
+
+_CLUSTER_FLAGS = {
+    "nodes": "--nodes",
+    "gpus_per_node": "--gpus-per-node",
+    "gpu_memory_bytes": "--gpu-memory",
+    "intra_node_bandwidth": "--intra-bandwidth",
+    "inter_node_bandwidth": "--inter-bandwidth",
+}
+
+
+def _cluster(args: argparse.Namespace):
+    """The ClusterShape of the flags; an invalid one names its flag."""
+    from pydantic import ValidationError
+
+    from oobleck.api.profile import ClusterShape
+
+    try:
+        return ClusterShape(
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            gpu_memory_bytes=int(quantity(args.gpu_memory, "--gpu-memory")),
+            intra_node_bandwidth=quantity(args.intra_bandwidth, "--intra-bandwidth"),
+            inter_node_bandwidth=quantity(args.inter_bandwidth, "--inter-bandwidth"),
+        )
+    except ValidationError as error:
+        raise InputError(_pydantic_message(error, "cluster", _CLUSTER_FLAGS)) from None
+
+
+def _candidates_table(chosen, bandwidth: float, horizon: int) -> str:
+    """The reconfiguration candidates `next_layout` weighed, with the chosen one marked."""
+    rows = [
+        f"candidates (cost = busiest node's copy bytes / {bandwidth:.3g} B/s + {horizon} x iteration):",
+        f"  {'reason':<22} {'pipelines':>9} {'copy GiB':>10} {'busiest GiB':>11} {'iteration ms':>12} {'cost ms':>12}",
+    ]
+    for index, c in enumerate(chosen.considered):
+        mark = "  <- chosen" if index == chosen.chosen else ""
+        rows.append(
+            f"  {c.reason + (' (degraded)' if c.degraded else ''):<22} {c.pipelines:>9} "
+            f"{c.copy_bytes / 2**30:>10.2f} {c.busiest_bytes / 2**30:>11.2f} {c.iteration_ms:>12.2f} "
+            f"{c.cost_ms:>12.1f}{mark}"
+        )
+    return "\n".join(rows)
 
 
 def _profile(args: argparse.Namespace, parse_profile, ProfileError):
