@@ -53,6 +53,7 @@ def quantity(text: str, flag: str) -> float:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """`oobleck simulate`'s flags: one flat list of add_argument calls (long, but nothing to factor out)."""
     from .traces import TRACES_DIR
 
     bundled = ", ".join(sorted(p.stem for p in TRACES_DIR.glob("*.csv")))
