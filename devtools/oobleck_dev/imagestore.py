@@ -1,7 +1,7 @@
 """One containerd image store, imported once, that every real node starts from.
 
 The project image is ~6.4 GB and a containerd holds it twice (the layer blobs and the unpacked
-snapshots, ~13 GB). One containerd per node is required (a kubelet kills runtime pods it does not
+snapshots, ~13 GB); once imported, the layer blobs are dropped (`ctr content prune references`). One containerd per node is required (a kubelet kills runtime pods it does not
 own), so instead of importing into each node, the image is imported once into a template store
 under the cache (`~/.cache/oobleck/k8s-node/store`), and each node's containerd root starts as a
 hard-linked copy of it (`cp -al`): the files are shared, only containerd's two bolt databases are
@@ -82,13 +82,14 @@ class TemplateStore:
         self.import_s: float | None = None  # seconds the last ensure() spent importing (None: nothing to do)
 
     def _images_file(self) -> Path:
-        return self.folder / "images.json"
+        return self.folder / "contents.json"
 
     def images(self) -> list[str]:
-        """The images the template holds (as recorded after its last complete import)."""
+        """The images the template holds (as recorded after its last complete import and prune)."""
         try:
-            return list(json.loads(self._images_file().read_text()))
-        except (OSError, ValueError):
+            contents = json.loads(self._images_file().read_text())
+            return list(contents["images"]) if contents.get("layer_blobs") == "pruned" else []
+        except (OSError, ValueError, KeyError, AttributeError):
             return []
 
     def ensure(self, image: str, timeout_s: float = 1800.0) -> None:
@@ -122,7 +123,11 @@ class TemplateStore:
             if stale:
                 # containerd's garbage collector then drops the layers no image uses any more.
                 self._run([*ctr, "images", "remove", "--sync", *stale], "remove older project images")
-            self._images_file().write_text(json.dumps(sorted(wanted)))
+            # A container runs on the unpacked snapshots; the layer blobs (as large again) only serve to unpack
+            # once more. Dropping the manifests' references to them lets the garbage collector remove them; the
+            # next import writes the blobs again, finds every unchanged layer already unpacked, and prunes again.
+            self._run([*ctr, "content", "prune", "references"], "drop the unpacked layers' blobs")
+            self._images_file().write_text(json.dumps({"images": sorted(wanted), "layer_blobs": "pruned"}))
         finally:
             stop_processes([containerd], 30.0)
             shutil.rmtree(work, ignore_errors=True)

@@ -346,6 +346,29 @@ class RealNodes:
                 return process
         raise KeyError(f"no process {name!r}; running: {', '.join(p.name for p in self.processes)}")
 
+    def kill_container(self, node_name: str, container_id: str, signal: str = "SIGKILL") -> None:
+        """Signal a container through its node's container runtime (`ctr tasks kill`), as a crash or the
+        kernel's OOM killer would end it; `container_id` as a pod's status gives it (`containerd://<id>`)."""
+        node = next((n for n in self.nodes if n.name == node_name), None)
+        if node is None:
+            raise KeyError(f"node_name: {node_name!r} is not one of {', '.join(self.names)}")
+        task = container_id.removeprefix("containerd://")
+        args = [
+            "ctr",
+            "--address",
+            str(node.socket),
+            "--namespace",
+            "k8s.io",
+            "tasks",
+            "kill",
+            "--signal",
+            signal,
+            task,
+        ]
+        result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        if result.returncode != 0:
+            raise RealNodesError(f"{' '.join(args)}: {result.stderr.strip()}")
+
     def disk_used(self) -> dict[str, float]:
         """GB on disk: the template store, and what the nodes' folders add beyond it (hard links count once)."""
 

@@ -159,6 +159,11 @@ class RealJob:
                 )
         return sum(len(v) for v in seen.values())
 
+    def events(self, reason: str) -> list[str]:
+        """Messages of the namespace's events with `reason` (the operator's NodeLost, Reconfigured, ...)."""
+        listing = self.cluster.kubectl_json("get", "events", "-n", self.ns, "--field-selector", f"reason={reason}")
+        return [item.get("message", "") for item in listing["items"]]
+
     def dump(self) -> None:
         """What a failing test needs to see: pods, events, the operator's log tail."""
         print(self.cluster.kubectl("get", "pods", "-n", self.ns, "-o", "wide", check=False).stdout)
@@ -250,8 +255,42 @@ def test_kubectl_delete_pod_recovers_in_place(real_job):
         return read_plan(job.cluster.kubectl_json("get", "configmap", f"{JOB}-plan", "-n", job.ns)).generation
 
     wait_for(lambda: plan_generation() >= 1, "a new plan generation", 120)
+    assert wait_for(lambda: job.events("NodeLost"), "a NodeLost event", 120) == [f"{victim}: pod {victim} deleted"]
     body = job.wait_succeeded()
     assert body["status"]["progress"]["step"] == steps
     assert body["status"]["failuresSurvived"] >= 1
     compared = job.check_losses()
     print(f"deleted {victim} at step {at_delete}; {compared} losses match the no-failure run")
+
+
+def test_worker_container_killed_through_the_runtime_recovers_in_place(real_job):
+    """A worker's container SIGKILLed through containerd (`ctr tasks kill`), as a crash would end it: the kubelet
+    reports it terminated (exit 137), the survivor reconfigures in place, and the job ends at the exact step
+    with every loss equal to the no-failure run."""
+    job = real_job
+    steps = 200
+    job.apply(job_spec(job.nodes.image, steps, min_nodes=1, node_selector=job.nodes.node_selector))
+    running = wait_for(
+        lambda: len(s := job.running_worker_steps()) == 2 and min(s.values()) >= 20 and s,
+        "two workers past step 20",
+        START_TIMEOUT_S,
+    )
+    survivor, victim = sorted(running)
+    pod = job.cluster.kubectl_json("get", "pod", victim, "-n", job.ns)
+    job.nodes.kill_container(pod["spec"]["nodeName"], pod["status"]["containerStatuses"][0]["containerID"])
+    at_kill = job.running_worker_steps().get(survivor, 0)
+    assert at_kill < steps, "the job finished before the kill: raise steps"
+
+    # The kubelet reports the exit (the operator then deletes the pod: its event is what stays).
+    lost = wait_for(lambda: job.events("NodeLost"), "a NodeLost event", 120)
+    assert lost == [f"{victim}: pod {victim}: worker container exited with code 137 (Error)"]
+    wait_for(
+        lambda: read_plan(job.cluster.kubectl_json("get", "configmap", f"{JOB}-plan", "-n", job.ns)).generation >= 1,
+        "a new plan generation",
+        120,
+    )
+    body = job.wait_succeeded()
+    assert body["status"]["progress"]["step"] == steps
+    assert body["status"]["failuresSurvived"] >= 1
+    compared = job.check_losses()
+    print(f"killed {victim}'s container at step {at_kill}; {compared} losses match the no-failure run")
