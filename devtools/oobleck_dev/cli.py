@@ -112,7 +112,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     real = add(
         "real-nodes", "a control plane and kubelet + containerd nodes running the image, until Ctrl-C", _real_nodes
     )
-    real.add_argument("--count", type=_positive, default=2, help="nodes (default 2; each adds ~0.3 GB of disk)")
+    real.add_argument(
+        "--count",
+        type=_positive,
+        default=2,
+        help="nodes (default 2; each adds ~0.05 GB of disk: the image store is shared)",
+    )
     real.add_argument("--kubeconfig", type=Path, default=None, help="where to write the admin kubeconfig")
     real.add_argument("--reap", action="store_true", help="only undo the nodes of an owner that was killed")
     kill = add("kill-pod", "kill the processes of a pod running on the local nodes", _kill_pod)

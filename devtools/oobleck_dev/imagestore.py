@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from oobleck_dev.controlplane import ManagedProcess, stop_processes
+from oobleck_dev.hoststate import unmount_under
 from oobleck_dev.nodeconfig import NodeLayout, containerd_config
 
 NAMESPACE = "k8s.io"  # the CRI plugin's containerd namespace
@@ -93,12 +94,17 @@ class TemplateStore:
             return []
 
     def ensure(self, image: str, timeout_s: float = 1800.0) -> None:
-        """Make the template hold `image` and the pause image (and no other project image)."""
+        """Make the template hold `image` and the pause image (and no other project image). Call it holding
+        realnodes' host lock: one import at a time, and none while a node is being cloned."""
         wanted = {image, self.pause_image}
         if wanted <= set(self.images()):
             return
         began = time.monotonic()
         self.folder.mkdir(parents=True, exist_ok=True)
+        # An import whose owner was killed: its folder, and any mount its containerd left in the store.
+        for stale in self.folder.glob("import-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        unmount_under(str(self.root))
         work = Path(tempfile.mkdtemp(prefix="import-", dir=self.folder))
         # A containerd on the template root alone (no kubelet: it only imports).
         layout = NodeLayout(1, work)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from oobleck_dev import hoststate, realnodes
 from oobleck_dev.controlplane import ControlPlane
+from oobleck_dev.tools import find_tools
 
 pytestmark = [
     pytest.mark.realnodes,
@@ -41,6 +43,19 @@ def host_snapshot() -> dict[str, object]:
     }
 
 
+def sleeper_pod(image: str) -> dict[str, object]:
+    command = ["python", "-c", "import time; time.sleep(3600)"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "sleeper"},
+        "spec": {
+            "nodeSelector": realnodes.NODE_SELECTOR,
+            "containers": [{"name": "c", "image": image, "command": command}],
+        },
+    }
+
+
 def test_down_leaves_the_host_as_up_found_it():
     problem = realnodes.host_problem()
     if problem:
@@ -50,18 +65,7 @@ def test_down_leaves_the_host_as_up_found_it():
     nodes = realnodes.RealNodes(control_plane, n=1)
     try:
         nodes.up()
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "sleeper"},
-            "spec": {
-                "nodeSelector": nodes.node_selector,
-                "containers": [
-                    {"name": "c", "image": nodes.image, "command": ["python", "-c", "import time; time.sleep(3600)"]}
-                ],
-            },
-        }
-        control_plane.kubectl("apply", "-f", "-", input=json.dumps(pod))
+        control_plane.kubectl("apply", "-f", "-", input=json.dumps(sleeper_pod(nodes.image)))
         deadline = time.monotonic() + 300
         while control_plane.kubectl("get", "pod", "sleeper", "-o", "jsonpath={.status.phase}").stdout != "Running":
             assert time.monotonic() < deadline, control_plane.kubectl("describe", "pod", "sleeper").stdout
@@ -86,3 +90,48 @@ def hoststate_alive(pid: int) -> bool:
     from oobleck_dev.controlplane import process_start_time
 
     return process_start_time(pid) is not None
+
+
+def test_reap_undoes_the_nodes_of_a_killed_owner():
+    """`python -m oobleck_dev real-nodes` SIGKILLed with its node up (a container running under a shim that
+    outlives it): `real-nodes --reap` puts the host back as it was."""
+    problem = realnodes.host_problem()
+    if problem:
+        pytest.skip(problem)
+    before = host_snapshot()
+    owner = subprocess.Popen(
+        [sys.executable, "-m", "oobleck_dev", "real-nodes", "--count", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert owner.stdout is not None
+    try:
+        lines = []
+        deadline = time.monotonic() + 900
+        while not any(line.startswith("Ctrl-C") for line in lines):
+            line = owner.stdout.readline()
+            assert line and time.monotonic() < deadline, "real-nodes did not come up:\n" + "".join(lines)
+            lines.append(line)
+        kubeconfig = next(line.split(": ", 1)[1].strip() for line in lines if line.startswith("kubeconfig: "))
+        image = next(line.split("(image ", 1)[1].split(")")[0] for line in lines if line.startswith("real nodes: "))
+        kubectl = [str(find_tools().kubectl), "--kubeconfig", kubeconfig]
+        pod = sleeper_pod(image)
+        subprocess.run(
+            [*kubectl, "apply", "-f", "-"], input=json.dumps(pod), text=True, check=True, capture_output=True
+        )
+        subprocess.run(
+            [*kubectl, "wait", "pod/sleeper", "--for=jsonpath={.status.phase}=Running", "--timeout=300s"],
+            check=True,
+            capture_output=True,
+        )
+    finally:
+        owner.kill()
+        owner.wait(60)
+    left = host_snapshot()
+    assert left["bridges"] == ["oobk1"] and left["node_folders"], "nothing was left to reap"
+    reaped = subprocess.run(
+        [sys.executable, "-m", "oobleck_dev", "real-nodes", "--reap"], capture_output=True, text=True, timeout=300
+    )
+    assert reaped.returncode == 0 and "undid" in reaped.stdout, reaped.stdout + reaped.stderr
+    assert host_snapshot() == before
