@@ -294,3 +294,21 @@ def test_worker_container_killed_through_the_runtime_recovers_in_place(real_job)
     assert body["status"]["failuresSurvived"] >= 1
     compared = job.check_losses()
     print(f"killed {victim}'s container at step {at_kill}; {compared} losses match the no-failure run")
+
+
+def test_a_worker_over_its_memory_limit_is_oom_killed_and_the_job_ends_out_of_memory(real_job):
+    """The kubelet holds `limits.memory` (a cgroup per container): a worker that cannot fit (torch alone is
+    larger than 192Mi) is OOM-killed, the kubelet reports OOMKilled, and the job fails OutOfMemory."""
+    job = real_job
+    spec = job_spec(job.nodes.image, 30, min_nodes=2, node_selector=job.nodes.node_selector)
+    spec["resources"] = {"cpu": "250m", "memory": "192Mi"}
+    job.apply(spec)
+
+    def failed() -> dict[str, Any]:
+        body = job.job()
+        return body if body.get("status", {}).get("phase") == "Failed" else {}
+
+    body = wait_for(failed, "the job to fail", START_TIMEOUT_S)
+    condition = next(c for c in body["status"]["conditions"] if c["type"] == "Failed")
+    assert condition["reason"] == "OutOfMemory" and "(OOMKilled)" in condition["message"], condition
+    assert job.events("OutOfMemory"), "no OutOfMemory event"
