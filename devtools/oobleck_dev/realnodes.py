@@ -60,6 +60,7 @@ HOST_LOCK = Path("/run/oobleck-realnodes.lock")
 BUILD_SCRIPT = Path("scripts") / "k8s-node" / "build"
 IMAGE_SCRIPT = Path("scripts") / "image" / "build"
 NODE_SELECTOR = {REAL_NODE_LABEL: "true"}
+FREEZER = Path("/sys/fs/cgroup/freezer")
 
 
 class RealNodesError(RuntimeError):
@@ -346,12 +347,40 @@ class RealNodes:
                 return process
         raise KeyError(f"no process {name!r}; running: {', '.join(p.name for p in self.processes)}")
 
-    def kill_container(self, node_name: str, container_id: str, signal: str = "SIGKILL") -> None:
-        """Signal a container through its node's container runtime (`ctr tasks kill`), as a crash or the
-        kernel's OOM killer would end it; `container_id` as a pod's status gives it (`containerd://<id>`)."""
+    def stop_kubelet(self, node_name: str) -> None:
+        """Stop a node's kubelet (its containers keep running, as on a node that lost its kubelet or its
+        network): the node stops renewing its lease and the node lifecycle controller marks it unreachable."""
+        stop_processes([self.process(f"kubelet-{self._node(node_name).index}")], self.timeouts.stop_grace)
+
+    def start_kubelet(self, node_name: str) -> None:
+        """Start a stopped kubelet again with its original arguments and wait until its node is Ready."""
+        old = self.process(f"kubelet-{self._node(node_name).index}")
+        if old.alive():
+            raise RealNodesError(f"{old.name} is running (pid {old.pid}): stop_kubelet first")
+        process = ManagedProcess(old.name, old.args, old.log)
+        self.processes[self.processes.index(old)] = process
+        self._wait(self._all_ready, f"{node_name} to be Ready again", self.timeouts.nodes_ready, [process])
+
+    def freeze(self, node_name: str) -> None:
+        """The node hangs: its kubelet stops and every process of its pods is frozen (the v1 freezer
+        cgroup of its cgroupRoot), as a host that froze or dropped off the network; `thaw` undoes it."""
+        self.stop_kubelet(node_name)
+        (FREEZER / self._node(node_name).cgroup_root.lstrip("/") / "freezer.state").write_text("FROZEN")
+
+    def thaw(self, node_name: str) -> None:
+        (FREEZER / self._node(node_name).cgroup_root.lstrip("/") / "freezer.state").write_text("THAWED")
+        self.start_kubelet(node_name)
+
+    def _node(self, node_name: str) -> NodeLayout:
         node = next((n for n in self.nodes if n.name == node_name), None)
         if node is None:
             raise KeyError(f"node_name: {node_name!r} is not one of {', '.join(self.names)}")
+        return node
+
+    def kill_container(self, node_name: str, container_id: str, signal: str = "SIGKILL") -> None:
+        """Signal a container through its node's container runtime (`ctr tasks kill`), as a crash or the
+        kernel's OOM killer would end it; `container_id` as a pod's status gives it (`containerd://<id>`)."""
+        node = self._node(node_name)
         task = container_id.removeprefix("containerd://")
         args = [
             "ctr",
