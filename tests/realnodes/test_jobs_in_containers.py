@@ -265,9 +265,9 @@ def test_kubectl_delete_pod_recovers_in_place(real_job):
 
 
 def test_worker_container_killed_through_the_runtime_recovers_in_place(real_job):
-    """A worker's container SIGKILLed through containerd (`ctr tasks kill`), as a crash would end it: the kubelet
-    reports it terminated (exit 137), the survivor reconfigures in place, and the job ends at the exact step
-    with every loss equal to the no-failure run."""
+    """A worker's container SIGKILLed through containerd (`ctr tasks kill`), as a crash would end it: the loss is
+    reported (by the kubelet, exit 137, or first by the survivor's detector), the survivor reconfigures in place,
+    and the job ends at the exact step with every loss equal to the no-failure run."""
     job = real_job
     steps = 200
     job.apply(job_spec(job.nodes.image, steps, min_nodes=1, node_selector=job.nodes.node_selector))
@@ -282,9 +282,11 @@ def test_worker_container_killed_through_the_runtime_recovers_in_place(real_job)
     at_kill = job.running_worker_steps().get(survivor, 0)
     assert at_kill < steps, "the job finished before the kill: raise steps"
 
-    # The kubelet reports the exit (the operator then deletes the pod: its event is what stays).
+    # Whichever tells the operator first: the kubelet's report of the exit ("worker container exited with code
+    # 137") or the survivor's ("reported dead ... refused the connection"); one loss either way.
     lost = wait_for(lambda: job.events("NodeLost"), "a NodeLost event", 120)
-    assert lost == [f"{victim}: pod {victim}: worker container exited with code 137 (Error)"]
+    assert len(lost) == 1 and lost[0].startswith(f"{victim}: "), lost
+    assert "exited with code 137" in lost[0] or "the process is gone" in lost[0], lost
     wait_for(
         lambda: read_plan(job.cluster.kubectl_json("get", "configmap", f"{JOB}-plan", "-n", job.ns)).generation >= 1,
         "a new plan generation",
