@@ -5,7 +5,7 @@ PY := .venv/bin/python
 # Tests run in parallel; the slow ones share one control plane per worker process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: test test-unit lint demo build venv k8s-tools image crds dev-up dev-down bench bench-runtime bench-operator paper-figures
+.PHONY: test test-unit lint demo build venv k8s-tools k8s-node real-nodes image crds dev-up dev-down bench bench-runtime bench-operator paper-figures
 
 venv:
 	@scripts/venv >/dev/null
@@ -14,6 +14,15 @@ build: venv
 
 k8s-tools:
 	@scripts/k8s-tools/build >/dev/null
+
+# What a real node runs: kubelet, kube-proxy (same k8s.io/kubernetes pins, own cache) and a static pause; installs
+# containerd, runc and the CNI plugins (Debian packages) when missing.
+k8s-node:
+	@scripts/k8s-node/build >/dev/null
+
+# A control plane and two kubelet + containerd nodes running the image, until Ctrl-C (root; devtools/oobleck_dev/realnodes.py).
+real-nodes: venv k8s-tools k8s-node image
+	$(PY) -m oobleck_dev real-nodes
 
 # The Dockerfile built with buildah (no Docker engine needed); prints the image's name. Cached by
 # its inputs outside the repository: an unchanged tree builds nothing (scripts/image/build).
@@ -25,7 +34,7 @@ crds: venv
 	$(PY) -m oobleck.cli crds --write crds/
 	$(PY) -m oobleck_dev.chart --write
 
-test: venv k8s-tools image
+test: venv k8s-tools k8s-node image
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The fast tier: pure tests (no cluster, no processes, no GPU, no Kubernetes tools); see tests/conftest.py.

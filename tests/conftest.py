@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 USE_EXISTING = "OOBLECK_USE_EXISTING_CLUSTER"
 
 
-UNIT_TIER_EXCLUDES = ("cluster", "integration", "slow", "gpu", "image")
+UNIT_TIER_EXCLUDES = ("cluster", "integration", "slow", "gpu", "image", "realnodes")
 """Markers of the tests `--unit` (make test-unit) leaves out: everything that needs a process, a
 cluster, a GPU or more than a few seconds."""
 

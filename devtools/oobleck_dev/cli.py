@@ -109,6 +109,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     nodes.add_argument("--name-prefix", default="oobleck-local-", help="node names: <prefix><i>")
     nodes.add_argument("--kubeconfig", default=None, help=KUBECONFIG_HELP)
     nodes.add_argument("--gpu-devices", type=_devices, default=None, help=GPU_DEVICES_HELP)
+    real = add(
+        "real-nodes", "a control plane and kubelet + containerd nodes running the image, until Ctrl-C", _real_nodes
+    )
+    real.add_argument(
+        "--count",
+        type=_positive,
+        default=2,
+        help="nodes (default 2; each adds ~0.05 GB of disk: the image store is shared)",
+    )
+    real.add_argument("--kubeconfig", type=Path, default=None, help="where to write the admin kubeconfig")
+    real.add_argument("--reap", action="store_true", help="only undo the nodes of an owner that was killed")
     kill = add("kill-pod", "kill the processes of a pod running on the local nodes", _kill_pod)
     kill.add_argument("pod", metavar="NAMESPACE/POD")
     kill.add_argument("--signal", default="KILL", help="signal name or number (default KILL: exit code 137)")
@@ -502,6 +513,23 @@ def _kill_pod(args: argparse.Namespace) -> int:
         return 1
     print(f"sent {signal.Signals(signum).name} to {namespace}/{pod} (pids {', '.join(map(str, pids))})")
     return 0
+
+
+def _real_nodes(args: argparse.Namespace) -> int:
+    from oobleck_dev import realnodes
+
+    if args.reap:
+        lock = realnodes.host_lock(60.0)
+        try:
+            print("\n".join(f"undid {folder}" for folder in realnodes.reap_stale()) or "nothing to undo")
+        finally:
+            os.close(lock)
+        return 0
+    try:
+        return realnodes.serve(args.count, args.kubeconfig)
+    except realnodes.RealNodesError as error:
+        print(f"oobleck_dev real-nodes: {error}", file=sys.stderr)
+        return 1
 
 
 def _gpu_unhealthy(args: argparse.Namespace) -> int:

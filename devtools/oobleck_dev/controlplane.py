@@ -324,8 +324,13 @@ class ControlPlane:
         admission_dir: Path | None = DEFAULT_ADMISSION,
         timeouts: Timeouts = Timeouts(),
         workdir_parent: Path | None = None,
+        advertise_address: str | None = None,
     ) -> None:
         self.tools = tools or find_tools()
+        # A non-loopback address of this host for real kubelet nodes (realnodes.py): the API server then
+        # also listens there, the `kubernetes` Service points there (pods reach it through kube-proxy),
+        # and it reaches kubelets on their InternalIP with a client certificate (`kubectl logs/exec`).
+        self.advertise_address = advertise_address
         self.timeouts = timeouts
         self.crds_dir = default_crds_dir() if crds_dir is DEFAULT_CRDS else (Path(crds_dir) if crds_dir else None)
         self.admission_dir = (
@@ -343,6 +348,7 @@ class ControlPlane:
         self.started_in_s: float | None = None
         self.phase_s: dict[str, float] = {}
         self.ca_cert: Path | None = None
+        self.ca: CertificateAuthority | None = None  # issues the real nodes' certificates
         self._admin: KeyPair | None = None
         self._ready: dict[str, tuple[Callable[[], bool], float, str]] = {}  # name -> (check, timeout, its name)
 
@@ -388,8 +394,9 @@ class ControlPlane:
         pki.mkdir()
         (self.workdir / "logs").mkdir()
         ca = CertificateAuthority(pki)
-        self.ca_cert = ca.cert
+        self.ca, self.ca_cert = ca, ca.cert
         loopback = ("127.0.0.1", "localhost")
+        advertised = (self.advertise_address,) if self.advertise_address else ()
         etcd_server = ca.issue("etcd-server", "etcd", server=True, hosts=loopback)
         etcd_client = ca.issue("apiserver-etcd-client", "kube-apiserver-etcd-client", client=True)
         api_names = (
@@ -398,7 +405,13 @@ class ControlPlane:
             "kubernetes.default.svc",
             "kubernetes.default.svc.cluster.local",
         )
-        apiserver = ca.issue("apiserver", "kube-apiserver", server=True, hosts=(*loopback, SERVICE_IP, *api_names))
+        apiserver = ca.issue(
+            "apiserver", "kube-apiserver", server=True, hosts=(*loopback, *advertised, SERVICE_IP, *api_names)
+        )
+        # What kubelets trust as the API server (system:masters: every kubelet API, logs and exec included).
+        kubelet_client = ca.issue(
+            "apiserver-kubelet-client", "kube-apiserver-kubelet-client", organizations=("system:masters",), client=True
+        )
         self._admin = ca.issue("admin", "oobleck-admin", organizations=("system:masters",), client=True)
         kcm_client = ca.issue("kcm-client", "system:kube-controller-manager", client=True)
         scheduler_client = ca.issue("scheduler-client", "system:kube-scheduler", client=True)
@@ -452,8 +465,17 @@ class ControlPlane:
                 f"--etcd-cafile={ca.cert}",
                 f"--etcd-certfile={etcd_client.cert}",
                 f"--etcd-keyfile={etcd_client.key}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                *(
+                    [
+                        "--bind-address=0.0.0.0",
+                        f"--advertise-address={self.advertise_address}",
+                        f"--kubelet-client-certificate={kubelet_client.cert}",
+                        f"--kubelet-client-key={kubelet_client.key}",
+                        "--kubelet-preferred-address-types=InternalIP",
+                    ]
+                    if self.advertise_address
+                    else ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"]
+                ),
                 f"--secure-port={ports['apiserver']}",
                 f"--tls-cert-file={apiserver.cert}",
                 f"--tls-private-key-file={apiserver.key}",
