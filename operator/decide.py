@@ -45,6 +45,7 @@ from oobleck.operator.faults import Verdict
 from oobleck.operator.observe import JobObservation, Worker
 from oobleck.operator.planpool import IN_PROCESS, Planner, PlanningLimitExceeded
 from oobleck.operator.render import ranks_table, worker_annotations, worker_index
+from oobleck.operator.stragglers import assess
 from oobleck.planner import instantiate
 from oobleck.planner.errors import PlanningError
 from oobleck.planner.nextgen import WORKERS_CHOOSE, next_generation
@@ -111,6 +112,7 @@ class Decision:
     lost: tuple[str, ...] = ()  # members lost in this decision (for metrics)
     planner_seconds: float = 0.0
     profile: ModelProfile | None = None  # the profile generation 0 was planned with (stored beside the plan)
+    slowdowns: dict[str, float] | None = None  # each member's slowdown against the others (operator/stragglers.py)
 
 
 def cluster_shape(spec: OobleckJobSpec, tuning: Tuning) -> ClusterShape:
@@ -434,7 +436,20 @@ def decide(
             Event("Warning", f.kind, f"{f.message} (worker failure {verdict.worker_failures})") for f in verdict.new
         )
         decision = replace(decision, events=(*counted, *decision.events))
-    return decision
+    return _with_stragglers(ctx, obs, current, decision)
+
+
+def _with_stragglers(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, decision: Decision) -> Decision:
+    """The decision with status.stragglers and the Straggler events (operator/stragglers.py) while the
+    plan in force trains; nothing is slow in a job that does not."""
+    in_force = decision.plan or (current.plan if current is not None else None)
+    if in_force is None or decision.status.get("phase") not in ("Running", "Reconfiguring"):
+        return decision
+    reports = {w.name: w.progress for w in obs.workers if w.progress is not None and w.status == "running"}
+    found = assess(in_force.nodes, in_force.generation, reports, ctx.status.stragglers, ctx.spec.stragglers)
+    status = {**decision.status, "stragglers": [s.to_kubernetes() for s in found.stragglers]}
+    events = tuple(Event(*event) for event in found.events)
+    return replace(decision, status=status, events=(*decision.events, *events), slowdowns=found.slowdowns)
 
 
 def _decide(

@@ -49,6 +49,12 @@ class WorkerMetrics:
         ).labels(**labels)
         self.bytes_copied = counter("bytes_copied", "Layer-state bytes sent and received by layer copies")
         self.loss = gauge("loss", "Global mean loss of the last step (ranks holding the last layer)")
+        self.compute_seconds = gauge(
+            "compute_seconds", "This rank's own forwards and backwards in the last step (no waits for peers)"
+        )
+        self.slowdown = gauge(
+            "slowdown", "Compute time against the plan's profile, median of the last steps (1 = as profiled)"
+        )
         self._rejected = Counter(
             "oobleck_worker_rejected_messages",
             "Messages refused for lacking a valid MAC under the job key (store values, snapshot pushes), by kind",
@@ -69,6 +75,11 @@ class WorkerMetrics:
         self.step.set(step)
         if loss is not None:
             self.loss.set(loss)
+
+    def observe_pace(self, compute_seconds: float, slowdown: float | None) -> None:
+        self.compute_seconds.set(compute_seconds)
+        if slowdown is not None:
+            self.slowdown.set(slowdown)
 
     def serve(self, port: int, address: str = "0.0.0.0") -> int:
         """Start the HTTP endpoint in a daemon thread; returns the bound port (0 picks a free one)."""

@@ -75,11 +75,19 @@ class ProgressReport(BaseModel):
     """global throughput of the last step"""
     checkpoint_step: int | None = Field(default=None, ge=0, alias="checkpointStep")
     """the newest step complete in the job's checkpoint directory, as this worker last saw it"""
+    slowdown: float | None = None
+    """this worker's compute time against the plan's profile, a median over its last steps
+    (oobleck.runtime.train.pace); the operator compares the nodes' figures (oobleck.operator.stragglers)"""
 
-    @field_validator("loss", "samples_per_second")
+    @field_validator("loss", "samples_per_second", "slowdown")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         return value if value is None or math.isfinite(value) else None
+
+    @field_validator("slowdown")
+    @classmethod
+    def _positive(cls, value: float | None) -> float | None:
+        return value if value is None or value > 0 else None
 
     def to_json(self) -> str:
         """Rounded to what a status line needs; absent values left out."""
@@ -90,6 +98,8 @@ class ProgressReport(BaseModel):
             body["samplesPerSecond"] = round(self.samples_per_second, 3)
         if self.checkpoint_step is not None:
             body["checkpointStep"] = self.checkpoint_step
+        if self.slowdown is not None:
+            body["slowdown"] = round(self.slowdown, 3)
         return json.dumps(body)
 
     @classmethod
