@@ -1,10 +1,12 @@
 """Which nodes are stragglers: a pure function of the workers' pace reports and the previous status.
 
-Each worker reports its slowdown against the plan's profile (oobleck.runtime.train.pace: measured over
-profiled compute, a median of its last steps). A node's slowdown here is its figure over the median of
-the *other* nodes' figures: a machine that runs every node slower than the profile (a loaded host, a
-profile taken elsewhere) makes no one a straggler, and with two nodes the slow one is measured against
-the fast one rather than against a median it pulls up itself.
+Each worker reports the (step, slowdown) of its last steps (oobleck.runtime.train.pace: its compute per
+profiled cost, a median of its last steps, over the same figure when it started on its stage). A node's
+slowdown at a step is its figure over the median of the *other* nodes' figures at that step: a host that
+slows every node down (other jobs, a burst of imports) makes no one a straggler, and with two nodes the
+slow one is measured against the fast one rather than against a median it pulls up itself. Lining the
+nodes up step by step (not report by report) gives the step a node fell behind exactly, however late
+the operator reads the reports.
 
 A node at or over `spec.stragglers.threshold` is listed in `status.stragglers` with the step from which
 it has been slow (kept from the previous status while it stays slow); once it has been slow for
@@ -35,14 +37,30 @@ class Assessment:
     """(type, reason, message) to post on the job"""
 
 
-def relative_slowdowns(paces: Mapping[str, float]) -> dict[str, float]:
-    """Each node's pace over the median of the other nodes' paces (a lone node has nothing to compare with)."""
+def _at(series: Sequence[tuple[int, float]], step: int) -> float:
+    """A node's figure at `step`: its newest at or before it (its oldest if it starts later)."""
+    value = series[0][1]
+    for at, figure in series:
+        if at > step:
+            break
+        value = figure
+    return value
+
+
+def relative_series(paces: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+    """Each node's (step, its figure over the median of the other nodes' figures at that step); a lone node
+    has nothing to compare with and is left out."""
     result = {}
-    for node, pace in paces.items():
-        others = [p for n, p in paces.items() if n != node]
-        if others:
-            result[node] = pace / statistics.median(others)
+    for node, series in paces.items():
+        others = [s for n, s in paces.items() if n != node and s]
+        if series and others:
+            result[node] = [(step, figure / statistics.median(_at(o, step) for o in others)) for step, figure in series]
     return result
+
+
+def relative_slowdowns(paces: Mapping[str, float]) -> dict[str, float]:
+    """Each node's pace over the median of the other nodes' paces (the newest step of `relative_series`)."""
+    return {node: series[-1][1] for node, series in relative_series({n: [(0, p)] for n, p in paces.items()}).items()}
 
 
 def assess(
@@ -53,22 +71,30 @@ def assess(
     policy: StragglerPolicy,
 ) -> Assessment:
     """The stragglers among the plan's `members`, from their `reports` of plan generation `generation`
-    (a report of another generation, or without a slowdown, is left out) and the `previous` status."""
-    current = {
-        node: report
+    (a report of another generation, or without a pace, is left out) and the `previous` status."""
+    paces = {
+        node: report.pace
         for node in members
-        if (report := reports.get(node)) is not None and report.generation == generation and report.slowdown
+        if (report := reports.get(node)) is not None and report.generation == generation and report.pace
     }
-    paces = {node: report.slowdown for node, report in current.items() if report.slowdown is not None}
-    slowdowns = relative_slowdowns(paces)
+    relative = relative_series(paces)
+    slowdowns = {node: series[-1][1] for node, series in relative.items()}
     before = {s.node: s for s in previous}
     stragglers, events = [], []
-    for node in sorted(slowdowns):
-        slowdown, step = slowdowns[node], current[node].step
+    for node in sorted(relative):
+        series = relative[node]
+        slowdown, step = series[-1][1], series[-1][0]
         if slowdown < policy.threshold:
             continue
+        # The first step of the trailing run over the threshold; a run as old as the history continues
+        # the one the previous status holds.
+        run = 0
+        while run < len(series) and series[-1 - run][1] >= policy.threshold:
+            run += 1
+        since = series[-run][0]
         known = before.get(node)
-        since = known.since_step if known is not None and known.since_step <= step else step
+        if known is not None and run == len(series) and known.since_step <= since:
+            since = known.since_step
         confirmed = step - since >= policy.window
         stragglers.append(Straggler(node=node, slowdown=round(slowdown, 3), since_step=since, confirmed=confirmed))
         if confirmed and not (known is not None and known.confirmed):

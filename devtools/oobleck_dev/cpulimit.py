@@ -17,7 +17,10 @@ log = logging.getLogger("oobleck_dev.cpulimit")
 
 ROOT = Path("/sys/fs/cgroup/cpu")
 PARENT = "oobleck-local"
-PERIOD_US = 100_000
+PERIOD_US = 10_000
+"""Shorter than a kubelet's default 100 ms (its --cpu-cfs-quota-period can be set so too): a step of a
+tiny test model lasts milliseconds, and at 100 ms a half quota would leave most steps untouched and stall
+a few for 50 ms, where a slow node slows every step."""
 
 
 def process_group(pgid: int, proc: Path = Path("/proc")) -> list[int]:
@@ -36,6 +39,21 @@ def process_group(pgid: int, proc: Path = Path("/proc")) -> list[int]:
         if int(fields[2]) == pgid:
             members.append(int(entry.name))
     return members
+
+
+def cpu_seconds(pgids: list[int], proc: Path = Path("/proc")) -> float:
+    """CPU time (user + system) used so far by the live processes of the process groups `pgids`."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pgid in pgids:
+        for pid in process_group(pgid, proc):
+            try:
+                stat = (proc / str(pid) / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / ticks
 
 
 class CpuQuota:

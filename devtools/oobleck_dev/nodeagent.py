@@ -1110,6 +1110,10 @@ class NodeAgent:
             self._cpu_quotas[key] = quota
         return quota.throttle(list(self.pod_pids(namespace, pod).values()), cpus)
 
+    def pod_cpu_seconds(self, namespace: str, pod: str) -> float:
+        """CPU time the pod's running processes have used so far (to throttle it relative to its own pace)."""
+        return cpulimit.cpu_seconds(list(self.pod_pids(namespace, pod).values()))
+
     def cpu_throttled_seconds(self, namespace: str, pod: str) -> float:
         """How long the kernel has held the pod back under `throttle_cpu` (0 if never throttled)."""
         quota = self._cpu_quotas.get((namespace, pod))

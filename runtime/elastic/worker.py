@@ -217,6 +217,7 @@ class Worker:
             self.failed,
         )
         self._expected_compute = expected_compute_seconds(plan, rank)
+        self.pace.on_stage((mine.stage.start, mine.stage.end, len(mine.stage.ranks)))
         self.metrics.generation.set(plan.generation)
         self.metrics.pipelines.set(len(plan.pipelines))
         self.metrics.rank.set(rank)
@@ -313,11 +314,17 @@ class Worker:
             self.metrics.recovery_seconds.observe(time.monotonic() - self.failure_time)
             self.failure_time = None
         self.metrics.observe_step(outcome.seconds, outcome.samples, outcome.tokens, self.step, outcome.loss)
-        self.pace.add(outcome.compute_seconds, self._expected_compute)
-        self.metrics.observe_pace(outcome.compute_seconds, self.pace.slowdown)
+        self.pace.add(outcome.compute_seconds, self._expected_compute, outcome.step)
+        self.metrics.observe_pace(outcome.compute_seconds, self.pace.profile_ratio, self.pace.slowdown)
         if self.logs_loss:
             self._append_loss(outcome)
-        self._log("step", step=outcome.step, loss=outcome.loss, seconds=round(outcome.seconds, 6))
+        self._log(
+            "step",
+            step=outcome.step,
+            loss=outcome.loss,
+            seconds=round(outcome.seconds, 6),
+            compute=round(outcome.compute_seconds, 6),
+        )
         return outcome
 
     @property

@@ -52,8 +52,11 @@ class WorkerMetrics:
         self.compute_seconds = gauge(
             "compute_seconds", "This rank's own forwards and backwards in the last step (no waits for peers)"
         )
+        self.profile_ratio = gauge(
+            "profile_ratio", "Compute time against the plan's profile, median of the last steps (1 = as profiled)"
+        )
         self.slowdown = gauge(
-            "slowdown", "Compute time against the plan's profile, median of the last steps (1 = as profiled)"
+            "slowdown", "Compute time against this rank's own calibrated pace on its stage (1 = as it started)"
         )
         self._rejected = Counter(
             "oobleck_worker_rejected_messages",
@@ -76,8 +79,10 @@ class WorkerMetrics:
         if loss is not None:
             self.loss.set(loss)
 
-    def observe_pace(self, compute_seconds: float, slowdown: float | None) -> None:
+    def observe_pace(self, compute_seconds: float, profile_ratio: float | None, slowdown: float | None) -> None:
         self.compute_seconds.set(compute_seconds)
+        if profile_ratio is not None:
+            self.profile_ratio.set(profile_ratio)
         if slowdown is not None:
             self.slowdown.set(slowdown)
 

@@ -15,7 +15,7 @@ POLICY = StragglerPolicy(threshold=1.5, window=10)
 def reports(step: int, paces: dict[str, float], generation: int = 0) -> dict[str, ProgressReport]:
     """Each node's progress annotation as a worker writes it, parsed as observe.py does."""
     return {
-        node: ProgressReport.parse(f'{{"generation": {generation}, "step": {step}, "slowdown": {pace}}}')  # type: ignore[misc]
+        node: ProgressReport.parse(f'{{"generation": {generation}, "step": {step}, "pace": [[{step}, {pace}]]}}')  # type: ignore[misc]
         for node, pace in paces.items()
     }
 
@@ -48,6 +48,27 @@ def test_a_node_slow_for_the_window_is_confirmed_once_then_recovers() -> None:
     back = assess(NODES, 0, reports(80, {**paces, "w-2": 1.3}), confirmed.stragglers, POLICY)
     assert back.stragglers == []
     assert [(kind, reason) for kind, reason, _ in back.events] == [("Normal", RECOVERED)]
+
+
+def test_nodes_are_lined_up_step_by_step_however_late_the_reports_are_read() -> None:
+    # The operator reads the reports 12 steps after w-2 fell behind (at step 40), each at another step;
+    # the host slowed every node 3x from step 30 (no one's fault).
+    def history(last: int, slow_from: int | None) -> str:
+        pace = [
+            [s, (3.0 if s >= 30 else 1.0) * (2.0 if slow_from is not None and s >= slow_from else 1.0)]
+            for s in range(last - 23, last + 1)
+        ]
+        return f'{{"generation": 0, "step": {last}, "pace": {pace}}}'
+
+    late = {
+        "w-0": ProgressReport.parse(history(52, None)),
+        "w-1": ProgressReport.parse(history(50, None)),
+        "w-2": ProgressReport.parse(history(52, 40)),
+    }
+    found = assess(NODES, 0, late, [], POLICY)  # type: ignore[arg-type]
+    assert [(s.node, s.since_step, s.confirmed) for s in found.stragglers] == [("w-2", 40, True)]
+    assert [reason for _, reason, _ in found.events] == [STRAGGLER]
+    assert found.slowdowns["w-2"] == pytest.approx(2.0) and found.slowdowns["w-0"] == pytest.approx(3 / 4.5)
 
 
 def test_reports_of_another_generation_or_without_a_pace_are_left_out() -> None:

@@ -30,7 +30,6 @@ class PodWorker(Worker):
         outcome = super().train_step()
         if self.progress is not None and self.plan is not None:
             rate = outcome.samples / outcome.seconds if outcome.seconds > 0 else None
-            self.progress.update(
-                self.plan.generation, self.step, outcome.loss, rate, self.checkpoint_step, self.pace.slowdown
-            )
+            pace = tuple(self.pace.history) or None
+            self.progress.update(self.plan.generation, self.step, outcome.loss, rate, self.checkpoint_step, pace)
         return outcome

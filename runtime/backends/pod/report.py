@@ -62,7 +62,7 @@ def progress_annotation(
     loss: float | None = None,
     samples_per_second: float | None = None,
     checkpoint_step: int | None = None,
-    slowdown: float | None = None,
+    pace: tuple[tuple[int, float], ...] | None = None,
 ) -> str:
     """PROGRESS_ANNOTATION's value (oobleck.api.reports.ProgressReport)."""
     report = ProgressReport(
@@ -71,7 +71,7 @@ def progress_annotation(
         loss=loss,
         samples_per_second=samples_per_second,
         checkpoint_step=checkpoint_step,
-        slowdown=slowdown,
+        pace=pace or (),
     )
     return report.to_json()
 
@@ -91,7 +91,13 @@ class ProgressReporter:
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
         self._latest: tuple[int, int] | None = None
-        self._extra: tuple[float | None, float | None, int | None, float | None] = (None, None, None, None)
+        # loss, samples/s, checkpoint step, pace history: the last known of each.
+        self._extra: tuple[float | None, float | None, int | None, tuple[tuple[int, float], ...] | None] = (
+            None,
+            None,
+            None,
+            None,
+        )
         self._written: tuple[int, int] | None = None
         self._last_write = 0.0
         self._stop = False
@@ -107,9 +113,10 @@ class ProgressReporter:
         loss: float | None = None,
         samples_per_second: float | None = None,
         checkpoint_step: int | None = None,
-        slowdown: float | None = None,
+        pace: tuple[tuple[int, float], ...] | None = None,
     ) -> None:
-        """The newest progress; a None loss, throughput, checkpoint step or slowdown keeps the last known one."""
+        """The newest progress; a None loss, throughput, checkpoint step or pace ((step, slowdown) of the
+        last steps) keeps the last known one."""
         with self._cond:
             self._latest = (generation, step)
             known = self._extra
@@ -117,12 +124,14 @@ class ProgressReporter:
                 known[0] if loss is None else loss,
                 known[1] if samples_per_second is None else samples_per_second,
                 known[2] if checkpoint_step is None else checkpoint_step,
-                known[3] if slowdown is None else slowdown,
+                known[3] if pace is None else pace,
             )
             self._cond.notify_all()
 
     def _write_if_newer(
-        self, value: tuple[int, int], extra: tuple[float | None, float | None, int | None, float | None]
+        self,
+        value: tuple[int, int],
+        extra: tuple[float | None, float | None, int | None, tuple[tuple[int, float], ...] | None],
     ) -> None:
         """Write `value` (with its loss, throughput and checkpoint step, taken with it: they describe the same
         step) unless a later step is already on the pod (the thread and flush never undo each other)."""

@@ -559,9 +559,9 @@ class FailurePolicy(_Model):
 
 
 class StragglerPolicy(_Model):
-    """When a slow node counts as a straggler (oobleck.operator.stragglers): its compute against its profile,
-    divided by the median of the other nodes' (so a machine slow everywhere counts no one), stays at or over
-    `threshold` for `window` steps."""
+    """When a slow node counts as a straggler (oobleck.operator.stragglers): its compute against its own
+    pace when it started on its stage (oobleck.runtime.train.pace), divided by the median of the other nodes'
+    (so a host slowing everyone counts no one), stays at or over `threshold` for `window` steps."""
 
     threshold: float = Field(
         default=1.5,
@@ -1093,7 +1093,9 @@ class Straggler(_Model):
     """A node slower than spec.stragglers.threshold, as the operator last measured it."""
 
     node: str = Field(max_length=253, description="The worker pod (plan node).")
-    slowdown: float = Field(ge=0, description="Its compute against its profile, over the other nodes' median.")
+    slowdown: float = Field(
+        ge=0, description="Its compute against its own starting pace, over the other nodes' median."
+    )
     since_step: int = Field(ge=0, description="The step from which it has been over the threshold.")
     confirmed: bool = Field(
         default=False, description="Slow for spec.stragglers.window steps or more (a Straggler event was raised)."

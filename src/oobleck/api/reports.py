@@ -75,31 +75,38 @@ class ProgressReport(BaseModel):
     """global throughput of the last step"""
     checkpoint_step: int | None = Field(default=None, ge=0, alias="checkpointStep")
     """the newest step complete in the job's checkpoint directory, as this worker last saw it"""
-    slowdown: float | None = None
-    """this worker's compute time against the plan's profile, a median over its last steps
-    (oobleck.runtime.train.pace); the operator compares the nodes' figures (oobleck.operator.stragglers)"""
+    pace: tuple[tuple[int, float], ...] = Field(default=(), max_length=64)
+    """(step, slowdown) of this worker's last steps, oldest first: its compute against its own calibrated
+    pace on its stage, a median over its last steps (oobleck.runtime.train.pace); the operator lines the
+    nodes' up step by step (oobleck.operator.stragglers)"""
 
-    @field_validator("loss", "samples_per_second", "slowdown")
+    @field_validator("loss", "samples_per_second")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         return value if value is None or math.isfinite(value) else None
 
-    @field_validator("slowdown")
+    @field_validator("pace")
     @classmethod
-    def _positive(cls, value: float | None) -> float | None:
-        return value if value is None or value > 0 else None
+    def _measured(cls, value: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        # Only finite positive figures at known steps: one odd entry never spoils the rest of the report.
+        return tuple((step, s) for step, s in value if step >= 0 and math.isfinite(s) and s > 0)
+
+    @property
+    def slowdown(self) -> float | None:
+        """The newest step's slowdown (None: not measured yet)."""
+        return self.pace[-1][1] if self.pace else None
 
     def to_json(self) -> str:
         """Rounded to what a status line needs; absent values left out."""
-        body: dict[str, int | float] = {"generation": self.generation, "step": self.step}
+        body: dict[str, object] = {"generation": self.generation, "step": self.step}
         if self.loss is not None:
             body["loss"] = float(f"{self.loss:.6g}")
         if self.samples_per_second is not None:
             body["samplesPerSecond"] = round(self.samples_per_second, 3)
         if self.checkpoint_step is not None:
             body["checkpointStep"] = self.checkpoint_step
-        if self.slowdown is not None:
-            body["slowdown"] = round(self.slowdown, 3)
+        if self.pace:
+            body["pace"] = [[step, round(s, 3)] for step, s in self.pace]
         return json.dumps(body)
 
     @classmethod
