@@ -11,7 +11,8 @@ the operator reads the reports.
 A node at or over `spec.stragglers.threshold` is listed in `status.stragglers` with the step from which
 it has been slow (kept from the previous status while it stays slow); once it has been slow for
 `spec.stragglers.window` steps it is confirmed and one `Straggler` event says so. A confirmed node that
-falls back under the threshold leaves the list with a `StragglerRecovered` event.
+falls back under the threshold leaves the list with a `StragglerRecovered` event; one not measured in the
+current generation yet keeps its entry.
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def assess(
                     f"(threshold {policy.threshold}) since step {since}",
                 )
             )
+    for node, known in before.items():
+        # A member not measured in this generation yet (a new plan just went out) keeps its entry: no news
+        # is not a recovery, and it must not be confirmed (and announced) a second time.
+        if node in members and node not in relative:
+            stragglers.append(known)
+    stragglers.sort(key=lambda s: s.node)
     listed = {s.node for s in stragglers}
     for node, known in before.items():
         # A node that stopped reporting (lost, replaced) is the failure path's business, not a recovery.

@@ -76,9 +76,13 @@ def test_reports_of_another_generation_or_without_a_pace_are_left_out() -> None:
     mixed["w-3"] = ProgressReport(generation=0, step=30)  # not measured yet
     found = assess(NODES, 0, mixed, [], POLICY)
     assert set(found.slowdowns) == {"w-0", "w-1"} and found.stragglers == []
+    # A member not measured in this generation yet keeps its entry (no second event once it reports).
+    known = Straggler(node="w-2", slowdown=3, since_step=1, confirmed=True)
+    waiting = assess(NODES, 1, reports(30, {"w-0": 1.0, "w-1": 1.0}, generation=1), [known], POLICY)
+    assert waiting.stragglers == [known] and waiting.events == []
     # A lost node that was confirmed leaves the list without a recovery event (the failure path owns it).
     gone = assess(
-        NODES,
+        ["w-0", "w-1"],
         0,
         reports(30, {"w-0": 1.0, "w-1": 1.0}),
         [Straggler(node="w-2", slowdown=3, since_step=1, confirmed=True)],
