@@ -45,9 +45,11 @@ from oobleck.operator.faults import Verdict
 from oobleck.operator.observe import JobObservation, Worker
 from oobleck.operator.planpool import IN_PROCESS, Planner, PlanningLimitExceeded
 from oobleck.operator.render import ranks_table, worker_annotations, worker_index
+from oobleck.operator.stragglers import assess
 from oobleck.planner import instantiate
 from oobleck.planner.errors import PlanningError
 from oobleck.planner.nextgen import WORKERS_CHOOSE, next_generation
+from oobleck.planner.resplit import RESPLIT_REASON, resplit
 from oobleck.planner.synthetic import GPTShape, gpt_profile
 from oobleck.planner.templates import generate_templates
 
@@ -111,6 +113,7 @@ class Decision:
     lost: tuple[str, ...] = ()  # members lost in this decision (for metrics)
     planner_seconds: float = 0.0
     profile: ModelProfile | None = None  # the profile generation 0 was planned with (stored beside the plan)
+    slowdowns: dict[str, float] | None = None  # each member's slowdown against the others (operator/stragglers.py)
 
 
 def cluster_shape(spec: OobleckJobSpec, tuning: Tuning) -> ClusterShape:
@@ -452,7 +455,51 @@ def decide(
             Event("Warning", f.kind, f"{f.message} (worker failure {verdict.worker_failures})") for f in verdict.new
         )
         decision = replace(decision, events=(*counted, *decision.events))
-    return decision
+    return _with_stragglers(ctx, obs, current, decision)
+
+
+RESPLIT_MIN_GAIN = 0.1
+"""A re-split must shorten the step at the measured speeds by a tenth: a wobbling measurement makes no new
+generation per wobble (each costs a redone step)."""
+
+
+def _with_stragglers(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, decision: Decision) -> Decision:
+    """The decision with status.stragglers and the Straggler events (operator/stragglers.py) while the
+    plan in force trains (nothing is slow in a job that does not); with `stragglers.mitigation: resplit`
+    and nothing else to change, the next generation re-splits the batch around the confirmed stragglers
+    (planner_cy/resplit.py), or back to the profile's split once none is left."""
+    in_force = decision.plan or (current.plan if current is not None else None)
+    if in_force is None or decision.status.get("phase") not in ("Running", "Reconfiguring"):
+        return decision
+    reports = {w.name: w.progress for w in obs.workers if w.progress is not None and w.status == "running"}
+    found = assess(in_force.nodes, in_force.generation, reports, ctx.status.stragglers, ctx.spec.stragglers)
+    status = {**decision.status, "stragglers": [s.to_kubernetes() for s in found.stragglers]}
+    events = tuple(Event(*event) for event in found.events)
+    decision = replace(decision, status=status, events=(*decision.events, *events), slowdowns=found.slowdowns)
+    if current is None or decision.plan is not None or decision.status.get("phase") != "Running":
+        return decision
+    if ctx.spec.stragglers.mitigation != "resplit":
+        return decision
+    confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed}
+    if confirmed:
+        plan = resplit(current.plan, confirmed, RESPLIT_MIN_GAIN)
+    elif (
+        current.plan.reason.startswith(RESPLIT_REASON)
+        and not found.stragglers
+        and set(found.slowdowns) == set(current.plan.nodes)
+    ):
+        # Every member measured in this generation and none slow: the profile's split again.
+        plan = resplit(current.plan, {})
+    else:
+        return decision
+    if plan is None:
+        return decision
+    return replace(
+        decision,
+        plan=plan,
+        failures_survived=current.failures_survived,
+        events=(*decision.events, Event("Normal", "BatchResplit", plan.reason)),
+    )
 
 
 def _decide(

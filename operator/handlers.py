@@ -495,4 +495,6 @@ async def reconcile(
             + (f"; failure-to-patch {latency:.4f} s" if latency is not None else "")
         )
     metrics.pods_created.inc(applied.created)
+    if decision.slowdowns is not None:
+        metrics.set_slowdowns(namespace, name, decision.slowdowns)
     runner.phase = str(decision.status.get("phase", "Pending"))

@@ -41,8 +41,23 @@ class Metrics:
         )
         self.plan_generations = Counter(f"{PREFIX}plan_generations_total", "Plan generations written", registry=r)
         self.api_errors = Counter(f"{PREFIX}api_errors_total", "Failed Kubernetes API calls", ["verb"], registry=r)
+        self.node_slowdown = Gauge(
+            f"{PREFIX}node_slowdown",
+            "A member node's compute against its profile, over the other nodes' median (1 = keeping pace)",
+            ["namespace", "job", "node"],
+            registry=r,
+        )
+        self._slowdown_nodes: dict[tuple[str, str], set[str]] = {}
         for phase in Phase:
             self.jobs.labels(phase=phase.value).set(0)
+
+    def set_slowdowns(self, namespace: str, job: str, slowdowns: dict[str, float]) -> None:
+        """The job's per-node slowdowns; nodes no longer measured lose their series."""
+        for node in self._slowdown_nodes.get((namespace, job), set()) - set(slowdowns):
+            self.node_slowdown.remove(namespace, job, node)
+        for node, slowdown in slowdowns.items():
+            self.node_slowdown.labels(namespace=namespace, job=job, node=node).set(slowdown)
+        self._slowdown_nodes[(namespace, job)] = set(slowdowns)
 
     def set_phases(self, phases: Iterable[str]) -> None:
         """Set the jobs-by-phase gauge from the phases of every job served."""

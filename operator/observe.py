@@ -272,6 +272,7 @@ class Worker:
     scheduled: bool = False
     deleting: bool = False  # already being deleted: no need to ask again
     reported: bool = False  # its runtime wrote a progress annotation (it started and waits for, or runs, a plan)
+    progress: ProgressReport | None = None  # that annotation, parsed (its pace: operator/stragglers.py)
 
 
 @dataclass(frozen=True)
@@ -400,6 +401,7 @@ def observe(
             scheduled=pod.node_name is not None,
             deleting=pod.deleting,
             reported=progress is not None,
+            progress=progress,
         )
 
     held = _blind(plan, workers, silent)

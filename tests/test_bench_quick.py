@@ -86,3 +86,18 @@ def test_operator_scale_quick() -> None:
     assert re.search(rf"round 1: pod-deleted x2: generation [0-9]+, failure-to-patch {NUMBER} s", out), out
     summary = json.loads(out[out.index("{\n") : out.rindex("}") + 1])
     assert summary["big_job_nodes"] == 8 and summary["big_p99_s"] > 0 and summary["operator_rss_mib"] > 0
+
+
+@pytest.mark.slow
+def test_stragglers_quick() -> None:
+    from oobleck_dev import cpulimit
+
+    if (why := cpulimit.available()) is not None:
+        pytest.skip(why)
+    out = run_quick("stragglers.py", 600)
+    assert re.search(rf"slowdown {NUMBER} against the other nodes", out), out
+    for row in ("unthrottled", "ideal"):
+        assert re.search(rf"{row}\s+{NUMBER} samples/s", out), out
+    assert re.search(rf"without mitigation\s+{NUMBER} samples/s\s+{NUMBER}% of ideal", out), out
+    assert re.search(rf"with re-split\s+{NUMBER} samples/s\s+{NUMBER}% of ideal, x{NUMBER} without", out), out
+    assert "losses equal with and without the re-split: True" in out, out

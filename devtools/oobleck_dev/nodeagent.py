@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from oobleck_dev import netfault, podenv, podrunner
+from oobleck_dev import cpulimit, netfault, podenv, podrunner
 from oobleck_dev.netfault import NetFaultUnavailable
 from oobleck_dev.podrunner import GPU_RESOURCE, PodLifecycle, now_rfc3339
 
@@ -913,6 +913,7 @@ class NodeAgent:
         self.cgroups: netfault.PodCgroups | None = None
         self._cuts: netfault.NetworkCuts | None = None
         self._cut_pods: dict[tuple[str, str], Path] = {}
+        self._cpu_quotas: dict[tuple[str, str], cpulimit.CpuQuota] = {}
         self._core: _AgentCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -982,6 +983,9 @@ class NodeAgent:
         if self._cuts is not None:
             self._cuts.close()
             self._cuts = None
+        for quota in self._cpu_quotas.values():
+            quota.release()
+        self._cpu_quotas.clear()
         if self.cgroups is not None:
             self.cgroups.close()
         if self.ips is not None:
@@ -1092,6 +1096,28 @@ class NodeAgent:
         cgroup = self._cut_pods.pop((namespace, pod), None)
         if cgroup is not None and self._cuts is not None:
             self._cuts.heal(cgroup)
+
+    def throttle_cpu(self, namespace: str, pod: str, cpus: float | None) -> list[int]:
+        """Hold a running pod's processes to `cpus` CPUs together by a CFS quota (a node turned slow, see
+        cpulimit.py); None lifts the quota. Returns the pids held. `cpulimit.available()` says whether
+        this machine can (tests skip with it)."""
+        key = (namespace, pod)
+        quota = self._cpu_quotas.get(key)
+        if quota is None:
+            quota = cpulimit.CpuQuota.create(f"{self.agent_id}-{namespace}-{pod}")
+            if quota is None:
+                raise NodeAgentError(f"pod {namespace}/{pod}: no CPU quota here: {cpulimit.available()}")
+            self._cpu_quotas[key] = quota
+        return quota.throttle(list(self.pod_pids(namespace, pod).values()), cpus)
+
+    def pod_cpu_seconds(self, namespace: str, pod: str) -> float:
+        """CPU time the pod's running processes have used so far (to throttle it relative to its own pace)."""
+        return cpulimit.cpu_seconds(list(self.pod_pids(namespace, pod).values()))
+
+    def cpu_throttled_seconds(self, namespace: str, pod: str) -> float:
+        """How long the kernel has held the pod back under `throttle_cpu` (0 if never throttled)."""
+        quota = self._cpu_quotas.get((namespace, pod))
+        return quota.throttled_seconds() if quota is not None else 0.0
 
 
 def kill_from_status_file(status_dir: Path, namespace: str, pod: str, signum: int = signals.SIGKILL) -> list[int]:

@@ -34,6 +34,7 @@ from oobleck.runtime.train.groups import GenerationGroups, layout
 from oobleck.runtime.train.layer_state import state_nbytes, transfer, unflatten
 from oobleck.runtime.train.metrics import WorkerMetrics
 from oobleck.runtime.train.optim import LayerAdamW
+from oobleck.runtime.train.pace import Pace, expected_compute_seconds
 
 if TYPE_CHECKING:
     from oobleck.runtime.snapshot.agent import Snapshotter
@@ -132,6 +133,10 @@ class Worker:
         generation breaks (the control side may set an earlier one, e.g. the kill it detected)"""
         self.losses_path = Path(losses_path) if losses_path else None
         self.metrics = metrics or WorkerMetrics(config.job, node, gpu)
+        self.pace = Pace()
+        """this rank's compute against its profile (runtime/train/pace.py); kept across generations: a
+        ratio does not depend on the share of the batch a plan gives the rank"""
+        self._expected_compute: float | None = None
         # Sized now, at start-up, not on the first reconfiguration's critical path (runtime/elastic/sources.py
         # needs them): the first meta-device build takes ~1 s of lazy set-up. Not on a thread: layer
         # builders reseed the global RNG, which a training step running beside them would feel.
@@ -220,6 +225,8 @@ class Worker:
             self.device,
             self.failed,
         )
+        self._expected_compute = expected_compute_seconds(plan, rank)
+        self.pace.on_stage((mine.stage.start, mine.stage.end, len(mine.stage.ranks)))
         self.metrics.generation.set(plan.generation)
         self.metrics.pipelines.set(len(plan.pipelines))
         self.metrics.rank.set(rank)
@@ -316,9 +323,17 @@ class Worker:
             self.metrics.recovery_seconds.observe(time.monotonic() - self.failure_time)
             self.failure_time = None
         self.metrics.observe_step(outcome.seconds, outcome.samples, outcome.tokens, self.step, outcome.loss)
+        self.pace.add(outcome.compute_seconds, self._expected_compute, outcome.step)
+        self.metrics.observe_pace(outcome.compute_seconds, self.pace.profile_ratio, self.pace.slowdown)
         if self.logs_loss:
             self._append_loss(outcome)
-        self._log("step", step=outcome.step, loss=outcome.loss, seconds=round(outcome.seconds, 6))
+        self._log(
+            "step",
+            step=outcome.step,
+            loss=outcome.loss,
+            seconds=round(outcome.seconds, 6),
+            compute=round(outcome.compute_seconds, 6),
+        )
         return outcome
 
     @property

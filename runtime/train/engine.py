@@ -68,6 +68,40 @@ class StepOutcome:
     samples: int
     tokens: int
     seconds: float
+    compute_seconds: float = 0.0
+    """this rank's own forwards and backwards (no waits for peers): the stage's pace, compared with its profile"""
+
+
+class _ComputeClock:
+    """Seconds spent in this rank's own forwards and backwards during one step.
+
+    On CPU the work is done when the call returns (wall time around it); on CUDA kernels run
+    asynchronously, so the spans are CUDA events read once at the end of the step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+        self.began = 0.0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self) -> None:
+        if self.cuda:
+            self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.events[-1][0].record()
+        else:
+            self.began = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.events[-1][1].record()
+        else:
+            self.seconds += time.perf_counter() - self.began
+
+    def total(self) -> float:
+        if self.cuda and self.events:
+            self.events[-1][1].synchronize()
+            return sum(begin.elapsed_time(end) for begin, end in self.events) / 1000.0
+        return self.seconds
 
 
 def one_f_one_b(stages: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
@@ -306,6 +340,7 @@ class Engine:
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         pending: list = []  # sends in flight: (work, tensor kept alive, peer)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        compute = _ComputeClock(self.device)
         for kind, m in one_f_one_b(len(pipeline.stages), lay.stage_index, pipeline.microbatches):
             self._check()
             index = pipeline.microbatch_offset + m
@@ -321,6 +356,7 @@ class Engine:
                     x.requires_grad_(True)
                     source = x
                 out = x
+                compute.start()
                 with autocast(self.device, self.config.precision):
                     for layer, module in self.held:
                         if self.model.stochastic:
@@ -331,6 +367,7 @@ class Engine:
                         targets = batch[1][lo:hi].to(self.device)
                         out = self.model.loss(out, targets).sum()
                         loss_sum += out.detach().double()
+                compute.stop()
                 if not lay.last:
                     # Autocast may hand back another dtype than the (autocast-free) spec the receiver expects.
                     assert self.output_spec is not None
@@ -340,11 +377,14 @@ class Engine:
             else:
                 source, out = saved.pop(m)
                 if lay.last:
+                    compute.start()
                     out.backward()
                 else:
                     assert self.output_spec is not None
                     grad = self._receive(+1, self.output_spec, BACKWARD_TAG, f"gradients of microbatch {index}")
+                    compute.start()
                     out.backward(grad)
+                compute.stop()
                 if source is not None:
                     self._send(source.grad, -1, BACKWARD_TAG, pending)
                 self.buffers.accumulate()
@@ -375,6 +415,7 @@ class Engine:
             samples=self.samples,
             tokens=self.samples * self.tokens_per_sample,
             seconds=time.perf_counter() - started,
+            compute_seconds=compute.total(),
         )
 
     def _param_name(self, parameter: torch.Tensor) -> tuple[int, str]:

@@ -49,6 +49,15 @@ class WorkerMetrics:
         ).labels(**labels)
         self.bytes_copied = counter("bytes_copied", "Layer-state bytes sent and received by layer copies")
         self.loss = gauge("loss", "Global mean loss of the last step (ranks holding the last layer)")
+        self.compute_seconds = gauge(
+            "compute_seconds", "This rank's own forwards and backwards in the last step (no waits for peers)"
+        )
+        self.profile_ratio = gauge(
+            "profile_ratio", "Compute time against the plan's profile, median of the last steps (1 = as profiled)"
+        )
+        self.slowdown = gauge(
+            "slowdown", "Compute time against this rank's own calibrated pace on its stage (1 = as it started)"
+        )
         self._rejected = Counter(
             "oobleck_worker_rejected_messages",
             "Messages refused for lacking a valid MAC under the job key (store values, snapshot pushes), by kind",
@@ -69,6 +78,13 @@ class WorkerMetrics:
         self.step.set(step)
         if loss is not None:
             self.loss.set(loss)
+
+    def observe_pace(self, compute_seconds: float, profile_ratio: float | None, slowdown: float | None) -> None:
+        self.compute_seconds.set(compute_seconds)
+        if profile_ratio is not None:
+            self.profile_ratio.set(profile_ratio)
+        if slowdown is not None:
+            self.slowdown.set(slowdown)
 
     def serve(self, port: int, address: str = "0.0.0.0") -> int:
         """Start the HTTP endpoint in a daemon thread; returns the bound port (0 picks a free one)."""

@@ -35,7 +35,14 @@ class PodWorker(Worker):
         outcome = super().train_step()
         if self.progress is not None and self.plan is not None:
             rate = outcome.samples / outcome.seconds if outcome.seconds > 0 else None
+            pace = tuple(self.pace.history) or None
             self.progress.update(
-                self.plan.generation, self.step, outcome.loss, rate, self.checkpoint_step, self.checkpoint_error
+                self.plan.generation,
+                self.step,
+                outcome.loss,
+                rate,
+                checkpoint_step=self.checkpoint_step,
+                checkpoint_error=self.checkpoint_error,
+                pace=pace,
             )
         return outcome

@@ -63,6 +63,7 @@ def progress_annotation(
     samples_per_second: float | None = None,
     checkpoint_step: int | None = None,
     checkpoint_error: str | None = None,
+    pace: tuple[tuple[int, float], ...] | None = None,
 ) -> str:
     """PROGRESS_ANNOTATION's value (oobleck.api.reports.ProgressReport)."""
     report = ProgressReport(
@@ -72,8 +73,13 @@ def progress_annotation(
         samples_per_second=samples_per_second,
         checkpoint_step=checkpoint_step,
         checkpoint_error=checkpoint_error,
+        pace=pace or (),
     )
     return report.to_json()
+
+
+_Extra = tuple[float | None, float | None, int | None, str | None, tuple[tuple[int, float], ...] | None]
+"""What rides along with a progress value, in `progress_annotation`'s order after the step."""
 
 
 class ProgressReporter:
@@ -91,7 +97,8 @@ class ProgressReporter:
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
         self._latest: tuple[int, int] | None = None
-        self._extra: tuple[float | None, float | None, int | None, str | None] = (None, None, None, None)
+        # loss, samples/s, checkpoint step, checkpoint error, pace history (see update).
+        self._extra: _Extra = (None, None, None, None, None)
         self._written: tuple[int, int] | None = None
         self._last_write = 0.0
         self._stop = False
@@ -108,9 +115,11 @@ class ProgressReporter:
         samples_per_second: float | None = None,
         checkpoint_step: int | None = None,
         checkpoint_error: str | None = None,
+        pace: tuple[tuple[int, float], ...] | None = None,
     ) -> None:
-        """The newest progress; a None loss, throughput or checkpoint step keeps the last known one.
-        `checkpoint_error` is the current state (None: the last write succeeded)."""
+        """The newest progress; a None loss, throughput, checkpoint step or pace ((step, slowdown) of the
+        last steps) keeps the last known one. `checkpoint_error` is the current state (None: the last write
+        succeeded)."""
         with self._cond:
             self._latest = (generation, step)
             known = self._extra
@@ -119,12 +128,11 @@ class ProgressReporter:
                 known[1] if samples_per_second is None else samples_per_second,
                 known[2] if checkpoint_step is None else checkpoint_step,
                 checkpoint_error,
+                known[4] if pace is None else pace,
             )
             self._cond.notify_all()
 
-    def _write_if_newer(
-        self, value: tuple[int, int], extra: tuple[float | None, float | None, int | None, str | None]
-    ) -> None:
+    def _write_if_newer(self, value: tuple[int, int], extra: _Extra) -> None:
         """Write `value` (with its loss, throughput and checkpoint step, taken with it: they describe the same
         step) unless a later step is already on the pod (the thread and flush never undo each other)."""
         with self._write_lock:

@@ -558,6 +558,31 @@ class FailurePolicy(_Model):
     )
 
 
+class StragglerPolicy(_Model):
+    """When a slow node counts as a straggler (oobleck.operator.stragglers): its compute against its own
+    pace when it started on its stage (oobleck.runtime.train.pace), divided by the median of the other nodes'
+    (so a host slowing everyone counts no one), stays at or over `threshold` for `window` steps."""
+
+    threshold: float = Field(
+        default=1.5,
+        gt=1,  # not ge=1.05: the API server checks a whole number against int(minimum), so 1 would pass
+        le=100,
+        description="Slowdown against the other nodes (1.5: half again as long for the same profiled work) from "
+        "which a node is slow.",
+    )
+    window: int = Field(
+        default=20,
+        ge=1,
+        le=100_000,
+        description="Steps a node must stay slow before a Straggler event and status.stragglers confirm it.",
+    )
+    mitigation: Literal["none", "resplit"] = Field(
+        default="resplit",
+        description="resplit: a new plan generation gives a confirmed straggler's pipeline fewer microbatches (no "
+        "layer moves, losses exact), and the profile's split back once it recovers; none: only report it.",
+    )
+
+
 class ConfigMapKey(_Model):
     """A key of a ConfigMap in the job's namespace."""
 
@@ -879,6 +904,11 @@ class OobleckJobSpec(_Model):
         le=86400,
         description="How long a worker pod may stay unschedulable before the job plans without its node.",
     )
+    stragglers: StragglerPolicy = Field(
+        default_factory=StragglerPolicy,
+        description="When a slow node is reported as a straggler.",
+        json_schema_extra=defaulted(StragglerPolicy),
+    )
 
     _RULES = (
         Rule(
@@ -1065,6 +1095,19 @@ class WorkerFailure(_Model):
     message: str = Field(default="", max_length=4096, description="What the worker or its container said.")
 
 
+class Straggler(_Model):
+    """A node slower than spec.stragglers.threshold, as the operator last measured it."""
+
+    node: str = Field(max_length=253, description="The worker pod (plan node).")
+    slowdown: float = Field(
+        ge=0, description="Its compute against its own starting pace, over the other nodes' median."
+    )
+    since_step: int = Field(ge=0, description="The step from which it has been over the threshold.")
+    confirmed: bool = Field(
+        default=False, description="Slow for spec.stragglers.window steps or more (a Straggler event was raised)."
+    )
+
+
 class OobleckJobStatus(_Model):
     """What the operator observed: written through the status subresource only."""
 
@@ -1096,6 +1139,9 @@ class OobleckJobStatus(_Model):
     )
     last_worker_failures: list[WorkerFailure] = Field(
         default_factory=list, max_length=8, description="The newest worker failures counted, oldest first."
+    )
+    stragglers: list[Straggler] = Field(
+        default_factory=list, max_length=MAX_NODES, description="Nodes now slower than spec.stragglers.threshold."
     )
     start_time: datetime | None = Field(default=None, description="When the first plan started training.")
     completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")

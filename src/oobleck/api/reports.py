@@ -82,6 +82,11 @@ class ProgressReport(BaseModel):
     checkpoint_error: str | None = Field(default=None, alias="checkpointError")
     """why this worker's last checkpoint write failed (None: it succeeded, or none was due yet)"""
 
+    pace: tuple[tuple[int, float], ...] = Field(default=(), max_length=64)
+    """(step, slowdown) of this worker's last steps, oldest first: its compute against its own calibrated
+    pace on its stage, a median over its last steps (oobleck.runtime.train.pace); the operator lines the
+    nodes' up step by step (oobleck.operator.stragglers)"""
+
     @field_validator("checkpoint_error")
     @classmethod
     def _short(cls, value: str | None) -> str | None:
@@ -92,9 +97,20 @@ class ProgressReport(BaseModel):
     def _finite(cls, value: float | None) -> float | None:
         return value if value is None or math.isfinite(value) else None
 
+    @field_validator("pace")
+    @classmethod
+    def _measured(cls, value: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        # Only finite positive figures at known steps: one odd entry never spoils the rest of the report.
+        return tuple((step, s) for step, s in value if step >= 0 and math.isfinite(s) and s > 0)
+
+    @property
+    def slowdown(self) -> float | None:
+        """The newest step's slowdown (None: not measured yet)."""
+        return self.pace[-1][1] if self.pace else None
+
     def to_json(self) -> str:
         """Rounded to what a status line needs; absent values left out."""
-        body: dict[str, int | float | str] = {"generation": self.generation, "step": self.step}
+        body: dict[str, object] = {"generation": self.generation, "step": self.step}
         if self.loss is not None:
             body["loss"] = float(f"{self.loss:.6g}")
         if self.samples_per_second is not None:
@@ -103,6 +119,8 @@ class ProgressReport(BaseModel):
             body["checkpointStep"] = self.checkpoint_step
         if self.checkpoint_error:
             body["checkpointError"] = self.checkpoint_error
+        if self.pace:
+            body["pace"] = [[step, round(s, 3)] for step, s in self.pace]
         return json.dumps(body)
 
     @classmethod

@@ -1,0 +1,175 @@
+"""Throughput with one slow node of 4, with and without the batch re-split, against the ideal (issue 22).
+
+Four real worker processes (tiny GPT, gloo, CPU) run a static plan of two 2-node pipelines from the
+real planner, three ways, in one run:
+
+1. unthrottled, the profile's split: the reference throughput;
+2. one node (`c`) held by a CFS quota of the cgroup v1 cpu controller (oobleck_dev.cpulimit) to
+   `--cpus` CPUs, the same split: what the job does without mitigation;
+3. the same node held the same way, the plan re-split by its measured slowdown
+   (oobleck.planner.resplit: no layer moves).
+
+The slow node's speed is measured, not assumed: its median compute per step (the engine's own timing)
+unthrottled over throttled. The ideal is the unthrottled throughput x (sum of node speeds / nodes).
+Steady state: the steps after the first `--warmup`. The losses of the three runs must be equal (the
+re-split keeps them exact). Needs root and a v1 cpu hierarchy at /sys/fs/cgroup/cpu (it says so and
+exits 0 otherwise).
+
+    .venv/bin/python bench/stragglers.py [--steps 60] [--cpus 0.25] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+NODES = ["a", "b", "c", "d"]
+SLOW = "c"
+
+
+def plan_and_config(microbatches: int):
+    from oobleck.api.profile import ClusterShape
+    from oobleck.planner import instantiate
+    from oobleck.planner.templates import generate_templates
+    from oobleck.runtime.train.config import WorkerConfig, build_model
+    from oobleck.runtime.train.profiler import profile_model
+
+    config = WorkerConfig(job="bench", microbatch_size=2, gradient_sum_dtype="float64", device="cpu")
+    profile = profile_model(build_model(config), config.microbatch_size, __import__("torch").device("cpu"))
+    cluster = ClusterShape(
+        nodes=4, gpus_per_node=1, gpu_memory_bytes=1 << 34, intra_node_bandwidth=1e11, inter_node_bandwidth=1e10
+    )
+    templates = generate_templates(profile, cluster, f=1, global_microbatches=microbatches, min_nodes_per_pipeline=2)
+    plan = instantiate([t for t in templates if t.nodes == 2], NODES, 1, microbatches, "bench")
+    return plan, config
+
+
+def run(workdir: Path, config, plan, steps: int, throttle: float | None) -> dict:
+    """Every rank of `plan` as a worker process; `throttle`: CPUs for node SLOW's process."""
+    from torch.distributed import TCPStore
+
+    from oobleck_dev import cpulimit
+
+    workdir.mkdir(parents=True)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    (workdir / "config.json").write_text(config.model_copy(update={"steps": steps}).model_dump_json())
+    (workdir / "plan.json").write_text(plan.to_json())
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    processes, quota = {}, None
+    for a in plan.ranks:
+        command = [sys.executable, "-m", "oobleck.runtime", "worker", "--config", str(workdir / "config.json")]
+        command += ["--plan", str(workdir / "plan.json"), "--store", f"127.0.0.1:{store.port}"]
+        command += ["--node", a.node, "--gpu", str(a.gpu), "--losses", str(workdir / "losses.jsonl")]
+        log = open(workdir / f"{a.node}.log", "w")
+        processes[a.node] = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        if throttle is not None:
+            quota = cpulimit.CpuQuota.create(f"bench-{uuid.uuid4().hex[:8]}")
+            assert quota is not None, cpulimit.available()
+            quota.throttle([processes[SLOW].pid], throttle)
+        for node, process in processes.items():
+            if process.wait(timeout=900) != 0:
+                raise SystemExit(
+                    f"worker {node} exited {process.returncode}: {(workdir / f'{node}.log').read_text()[-2000:]}"
+                )
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+        if quota is not None:
+            time.sleep(0.2)
+            quota.release()
+    losses = [json.loads(line) for line in (workdir / "losses.jsonl").read_text().splitlines()]
+    compute = {}
+    for node in NODES:
+        records = [
+            json.loads(line) for line in (workdir / f"{node}.log").read_text().splitlines() if line.startswith("{")
+        ]
+        compute[node] = [r["compute"] for r in records if r.get("event") == "step"]
+    return {"losses": losses, "compute": compute}
+
+
+def throughput(result: dict, warmup: int, samples: int) -> float:
+    """Samples per second over the steps after `warmup` (the logging rank's step times)."""
+    times = sorted((r["step"], r["time"]) for r in result["losses"])
+    (first, began), (last, ended) = times[warmup], times[-1]
+    return (last - first) * samples / (ended - began)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument(
+        "--cpus",
+        type=float,
+        default=0.25,
+        help="CPUs the slow node's process may use (4 workers on 2 cores get ~0.5 each)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a short run (the suite's smoke test)")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.warmup = 30, 5
+    from oobleck.planner.resplit import resplit
+    from oobleck_dev import cpulimit
+
+    if (why := cpulimit.available()) is not None:
+        print(f"skipped: {why}")
+        return
+    plan, config = plan_and_config(args.microbatches)
+    samples = args.microbatches * config.microbatch_size
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        even = run(root / "even", config, plan, args.steps, None)
+        slow = run(root / "slow", config, plan, args.steps, args.cpus)
+        slowdown = statistics.median(slow["compute"][SLOW][args.warmup :]) / statistics.median(
+            even["compute"][SLOW][args.warmup :]
+        )
+        others = [
+            statistics.median(slow["compute"][n][args.warmup :]) / statistics.median(even["compute"][n][args.warmup :])
+            for n in NODES
+            if n != SLOW
+        ]
+        relative = slowdown / statistics.median(others)
+        split = resplit(plan, {SLOW: relative})
+        mitigated = run(root / "resplit", config, split or plan, args.steps, args.cpus)
+    base = throughput(even, args.warmup, samples)
+    without = throughput(slow, args.warmup, samples)
+    with_resplit = throughput(mitigated, args.warmup, samples)
+    speeds = [1.0 / relative if n == SLOW else 1.0 for n in NODES]
+    ideal = base * sum(speeds) / len(NODES)
+    before = [r["loss"] for r in sorted(even["losses"], key=lambda r: r["step"])]
+    after = [r["loss"] for r in sorted(mitigated["losses"], key=lambda r: r["step"])]
+    # Within the runtime's documented 1e-5 (float64 sums added in another order give the last bits).
+    same = len(before) == len(after) == args.steps and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(before, after))
+    print(
+        f"plan: pipelines {[p.nodes for p in plan.pipelines]}, {args.microbatches} microbatches of {config.microbatch_size}"
+    )
+    print(
+        f"node {SLOW} held to {args.cpus} CPUs: slowdown {relative:.2f} against the other nodes (speed {1 / relative:.2f})"
+    )
+    print(
+        f"re-split: {[p.microbatches for p in (split or plan).pipelines]} microbatches (was {[p.microbatches for p in plan.pipelines]})"
+    )
+    print(f"unthrottled        {base:8.1f} samples/s")
+    print(f"ideal              {ideal:8.1f} samples/s  (unthrottled x {sum(speeds):.2f} / {len(NODES)})")
+    print(f"without mitigation {without:8.1f} samples/s  {without / ideal:6.1%} of ideal")
+    print(
+        f"with re-split      {with_resplit:8.1f} samples/s  {with_resplit / ideal:6.1%} of ideal, x{with_resplit / without:.2f} without"
+    )
+    print(f"losses equal with and without the re-split: {same} ({len(after)} steps, rtol 1e-5)")
+
+
+if __name__ == "__main__":
+    main()

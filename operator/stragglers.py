@@ -1,0 +1,121 @@
+"""Which nodes are stragglers: a pure function of the workers' pace reports and the previous status.
+
+Each worker reports the (step, slowdown) of its last steps (oobleck.runtime.train.pace: its compute per
+profiled cost, a median of its last steps, over the same figure when it started on its stage). A node's
+slowdown at a step is its figure over the median of the *other* nodes' figures at that step: a host that
+slows every node down (other jobs, a burst of imports) makes no one a straggler, and with two nodes the
+slow one is measured against the fast one rather than against a median it pulls up itself. Lining the
+nodes up step by step (not report by report) gives the step a node fell behind exactly, however late
+the operator reads the reports.
+
+A node at or over `spec.stragglers.threshold` is listed in `status.stragglers` with the step from which
+it has been slow (kept from the previous status while it stays slow); once it has been slow for
+`spec.stragglers.window` steps it is confirmed and one `Straggler` event says so. A confirmed node that
+falls back under the threshold leaves the list with a `StragglerRecovered` event; one not measured in the
+current generation yet keeps its entry.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from oobleck.api.job import Straggler, StragglerPolicy
+from oobleck.api.reports import ProgressReport
+
+STRAGGLER = "Straggler"
+RECOVERED = "StragglerRecovered"
+
+
+@dataclass(frozen=True)
+class Assessment:
+    slowdowns: dict[str, float]
+    """every reporting member's slowdown against the others (for the per-node metric)"""
+    stragglers: list[Straggler]
+    """the nodes at or over the threshold, for status.stragglers"""
+    events: list[tuple[str, str, str]]
+    """(type, reason, message) to post on the job"""
+
+
+def _at(series: Sequence[tuple[int, float]], step: int) -> float:
+    """A node's figure at `step`: its newest at or before it (its oldest if it starts later)."""
+    value = series[0][1]
+    for at, figure in series:
+        if at > step:
+            break
+        value = figure
+    return value
+
+
+def relative_series(paces: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+    """Each node's (step, its figure over the median of the other nodes' figures at that step); a lone node
+    has nothing to compare with and is left out."""
+    result = {}
+    for node, series in paces.items():
+        others = [s for n, s in paces.items() if n != node and s]
+        if series and others:
+            result[node] = [(step, figure / statistics.median(_at(o, step) for o in others)) for step, figure in series]
+    return result
+
+
+def relative_slowdowns(paces: Mapping[str, float]) -> dict[str, float]:
+    """Each node's pace over the median of the other nodes' paces (the newest step of `relative_series`)."""
+    return {node: series[-1][1] for node, series in relative_series({n: [(0, p)] for n, p in paces.items()}).items()}
+
+
+def assess(
+    members: Sequence[str],
+    generation: int,
+    reports: Mapping[str, ProgressReport],
+    previous: Sequence[Straggler],
+    policy: StragglerPolicy,
+) -> Assessment:
+    """The stragglers among the plan's `members`, from their `reports` of plan generation `generation`
+    (a report of another generation, or without a pace, is left out) and the `previous` status."""
+    paces = {
+        node: report.pace
+        for node in members
+        if (report := reports.get(node)) is not None and report.generation == generation and report.pace
+    }
+    relative = relative_series(paces)
+    slowdowns = {node: series[-1][1] for node, series in relative.items()}
+    before = {s.node: s for s in previous}
+    stragglers, events = [], []
+    for node in sorted(relative):
+        series = relative[node]
+        slowdown, step = series[-1][1], series[-1][0]
+        if slowdown < policy.threshold:
+            continue
+        # The first step of the trailing run over the threshold; a run as old as the history continues
+        # the one the previous status holds.
+        run = 0
+        while run < len(series) and series[-1 - run][1] >= policy.threshold:
+            run += 1
+        since = series[-run][0]
+        known = before.get(node)
+        if known is not None and run == len(series) and known.since_step <= since:
+            since = known.since_step
+        confirmed = step - since >= policy.window
+        stragglers.append(Straggler(node=node, slowdown=round(slowdown, 3), since_step=since, confirmed=confirmed))
+        if confirmed and not (known is not None and known.confirmed):
+            events.append(
+                (
+                    "Warning",
+                    STRAGGLER,
+                    f"{node} computes {slowdown:.2f}x slower than the other nodes' median "
+                    f"(threshold {policy.threshold}) since step {since}",
+                )
+            )
+    for node, known in before.items():
+        # A member not measured in this generation yet (a new plan just went out) keeps its entry: no news
+        # is not a recovery, and it must not be confirmed (and announced) a second time.
+        if node in members and node not in relative:
+            stragglers.append(known)
+    stragglers.sort(key=lambda s: s.node)
+    listed = {s.node for s in stragglers}
+    for node, known in before.items():
+        # A node that stopped reporting (lost, replaced) is the failure path's business, not a recovery.
+        if known.confirmed and node not in listed and node in slowdowns:
+            events.append(("Normal", RECOVERED, f"{node} is back under {policy.threshold}x the other nodes' median"))
+    return Assessment(slowdowns, stragglers, events)

@@ -1,0 +1,91 @@
+"""Stragglers from the workers' pace reports (operator/stragglers.py): pure, over real report JSON."""
+
+from __future__ import annotations
+
+import pytest
+
+from oobleck.api.job import Straggler, StragglerPolicy
+from oobleck.api.reports import ProgressReport
+from oobleck.operator.stragglers import RECOVERED, STRAGGLER, assess, relative_slowdowns
+
+NODES = ["w-0", "w-1", "w-2", "w-3"]
+POLICY = StragglerPolicy(threshold=1.5, window=10)
+
+
+def reports(step: int, paces: dict[str, float], generation: int = 0) -> dict[str, ProgressReport]:
+    """Each node's progress annotation as a worker writes it, parsed as observe.py does."""
+    return {
+        node: ProgressReport.parse(f'{{"generation": {generation}, "step": {step}, "pace": [[{step}, {pace}]]}}')  # type: ignore[misc]
+        for node, pace in paces.items()
+    }
+
+
+def test_a_host_slow_everywhere_makes_no_straggler_and_a_lone_node_is_never_compared() -> None:
+    # Every node 3x its profile (a loaded machine): each is at the others' median.
+    assert relative_slowdowns({n: 3.0 for n in NODES}) == {n: pytest.approx(1.0) for n in NODES}
+    assert relative_slowdowns({"w-0": 5.0}) == {}
+    # Two nodes: the slow one against the fast one, not against a mean it pulls up itself.
+    assert relative_slowdowns({"w-0": 2.0, "w-1": 1.0}) == {"w-0": 2.0, "w-1": 0.5}
+
+
+def test_a_node_slow_for_the_window_is_confirmed_once_then_recovers() -> None:
+    paces = {"w-0": 1.2, "w-1": 1.25, "w-2": 2.6, "w-3": 1.3}
+    first = assess(NODES, 0, reports(40, paces), [], POLICY)
+    assert first.stragglers == [Straggler(node="w-2", slowdown=2.08, since_step=40, confirmed=False)]
+    assert first.events == []
+    assert set(first.slowdowns) == set(NODES)
+    # Still slow 9 steps later: not yet the window.
+    later = assess(NODES, 0, reports(49, paces), first.stragglers, POLICY)
+    assert [(s.since_step, s.confirmed) for s in later.stragglers] == [(40, False)]
+    # 10 steps: confirmed, one event naming the node, its slowdown and the step it began.
+    confirmed = assess(NODES, 0, reports(50, paces), later.stragglers, POLICY)
+    assert [(s.since_step, s.confirmed) for s in confirmed.stragglers] == [(40, True)]
+    assert [(kind, reason) for kind, reason, _ in confirmed.events] == [("Warning", STRAGGLER)]
+    assert "w-2 computes 2.08x slower" in confirmed.events[0][2] and "since step 40" in confirmed.events[0][2]
+    # No second event while it stays slow.
+    assert assess(NODES, 0, reports(70, paces), confirmed.stragglers, POLICY).events == []
+    # Back to pace: off the list, one recovery event.
+    back = assess(NODES, 0, reports(80, {**paces, "w-2": 1.3}), confirmed.stragglers, POLICY)
+    assert back.stragglers == []
+    assert [(kind, reason) for kind, reason, _ in back.events] == [("Normal", RECOVERED)]
+
+
+def test_nodes_are_lined_up_step_by_step_however_late_the_reports_are_read() -> None:
+    # The operator reads the reports 12 steps after w-2 fell behind (at step 40), each at another step;
+    # the host slowed every node 3x from step 30 (no one's fault).
+    def history(last: int, slow_from: int | None) -> str:
+        pace = [
+            [s, (3.0 if s >= 30 else 1.0) * (2.0 if slow_from is not None and s >= slow_from else 1.0)]
+            for s in range(last - 23, last + 1)
+        ]
+        return f'{{"generation": 0, "step": {last}, "pace": {pace}}}'
+
+    late = {
+        "w-0": ProgressReport.parse(history(52, None)),
+        "w-1": ProgressReport.parse(history(50, None)),
+        "w-2": ProgressReport.parse(history(52, 40)),
+    }
+    found = assess(NODES, 0, late, [], POLICY)  # type: ignore[arg-type]
+    assert [(s.node, s.since_step, s.confirmed) for s in found.stragglers] == [("w-2", 40, True)]
+    assert [reason for _, reason, _ in found.events] == [STRAGGLER]
+    assert found.slowdowns["w-2"] == pytest.approx(2.0) and found.slowdowns["w-0"] == pytest.approx(3 / 4.5)
+
+
+def test_reports_of_another_generation_or_without_a_pace_are_left_out() -> None:
+    mixed = {**reports(30, {"w-0": 1.0, "w-1": 1.0}), **reports(30, {"w-2": 4.0}, generation=1)}
+    mixed["w-3"] = ProgressReport(generation=0, step=30)  # not measured yet
+    found = assess(NODES, 0, mixed, [], POLICY)
+    assert set(found.slowdowns) == {"w-0", "w-1"} and found.stragglers == []
+    # A member not measured in this generation yet keeps its entry (no second event once it reports).
+    known = Straggler(node="w-2", slowdown=3, since_step=1, confirmed=True)
+    waiting = assess(NODES, 1, reports(30, {"w-0": 1.0, "w-1": 1.0}, generation=1), [known], POLICY)
+    assert waiting.stragglers == [known] and waiting.events == []
+    # A lost node that was confirmed leaves the list without a recovery event (the failure path owns it).
+    gone = assess(
+        ["w-0", "w-1"],
+        0,
+        reports(30, {"w-0": 1.0, "w-1": 1.0}),
+        [Straggler(node="w-2", slowdown=3, since_step=1, confirmed=True)],
+        POLICY,
+    )
+    assert gone.stragglers == [] and gone.events == []
