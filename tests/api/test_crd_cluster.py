@@ -49,7 +49,7 @@ def test_example_applies_and_the_stored_spec_is_what_the_models_read(cluster: An
     stored = _get(cluster, namespace)
     assert parse_spec(stored["spec"]) == parse_spec(example["spec"])
     assert stored["spec"]["pendingTimeoutSeconds"] == 300  # a default the API server filled in
-    assert stored["spec"]["stragglers"] == {"threshold": 1.5, "window": 20}  # the whole object, defaulted
+    assert stored["spec"]["stragglers"] == {"threshold": 1.5, "window": 20, "mitigation": "resplit"}  # defaulted whole
     assert stored["metadata"]["generation"] == 1
     # Short name and category both list it.
     assert "tiny-gpt" in cluster.kubectl("get", "-n", namespace, "oobleck", "-o", "name").stdout
