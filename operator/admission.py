@@ -3,7 +3,7 @@
 - Per GPU (device cuda): the planner fills at most `spec.gpuMemory` bytes per GPU (else the operator's
   --gpu-memory-gib). A plan puts at least the heaviest layer's state + activations / G on one GPU, and
   the whole model's state + activations over all nodes.max x gpusPerNode GPUs; if even that lower
-  bound exceeds the GPU memory no plan exists (the planner's own check, decide.check_spec, then
+  bound exceeds the GPU memory no plan exists (the planner's own check, planning.check_spec, then
   catches the layouts in between).
 - Per worker (device cpu): the model is built and measured whole in one worker process (profile:
   measure), and every process of a pod holds its stages in the pod's memory: the whole model's state

@@ -28,7 +28,7 @@ from oobleck.api.job import GROUP, PLURAL, VERSION, OobleckJobSpec, Phase
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ModelProfile
 from oobleck.operator import render
-from oobleck.operator.decide import Decision, Event
+from oobleck.operator.decision import Decision, Event
 from oobleck.operator.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from oobleck.operator.decide import Tuning
+from oobleck.operator.planning import Tuning
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -19,225 +19,28 @@ a plan it has not read.
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from oobleck.api.conditions import ConditionType, Reason, is_true, phase_of, set_condition
-from oobleck.api.hfpresets import PRESETS
-from oobleck.api.hfpresets import sizes as hf_sizes
+from oobleck.api.conditions import ConditionType, Reason, is_true
 from oobleck.api.job import (
-    Condition,
     OobleckJobSpec,
-    OobleckJobStatus,
-    PlanSummary,
-    Progress,
-    TemplateUse,
-    worker_selector,
 )
 from oobleck.api.plan import Plan
-from oobleck.api.profile import ClusterShape, ModelProfile
-from oobleck.operator.admission import admit, gpu_memory_bytes
+from oobleck.api.profile import ModelProfile
+from oobleck.operator.admission import admit
+from oobleck.operator.decision import CurrentPlan, Decision, Event, JobContext
 from oobleck.operator.faults import Verdict
-from oobleck.operator.observe import JobObservation, Worker
+from oobleck.operator.observe import JobObservation
+from oobleck.operator.planning import Tuning, check_spec, first_plan, synthetic_profile
 from oobleck.operator.planpool import IN_PROCESS, Planner, PlanningLimitExceeded
 from oobleck.operator.render import ranks_table, worker_annotations, worker_index
-from oobleck.operator.stragglers import assess
-from oobleck.planner import instantiate
+from oobleck.operator.status import StatusBuilder, measured, pending_condition
+from oobleck.operator.stragglers import with_stragglers
 from oobleck.planner.errors import PlanningError
 from oobleck.planner.nextgen import WORKERS_CHOOSE, next_generation
-from oobleck.planner.resplit import RESPLIT_REASON, resplit
-from oobleck.planner.synthetic import GPTShape, gpt_profile
-from oobleck.planner.templates import generate_templates
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """The operator-wide numbers the planner needs and a spec does not carry (see settings.py)."""
-
-    gpu_memory_bytes: int = 80 << 30
-    intra_node_bandwidth: float = 300e9
-    inter_node_bandwidth: float = 25e9
-    gpu_flops: float = 300e12
-    hbm_bandwidth: float = 2e12
-    horizon: int = 100
-    gpu_failure_conditions: tuple[str, ...] = ("GPUUnhealthy", "GpuUnhealthy", "NVIDIAGPUUnhealthy")
-    measure_timeout_s: float = 120.0
-    """`profile: measure`: how long the running workers may take to report their measurement before
-    generation 0 is planned with the synthetic estimate of the model instead (with a warning event)"""
-
-
-@dataclass(frozen=True)
-class JobContext:
-    """The job as read from the API server."""
-
-    name: str
-    namespace: str
-    uid: str
-    generation: int
-    spec: OobleckJobSpec
-    status: OobleckJobStatus
-
-
-@dataclass(frozen=True)
-class CurrentPlan:
-    """The plan ConfigMap's content: the generation in force and the failure counter stored with it."""
-
-    plan: Plan
-    failures_survived: int = 0
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Everything to do, in `apply`'s order (see the module docstring)."""
-
-    status: dict[str, Any]
-    plan: Plan | None = None
-    failures_survived: int = 0
-    status_during: dict[str, Any] | None = None  # written while the patches are in flight (Reconfiguring)
-    patches: tuple[tuple[str, dict[str, str]], ...] = ()
-    delete: tuple[tuple[str, str], ...] = ()  # (pod, why)
-    create: tuple[int, ...] = ()  # worker indices
-    create_coordinator: bool = False
-    events: tuple[Event, ...] = ()
-    lost: tuple[str, ...] = ()  # members lost in this decision (for metrics)
-    planner_seconds: float = 0.0
-    profile: ModelProfile | None = None  # the profile generation 0 was planned with (stored beside the plan)
-    slowdowns: dict[str, float] | None = None  # each member's slowdown against the others (operator/stragglers.py)
-
-
-def cluster_shape(spec: OobleckJobSpec, tuning: Tuning) -> ClusterShape:
-    """The machines the job plans for: nodes.max nodes of gpusPerNode GPUs."""
-    return ClusterShape(
-        nodes=spec.nodes.max,
-        gpus_per_node=spec.gpus_per_node,
-        gpu_memory_bytes=gpu_memory_bytes(spec, tuning),
-        intra_node_bandwidth=tuning.intra_node_bandwidth,
-        inter_node_bandwidth=tuning.inter_node_bandwidth,
-    )
-
-
-def synthetic_profile(spec: OobleckJobSpec, tuning: Tuning) -> ModelProfile:
-    """The profile of the model estimated from its sizes (what `profile.source: measure` uses until the
-    runtime's profiling phase runs in pods): the built-in GPT, or a transformers model given by preset or
-    inline config. Raises PlanningError for an entry-point model or a config in a ConfigMap."""
-    gpt = spec.model.gpt
-    hf = spec.model.transformers
-    if hf is not None and hf.config_map is None:
-        # A transformers model estimated as the GPT of its sizes (embedding / blocks / head alike).
-        family = hf.family or PRESETS[str(hf.preset)]["model_type"]
-        size = hf_sizes(hf.config if hf.config is not None else PRESETS[str(hf.preset)], family)
-        shape = GPTShape(blocks=size.blocks, hidden=size.hidden, heads=size.heads, vocab=size.vocab)
-        seq_len = hf.sequence_length or size.positions
-        name = hf.preset or f"{family}-{size.blocks}x{size.hidden}"
-    elif gpt is not None:
-        shape = GPTShape(blocks=gpt.layers, hidden=gpt.hidden_size, heads=gpt.heads, vocab=gpt.vocab_size)
-        seq_len, name = gpt.sequence_length, f"gpt-{gpt.layers}x{gpt.hidden_size}"
-    else:
-        what = "model.entryPoint" if hf is None else "model.transformers.configMap (its sizes are in the ConfigMap)"
-        raise PlanningError(
-            f"profile.source: measure needs the runtime's profiler for {what}, and no worker reported a measured "
-            "profile; measure with `oobleck profile` and use profile.source: configMap"
-        )
-    try:
-        return gpt_profile(
-            shape,
-            seq_len=seq_len,
-            microbatch_size=spec.training.microbatch_size,
-            gpu_flops=tuning.gpu_flops,
-            hbm_bandwidth=tuning.hbm_bandwidth,
-            name=name,
-        )
-    except ValueError as error:
-        raise PlanningError(f"model: no size estimate for this model: {error}") from error
-
-
-def check_spec(
-    spec: OobleckJobSpec, profile: ModelProfile, tuning: Tuning, planner: Planner = IN_PROCESS
-) -> str | None:
-    """Why the planner cannot serve this (API-valid) spec, or None: templates for nodes.max, a full
-    plan on the wanted node count, and a (possibly degraded) plan on nodes.min must all exist; a check
-    over the planner's time or memory limit (operator/planpool.py) says so. Memoised: a job waiting for
-    1000 pods is reconciled many times with the same spec."""
-    return _check_spec(spec.model_dump_json(), profile.model_dump_json(), tuning, planner)
-
-
-@functools.lru_cache(maxsize=256)
-def _check_spec(spec_json: str, profile_json: str, tuning: Tuning, planner: Planner) -> str | None:
-    try:
-        return planner.run(check_planned, spec_json, profile_json, tuning)
-    except PlanningLimitExceeded as error:
-        return str(error)
-
-
-def check_planned(spec_json: str, profile_json: str, tuning: Tuning) -> str | None:
-    """check_spec's work (run by a Planner, so in a planner process: JSON in, a message out)."""
-    spec = OobleckJobSpec.model_validate_json(spec_json)
-    profile = ModelProfile.model_validate_json(profile_json)
-    try:
-        templates = generate_templates(
-            profile,
-            cluster_shape(spec, tuning),
-            spec.f,
-            spec.training.reference_microbatches,
-            global_microbatches=spec.training.global_microbatches,
-            microbatch_size=spec.training.microbatch_size,
-        )
-        # A stage of g GPUs splits every microbatch in g parts: each needs at least one sample. The planner
-        # only makes stages whose GPU count divides the microbatch size; this stays as a guard.
-        split = max((stage.gpus for t in templates for stage in t.stages), default=1)
-        if split > spec.training.microbatch_size:
-            return (
-                f"training.microbatchSize: {spec.training.microbatch_size} sample(s) cannot be split over the "
-                f"{split} GPUs of a pipeline stage the planner needs; use a microbatchSize of at least {split}"
-            )
-        mb = spec.training.global_microbatches
-        instantiate(
-            templates, [str(i) for i in range(spec.nodes.wanted)], spec.f, mb, "check", gpus_per_node=spec.gpus_per_node
-        )
-        instantiate(
-            templates,
-            [str(i) for i in range(spec.nodes.min)],
-            spec.f,
-            mb,
-            "check",
-            gpus_per_node=spec.gpus_per_node,
-            allow_degraded=True,
-        )
-    except PlanningError as error:
-        return str(error)
-    return None
-
-
-def first_plan(spec: OobleckJobSpec, profile: ModelProfile, tuning: Tuning, nodes: list[str], job: str) -> Plan:
-    """Generation 0 on `nodes` (run by a Planner); raises PlanningError."""
-    templates = generate_templates(
-        profile,
-        cluster_shape(spec, tuning),
-        spec.f,
-        spec.training.reference_microbatches,
-        global_microbatches=spec.training.global_microbatches,
-        microbatch_size=spec.training.microbatch_size,
-    )
-    return instantiate(
-        templates,
-        nodes,
-        spec.f,
-        spec.training.global_microbatches,
-        job,
-        gpus_per_node=spec.gpus_per_node,
-        allow_degraded=True,
-    )
 
 
 def next_indices(obs: JobObservation, plan: Plan | None, count: int) -> tuple[int, ...]:
@@ -250,85 +53,6 @@ def next_indices(obs: JobObservation, plan: Plan | None, count: int) -> tuple[in
         used += [i for n in (*plan.nodes, *plan.lost_nodes) if (i := worker_index(job, n)) is not None]
     start = max(used, default=-1) + 1
     return tuple(range(start, start + count))
-
-
-class _Status:
-    """Builds the next status from the previous one (conditions keep their transition times)."""
-
-    def __init__(
-        self,
-        ctx: JobContext,
-        now: datetime,
-        measured: tuple[float | None, float | None, int | None] | None = None,
-        verdict: Verdict | None = None,
-    ) -> None:
-        self.ctx, self.now = ctx, now
-        self.verdict = verdict
-        """operator/faults.py's: the worker failures counted (status.workerFailures), and whether to fail"""
-        self.conditions: list[Condition] = list(ctx.status.conditions)
-        self.measured = measured
-        """(loss, samples/s) of the newest step the workers reported, and the newest complete checkpoint step"""
-
-    def set(self, type_: str, status: str, reason: str, message: str) -> None:
-        self.conditions = set_condition(self.conditions, type_, status, reason, message, self.ctx.generation, self.now)  # type: ignore[arg-type]
-
-    def render(self, plan: Plan | None, failures: int, step: int, *, completed: bool = False) -> dict[str, Any]:
-        prior = self.ctx.status
-        summary = None
-        if plan is not None:
-            uses: dict[int, int] = {}
-            for pipeline in plan.pipelines:
-                uses[pipeline.template_nodes] = uses.get(pipeline.template_nodes, 0) + 1
-            summary = PlanSummary(
-                generation=plan.generation,
-                config_map=f"{self.ctx.name}-plan",
-                templates=[
-                    TemplateUse(nodes=n, pipelines=uses.get(n, 0)) for n in sorted({t.nodes for t in plan.templates})
-                ],
-                pipelines=len(plan.pipelines),
-                nodes=len(plan.nodes),
-                degraded=plan.degraded,
-                iteration_ms=round(plan.iteration_ms, 3),
-            )
-        progress = prior.progress
-        if step and (progress is None or progress.step != step):
-            progress = Progress(step=step) if progress is None else progress.model_copy(update={"step": step})
-        if self.measured is not None and self.measured[2] is not None and progress is None:
-            progress = Progress()
-        if progress is not None and self.measured is not None:
-            loss, rate, checkpoint = self.measured
-            known = progress.last_checkpoint_step
-            progress = progress.model_copy(
-                update={
-                    "loss": loss if loss is not None else progress.loss,
-                    "samples_per_second": rate if rate is not None else progress.samples_per_second,
-                    # A pruned directory only moves forward: the newest step any report named.
-                    "last_checkpoint_step": known if checkpoint is None else max(known or 0, checkpoint),
-                }
-            )
-        status = OobleckJobStatus(
-            phase=phase_of(self.conditions),
-            conditions=self.conditions,
-            observed_generation=self.ctx.generation,
-            nodes=len(plan.nodes) if plan is not None else 0,
-            selector=worker_selector(self.ctx.name),
-            plan=summary,
-            progress=progress,
-            failures_survived=failures,
-            reconfigurations=plan.generation if plan is not None else 0,
-            worker_failures=self.verdict.worker_failures if self.verdict else prior.worker_failures,
-            last_worker_failures=list(
-                self.verdict.last_worker_failures if self.verdict else prior.last_worker_failures
-            ),
-            start_time=prior.start_time or (self.now if plan is not None else None),
-            completion_time=prior.completion_time or (self.now if completed else None),
-        )
-        return status.to_kubernetes()
-
-
-def _measured(obs: JobObservation) -> tuple[float | None, float | None, int | None]:
-    """What the workers reported for the status: the newest step's loss and throughput, the newest checkpoint."""
-    return obs.loss, obs.samples_per_second, obs.checkpoint_step
 
 
 def _cleanup(spec: OobleckJobSpec, obs: JobObservation) -> tuple[tuple[str, str], ...]:
@@ -350,7 +74,7 @@ def _cleanup(spec: OobleckJobSpec, obs: JobObservation) -> tuple[tuple[str, str]
 
 
 def _finished(
-    ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: _Status, events: list[Event]
+    ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: StatusBuilder, events: list[Event]
 ) -> Decision:
     plan = current.plan if current else None
     failures = current.failures_survived if current else 0
@@ -362,7 +86,7 @@ def _finished(
 
 
 def _fail(
-    ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: _Status, reason: str, message: str
+    ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: StatusBuilder, reason: str, message: str
 ) -> Decision:
     status.set(ConditionType.FAILED, "True", reason, message)
     status.set(ConditionType.RUNNING, "False", Reason.NOT_APPLICABLE, "the job failed")
@@ -391,7 +115,7 @@ def _retry_reason(obs: JobObservation, wall: float) -> str:
     return ""
 
 
-def _checkpoint_condition(ctx: JobContext, obs: JobObservation, status: _Status) -> tuple[Event, ...]:
+def _checkpoint_condition(ctx: JobContext, obs: JobObservation, status: StatusBuilder) -> tuple[Event, ...]:
     """CheckpointFailing from the members' reports: True (and a Warning event as it turns True) while a
     running member's last checkpoint write failed, False once their writes succeed again."""
     if obs.checkpoint_error:
@@ -407,20 +131,6 @@ def _checkpoint_condition(ctx: JobContext, obs: JobObservation, status: _Status)
             "the members' last checkpoint writes succeeded",
         )
     return ()
-
-
-def _pending_condition(status: _Status, pending: Sequence[Worker], timeout_s: int, now: float) -> None:
-    stuck = [w for w in pending if not w.scheduled and w.created is not None and now - w.created >= timeout_s]
-    if stuck:
-        why = stuck[0].reason or "not scheduled"
-        status.set(
-            ConditionType.WORKERS_PENDING,
-            "True",
-            Reason.UNSCHEDULABLE,
-            f"{len(stuck)} worker pod(s) unschedulable for over {timeout_s} s (e.g. {stuck[0].name}: {why})",
-        )
-    elif any(c.type == ConditionType.WORKERS_PENDING for c in status.conditions):
-        status.set(ConditionType.WORKERS_PENDING, "False", Reason.ALL_SCHEDULED, "no worker pod is stuck unschedulable")
 
 
 def decide(
@@ -448,58 +158,14 @@ def decide(
     try:
         decision = _decide(ctx, obs, current, profile, tuning, now, verdict, planner)
     except PlanningLimitExceeded as error:
-        status = _Status(ctx, now, _measured(obs), verdict)
+        status = StatusBuilder(ctx, now, measured(obs), verdict)
         return _fail(ctx, obs, current, status, Reason.INVALID_SPEC, f"the planner cannot serve this spec: {error}")
     if verdict is not None and verdict.new and verdict.fail is None and decision.status.get("phase") != "Failed":
         counted = tuple(
             Event("Warning", f.kind, f"{f.message} (worker failure {verdict.worker_failures})") for f in verdict.new
         )
         decision = replace(decision, events=(*counted, *decision.events))
-    return _with_stragglers(ctx, obs, current, decision)
-
-
-RESPLIT_MIN_GAIN = 0.1
-"""A re-split must shorten the step at the measured speeds by a tenth: a wobbling measurement makes no new
-generation per wobble (each costs a redone step)."""
-
-
-def _with_stragglers(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, decision: Decision) -> Decision:
-    """The decision with status.stragglers and the Straggler events (operator/stragglers.py) while the
-    plan in force trains (nothing is slow in a job that does not); with `stragglers.mitigation: resplit`
-    and nothing else to change, the next generation re-splits the batch around the confirmed stragglers
-    (planner_cy/resplit.py), or back to the profile's split once none is left."""
-    in_force = decision.plan or (current.plan if current is not None else None)
-    if in_force is None or decision.status.get("phase") not in ("Running", "Reconfiguring"):
-        return decision
-    reports = {w.name: w.progress for w in obs.workers if w.progress is not None and w.status == "running"}
-    found = assess(in_force.nodes, in_force.generation, reports, ctx.status.stragglers, ctx.spec.stragglers)
-    status = {**decision.status, "stragglers": [s.to_kubernetes() for s in found.stragglers]}
-    events = tuple(Event(*event) for event in found.events)
-    decision = replace(decision, status=status, events=(*decision.events, *events), slowdowns=found.slowdowns)
-    if current is None or decision.plan is not None or decision.status.get("phase") != "Running":
-        return decision
-    if ctx.spec.stragglers.mitigation != "resplit":
-        return decision
-    confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed}
-    if confirmed:
-        plan = resplit(current.plan, confirmed, RESPLIT_MIN_GAIN)
-    elif (
-        current.plan.reason.startswith(RESPLIT_REASON)
-        and not found.stragglers
-        and set(found.slowdowns) == set(current.plan.nodes)
-    ):
-        # Every member measured in this generation and none slow: the profile's split again.
-        plan = resplit(current.plan, {})
-    else:
-        return decision
-    if plan is None:
-        return decision
-    return replace(
-        decision,
-        plan=plan,
-        failures_survived=current.failures_survived,
-        events=(*decision.events, Event("Normal", "BatchResplit", plan.reason)),
-    )
+    return with_stragglers(ctx, obs, current, decision)
 
 
 def _decide(
@@ -512,7 +178,7 @@ def _decide(
     verdict: Verdict | None,
     planner: Planner,
 ) -> Decision:
-    status = _Status(ctx, now, _measured(obs), verdict)
+    status = StatusBuilder(ctx, now, measured(obs), verdict)
     ended = _ended(ctx, obs, current, status)
     if ended is not None:
         return ended
@@ -532,7 +198,7 @@ def _decide(
     return _converge(ctx, obs, current, status, members, change, [*delete, *members.delete], create_coordinator, now)
 
 
-def _ended(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: _Status) -> Decision | None:
+def _ended(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: StatusBuilder) -> Decision | None:
     """The decision for a job that has ended or ends now (succeeded, or some layer lost for good), else None."""
     spec, conditions = ctx.spec, ctx.status.conditions
     if is_true(conditions, ConditionType.FAILED) or is_true(conditions, ConditionType.SUCCEEDED):
@@ -645,7 +311,7 @@ def _change(
     current: CurrentPlan,
     profile: ModelProfile | None,
     tuning: Tuning,
-    status: _Status,
+    status: StatusBuilder,
     members: Membership,
     wall: float,
 ) -> Change | Decision:
@@ -728,7 +394,7 @@ def _retry(
     current: CurrentPlan,
     profile: ModelProfile | None,
     tuning: Tuning,
-    status: _Status,
+    status: StatusBuilder,
     wall: float,
 ) -> Change:
     """Nobody is lost, but the generation may not be able to go on (its store is gone, or a failure named
@@ -749,7 +415,7 @@ def _converge(
     ctx: JobContext,
     obs: JobObservation,
     current: CurrentPlan,
-    status: _Status,
+    status: StatusBuilder,
     members: Membership,
     change: Change,
     delete: list[tuple[str, str]],
@@ -794,7 +460,7 @@ def _converge(
     pending = [w for w in obs.workers if w.status in ("pending", "running") and w.name not in in_force_set]
     doomed = {d for d, _ in delete}
     kept_pending = [w for w in pending if w.name not in doomed]
-    _pending_condition(status, kept_pending, spec.pending_timeout_seconds, wall)
+    pending_condition(status, kept_pending, spec.pending_timeout_seconds, wall)
     create = next_indices(obs, in_force, spec.nodes.wanted - len(in_force.nodes) - len(kept_pending))
     # A pod already being deleted needs no second request (a pod on a dead node can stay terminating).
     delete = [(name, why) for name, why in delete if not ((w := obs.get(name)) is not None and w.deleting)]
@@ -818,7 +484,7 @@ def _first_plan(
     obs: JobObservation,
     profile: ModelProfile | None,
     tuning: Tuning,
-    status: _Status,
+    status: StatusBuilder,
     delete: list[tuple[str, str]],
     create_coordinator: bool,
     wall: float,
@@ -881,7 +547,7 @@ def _first_plan(
             waiting = f"{len(running)} of {wanted} worker pods running" + (f"; {why}" if why else "")
         profiling = enough and profile is None
         status.set(ConditionType.RUNNING, "False", Reason.PROFILING if profiling else Reason.WAITING_FOR_NODES, waiting)
-        _pending_condition(status, pending, spec.pending_timeout_seconds, wall)
+        pending_condition(status, pending, spec.pending_timeout_seconds, wall)
         return Decision(
             status=status.render(None, 0, 0),
             delete=tuple(dict(delete).items()),

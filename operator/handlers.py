@@ -48,8 +48,10 @@ from oobleck.operator.apply import (
     read_current,
     retry_delay,
 )
-from oobleck.operator.decide import CurrentPlan, JobContext, decide, synthetic_profile
+from oobleck.operator.decide import decide
+from oobleck.operator.decision import CurrentPlan, JobContext
 from oobleck.operator.metrics import Metrics
+from oobleck.operator.planning import synthetic_profile
 from oobleck.operator.planpool import PlannerPool
 from oobleck.operator.render import MEASURED_PROFILE_ANNOTATION
 from oobleck.operator.settings import OperatorConfig, configure_kopf

@@ -10,7 +10,7 @@ in a separate process, which:
 - gets `timeout_s` to answer; past that it is killed and replaced (a fresh process is spawned at once);
 - is replaced too when it dies or runs out of memory, so the next call always finds a sound process.
 
-What runs here: the check of a new spec and generation 0's planning (decide.check_spec, first_plan),
+What runs here: the check of a new spec and generation 0's planning (planning.check_spec, first_plan),
 which generate the templates, the part whose cost explodes. A next generation reuses the templates
 stored in the plan and runs in decide's thread: shipping a 1024-node x 8-GPU plan (0.7 MB pickled) to
 a process and back cost 0.3-0.5 s against 84 ms of planning (at load 18 on 2 cores), time a failure's
@@ -75,7 +75,7 @@ class InProcess:
 IN_PROCESS = InProcess()
 
 
-PRELOAD = ("oobleck.operator.decide", "oobleck.planner.nextgen")
+PRELOAD = ("oobleck.operator.planning", "oobleck.operator.decide", "oobleck.planner.nextgen")
 """Modules a planner process imports before it says it is ready (what the planning functions need)."""
 STARTUP_TIMEOUT_S = 300.0
 """How long a fresh planner process may take to import PRELOAD (not counted against a call's limit)."""

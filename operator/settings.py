@@ -13,7 +13,7 @@ from typing import Any
 import kopf
 
 from oobleck.api.job import GROUP, KIND
-from oobleck.operator.decide import Tuning
+from oobleck.operator.planning import Tuning
 from oobleck.operator.planpool import PlannerLimits
 
 DEFAULT_IMAGE = "ghcr.io/oobleck-dev/oobleck:0.1.0"

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from oobleck.api.job import Straggler, StragglerPolicy
 from oobleck.api.reports import ProgressReport
+from oobleck.operator.decision import CurrentPlan, Decision, Event, JobContext
+from oobleck.operator.observe import JobObservation
+from oobleck.planner.resplit import RESPLIT_REASON, resplit
 
 STRAGGLER = "Straggler"
 RECOVERED = "StragglerRecovered"
@@ -119,3 +122,47 @@ def assess(
         if known.confirmed and node not in listed and node in slowdowns:
             events.append(("Normal", RECOVERED, f"{node} is back under {policy.threshold}x the other nodes' median"))
     return Assessment(slowdowns, stragglers, events)
+
+
+RESPLIT_MIN_GAIN = 0.1
+"""A re-split must shorten the step at the measured speeds by a tenth: a wobbling measurement makes no new
+generation per wobble (each costs a redone step)."""
+
+
+def with_stragglers(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, decision: Decision) -> Decision:
+    """The decision with status.stragglers and the Straggler events (operator/stragglers.py) while the
+    plan in force trains (nothing is slow in a job that does not); with `stragglers.mitigation: resplit`
+    and nothing else to change, the next generation re-splits the batch around the confirmed stragglers
+    (planner_cy/resplit.py), or back to the profile's split once none is left."""
+    in_force = decision.plan or (current.plan if current is not None else None)
+    if in_force is None or decision.status.get("phase") not in ("Running", "Reconfiguring"):
+        return decision
+    reports = {w.name: w.progress for w in obs.workers if w.progress is not None and w.status == "running"}
+    found = assess(in_force.nodes, in_force.generation, reports, ctx.status.stragglers, ctx.spec.stragglers)
+    status = {**decision.status, "stragglers": [s.to_kubernetes() for s in found.stragglers]}
+    events = tuple(Event(*event) for event in found.events)
+    decision = replace(decision, status=status, events=(*decision.events, *events), slowdowns=found.slowdowns)
+    if current is None or decision.plan is not None or decision.status.get("phase") != "Running":
+        return decision
+    if ctx.spec.stragglers.mitigation != "resplit":
+        return decision
+    confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed}
+    if confirmed:
+        plan = resplit(current.plan, confirmed, RESPLIT_MIN_GAIN)
+    elif (
+        current.plan.reason.startswith(RESPLIT_REASON)
+        and not found.stragglers
+        and set(found.slowdowns) == set(current.plan.nodes)
+    ):
+        # Every member measured in this generation and none slow: the profile's split again.
+        plan = resplit(current.plan, {})
+    else:
+        return decision
+    if plan is None:
+        return decision
+    return replace(
+        decision,
+        plan=plan,
+        failures_survived=current.failures_survived,
+        events=(*decision.events, Event("Normal", "BatchResplit", plan.reason)),
+    )

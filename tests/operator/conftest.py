@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from oobleck.api.job import OobleckJobSpec, OobleckJobStatus, parse_spec
-from oobleck.operator.decide import JobContext
+from oobleck.operator.decision import JobContext
 from oobleck.operator.observe import NodeSummary, PodSummary
 from oobleck.operator.render import COORDINATOR_ROLE, WORKER_ROLE, coordinator_name, worker_name
 

@@ -8,8 +8,8 @@ import json
 from oobleck.api.contract import MAX_MEASURED_PROFILE_BYTES, MAX_REPORT_BYTES
 from oobleck.operator import render
 from oobleck.operator.apply import ApiError, Rejected, _error, retry_delay
-from oobleck.operator.decide import Tuning, cluster_shape, synthetic_profile
 from oobleck.operator.observe import observe, summarize_pod
+from oobleck.operator.planning import Tuning, cluster_shape, synthetic_profile
 from oobleck.planner import plan_job
 
 SECRET_ENV = [

@@ -9,9 +9,11 @@ from datetime import timedelta
 from oobleck.api.conditions import ConditionType, find_condition
 from oobleck.api.job import parse_status
 from oobleck.operator import render
-from oobleck.operator.decide import CurrentPlan, Decision, Tuning, decide, synthetic_profile
+from oobleck.operator.decide import decide
+from oobleck.operator.decision import CurrentPlan, Decision
 from oobleck.operator.faults import assess
 from oobleck.operator.observe import observe
+from oobleck.operator.planning import Tuning, synthetic_profile
 
 TUNING = Tuning()
 

@@ -107,7 +107,7 @@ def test_pending_succeeded_and_foreign(h):
 
 
 def _plan(h, n=4):
-    from oobleck.operator.decide import Tuning, cluster_shape, synthetic_profile
+    from oobleck.operator.planning import Tuning, cluster_shape, synthetic_profile
     from oobleck.planner import plan_job
 
     spec = h.spec()

@@ -605,8 +605,8 @@ def test_plan_writes_are_conditional_on_the_version_read(cluster, h):
     import asyncio
 
     from oobleck.operator.apply import Api, ApiError
-    from oobleck.operator.decide import Tuning, cluster_shape, synthetic_profile
     from oobleck.operator.metrics import Metrics
+    from oobleck.operator.planning import Tuning, cluster_shape, synthetic_profile
     from oobleck.planner import plan_job
 
     ns = cluster.namespace("op")

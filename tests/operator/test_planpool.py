@@ -11,7 +11,8 @@ import time
 import pytest
 
 from oobleck.api.conditions import Reason
-from oobleck.operator.decide import Tuning, check_spec, decide
+from oobleck.operator.decide import decide
+from oobleck.operator.planning import Tuning, check_spec
 from oobleck.operator.planpool import PlannerLimits, PlannerPool, PlanningLimitExceeded
 from oobleck.planner.errors import PlanningError
 from oobleck.planner.synthetic import GPTShape, gpt_profile
@@ -117,7 +118,7 @@ def test_the_pool_plans_what_the_process_itself_would(pool, h):
         hbm_bandwidth=2e12,
     )
     assert check_spec(spec, profile, Tuning(), planner) is None
-    from oobleck.operator.decide import first_plan
+    from oobleck.operator.planning import first_plan
 
     pooled = planner.run(first_plan, spec, profile, Tuning(), ["a", "b", "c", "d"], "tiny")
     assert pooled == first_plan(spec, profile, Tuning(), ["a", "b", "c", "d"], "tiny")

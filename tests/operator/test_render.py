@@ -6,13 +6,13 @@ import base64
 
 from oobleck.api.job import JOB_LABEL
 from oobleck.operator import render
-from oobleck.operator.decide import Tuning, synthetic_profile
+from oobleck.operator.planning import Tuning, synthetic_profile
 from oobleck.planner import plan_job
 
 
 def _plan(h, nodes: int = 4):
     spec = h.spec()
-    from oobleck.operator.decide import cluster_shape
+    from oobleck.operator.planning import cluster_shape
 
     profile = synthetic_profile(spec, Tuning())
     names = [render.worker_name(h.JOB, i) for i in range(nodes)]

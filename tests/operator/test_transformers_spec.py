@@ -9,7 +9,7 @@ import yaml
 
 from oobleck.api.job import MODEL_CONFIG_DIR, parse_spec
 from oobleck.operator import render
-from oobleck.operator.decide import Tuning, synthetic_profile
+from oobleck.operator.planning import Tuning, synthetic_profile
 from oobleck.planner.errors import PlanningError
 from oobleck.runtime.backends.pod.main import worker_config
 

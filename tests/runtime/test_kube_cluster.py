@@ -23,7 +23,7 @@ from oobleck.api.job import parse_spec
 from oobleck.api.plan import Plan
 from oobleck.api.reports import FailureReport
 from oobleck.operator import render
-from oobleck.operator.decide import Tuning, cluster_shape, synthetic_profile
+from oobleck.operator.planning import Tuning, cluster_shape, synthetic_profile
 from oobleck.runtime.backends.pod.coordinator_link import CoordinatorAddress
 from oobleck.runtime.backends.pod.kube import ApiException, Kube, WatchTimeouts, api_error_text
 from oobleck.runtime.backends.pod.plan_configmap import ConfigMapPlanSource

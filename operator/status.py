@@ -1,0 +1,108 @@
+"""The job's next status, built from the previous one: conditions keep their transition times, progress
+keeps its last known loss, throughput and checkpoint step. Pure; decide.py drives it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from oobleck.api.conditions import ConditionType, Reason, phase_of, set_condition
+from oobleck.api.job import Condition, OobleckJobStatus, PlanSummary, Progress, TemplateUse, worker_selector
+from oobleck.api.plan import Plan
+from oobleck.operator.decision import JobContext
+from oobleck.operator.faults import Verdict
+from oobleck.operator.observe import JobObservation, Worker
+
+
+class StatusBuilder:
+    """Builds the next status from the previous one (conditions keep their transition times)."""
+
+    def __init__(
+        self,
+        ctx: JobContext,
+        now: datetime,
+        measured: tuple[float | None, float | None, int | None] | None = None,
+        verdict: Verdict | None = None,
+    ) -> None:
+        self.ctx, self.now = ctx, now
+        self.verdict = verdict
+        """operator/faults.py's: the worker failures counted (status.workerFailures), and whether to fail"""
+        self.conditions: list[Condition] = list(ctx.status.conditions)
+        self.measured = measured
+        """(loss, samples/s) of the newest step the workers reported, and the newest complete checkpoint step"""
+
+    def set(self, type_: str, status: str, reason: str, message: str) -> None:
+        self.conditions = set_condition(self.conditions, type_, status, reason, message, self.ctx.generation, self.now)  # type: ignore[arg-type]
+
+    def render(self, plan: Plan | None, failures: int, step: int, *, completed: bool = False) -> dict[str, Any]:
+        prior = self.ctx.status
+        summary = None
+        if plan is not None:
+            uses: dict[int, int] = {}
+            for pipeline in plan.pipelines:
+                uses[pipeline.template_nodes] = uses.get(pipeline.template_nodes, 0) + 1
+            summary = PlanSummary(
+                generation=plan.generation,
+                config_map=f"{self.ctx.name}-plan",
+                templates=[
+                    TemplateUse(nodes=n, pipelines=uses.get(n, 0)) for n in sorted({t.nodes for t in plan.templates})
+                ],
+                pipelines=len(plan.pipelines),
+                nodes=len(plan.nodes),
+                degraded=plan.degraded,
+                iteration_ms=round(plan.iteration_ms, 3),
+            )
+        progress = prior.progress
+        if step and (progress is None or progress.step != step):
+            progress = Progress(step=step) if progress is None else progress.model_copy(update={"step": step})
+        if self.measured is not None and self.measured[2] is not None and progress is None:
+            progress = Progress()
+        if progress is not None and self.measured is not None:
+            loss, rate, checkpoint = self.measured
+            known = progress.last_checkpoint_step
+            progress = progress.model_copy(
+                update={
+                    "loss": loss if loss is not None else progress.loss,
+                    "samples_per_second": rate if rate is not None else progress.samples_per_second,
+                    # A pruned directory only moves forward: the newest step any report named.
+                    "last_checkpoint_step": known if checkpoint is None else max(known or 0, checkpoint),
+                }
+            )
+        status = OobleckJobStatus(
+            phase=phase_of(self.conditions),
+            conditions=self.conditions,
+            observed_generation=self.ctx.generation,
+            nodes=len(plan.nodes) if plan is not None else 0,
+            selector=worker_selector(self.ctx.name),
+            plan=summary,
+            progress=progress,
+            failures_survived=failures,
+            reconfigurations=plan.generation if plan is not None else 0,
+            worker_failures=self.verdict.worker_failures if self.verdict else prior.worker_failures,
+            last_worker_failures=list(
+                self.verdict.last_worker_failures if self.verdict else prior.last_worker_failures
+            ),
+            start_time=prior.start_time or (self.now if plan is not None else None),
+            completion_time=prior.completion_time or (self.now if completed else None),
+        )
+        return status.to_kubernetes()
+
+
+def measured(obs: JobObservation) -> tuple[float | None, float | None, int | None]:
+    """What the workers reported for the status: the newest step's loss and throughput, the newest checkpoint."""
+    return obs.loss, obs.samples_per_second, obs.checkpoint_step
+
+
+def pending_condition(status: StatusBuilder, pending: Sequence[Worker], timeout_s: int, now: float) -> None:
+    stuck = [w for w in pending if not w.scheduled and w.created is not None and now - w.created >= timeout_s]
+    if stuck:
+        why = stuck[0].reason or "not scheduled"
+        status.set(
+            ConditionType.WORKERS_PENDING,
+            "True",
+            Reason.UNSCHEDULABLE,
+            f"{len(stuck)} worker pod(s) unschedulable for over {timeout_s} s (e.g. {stuck[0].name}: {why})",
+        )
+    elif any(c.type == ConditionType.WORKERS_PENDING for c in status.conditions):
+        status.set(ConditionType.WORKERS_PENDING, "False", Reason.ALL_SCHEDULED, "no worker pod is stuck unschedulable")
