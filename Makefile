@@ -5,7 +5,7 @@ PY := .venv/bin/python
 # Tests run in parallel; the slow ones share one control plane per worker process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: test test-unit lint demo build venv k8s-tools k8s-node real-nodes image crds dev-up dev-down bench bench-runtime bench-operator paper-figures
+.PHONY: test test-unit test-realnodes lint demo build venv k8s-tools k8s-node real-nodes image crds dev-up dev-down bench bench-runtime bench-operator paper-figures
 
 venv:
 	@scripts/venv >/dev/null
@@ -34,8 +34,12 @@ crds: venv
 	$(PY) -m oobleck.cli crds --write crds/
 	$(PY) -m oobleck_dev.chart --write
 
-test: venv k8s-tools k8s-node image
+test: venv k8s-tools image
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# Jobs in containers on real kubelet + containerd nodes (root; tests/realnodes), one at a time.
+test-realnodes: venv k8s-tools k8s-node image
+	$(PY) -m pytest --realnodes -n 0 tests/realnodes $(PYTEST_ARGS)
 
 # The fast tier: pure tests (no cluster, no processes, no GPU, no Kubernetes tools); see tests/conftest.py.
 test-unit: venv

@@ -33,6 +33,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="the unit tier: pure tests only (no cluster, no processes, no GPU); a test that starts a process fails",
     )
+    parser.addoption(
+        "--realnodes",
+        action="store_true",
+        help="also run the tests on real kubelet + containerd nodes (make test-realnodes; root, minutes each)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,6 +45,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+    if not config.getoption("--realnodes"):
+        # Opt-in for now: beside the rest of the suite on 2 cores they have failed under load (README, Development).
+        kept = [item for item in items if not item.get_closest_marker("realnodes")]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
     if config.getoption("--unit"):
         kept = [item for item in items if not any(item.get_closest_marker(m) for m in UNIT_TIER_EXCLUDES)]
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
