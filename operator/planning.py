@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from oobleck.api.hfpresets import PRESETS
 from oobleck.api.hfpresets import sizes as hf_sizes
 from oobleck.api.job import OobleckJobSpec
-from oobleck.api.plan import Plan
+from oobleck.api.plan import Plan, Template
 from oobleck.api.profile import ClusterShape, ModelProfile
 from oobleck.operator.admission import gpu_memory_bytes
 from oobleck.operator.planpool import IN_PROCESS, Planner, PlanningLimitExceeded
@@ -101,19 +101,24 @@ def _check_spec(spec_json: str, profile_json: str, tuning: Tuning, planner: Plan
         return str(error)
 
 
+def job_templates(spec: OobleckJobSpec, profile: ModelProfile, tuning: Tuning) -> list[Template]:
+    """The job's pipeline templates on nodes.max nodes; raises PlanningError."""
+    return generate_templates(
+        profile,
+        cluster_shape(spec, tuning),
+        spec.f,
+        spec.training.reference_microbatches,
+        global_microbatches=spec.training.global_microbatches,
+        microbatch_size=spec.training.microbatch_size,
+    )
+
+
 def check_planned(spec_json: str, profile_json: str, tuning: Tuning) -> str | None:
     """check_spec's work (run by a Planner, so in a planner process: JSON in, a message out)."""
     spec = OobleckJobSpec.model_validate_json(spec_json)
     profile = ModelProfile.model_validate_json(profile_json)
     try:
-        templates = generate_templates(
-            profile,
-            cluster_shape(spec, tuning),
-            spec.f,
-            spec.training.reference_microbatches,
-            global_microbatches=spec.training.global_microbatches,
-            microbatch_size=spec.training.microbatch_size,
-        )
+        templates = job_templates(spec, profile, tuning)
         # A stage of g GPUs splits every microbatch in g parts: each needs at least one sample. The planner
         # only makes stages whose GPU count divides the microbatch size; this stays as a guard.
         split = max((stage.gpus for t in templates for stage in t.stages), default=1)
@@ -142,14 +147,7 @@ def check_planned(spec_json: str, profile_json: str, tuning: Tuning) -> str | No
 
 def first_plan(spec: OobleckJobSpec, profile: ModelProfile, tuning: Tuning, nodes: list[str], job: str) -> Plan:
     """Generation 0 on `nodes` (run by a Planner); raises PlanningError."""
-    templates = generate_templates(
-        profile,
-        cluster_shape(spec, tuning),
-        spec.f,
-        spec.training.reference_microbatches,
-        global_microbatches=spec.training.global_microbatches,
-        microbatch_size=spec.training.microbatch_size,
-    )
+    templates = job_templates(spec, profile, tuning)
     return instantiate(
         templates,
         nodes,
