@@ -232,7 +232,9 @@ def _blind(plan: Plan | None, workers: Mapping[str, Worker], silent: set[str]) -
     that stays silent loses its pods to taint-based eviction, which then counts."""
     if plan is None:
         return ()
-    members = [n for n in plan.nodes if n in workers and workers[n].scheduled]
+    # A member that finished is out of this question: its node is not checked any more (it may have reported the
+    # last step before the others could, e.g. while etcd restarted).
+    members = [n for n in plan.nodes if n in workers and workers[n].scheduled and workers[n].status != "succeeded"]
     quiet = [n for n in members if n in silent]
     # Every member is silent or failed for a reason of its own (a crash seen once the API server is back).
     if len(quiet) >= 2 and all(n in silent or workers[n].status == "lost" for n in members):

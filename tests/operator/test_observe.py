@@ -157,6 +157,12 @@ def test_every_member_node_silent_at_once_is_the_control_plane_not_node_failures
     obs = observe("tiny", h.UID, crashed, silent, plan, gpu_resource="nvidia.com/gpu")
     assert [_status(obs, i)[0] for i in range(4)] == ["running", "running", "running", "lost"]
 
+    # One member finished (reported the last step first, its pod Succeeded) while the others' nodes went
+    # silent: the silent ones are still the control plane's blindness, not three node failures.
+    finished = [h.worker(0, phase="Succeeded", terminated=(0, "Completed")), *pods[1:]]
+    obs = observe("tiny", h.UID, finished, silent, plan, gpu_resource="nvidia.com/gpu")
+    assert [_status(obs, i)[0] for i in range(4)] == ["succeeded", "running", "running", "running"]
+
     one_silent = {**h.nodes(4), "node-1": silent["node-1"]}
     obs = observe("tiny", h.UID, pods, one_silent, plan, gpu_resource="nvidia.com/gpu")
     assert _status(obs, 1)[0] == "lost" and "unreachable" in _status(obs, 1)[1] and obs.silent_held == ()
