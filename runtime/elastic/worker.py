@@ -47,8 +47,8 @@ class NotInPlan(RuntimeError):
 
 
 class _FencedOptimizer:
-    """The worker's optimizer: `step` first waits for a snapshot capture in flight (it reads the state
-    this update overwrites); everything else passes through."""
+    """The worker's optimizer: `step` first waits until a snapshot capture in flight is ordered ahead of
+    the update (it reads the state this update overwrites); everything else passes through."""
 
     def __init__(self, inner: LayerAdamW, worker: Worker) -> None:
         self._inner = inner
@@ -56,7 +56,7 @@ class _FencedOptimizer:
 
     def step(self, *args, **kwargs):
         if self._worker.snapshots is not None:
-            self._worker.snapshots.fence()
+            self._worker.snapshots.ordered()
         return self._inner.step(*args, **kwargs)
 
     def __getattr__(self, name: str):

@@ -8,7 +8,8 @@ Tier (a), in memory (GEMINI-style). Every `snapshot.interval_steps` (K) steps, w
 step t (t % K == 0, the state right after step t - 1 committed), it captures the full state of every
 layer it holds (parameters, AdamW moments, step counter: `state.flatten`'s bytes) into host memory
 on a background thread, while step t's forward and backward run; the optimizer update of step t
-waits for the capture (`Snapshotter.fence`, the only synchronisation). A second thread then pushes
+waits for the capture (`Snapshotter.ordered`, the only synchronisation): on a GPU only until the copies
+into page-locked host memory are queued ahead of it on the GPU, elsewhere until they are made. A second thread then pushes
 the captured bytes over TCP to its *buddy*, a worker on another node that holds none of its layers
 (`buddy_of`: the next such node in plan order, ring-wise), and acknowledges the step in the store
 (`snap/gen{g}/step{t}/done`); the rank completing the count marks the step complete
@@ -72,6 +73,7 @@ from oobleck.runtime.elastic.store import is_store_loss
 from oobleck.runtime.snapshot.checkpoint_dir import newest_complete_step, prune_checkpoints, write_checkpoint_layer
 from oobleck.runtime.snapshot.holding import SnapshotStore
 from oobleck.runtime.snapshot.transport import SnapshotServer, local_address, push
+from oobleck.runtime.train.layer_state import PinnedBuffers, capture_layers
 
 log = logging.getLogger("oobleck.runtime.snapshot.agent")
 
@@ -119,6 +121,8 @@ class _Job:
     """the buddy's worker id, or None (no push)"""
     write: list[int] = field(default_factory=list)
     """layers this rank writes to the checkpoint directory at this step"""
+    compute_stream: torch.cuda.Stream | None = None
+    """the training thread's stream on a GPU: its later work (the update) is ordered after the capture"""
 
 
 class Snapshotter:
@@ -174,6 +178,9 @@ class Snapshotter:
         self._shipments: queue.SimpleQueue = queue.SimpleQueue()
         self._captured = threading.Event()
         self._captured.set()
+        self._ordered = threading.Event()
+        self._ordered.set()
+        self._pinned = PinnedBuffers()
         self._outstanding = 0
         self._quiet = threading.Condition()
         self._begun: set[tuple[int, int]] = set()
@@ -205,7 +212,9 @@ class Snapshotter:
         write = []
         if self.checkpoint_interval and step % self.checkpoint_interval == 0:
             write = [layer for layer in layers if plan.holders(layer)[0] == rank]
+        device = next((p.device for module in layers.values() for p in module.parameters()), None)
         self._captured.clear()
+        self._ordered.clear()
         with self._quiet:
             self._outstanding += 1
         self._captures.put(
@@ -218,12 +227,21 @@ class Snapshotter:
                 push=bool(self.interval and step % self.interval == 0),
                 buddy=None if buddy is None else f"{buddy[0]}:{buddy[1]}",
                 write=write,
+                compute_stream=torch.cuda.current_stream(device)
+                if device is not None and device.type == "cuda"
+                else None,
             )
         )
 
     def fence(self) -> None:
-        """Block until the capture in flight (if any) is done: state may be modified after this."""
+        """Block until the capture in flight (if any) is done and held: state may be modified or replaced
+        after this, and the snapshot store holds the step."""
         self._captured.wait()
+
+    def ordered(self) -> None:
+        """Block until work the training thread queues from now on may update the state: on a GPU, once the
+        capture's copies are queued ahead of it (the GPU orders them), else once the capture is done."""
+        self._ordered.wait()
 
     def wait_idle(self, timeout_s: float = 60.0) -> bool:
         """Wait until every snapshot begun is captured, pushed and written (tests, orderly exit)."""
@@ -233,22 +251,29 @@ class Snapshotter:
     # -- background threads ------------------------------------------------------------------------
 
     def _capture_loop(self) -> None:
-        from oobleck.runtime.train.layer_state import capture
-
         while True:
             job = self._captures.get()
             captured = None
             try:
                 started = time.perf_counter()
-                captured = {layer: capture(layer, module, job.optimizer) for layer, module in job.layers}
+                captured = capture_layers(
+                    job.layers,
+                    job.optimizer,
+                    compute_stream=job.compute_stream,
+                    ordered=self._ordered.set,
+                    buffers=self._pinned,
+                )
                 self.stats["capture_s"] += time.perf_counter() - started
                 for layer, data in captured.items():
                     self.store.put(job.step, layer, data)
             except Exception as error:
                 self._failed(job, error)
             finally:
+                self._ordered.set()
                 self._captured.set()
                 self._shipments.put((job, captured))
+            if captured is not None and job.compute_stream is not None:
+                self._pinned.prepare({layer: data.numel() for layer, data in captured.items()})
 
     def _ship_loop(self) -> None:
         while True:

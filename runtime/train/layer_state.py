@@ -47,22 +47,78 @@ def flatten(layer: int, module: nn.Module, optimizer: LayerAdamW) -> torch.Tenso
 
 
 def capture(layer: int, module: nn.Module, optimizer: LayerAdamW) -> torch.Tensor:
-    """The layer's full state (`flatten`'s bytes) as a host copy that later updates leave alone.
+    """The layer's full state (`flatten`'s bytes) as a host copy that later updates leave alone."""
+    return capture_layers([(layer, module)], optimizer)[layer]
 
-    Runs on a snapshot thread while training goes on: on a GPU the copy goes through a side stream
-    that first waits for the work already queued (the last update), into pinned memory."""
-    tensors = list(_tensors(layer, module, optimizer))
-    if tensors and tensors[0].is_cuda:
-        device = tensors[0].device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.default_stream(device))
-        with torch.cuda.stream(stream):
-            flat = flatten(layer, module, optimizer)
-            host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-        stream.synchronize()
-        return host
-    return flatten(layer, module, optimizer)  # torch.cat allocates: already a copy
+
+class PinnedBuffers:
+    """Page-locked host buffers for GPU captures, one set prepared ahead: allocating pinned memory takes
+    about a second per few GB, which must not land on the step that waits for a capture."""
+
+    def __init__(self) -> None:
+        self._spare: dict[int, torch.Tensor] = {}
+
+    def take(self, layer: int, nbytes: int) -> torch.Tensor:
+        spare = self._spare.pop(layer, None)
+        if spare is not None and spare.numel() == nbytes:
+            return spare
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def prepare(self, sizes: dict[int, int]) -> None:
+        """Allocate the next capture's buffers now (off the training thread, between snapshots)."""
+        self._spare = {layer: self.take(layer, nbytes) for layer, nbytes in sizes.items()}
+
+
+def capture_layers(
+    layers: list[tuple[int, nn.Module]],
+    optimizer: LayerAdamW,
+    *,
+    compute_stream: torch.cuda.Stream | None = None,
+    ordered: Callable[[], None] | None = None,
+    buffers: PinnedBuffers | None = None,
+) -> dict[int, torch.Tensor]:
+    """Every layer's full state (`flatten`'s bytes) as host copies that later updates leave alone.
+
+    Runs on a snapshot thread while training goes on. On a GPU the bytes go straight from the state
+    tensors into pinned host memory on a side stream queued behind `compute_stream`'s work so far, and
+    `compute_stream` is made to wait for those copies: `ordered()` is then called, and from there on
+    the training thread may queue updates of the state (the GPU orders them after the copies) without
+    waiting on the host. Returns once the copies are done. On a CPU the copy is made at once."""
+    tensors = {layer: list(_tensors(layer, module, optimizer)) for layer, module in layers}
+    first = next((t for ts in tensors.values() for t in ts), None)
+    if first is None or not first.is_cuda:
+        captured = {layer: flatten(layer, module, optimizer) for layer, module in layers}  # torch.cat: a copy
+        if ordered is not None:
+            ordered()
+        return captured
+    device = first.device
+    compute_stream = compute_stream or torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(compute_stream)
+    hosts: dict[int, torch.Tensor] = {}
+    with torch.cuda.stream(side):
+        for layer, layer_tensors in tensors.items():
+            nbytes = sum(t.numel() * t.element_size() for t in layer_tensors)
+            host = (
+                buffers.take(layer, nbytes)
+                if buffers is not None
+                else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            )
+            offset = 0
+            # The state tensors outlive these copies: whoever frees or replaces them (adopting a plan)
+            # first waits for the whole capture (Snapshotter.fence).
+            for tensor in layer_tensors:
+                raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                host[offset : offset + raw.numel()].copy_(raw, non_blocking=True)
+                offset += raw.numel()
+            hosts[layer] = host
+    copied = torch.cuda.Event()
+    copied.record(side)
+    compute_stream.wait_event(copied)
+    if ordered is not None:
+        ordered()
+    copied.synchronize()
+    return hosts
 
 
 @torch.no_grad()

@@ -119,7 +119,9 @@ class LayerAdamW:
 
 
 def torch_adamw(parameters: list[torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
-    """The stock optimizer configured the same way (for the reference trainer)."""
+    """The stock optimizer configured the same way (for the reference trainer), with LayerAdamW's kernel on
+    each device: the loop on CPU, the fused kernel on CUDA. On an H200 the loop against the runtime's fused
+    kernel put the bf16 loss of step 3 off by 4e-5 relative (steps 0-2 equal), in deterministic mode too."""
     groups = [
         {"params": [p for p in parameters if decays(p)], "weight_decay": config.weight_decay},
         {"params": [p for p in parameters if not decays(p)], "weight_decay": 0.0},
@@ -130,4 +132,5 @@ def torch_adamw(parameters: list[torch.nn.Parameter], config: OptimConfig) -> to
         betas=(config.beta1, config.beta2),
         eps=config.eps,
         foreach=False,
+        fused=bool(parameters) and parameters[0].is_cuda,
     )

@@ -65,3 +65,44 @@ def test_nccl_pipeline_matches_reference(tmp_path, plan_builder, workers, update
     for layer, params in result.layers.items():
         for name, value in params.items():
             assert torch.allclose(value, reference.layers[layer][name], rtol=0, atol=1e-5)
+
+
+def test_a_gpu_snapshot_holds_the_state_from_before_an_update_queued_right_after_it():
+    """The update waits only until the capture's copies are queued ahead of it (Snapshotter.ordered), not
+    for the copies themselves: the GPU must still run them first. A long kernel queued before the capture
+    keeps the copies pending while the training thread queues the update."""
+    import threading
+
+    from torch import nn
+
+    from oobleck.runtime.train.layer_state import PinnedBuffers, capture_layers, flatten
+    from oobleck.runtime.train.optim import LayerAdamW
+
+    module = nn.Linear(4096, 8192).cuda()  # ~34M parameters: ~400 MB of state with the AdamW moments
+    optimizer = LayerAdamW(OptimConfig())
+    optimizer.ensure_layer(0, module)
+    expected = flatten(0, module, optimizer).cpu()
+    busy = torch.randn(8192, 8192, device="cuda")
+    for _ in range(20):  # ~tens of ms of GPU work ahead of the capture's copies
+        busy = busy @ busy / 8192
+    ordered = threading.Event()
+    result: dict = {}
+    capture = threading.Thread(
+        target=lambda: result.update(
+            capture_layers(
+                [(0, module)],
+                optimizer,
+                compute_stream=torch.cuda.current_stream(),
+                ordered=ordered.set,
+                buffers=PinnedBuffers(),
+            )
+        )
+    )
+    capture.start()
+    assert ordered.wait(30)
+    with torch.no_grad():  # the "update", queued at once on the training stream
+        for parameter in module.parameters():
+            parameter.add_(1.0)
+    capture.join(30)
+    assert torch.equal(result[0], expected)
+    assert not torch.equal(flatten(0, module, optimizer).cpu(), expected)
