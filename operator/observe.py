@@ -288,7 +288,7 @@ class JobObservation:
     reports: tuple[str, ...] = field(default=())  # accepted worker reports, for logs and events
     loss: float | None = None  # of the newest step any worker reported
     samples_per_second: float | None = None
-    checkpoint_step: int | None = None  # the newest complete checkpoint step any worker reported
+    checkpoint_step: int | None = None  # the newest complete checkpoint step, as the members agree (agreed_checkpoint)
     checkpoint_error: str = ""  # "<pod>: why" of a live member whose last checkpoint write failed
     unrecoverable: str = ""  # a member found some layer's state gone everywhere (the job cannot go on)
     retry: str = ""  # why the current generation must be redone on the same nodes now (coordinator restart)
@@ -329,6 +329,23 @@ def agreed_step(plan: Plan | None, workers: Mapping[str, Worker], summaries: Map
     return max(min(steps, default=0), 0)
 
 
+def agreed_checkpoint(
+    plan: Plan | None, workers: Mapping[str, Worker], summaries: Mapping[str, PodSummary]
+) -> int | None:
+    """The newest complete checkpoint step as the plan's live members report it: the smallest of their reports
+    (only the ranks that write a layer report one). One pod cannot move it past what the others read in the
+    directory. None when no member reported one."""
+    reported = []
+    for name in plan.nodes if plan is not None else ():
+        worker = workers.get(name)
+        if worker is None or worker.status not in ("running", "succeeded"):
+            continue
+        progress = ProgressReport.parse(summaries[name].progress)
+        if progress is not None and progress.checkpoint_step is not None:
+            reported.append(progress.checkpoint_step)
+    return min(reported, default=None)
+
+
 def _checkpoint_error(plan: Plan | None, workers: Mapping[str, Worker], summaries: Mapping[str, PodSummary]) -> str:
     """The first running member's report of a failed checkpoint write, as "<pod>: why" ("" when none)."""
     for name in plan.nodes if plan is not None else ():
@@ -358,7 +375,6 @@ def observe(
     summaries: dict[str, PodSummary] = {}
     newest = 0  # the highest step any pod claims: only for the loss and throughput shown
     latest: tuple[float | None, float | None] = (None, None)  # loss, samples/s of the newest step
-    checkpoint_step: int | None = None
     silent: set[str] = set()  # running workers lost only because their node's status went silent
     for pod in pods:
         if pod.owner_uid != uid:
@@ -372,8 +388,6 @@ def observe(
             continue
         summaries[pod.name] = pod
         progress = ProgressReport.parse(pod.progress)
-        if progress is not None and progress.checkpoint_step is not None:
-            checkpoint_step = max(checkpoint_step or 0, progress.checkpoint_step)
         if progress is not None and progress.step >= newest:
             newest = progress.step
             latest = (progress.loss, progress.samples_per_second)
@@ -453,6 +467,7 @@ def observe(
                     accepted.append(f"{target}: {why}")
     ordered = tuple(sorted(workers.values(), key=lambda w: w.index))
     step = agreed_step(plan, workers, summaries)
+    checkpoint_step = agreed_checkpoint(plan, workers, summaries)
     checkpoint_error = _checkpoint_error(plan, workers, summaries)
     measured = next(
         (

@@ -294,13 +294,16 @@ class JobRun:
         assert self.spec is not None, "apply a job first"
         return reference_losses(self.spec)
 
-    def check_losses(self) -> int:
+    def check_losses(self, through: int | None = None) -> int:
         """Every step's loss, as every worker that knew it logged it (replays included), equals the
-        no-failure reference within LOSS_RTOL; returns how many values were compared."""
+        no-failure reference within LOSS_RTOL; returns how many values were compared. With `through`, only
+        steps before it are checked (a job still training), and each of them must have been logged."""
         reference = self.reference()
+        if through is not None:
+            reference = reference[:through]
         seen: dict[int, list[float]] = {}
         for record in self.records():
-            if record.get("event") == "step" and record.get("loss") is not None:
+            if record.get("event") == "step" and record.get("loss") is not None and int(record["step"]) < len(reference):
                 seen.setdefault(int(record["step"]), []).append(float(record["loss"]))
         assert sorted(seen) == list(range(len(reference))), (
             f"steps with a logged loss: {len(seen)} of {len(reference)}; missing {sorted(set(range(len(reference))) - set(seen))[:10]}"

@@ -454,21 +454,27 @@ def test_progress_carries_loss_and_throughput_into_the_status(h):
     assert (progress.step, progress.loss, progress.samples_per_second) == (7, 5.25, 300.0)
 
 
-def test_the_newest_checkpoint_step_any_worker_reports_is_the_status_s_and_never_goes_back(h):
+def test_the_checkpoint_step_the_members_agree_on_is_the_status_s_and_never_goes_back(h):
     world = World(h, h.spec(), n_nodes=4)
     world.settle()
     first, second = world.current.plan.nodes[:2]
     assert parse_status(world.step().status).progress is None or world.status.progress.last_checkpoint_step is None
-    world.pods[first] = replace(
-        world.pods[first], progress=json.dumps({"generation": 0, "step": 21, "checkpointStep": 20})
-    )
-    world.pods[second] = replace(
-        world.pods[second], progress=json.dumps({"generation": 0, "step": 19, "checkpointStep": 10})
-    )
+
+    def report(name, step, checkpoint=None):
+        body = {"generation": 0, "step": step} | ({} if checkpoint is None else {"checkpointStep": checkpoint})
+        world.pods[name] = replace(world.pods[name], progress=json.dumps(body))
+
+    report(first, 21, 20)
+    report(second, 19, 10)
+    world.apply(world.step())
+    assert world.status.progress.last_checkpoint_step == 10  # the smallest: one pod's word moves nothing further
+    report(first, 31, 30)
+    report(second, 30, 20)
     world.apply(world.step())
     assert world.status.progress.last_checkpoint_step == 20
-    # The reporter is replaced by a worker that has not seen a checkpoint yet: the status keeps 20.
-    world.pods[first] = replace(world.pods[first], progress=json.dumps({"generation": 0, "step": 22}))
+    # The reporters are replaced by workers that have not seen a checkpoint yet: the status keeps 20.
+    report(first, 32)
+    report(second, 32)
     world.apply(world.step())
     assert world.status.progress.last_checkpoint_step == 20
 

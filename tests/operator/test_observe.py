@@ -166,3 +166,20 @@ def test_every_member_node_silent_at_once_is_the_control_plane_not_node_failures
     one_silent = {**h.nodes(4), "node-1": silent["node-1"]}
     obs = observe("tiny", h.UID, pods, one_silent, plan, gpu_resource="nvidia.com/gpu")
     assert _status(obs, 1)[0] == "lost" and "unreachable" in _status(obs, 1)[1] and obs.silent_held == ()
+
+
+def test_the_checkpoint_step_is_the_smallest_any_live_member_reports(h):
+    """Only ranks that write a layer report a checkpoint step; one pod claiming a newer one than its peers
+    read in the directory moves nothing, and a lost member's report does not count."""
+    plan = _plan(h)
+
+    def progress(step, checkpoint=None):
+        body = {"generation": 0, "step": step} | ({} if checkpoint is None else {"checkpointStep": checkpoint})
+        return json.dumps(body)
+
+    pods = [h.worker(0, progress=progress(40, 30)), h.worker(1, progress=progress(40, 20)), h.worker(2), h.worker(3)]
+    assert observe("tiny", h.UID, pods, h.nodes(4), plan, gpu_resource="nvidia.com/gpu").checkpoint_step == 20
+    pods[1] = h.worker(1, progress=progress(40, 20), terminated=(1, "Error"))  # lost: no say
+    assert observe("tiny", h.UID, pods, h.nodes(4), plan, gpu_resource="nvidia.com/gpu").checkpoint_step == 30
+    quiet = [h.worker(i, progress=progress(40)) for i in range(4)]
+    assert observe("tiny", h.UID, quiet, h.nodes(4), plan, gpu_resource="nvidia.com/gpu").checkpoint_step is None
