@@ -303,7 +303,11 @@ class JobRun:
             reference = reference[:through]
         seen: dict[int, list[float]] = {}
         for record in self.records():
-            if record.get("event") == "step" and record.get("loss") is not None and int(record["step"]) < len(reference):
+            if (
+                record.get("event") == "step"
+                and record.get("loss") is not None
+                and int(record["step"]) < len(reference)
+            ):
                 seen.setdefault(int(record["step"]), []).append(float(record["loss"]))
         assert sorted(seen) == list(range(len(reference))), (
             f"steps with a logged loss: {len(seen)} of {len(reference)}; missing {sorted(set(range(len(reference))) - set(seen))[:10]}"
