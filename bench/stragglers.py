@@ -1,13 +1,18 @@
-"""Throughput with one slow node of 4, with and without the batch re-split, against the ideal (issue 22).
+"""Throughput with one slow node of 4, without mitigation, with the batch re-split and with layers moved,
+against the ideal (issue 22).
 
 Four real worker processes (tiny GPT, gloo, CPU) run a static plan of two 2-node pipelines from the
-real planner, three ways, in one run:
+real planner, in one run:
 
 1. unthrottled, the profile's split: the reference throughput;
+then for each `--cpus` level (e.g. about 1/2 and 1/4 of a node's share):
 2. one node (`c`) held by a CFS quota of the cgroup v1 cpu controller (oobleck_dev.cpulimit) to
-   `--cpus` CPUs, the same split: what the job does without mitigation;
+   that many CPUs, the same split: what the job does without mitigation;
 3. the same node held the same way, the plan re-split by its measured slowdown
-   (oobleck.planner.resplit: no layer moves).
+   (oobleck.planner.resplit: no layer moves);
+4. the same, with the slow node's pipeline's layers moved by its measured slowdown and the batch
+   re-split (oobleck.planner.rebalance). The runs are static, so the new bounds need no copies: every
+   rank starts from the same seeded step-0 state.
 
 The slow node's speed is measured, not assumed: its median compute per step (the engine's own timing)
 unthrottled over throttled. The ideal is the unthrottled throughput x (sum of node speeds / nodes).
@@ -15,7 +20,7 @@ Steady state: the steps after the first `--warmup`. The losses of the three runs
 re-split keeps them exact). Needs root and a v1 cpu hierarchy at /sys/fs/cgroup/cpu (it says so and
 exits 0 otherwise).
 
-    .venv/bin/python bench/stragglers.py [--steps 60] [--cpus 0.25] [--quick]
+    .venv/bin/python bench/stragglers.py [--steps 80] [--cpus 0.25,0.125] [--quick]
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def plan_and_config(microbatches: int):
     )
     templates = generate_templates(profile, cluster, f=1, global_microbatches=microbatches, min_nodes_per_pipeline=2)
     plan = instantiate([t for t in templates if t.nodes == 2], NODES, 1, microbatches, "bench")
-    return plan, config
+    return plan, config, profile
 
 
 def run(workdir: Path, config, plan, steps: int, throttle: float | None) -> dict:
@@ -113,62 +118,95 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument(
         "--cpus",
-        type=float,
-        default=0.25,
-        help="CPUs the slow node's process may use (4 workers on 2 cores get ~0.5 each)",
+        default="0.25,0.125",
+        help="comma-separated CPUs the slow node's process may use, one level per round "
+        "(4 workers on 2 cores get ~0.5 each: 0.25 is about half speed, 0.125 about a quarter)",
     )
-    parser.add_argument("--quick", action="store_true", help="a short run (the suite's smoke test)")
+    parser.add_argument("--quick", action="store_true", help="a short run at one level (the suite's smoke test)")
+    parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.warmup = 30, 5
+        args.steps, args.warmup, args.cpus = 30, 5, args.cpus.split(",")[0]
+    from oobleck.planner.rebalance import rebalance
     from oobleck.planner.resplit import resplit
     from oobleck_dev import cpulimit
 
     if (why := cpulimit.available()) is not None:
         print(f"skipped: {why}")
         return
-    plan, config = plan_and_config(args.microbatches)
+    plan, config, profile = plan_and_config(args.microbatches)
+    layer_ms = [layer.forward_ms + layer.backward_ms for layer in profile.layers]
+    state_bytes = [layer.state_bytes for layer in profile.layers]
     samples = args.microbatches * config.microbatch_size
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        even = run(root / "even", config, plan, args.steps, None)
-        slow = run(root / "slow", config, plan, args.steps, args.cpus)
-        slowdown = statistics.median(slow["compute"][SLOW][args.warmup :]) / statistics.median(
-            even["compute"][SLOW][args.warmup :]
-        )
-        others = [
-            statistics.median(slow["compute"][n][args.warmup :]) / statistics.median(even["compute"][n][args.warmup :])
-            for n in NODES
-            if n != SLOW
-        ]
-        relative = slowdown / statistics.median(others)
-        split = resplit(plan, {SLOW: relative})
-        mitigated = run(root / "resplit", config, split or plan, args.steps, args.cpus)
-    base = throughput(even, args.warmup, samples)
-    without = throughput(slow, args.warmup, samples)
-    with_resplit = throughput(mitigated, args.warmup, samples)
-    speeds = [1.0 / relative if n == SLOW else 1.0 for n in NODES]
-    ideal = base * sum(speeds) / len(NODES)
-    before = [r["loss"] for r in sorted(even["losses"], key=lambda r: r["step"])]
-    after = [r["loss"] for r in sorted(mitigated["losses"], key=lambda r: r["step"])]
-    # Within the runtime's documented 1e-5 (float64 sums added in another order give the last bits).
-    same = len(before) == len(after) == args.steps and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(before, after))
     print(
         f"plan: pipelines {[p.nodes for p in plan.pipelines]}, {args.microbatches} microbatches of {config.microbatch_size}"
     )
-    print(
-        f"node {SLOW} held to {args.cpus} CPUs: slowdown {relative:.2f} against the other nodes (speed {1 / relative:.2f})"
-    )
-    print(
-        f"re-split: {[p.microbatches for p in (split or plan).pipelines]} microbatches (was {[p.microbatches for p in plan.pipelines]})"
-    )
-    print(f"unthrottled        {base:8.1f} samples/s")
-    print(f"ideal              {ideal:8.1f} samples/s  (unthrottled x {sum(speeds):.2f} / {len(NODES)})")
-    print(f"without mitigation {without:8.1f} samples/s  {without / ideal:6.1%} of ideal")
-    print(
-        f"with re-split      {with_resplit:8.1f} samples/s  {with_resplit / ideal:6.1%} of ideal, x{with_resplit / without:.2f} without"
-    )
-    print(f"losses equal with and without the re-split: {same} ({len(after)} steps, rtol 1e-5)")
+    figures: dict = {"levels": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        even = run(root / "even", config, plan, args.steps, None)
+        base = throughput(even, args.warmup, samples)
+        before = [r["loss"] for r in sorted(even["losses"], key=lambda r: r["step"])]
+        print(f"unthrottled        {base:8.1f} samples/s")
+        for cpus in [float(c) for c in args.cpus.split(",")]:
+            slow = run(root / f"slow-{cpus}", config, plan, args.steps, cpus)
+            slowdown = statistics.median(slow["compute"][SLOW][args.warmup :]) / statistics.median(
+                even["compute"][SLOW][args.warmup :]
+            )
+            others = [
+                statistics.median(slow["compute"][n][args.warmup :])
+                / statistics.median(even["compute"][n][args.warmup :])
+                for n in NODES
+                if n != SLOW
+            ]
+            relative = slowdown / statistics.median(others)
+            split = resplit(plan, {SLOW: relative}) or plan
+            moved = rebalance(plan, layer_ms, state_bytes, {SLOW: relative}) or plan
+            moved = moved.model_copy(update={"copies": []})  # static runs: every rank starts from step 0's state
+            resplit_run = run(root / f"resplit-{cpus}", config, split, args.steps, cpus)
+            moved_run = run(root / f"moved-{cpus}", config, moved, args.steps, cpus)
+            speeds = [1.0 / relative if n == SLOW else 1.0 for n in NODES]
+            ideal = base * sum(speeds) / len(NODES)
+            without = throughput(slow, args.warmup, samples)
+            with_resplit = throughput(resplit_run, args.warmup, samples)
+            with_moved = throughput(moved_run, args.warmup, samples)
+            same = all(
+                len(before) == len(after) == args.steps
+                and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(before, after))
+                for after in (
+                    [r["loss"] for r in sorted(result["losses"], key=lambda r: r["step"])]
+                    for result in (resplit_run, moved_run)
+                )
+            )
+            stages = [(s.start, s.end) for s in moved.pipelines[1].stages]
+            print(
+                f"node {SLOW} held to {cpus} CPUs: slowdown {relative:.2f} against the other nodes (speed {1 / relative:.2f})"
+            )
+            print(f"  ideal              {ideal:8.1f} samples/s  (unthrottled x {sum(speeds):.2f} / {len(NODES)})")
+            print(f"  without mitigation {without:8.1f} samples/s  {without / ideal:6.1%} of ideal")
+            print(
+                f"  with re-split      {with_resplit:8.1f} samples/s  {with_resplit / ideal:6.1%} of ideal"
+                f"  ({[p.microbatches for p in split.pipelines]} microbatches)"
+            )
+            print(
+                f"  with layers moved  {with_moved:8.1f} samples/s  {with_moved / ideal:6.1%} of ideal"
+                f"  (c, d stages {stages}, {[p.microbatches for p in moved.pipelines]} microbatches)"
+            )
+            print(f"  losses equal to the unthrottled run's: {same} ({args.steps} steps, rtol 1e-5)")
+            figures["levels"].append(
+                {
+                    "cpus": cpus,
+                    "slowdown": relative,
+                    "of_ideal": {
+                        "none": without / ideal,
+                        "resplit": with_resplit / ideal,
+                        "moved": with_moved / ideal,
+                    },
+                    "losses_equal": same,
+                }
+            )
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

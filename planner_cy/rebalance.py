@@ -1,0 +1,169 @@
+"""Around a straggler by moving layers: its pipeline's stage bounds re-chosen for its nodes' measured speeds.
+
+Re-splitting the batch alone (resplit.py) gives a pipeline with a slow node fewer microbatches, but the
+slow node still runs a full stage's layers: at half speed one slow node of four leaves the job at about
+86 % of the ideal (issue 22). Moving layers off the slow node evens its pipeline out: stage i of a
+pipeline costs `f_i * sum(layer_ms[start_i:end_i])`, with `f_i` its node's slowdown over the stage's
+GPUs, and the bounds are chosen exactly:
+
+1. the smallest possible bottleneck B* (the slowest stage: what every extra microbatch costs in 1F1B),
+2. then, among the bounds whose every stage is at most B*, the smallest sum of stage costs (the fill and
+   drain), so T(m) = sum + (m - 1) * B* is the least for large m.
+
+Both are dynamic programs over the layer prefix, O(stages x layers^2). The nodes, GPUs and ranks stay
+where they are; only `start`/`end` move, and the layers a rank gains are copied from a rank that holds
+them (the reconfiguration's copies: `reconfigure.layout_copies`). Then the batch is re-split over the
+pipelines' new costs (the same `split_batch` as resplit). Losses stay exact: the same microbatches in
+the same order, whatever rank computes a layer.
+
+A pipeline with no slow node keeps (or returns to) its template's bounds, so once no node is slow the
+job is back on the planner's own layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate
+
+from oobleck.api.plan import Pipeline, Plan
+
+from .instantiate import Engine, TemplateCost, split_batch, template_cost
+from .reconfigure import layout_copies
+from .resplit import pipeline_slowdowns
+
+REBALANCE_REASON = "layers moved off slow nodes"
+
+Fits = Callable[[int, int, int], bool]
+"""fits(start, end, gpus): whether layers [start, end) fit in the memory of a stage over `gpus` GPUs"""
+
+
+def _always(start: int, end: int, gpus: int) -> bool:
+    return True
+
+
+def stage_bounds(
+    layer_ms: Sequence[float], factors: Sequence[float], gpus: Sequence[int] | None = None, fits: Fits = _always
+) -> list[tuple[int, int]] | None:
+    """Contiguous bounds of len(factors) stages over the layers, stage i costing factors[i] x its layers'
+    ms: the least bottleneck, then the least sum at that bottleneck. None when no bounds fit."""
+    k, n = len(factors), len(layer_ms)
+    gpus = list(gpus) if gpus is not None else [1] * k
+    if not 1 <= k <= n:
+        return None
+    prefix = [0.0, *accumulate(layer_ms)]
+
+    def cost(i: int, a: int, b: int) -> float:
+        return factors[i] * (prefix[b] - prefix[a]) if fits(a, b, gpus[i]) else float("inf")
+
+    inf = float("inf")
+    # worst[i][j]: the least bottleneck of stages 0..i-1 over layers 0..j-1
+    worst = [[inf] * (n + 1) for _ in range(k + 1)]
+    worst[0][0] = 0.0
+    for i in range(1, k + 1):
+        for j in range(i, n - (k - i) + 1):
+            worst[i][j] = min(
+                (max(worst[i - 1][a], cost(i - 1, a, j)) for a in range(i - 1, j) if worst[i - 1][a] < inf),
+                default=inf,
+            )
+    bottleneck = worst[k][n]
+    if bottleneck == inf:
+        return None
+    bound = bottleneck * (1 + 1e-12)
+    # total[i][j]: the least sum of stages 0..i-1 over layers 0..j-1, every stage at most the bottleneck
+    total = [[inf] * (n + 1) for _ in range(k + 1)]
+    choice = [[-1] * (n + 1) for _ in range(k + 1)]
+    total[0][0] = 0.0
+    for i in range(1, k + 1):
+        for j in range(i, n - (k - i) + 1):
+            for a in range(i - 1, j):
+                c = cost(i - 1, a, j)
+                if total[i - 1][a] < inf and c <= bound and total[i - 1][a] + c < total[i][j]:
+                    total[i][j], choice[i][j] = total[i - 1][a] + c, a
+    bounds, j = [], n
+    for i in range(k, 0, -1):
+        a = choice[i][j]
+        bounds.append((a, j))
+        j = a
+    return bounds[::-1]
+
+
+def _stage_factors(pipeline: Pipeline, slowdowns: Mapping[str, float]) -> list[float]:
+    return [max(1.0, slowdowns.get(stage.node, 1.0)) / len(stage.gpus) for stage in pipeline.stages]
+
+
+def _cost(pipeline: Pipeline, layer_ms: Sequence[float], factors: Sequence[float], limit: int | None) -> TemplateCost:
+    stages = [f * sum(layer_ms[s.start : s.end]) for s, f in zip(pipeline.stages, factors, strict=True)]
+    return TemplateCost(len(pipeline.nodes), sum(stages), max(stages), limit)
+
+
+def rebalance(
+    plan: Plan,
+    layer_ms: Sequence[float],
+    state_bytes: Sequence[int],
+    slowdowns: Mapping[str, float],
+    min_gain: float = 0.0,
+    *,
+    fits: Fits = _always,
+    engine: Engine = "compiled",
+) -> Plan | None:
+    """Generation + 1 of `plan` with the stage bounds of every pipeline holding a slow node chosen for its
+    nodes' speeds (the others on their template's bounds) and the batch re-split over the new costs; None
+    when that is the plan in force or gains less than `min_gain` of the step time at the measured speeds.
+
+    `layer_ms`: each layer's forward + backward ms per microbatch on one GPU (the profile's);
+    `state_bytes`: each layer's state size (the copies' bytes)."""
+    if len(layer_ms) != plan.num_layers or len(state_bytes) != plan.num_layers:
+        raise ValueError(f"layer_ms and state_bytes: one value per layer, the plan has {plan.num_layers}")
+    templates = {t.nodes: t for t in plan.templates}
+    paces = pipeline_slowdowns(plan, slowdowns)
+    pipelines, now_costs, costs = [], [], []
+    for pipeline, pace in zip(plan.pipelines, paces, strict=True):
+        template = templates[pipeline.template_nodes]
+        limit = template_cost(template).max_microbatches
+        factors = _stage_factors(pipeline, slowdowns)
+        now_costs.append(_cost(pipeline, layer_ms, factors, limit))
+        if pace > 1.0:
+            bounds = stage_bounds(layer_ms, factors, [len(s.gpus) for s in pipeline.stages], fits)
+        else:
+            bounds = [(s.start, s.end) for s in template.stages]
+        if bounds is None or len(bounds) != len(pipeline.stages):
+            bounds = [(s.start, s.end) for s in pipeline.stages]
+        stages = [s.model_copy(update={"start": a, "end": b}) for s, (a, b) in zip(pipeline.stages, bounds)]
+        moved = pipeline.model_copy(update={"stages": stages})
+        pipelines.append(moved)
+        costs.append(_cost(moved, layer_ms, factors, limit))
+    counts = split_batch(costs, plan.global_microbatches, engine=engine)
+    now = max(c.at(p.microbatches) for p, c in zip(plan.pipelines, now_costs, strict=True))
+    then = max(c.at(m) for c, m in zip(costs, counts, strict=True))
+    same_layout = all(
+        [(s.start, s.end) for s in a.stages] == [(s.start, s.end) for s in b.stages]
+        for a, b in zip(plan.pipelines, pipelines, strict=True)
+    )
+    if (same_layout and counts == [p.microbatches for p in plan.pipelines]) or (
+        slowdowns and then > now * (1 - min_gain)
+    ):
+        return None
+    placed, offset = [], 0
+    for pipeline, cost, count in zip(pipelines, costs, counts, strict=True):
+        placed.append(
+            pipeline.model_copy(
+                update={"microbatches": count, "microbatch_offset": offset, "iteration_ms": cost.at(count)}
+            )
+        )
+        offset += count
+    slow = {node: round(s, 2) for node, s in slowdowns.items() if s > 1.0}
+    body = plan.model_dump() | {
+        "generation": plan.generation + 1,
+        "pipelines": [p.model_dump() for p in placed],
+        "copies": [],
+        "lost_nodes": [],
+        "added_nodes": [],
+        "restore_step": None,
+        "iteration_ms": max(p.iteration_ms for p in placed),
+        "reason": f"{REBALANCE_REASON} by measured speed {slow or '(all at pace)'}: "
+        f"stages {[[(s.start, s.end) for s in p.stages] for p in placed]}, {counts} microbatches",
+    }
+    draft = Plan.model_validate(body)
+    holdings = {(a.node, a.gpu): range(a.start, a.end) for a in plan.ranks}
+    copies = layout_copies(draft, holdings, list(state_bytes))
+    return draft.model_copy(update={"copies": copies})
