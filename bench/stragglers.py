@@ -135,8 +135,6 @@ def main() -> None:
         print(f"skipped: {why}")
         return
     plan, config, profile = plan_and_config(args.microbatches)
-    layer_ms = [layer.forward_ms + layer.backward_ms for layer in profile.layers]
-    state_bytes = [layer.state_bytes for layer in profile.layers]
     samples = args.microbatches * config.microbatch_size
     print(
         f"plan: pipelines {[p.nodes for p in plan.pipelines]}, {args.microbatches} microbatches of {config.microbatch_size}"
@@ -161,7 +159,7 @@ def main() -> None:
             ]
             relative = slowdown / statistics.median(others)
             split = resplit(plan, {SLOW: relative}) or plan
-            moved = rebalance(plan, layer_ms, state_bytes, {SLOW: relative}) or plan
+            moved = rebalance(plan, profile, {SLOW: relative}) or plan
             moved = moved.model_copy(update={"copies": []})  # static runs: every rank starts from step 0's state
             resplit_run = run(root / f"resplit-{cpus}", config, split, args.steps, cpus)
             moved_run = run(root / f"moved-{cpus}", config, moved, args.steps, cpus)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
 
 from oobleck.api.plan import Pipeline, Plan
+from oobleck.api.profile import ModelProfile
 
 from .instantiate import Engine, TemplateCost, split_batch, template_cost
 from .reconfigure import layout_copies
@@ -34,26 +35,41 @@ from .resplit import pipeline_slowdowns
 REBALANCE_REASON = "layers moved off slow nodes"
 
 Fits = Callable[[int, int, int], bool]
-"""fits(start, end, gpus): whether layers [start, end) fit in the memory of a stage over `gpus` GPUs"""
+"""fits(stage, start, end): whether layers [start, end) fit in the memory of the pipeline's stage `stage`"""
 
 
-def _always(start: int, end: int, gpus: int) -> bool:
+def _always(stage: int, start: int, end: int) -> bool:
     return True
 
 
+def memory_rule(profile: ModelProfile, gpu_memory_bytes: int, pipeline: Pipeline, microbatches: int) -> Fits:
+    """The planner's memory rule (planner_cy/templates.py) for the stages of `pipeline` running `microbatches`:
+    stage s (0-based) of S keeps min(S - s, m) microbatches' activations, split over its GPUs, beside its
+    layers' state."""
+    state = [0, *accumulate(layer.state_bytes for layer in profile.layers)]
+    act = [0, *accumulate(layer.activation_bytes for layer in profile.layers)]
+    count = len(pipeline.stages)
+
+    def fits(stage: int, start: int, end: int) -> bool:
+        gpus = len(pipeline.stages[stage].gpus)
+        in_flight = min(count - stage, microbatches)
+        return (state[end] - state[start]) * gpus + in_flight * (act[end] - act[start]) <= gpus * gpu_memory_bytes
+
+    return fits
+
+
 def stage_bounds(
-    layer_ms: Sequence[float], factors: Sequence[float], gpus: Sequence[int] | None = None, fits: Fits = _always
+    layer_ms: Sequence[float], factors: Sequence[float], fits: Fits = _always
 ) -> list[tuple[int, int]] | None:
     """Contiguous bounds of len(factors) stages over the layers, stage i costing factors[i] x its layers'
     ms: the least bottleneck, then the least sum at that bottleneck. None when no bounds fit."""
     k, n = len(factors), len(layer_ms)
-    gpus = list(gpus) if gpus is not None else [1] * k
     if not 1 <= k <= n:
         return None
     prefix = [0.0, *accumulate(layer_ms)]
 
     def cost(i: int, a: int, b: int) -> float:
-        return factors[i] * (prefix[b] - prefix[a]) if fits(a, b, gpus[i]) else float("inf")
+        return factors[i] * (prefix[b] - prefix[a]) if fits(i, a, b) else float("inf")
 
     inf = float("inf")
     # worst[i][j]: the least bottleneck of stages 0..i-1 over layers 0..j-1
@@ -98,22 +114,23 @@ def _cost(pipeline: Pipeline, layer_ms: Sequence[float], factors: Sequence[float
 
 def rebalance(
     plan: Plan,
-    layer_ms: Sequence[float],
-    state_bytes: Sequence[int],
+    profile: ModelProfile,
     slowdowns: Mapping[str, float],
     min_gain: float = 0.0,
     *,
-    fits: Fits = _always,
+    gpu_memory_bytes: int | None = None,
     engine: Engine = "compiled",
 ) -> Plan | None:
     """Generation + 1 of `plan` with the stage bounds of every pipeline holding a slow node chosen for its
     nodes' speeds (the others on their template's bounds) and the batch re-split over the new costs; None
     when that is the plan in force or gains less than `min_gain` of the step time at the measured speeds.
 
-    `layer_ms`: each layer's forward + backward ms per microbatch on one GPU (the profile's);
-    `state_bytes`: each layer's state size (the copies' bytes)."""
-    if len(layer_ms) != plan.num_layers or len(state_bytes) != plan.num_layers:
-        raise ValueError(f"layer_ms and state_bytes: one value per layer, the plan has {plan.num_layers}")
+    The profile gives each layer's forward + backward ms per microbatch, its state bytes (the copies') and,
+    with `gpu_memory_bytes`, the memory each stage's new layers need (None: not checked)."""
+    if len(profile.layers) != plan.num_layers:
+        raise ValueError(f"profile: {len(profile.layers)} layers, the plan has {plan.num_layers}")
+    layer_ms = [layer.forward_ms + layer.backward_ms for layer in profile.layers]
+    state_bytes = [layer.state_bytes for layer in profile.layers]
     templates = {t.nodes: t for t in plan.templates}
     paces = pipeline_slowdowns(plan, slowdowns)
     pipelines, now_costs, costs = [], [], []
@@ -123,7 +140,12 @@ def rebalance(
         factors = _stage_factors(pipeline, slowdowns)
         now_costs.append(_cost(pipeline, layer_ms, factors, limit))
         if pace > 1.0:
-            bounds = stage_bounds(layer_ms, factors, [len(s.gpus) for s in pipeline.stages], fits)
+            fits = (
+                _always
+                if gpu_memory_bytes is None
+                else memory_rule(profile, gpu_memory_bytes, pipeline, pipeline.microbatches)
+            )
+            bounds = stage_bounds(layer_ms, factors, fits)
         else:
             bounds = [(s.start, s.end) for s in template.stages]
         if bounds is None or len(bounds) != len(pipeline.stages):
@@ -165,5 +187,5 @@ def rebalance(
     }
     draft = Plan.model_validate(body)
     holdings = {(a.node, a.gpu): range(a.start, a.end) for a in plan.ranks}
-    copies = layout_copies(draft, holdings, list(state_bytes))
+    copies = layout_copies(draft, holdings, state_bytes)
     return draft.model_copy(update={"copies": copies})
