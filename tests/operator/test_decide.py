@@ -621,3 +621,48 @@ def test_a_failed_checkpoint_write_raises_a_condition_and_one_event(h):
     _progress(world, 30)  # the next write succeeded: the reports carry no error
     d = world.step()
     assert cond(d.status, ConditionType.CHECKPOINT_FAILING).status == "False"
+
+
+def test_the_rebalance_mitigation_moves_layers_off_a_confirmed_straggler_and_back(h):
+    """`stragglers.mitigation: rebalance`: a confirmed straggler's pipeline gets a generation whose stage bounds
+    carry less on the slow node, the layers copied from their holders; once every member is at pace again,
+    the template's layout comes back."""
+    spec = h.spec(
+        model={"gpt": {"layers": 8, "hiddenSize": 64, "heads": 4, "sequenceLength": 32, "vocabSize": 256}},
+        nodes={"min": 4, "max": 4},
+        gpuMemory="8Mi",  # two 2-node pipelines: the model's ~7 MB of state does not fit on one GPU
+        stragglers={"threshold": 1.5, "window": 2, "mitigation": "rebalance"},
+    )
+    world = World(h, spec, n_nodes=4)
+    world.settle()
+    plan = world.current.plan
+    pipeline = next(p for p in plan.pipelines if len(p.stages) > 1)
+    slow = pipeline.stages[0].node
+    held = pipeline.stages[0].end - pipeline.stages[0].start
+
+    def report(step, paces):
+        for name in plan.nodes:
+            body = {"generation": world.current.plan.generation, "step": step, "pace": [[step, paces.get(name, 1.0)]]}
+            world.pods[name] = replace(world.pods[name], progress=json.dumps(body))
+
+    decisions = []
+    for step in (10, 11, 12, 13):
+        report(step, {slow: 3.0})
+        decisions.append(world.step())
+        world.apply(decisions[-1])
+        if world.current.plan.generation > plan.generation:
+            break
+    moved = world.current.plan
+    assert moved.generation == plan.generation + 1 and moved.reason.startswith("layers moved"), moved.reason
+    stages = next(p for p in moved.pipelines if p.nodes == pipeline.nodes).stages
+    assert stages[0].node == slow and stages[0].end - stages[0].start < held
+    assert moved.copies and {c.dst_node for c in moved.copies} <= set(pipeline.nodes) - {slow}
+    assert any(e.reason == "LayersRebalanced" for d in decisions for e in d.events)
+    # Every member at pace in the new generation: the template's bounds again, the layers copied back.
+    report(20, {})
+    back = world.step()
+    assert back.plan is not None and back.plan.generation == moved.generation + 1
+    assert [[(s.start, s.end) for s in p.stages] for p in back.plan.pipelines] == [
+        [(s.start, s.end) for s in p.stages] for p in plan.pipelines
+    ]
+    assert {c.dst_node for c in back.plan.copies} == {slow}
