@@ -22,12 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from oobleck.api.job import Straggler, StragglerPolicy
-from oobleck.api.profile import ModelProfile
 from oobleck.api.reports import ProgressReport
 from oobleck.operator.decision import CurrentPlan, Decision, Event, JobContext
 from oobleck.operator.observe import JobObservation
-from oobleck.operator.planning import Tuning, cluster_shape
-from oobleck.planner.rebalance import REBALANCE_REASON, rebalance
 from oobleck.planner.resplit import RESPLIT_REASON, resplit
 
 STRAGGLER = "Straggler"
@@ -132,19 +129,11 @@ RESPLIT_MIN_GAIN = 0.1
 generation per wobble (each costs a redone step)."""
 
 
-def with_stragglers(
-    ctx: JobContext,
-    obs: JobObservation,
-    current: CurrentPlan | None,
-    decision: Decision,
-    profile: ModelProfile | None = None,
-    tuning: Tuning | None = None,
-) -> Decision:
+def with_stragglers(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, decision: Decision) -> Decision:
     """The decision with status.stragglers and the Straggler events (operator/stragglers.py) while the
-    plan in force trains (nothing is slow in a job that does not). With nothing else to change, the next
-    generation works around the confirmed stragglers by `stragglers.mitigation`: `resplit` re-splits the
-    batch (planner_cy/resplit.py), `rebalance` also moves layers off the slow nodes (planner_cy/rebalance.py,
-    with the job's profile); once none is left, the profile's split (and the template's layout) again."""
+    plan in force trains (nothing is slow in a job that does not); with `stragglers.mitigation: resplit`
+    and nothing else to change, the next generation re-splits the batch around the confirmed stragglers
+    (planner_cy/resplit.py), or back to the profile's split once none is left."""
     in_force = decision.plan or (current.plan if current is not None else None)
     if in_force is None or decision.status.get("phase") not in ("Running", "Reconfiguring"):
         return decision
@@ -155,28 +144,25 @@ def with_stragglers(
     decision = replace(decision, status=status, events=(*decision.events, *events), slowdowns=found.slowdowns)
     if current is None or decision.plan is not None or decision.status.get("phase") != "Running":
         return decision
-    mitigation = ctx.spec.stragglers.mitigation
-    if mitigation == "none" or (mitigation == "rebalance" and profile is None):
+    if ctx.spec.stragglers.mitigation != "resplit":
         return decision
     confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed}
-    mitigated = current.plan.reason.startswith((RESPLIT_REASON, REBALANCE_REASON))
-    if not confirmed and not (mitigated and not found.stragglers and set(found.slowdowns) == set(current.plan.nodes)):
-        return decision  # nothing slow, or some member not measured yet in this generation
-    # With none confirmed: every member measured in this generation and none slow, so back to the profile's.
-    if mitigation == "rebalance" and profile is not None:
-        memory = cluster_shape(ctx.spec, tuning or Tuning()).gpu_memory_bytes
-        plan = rebalance(
-            current.plan, profile, confirmed, RESPLIT_MIN_GAIN if confirmed else 0.0, gpu_memory_bytes=memory
-        )
-        reason = "LayersRebalanced"
+    if confirmed:
+        plan = resplit(current.plan, confirmed, RESPLIT_MIN_GAIN)
+    elif (
+        current.plan.reason.startswith(RESPLIT_REASON)
+        and not found.stragglers
+        and set(found.slowdowns) == set(current.plan.nodes)
+    ):
+        # Every member measured in this generation and none slow: the profile's split again.
+        plan = resplit(current.plan, {})
     else:
-        plan = resplit(current.plan, confirmed, RESPLIT_MIN_GAIN if confirmed else 0.0)
-        reason = "BatchResplit"
+        return decision
     if plan is None:
         return decision
     return replace(
         decision,
         plan=plan,
         failures_survived=current.failures_survived,
-        events=(*decision.events, Event("Normal", reason, plan.reason)),
+        events=(*decision.events, Event("Normal", "BatchResplit", plan.reason)),
     )
