@@ -30,7 +30,7 @@ from oobleck.api.profile import ModelProfile
 
 from .instantiate import Engine, TemplateCost, split_batch, template_cost
 from .reconfigure import layout_copies
-from .resplit import pipeline_slowdowns
+from .resplit import RESPLIT_REASON, pipeline_slowdowns
 
 REBALANCE_REASON = "layers moved off slow nodes"
 
@@ -182,8 +182,13 @@ def rebalance(
         "added_nodes": [],
         "restore_step": None,
         "iteration_ms": max(p.iteration_ms for p in placed),
-        "reason": f"{REBALANCE_REASON} by measured speed {slow or '(all at pace)'}: "
-        f"stages {[[(s.start, s.end) for s in p.stages] for p in placed]}, {counts} microbatches",
+        # Named by what changed: a layout the memory rule kept is a re-split (resplit.py's reason).
+        "reason": (
+            f"{RESPLIT_REASON} by measured speed {slow or '(all at pace)'}: {counts} microbatches"
+            if same_layout
+            else f"{REBALANCE_REASON} by measured speed {slow or '(all at pace)'}: "
+            f"stages {[[(s.start, s.end) for s in p.stages] for p in placed]}, {counts} microbatches"
+        ),
     }
     draft = Plan.model_validate(body)
     holdings = {(a.node, a.gpu): range(a.start, a.end) for a in plan.ranks}
