@@ -30,7 +30,7 @@ from oobleck.api.profile import ModelProfile
 
 from .instantiate import Engine, TemplateCost, split_batch, template_cost
 from .reconfigure import layout_copies
-from .resplit import RESPLIT_REASON, pipeline_slowdowns
+from .resplit import RESPLIT_REASON, pipeline_slowdowns, with_pipelines
 
 REBALANCE_REASON = "layers moved off slow nodes"
 
@@ -165,32 +165,17 @@ def rebalance(
         slowdowns and then > now * (1 - min_gain)
     ):
         return None
-    placed, offset = [], 0
-    for pipeline, cost, count in zip(pipelines, costs, counts, strict=True):
-        placed.append(
-            pipeline.model_copy(
-                update={"microbatches": count, "microbatch_offset": offset, "iteration_ms": cost.at(count)}
-            )
-        )
-        offset += count
     slow = {node: round(s, 2) for node, s in slowdowns.items() if s > 1.0}
-    body = plan.model_dump() | {
-        "generation": plan.generation + 1,
-        "pipelines": [p.model_dump() for p in placed],
-        "copies": [],
-        "lost_nodes": [],
-        "added_nodes": [],
-        "restore_step": None,
-        "iteration_ms": max(p.iteration_ms for p in placed),
-        # Named by what changed: a layout the memory rule kept is a re-split (resplit.py's reason).
-        "reason": (
-            f"{RESPLIT_REASON} by measured speed {slow or '(all at pace)'}: {counts} microbatches"
-            if same_layout
-            else f"{REBALANCE_REASON} by measured speed {slow or '(all at pace)'}: "
-            f"stages {[[(s.start, s.end) for s in p.stages] for p in placed]}, {counts} microbatches"
-        ),
-    }
-    draft = Plan.model_validate(body)
+    if same_layout:  # the memory rule kept every layout: a re-split, and named so
+        return with_pipelines(
+            plan,
+            pipelines,
+            costs,
+            counts,
+            f"{RESPLIT_REASON} by measured speed {slow or '(all at pace)'}: {counts} microbatches",
+        )
+    layout = [[(s.start, s.end) for s in p.stages] for p in pipelines]
+    reason = f"{REBALANCE_REASON} by measured speed {slow or '(all at pace)'}: stages {layout}, {counts} microbatches"
+    draft = with_pipelines(plan, pipelines, costs, counts, reason)
     holdings = {(a.node, a.gpu): range(a.start, a.end) for a in plan.ranks}
-    copies = layout_copies(draft, holdings, state_bytes)
-    return draft.model_copy(update={"copies": copies})
+    return draft.model_copy(update={"copies": layout_copies(draft, holdings, state_bytes)})

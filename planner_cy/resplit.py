@@ -13,9 +13,9 @@ so a job whose stragglers all recovered re-splits back to the profile's split.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from oobleck.api.plan import Plan
+from oobleck.api.plan import Pipeline, Plan
 
 from .instantiate import Engine, TemplateCost, split_batch, template_cost
 
@@ -47,23 +47,32 @@ def resplit(
     then = max(cost.at(count) for cost, count in zip(costs, counts, strict=True))
     if counts == [p.microbatches for p in plan.pipelines] or then > now * (1 - min_gain):
         return None
-    pipelines, offset = [], 0
-    for pipeline, cost, count in zip(plan.pipelines, costs, counts, strict=True):
-        pipelines.append(
+    slow = {node: round(s, 2) for node, s in slowdowns.items() if s > 1.0}
+    reason = f"{RESPLIT_REASON} by measured speed {slow or '(all at pace)'}: {counts} microbatches"
+    return with_pipelines(plan, plan.pipelines, costs, counts, reason)
+
+
+def with_pipelines(
+    plan: Plan, pipelines: Sequence[Pipeline], costs: Sequence[TemplateCost], counts: Sequence[int], reason: str
+) -> Plan:
+    """Generation + 1 of `plan` with these pipelines running `counts` microbatches (in order, at the costs'
+    iteration times), no node lost or added, no copies (a caller that moves layers adds them)."""
+    placed, offset = [], 0
+    for pipeline, cost, count in zip(pipelines, costs, counts, strict=True):
+        placed.append(
             pipeline.model_copy(
                 update={"microbatches": count, "microbatch_offset": offset, "iteration_ms": cost.at(count)}
             )
         )
         offset += count
-    slow = {node: round(s, 2) for node, s in slowdowns.items() if s > 1.0}
     body = plan.model_dump() | {
         "generation": plan.generation + 1,
-        "pipelines": [p.model_dump() for p in pipelines],
+        "pipelines": [p.model_dump() for p in placed],
         "copies": [],
         "lost_nodes": [],
         "added_nodes": [],
         "restore_step": None,
-        "iteration_ms": max(p.iteration_ms for p in pipelines),
-        "reason": f"{RESPLIT_REASON} by measured speed {slow or '(all at pace)'}: {counts} microbatches",
+        "iteration_ms": max(p.iteration_ms for p in placed),
+        "reason": reason,
     }
     return Plan.model_validate(body)
