@@ -5,7 +5,7 @@ PY := .venv/bin/python
 # Tests run in parallel; the slow ones share one control plane per worker process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: test test-unit test-realnodes lint demo build venv k8s-tools k8s-node real-nodes image crds dev-up dev-down bench bench-runtime bench-operator paper-figures
+.PHONY: test test-unit test-realnodes lint demo build venv k8s-tools k8s-node kube-router real-nodes image crds dev-up dev-down bench bench-runtime bench-operator paper-figures
 
 venv:
 	@scripts/venv >/dev/null
@@ -19,6 +19,11 @@ k8s-tools:
 # containerd, runc and the CNI plugins (Debian packages) when missing.
 k8s-node:
 	@scripts/k8s-node/build >/dev/null
+
+# The NetworkPolicy-enforcing plugin the real-node tests run on one node: kube-router's firewall, from its Go
+# module (own cache); installs ipset when missing.
+kube-router:
+	@scripts/kube-router/build >/dev/null
 
 # A control plane and two kubelet + containerd nodes running the image, until Ctrl-C (root; devtools/oobleck_dev/realnodes.py).
 real-nodes: venv k8s-tools k8s-node image
@@ -38,7 +43,7 @@ test: venv k8s-tools image
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Jobs in containers on real kubelet + containerd nodes (root; tests/realnodes), one at a time.
-test-realnodes: venv k8s-tools k8s-node image
+test-realnodes: venv k8s-tools k8s-node kube-router image
 	$(PY) -m pytest --realnodes -n 0 tests/realnodes $(PYTEST_ARGS)
 
 # The fast tier: pure tests (no cluster, no processes, no GPU, no Kubernetes tools); see tests/conftest.py.

@@ -209,6 +209,18 @@ def remove_iptables_chains(prefixes: tuple[str, ...] = CHAIN_PREFIXES) -> None:
                 subprocess.run([tool, "-w", "-t", table, "-X", chain], capture_output=True)
 
 
+def remove_ipsets(prefixes: tuple[str, ...]) -> None:
+    """Destroy every ipset named with `prefixes` (kube-router's); call it after the iptables rules that
+    match them are gone (a set in use cannot be destroyed). Other sets stay; no ipset tool, nothing to do."""
+    try:
+        names = subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return
+    for name in names:
+        if name.startswith(prefixes):
+            subprocess.run(["ipset", "destroy", name], capture_output=True)
+
+
 def absent_fixed_paths() -> list[str]:
     return [path for path in FIXED_PATHS if not os.path.lexists(path)]
 

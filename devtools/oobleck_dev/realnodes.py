@@ -5,9 +5,10 @@
 the API server through the `kubernetes` Service), with the project image and a pause image built from
 source in each node's containerd, and waits until they are Ready. Pods run in containers (runc), in
 their own network namespace on a CNI bridge per node; the in-cluster configuration, projected tokens,
-`kubectl logs` and `exec` work as on any cluster. `down()` ends every process it started, kills the
-nodes' containers, unmounts, removes cgroups, bridges, iptables chains and the nodes' folders, and
-restores the sysctls the kubelet changed.
+`kubectl logs` and `exec` work as on any cluster. The bridge CNI enforces no NetworkPolicy:
+`enforce_network_policy(node)` runs kube-router's firewall for one node (kuberouter.py says why one).
+`down()` ends every process it started, kills the nodes' containers, unmounts, removes cgroups,
+bridges, iptables chains, ipsets and the nodes' folders, and restores the sysctls the kubelet changed.
 
 Host requirements: root, cgroups at /sys/fs/cgroup, the binaries of scripts/k8s-node/build (which also
 installs containerd, runc and the CNI plugins from Debian packages). One set of real nodes per host at a
@@ -24,14 +25,16 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from oobleck_dev import hoststate
+from oobleck_dev import hoststate, kuberouter
 from oobleck_dev.controlplane import (
+    SERVICE_CIDR,
     ControlPlane,
     ManagedProcess,
     _owner_stamp,
@@ -134,6 +137,8 @@ class Timeouts:
     """another set of real nodes on this host to go down (a test run beside ours)"""
     containerd_ready: float = 60.0
     nodes_ready: float = 180.0
+    network_policy_ready: float = 120.0
+    """kube-router's caches synced and its health check answering"""
     import_image: float = 1800.0
     stop_grace: float = 15.0
 
@@ -339,6 +344,37 @@ class RealNodes:
                 raise RealNodesError(f"timed out after {timeout:.0f} s waiting for {what}{tails}")
             time.sleep(0.25)
 
+    # -- network policy --
+
+    def enforce_network_policy(self, node_name: str) -> ManagedProcess:
+        """Run kube-router's firewall for `node_name` (kuberouter.py: one enforcing node per host), so that
+        the NetworkPolicies of the cluster hold for the pods on that node; returns once its health check
+        answers. `down` stops it and removes its chains and ipsets."""
+        cp = self.control_plane
+        node = self._node(node_name)
+        if any(p.name == "kube-router" and p.alive() for p in self.processes):
+            raise RealNodesError("kube-router already runs on this host (one enforcing node per host)")
+        assert cp.ca is not None and cp.ca_cert is not None and self.folder is not None
+        binary = kuberouter.binary()
+        cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(kuberouter.rbac()))
+        credentials = cp.ca.issue("kube-router", kuberouter.USER, client=True)
+        kubeconfig = self.folder / "kube-router.kubeconfig"
+        kubeconfig.write_text(kubeconfig_yaml(cp.server, cp.ca_cert, credentials, "kube-router", embed=False))
+        health_port = free_port()
+        process = ManagedProcess(
+            "kube-router",
+            [binary, *kuberouter.args(kubeconfig, node.name, SERVICE_CIDR, health_port)],
+            self.folder / "logs" / "kube-router.log",
+        )
+        self.processes.append(process)
+        self._wait(
+            lambda: _answers(f"http://127.0.0.1:{health_port}/healthz"),
+            f"kube-router for {node.name} to answer its health check",
+            self.timeouts.network_policy_ready,
+            [process],
+        )
+        return process
+
     # -- faults --
 
     def process(self, name: str) -> ManagedProcess:
@@ -416,7 +452,7 @@ class RealNodes:
     def down(self) -> None:
         """Stop everything and put the host back as `up` found it. Idempotent."""
         atexit.unregister(self.down)
-        kubelets = [p for p in self.processes if p.name.startswith(("kubelet-", "kube-proxy"))]
+        kubelets = [p for p in self.processes if p.name.startswith(("kubelet-", "kube-proxy", "kube-router"))]
         stop_processes(kubelets, self.timeouts.stop_grace)
         if getattr(self, "_kube_proxy", None):
             subprocess.run(
@@ -451,11 +487,20 @@ def undo(folder: Path, containerds: Sequence[ManagedProcess], grace: float) -> N
     for bridge in record.bridges:
         hoststate.delete_bridge(bridge)
     hoststate.remove_iptables_chains()
+    hoststate.remove_ipsets(kuberouter.IPSET_PREFIXES)  # after the rules that match them
     if record.sysctls:
         hoststate.restore_sysctls(record.sysctls)
     for path in record.folders:
         shutil.rmtree(path, ignore_errors=True)
     hoststate.remove_created(record.created)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
 
 
 def host_lock(timeout_s: float) -> int:
