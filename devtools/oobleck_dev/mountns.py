@@ -47,6 +47,9 @@ MAX_SYMLINKS = 40  # the kernel's limit when it follows a path
 class FilesystemError(OSError):
     """The container's filesystem could not be made (in the child, before exec); the message says which step."""
 
+    def __str__(self) -> str:
+        return str(self.strerror) if self.strerror else super().__str__()
+
 
 @dataclass(frozen=True)
 class VolumeMount:
@@ -194,7 +197,14 @@ class Filesystem:
     @classmethod
     def build(cls, root: Path, mounts: Sequence[VolumeMount], cwd: str = "/", host: HostTree | None = None):
         root.mkdir(parents=True, exist_ok=True)
-        return cls(root, tuple(plan(mounts, host or HostTree())), cwd)
+        steps = plan(mounts, host or HostTree())
+        # Bind the host folder that holds `root` first, while the new root is still empty: every mount made
+        # before it would be copied into it (and detached again after the chroot).
+        top = "/" + root.resolve().parts[1]
+        holder = [Step("dir", top), Step("bind", top, top)]
+        if all(step in steps for step in holder):
+            steps = holder + [step for step in steps if step not in holder]
+        return cls(root, tuple(steps), cwd)
 
     def preexec(self, report_fd: int) -> Callable[[], None]:
         """A preexec_fn step: unshare, build the root, chroot and chdir. On failure the step and the error are

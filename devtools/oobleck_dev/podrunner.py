@@ -165,14 +165,10 @@ class ContainerProcess:
                     close_fds=True,
                 )
         except subprocess.SubprocessError as error:  # preexec failed: say why, as the container runtime does
-            os.close(reported)
             raise Filesystem.start_error(report) or FilesystemError(0, str(error)) from None
         finally:
-            for fd in (report, reported):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            os.close(report)
+            os.close(reported)
         self.pid = self.popen.pid
         self.pidfd = os.pidfd_open(self.pid)
         self.log = log

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from oobleck_dev.mountns import HostTree, Step, VolumeMount, plan
+from oobleck_dev.mountns import Filesystem, HostTree, Step, VolumeMount, plan
 from oobleck_dev.podenv import MountError
 
 
@@ -101,3 +102,23 @@ def test_bad_mounts_name_the_field():
         )
     with pytest.raises(MountError, match=r"m\[e\]: /vol/absent does not exist on this node"):
         plan([VolumeMount("/data", Path("/vol/absent"), where="m[e]")], HOST)
+
+
+def test_a_process_sees_its_mounts_and_a_step_that_fails_is_a_start_error(tmp_path):
+    """For real (root): the child enters its filesystem before exec; a failure says which step, as a runtime does."""
+    import shutil
+
+    from oobleck_dev.mountns import FilesystemError
+    from oobleck_dev.podrunner import ContainerProcess
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "greeting").write_text("hello")
+    filesystem = Filesystem.build(tmp_path / "root", [VolumeMount("/etc/greeting", volume, read_only=True, where="m")])
+    process = ContainerProcess(["cat", "/etc/greeting/greeting"], dict(os.environ), filesystem, tmp_path / "log")
+    assert process.popen.wait(30) == 0 and (tmp_path / "log").read_text() == "hello"
+    assert not Path("/etc/greeting").exists()
+    shutil.rmtree(volume)  # gone between the plan and the start
+    with pytest.raises(FilesystemError) as error:
+        ContainerProcess(["true"], dict(os.environ), filesystem, tmp_path / "log")
+    assert str(error.value) == "container filesystem: bind /etc/greeting: No such file or directory"
