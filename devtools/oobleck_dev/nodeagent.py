@@ -12,13 +12,13 @@ What a pod sees (see podrunner.py for the folder layout):
 - env as a kubelet resolves it (downward API, ConfigMap/Secret keys, resource fields, $(VAR)),
   plus KUBERNETES_SERVICE_HOST/PORT pointing at the API server, PATH with the project's venv
   first (so `python` and `oobleck` resolve), HOSTNAME, TMPDIR.
-- volumes under `$OOBLECK_CONTAINER_ROOT<mountPath>` (a mount at /etc/config is the folder
-  `$OOBLECK_CONTAINER_ROOT/etc/config`): configMap, secret, downwardAPI, emptyDir, projected
-  (with service-account tokens from the TokenRequest API, bound to the pod), hostPath, and
-  persistentVolumeClaim (one folder per claim name for the agent, shared like ReadWriteMany).
-- `OOBLECK_SERVICEACCOUNT_DIR`: the folder of the service-account mount (token, ca.crt,
-  namespace), which code in a pod reads instead of /var/run/secrets/kubernetes.io/serviceaccount
-  when it is set. Absent when the pod does not automount a token.
+- the host's files with its volumes mounted at their mountPaths, in a mount namespace of its own
+  (mountns.py; other pods and the host do not see them): configMap, secret, downwardAPI, emptyDir,
+  projected (with service-account tokens from the TokenRequest API, bound to the pod, so the
+  service-account folder is /var/run/secrets/kubernetes.io/serviceaccount as in a container),
+  hostPath, and persistentVolumeClaim (one folder per claim name for the agent, shared like
+  ReadWriteMany). API-data volumes and `readOnly` mounts are read-only. The working folder is
+  `workingDir`, else `/`.
 Not honoured: securityContext (processes run as the agent's user), probes (a running container
 is ready), resource limits (nothing is enforced), hostAliases/DNS, image pulls, lifecycle hooks.
 Volumes are written once when the pod starts (no ConfigMap sync, no token refresh: the API
@@ -71,7 +71,6 @@ GPU_CONDITION = "GPUHealthy"
 LEASE_NAMESPACE = "kube-node-lease"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 POD_IP_ENV = "OOBLECK_POD_IP"
-CONTAINER_ROOT_ENV = "OOBLECK_CONTAINER_ROOT"
 RUNTIME_VERSION = "oobleck-local://0.1"
 # The agent's environment variables a container inherits (they stand in for the image's).
 IMAGE_ENV = ("HOME", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH", "SSL_CERT_FILE", "CUDA_HOME")
@@ -459,7 +458,7 @@ class _AgentCore:
 
     # -- environment --
 
-    def base_env(self, pod: dict, ip: str, root: Path) -> dict[str, str]:
+    def base_env(self, pod: dict, ip: str, tmpdir: Path) -> dict[str, str]:
         """The environment before the pod's own: the image's stand-in, service env, agent additions."""
         url = urlparse(self.server)
         port = str(url.port or 443)
@@ -469,13 +468,12 @@ class _AgentCore:
         env.update(
             {
                 "HOSTNAME": pod["spec"].get("hostname") or pod["metadata"]["name"],
-                "TMPDIR": str(root.parent / "tmp"),
+                "TMPDIR": str(tmpdir),
                 "KUBERNETES_SERVICE_HOST": url.hostname or "127.0.0.1",
                 "KUBERNETES_SERVICE_PORT": port,
                 "KUBERNETES_SERVICE_PORT_HTTPS": port,
                 "KUBERNETES_PORT": f"tcp://{url.hostname}:{port}",
                 POD_IP_ENV: ip,
-                CONTAINER_ROOT_ENV: str(root),
             }
         )
         env.update(self.config.extra_env)

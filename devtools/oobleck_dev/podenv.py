@@ -482,8 +482,3 @@ def _projected_files(
         else:
             raise MountError(f"{source_where}: projection {sorted(source)} is not supported by the local node agent")
     return files
-
-
-def mounted_path(root: str, mount_path: str) -> str:
-    """Where a container's `mountPath` lives under its stand-in root folder."""
-    return root.rstrip("/") + "/" + mount_path.strip("/")

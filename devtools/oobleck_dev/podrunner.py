@@ -8,13 +8,15 @@ report and the final delete. It reaches the API only through its `PodHost` (the 
 Layout of one pod's folder (`<agent workdir>/pods/<namespace>_<name>_<uid8>/`):
 
     volumes/<volume>/...          each volume's files (configMap, secret, downwardAPI, projected, emptyDir)
-    containers/<container>/root/  the container's stand-in root: every volumeMount's mountPath is a
-                                  symlink here to its volume (or to the volume's subPath), so a mount at
-                                  /etc/config is `$OOBLECK_CONTAINER_ROOT/etc/config`
+    containers/<container>/root/  the mount point of the container's root (empty on the host: the root
+                                  lives in the container's own mount namespace, see mountns.py)
     containers/<container>/tmp/   its TMPDIR
 
 A container runs as one process in a session (process group) of its own, stdout and stderr to one
 log file, and dies with the agent's thread (PR_SET_PDEATHSIG), as the control plane's children do.
+It sees the host's files with the pod's volumes at their mountPaths, in a mount namespace of its own
+(mountns.py): a volume at /etc/config is read at /etc/config, the service-account token at
+/var/run/secrets/kubernetes.io/serviceaccount, as in a container.
 Exit is observed through a pidfd on the agent's event loop: no thread or polling per process.
 """
 
@@ -37,12 +39,10 @@ from oobleck.processes import die_with_parent
 from oobleck_dev import netfault, podenv
 from oobleck_dev.kwok import GPU_RESOURCE
 from oobleck_dev.memlimit import MemoryCgroup, tail
-from oobleck_dev.podenv import MountError, VolumeContent, mounted_path
+from oobleck_dev.mountns import Filesystem, FilesystemError, VolumeMount
+from oobleck_dev.podenv import MountError, VolumeContent
 
 log = logging.getLogger("oobleck_dev.nodeagent")
-
-SERVICEACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
-SERVICEACCOUNT_DIR_ENV = "OOBLECK_SERVICEACCOUNT_DIR"
 
 # The conventional exit code of a process killed by signal N, as container runtimes report it.
 SIGNAL_EXIT_BASE = 128
@@ -97,38 +97,28 @@ def write_volumes(pod_dir: Path, contents: Sequence[VolumeContent], claims_dir: 
     return folders
 
 
-def container_root(pod_dir: Path, container: Mapping, volumes: Mapping[str, Path]) -> Path:
-    """Create the container's stand-in root with a symlink per volumeMount; return the root."""
+def container_mounts(container: Mapping, volumes: Mapping[str, Path], read_only: set[str]) -> list[VolumeMount]:
+    """The container's volumeMounts as host sources (a missing subPath is made a folder, as the kubelet does).
+
+    `read_only`: volumes the kubelet always mounts read-only (configMap, secret, downwardAPI, projected)."""
     name = container["name"]
-    root = pod_dir / "containers" / name / "root"
-    root.mkdir(parents=True, exist_ok=True)
-    (pod_dir / "containers" / name / "tmp").mkdir(exist_ok=True)
+    mounts = []
     for mount in container.get("volumeMounts") or []:
         volume = mount["name"]
+        where = f"containers[{name}].volumeMounts[{volume}]"
         if volume not in volumes:
-            raise MountError(f"containers[{name}].volumeMounts[{volume}]: no volume {volume!r} in the pod")
-        target = volumes[volume]
+            raise MountError(f"{where}: no volume {volume!r} in the pod")
+        source = volumes[volume]
         sub_path = mount.get("subPath") or ""
         if sub_path:
             if sub_path.startswith("/") or ".." in sub_path.split("/"):
-                where = f"containers[{name}].volumeMounts[{volume}].subPath"
-                raise MountError(f"{where}: must be relative without '..', got {sub_path!r}")
-            target = target / sub_path
-            if not target.exists():
-                target.mkdir(parents=True)  # the kubelet creates a missing subPath as a folder
-        link = Path(mounted_path(str(root), mount["mountPath"]))
-        if link == root:
-            raise MountError(f"containers[{name}].volumeMounts[{volume}].mountPath: cannot mount at '/'")
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if link.is_symlink() or link.exists():
-            if link.is_symlink() and Path(os.readlink(link)) == target:
-                continue
-            if link.is_dir() and not link.is_symlink():
-                shutil.rmtree(link)
-            else:
-                link.unlink()
-        link.symlink_to(target, target_is_directory=True)
-    return root
+                raise MountError(f"{where}.subPath: must be relative without '..', got {sub_path!r}")
+            source = source / sub_path
+            if not source.exists():
+                source.mkdir(parents=True)
+        writable = not mount.get("readOnly") and volume not in read_only
+        mounts.append(VolumeMount(mount["mountPath"], source, not writable, where))
+    return mounts
 
 
 class ContainerProcess:
@@ -138,37 +128,47 @@ class ContainerProcess:
         self,
         argv: Sequence[str],
         env: Mapping[str, str],
-        cwd: Path,
+        filesystem: Filesystem,
         log: Path,
         net_cgroup: Path | None = None,
         memory: MemoryCgroup | None = None,
     ):
-        """`net_cgroup`: the pod's cgroup (v2), joined before exec (netfault.py matches the pod's sockets by
+        """`filesystem`: the container's root and working folder, entered before exec (mountns.py);
+        `net_cgroup`: the pod's cgroup (v2), joined before exec (netfault.py matches the pod's sockets by
         it); `memory`: this run's memory cgroup (v1, memlimit.py), joined before exec so that every
-        allocation of the command counts against the container's limit."""
+        allocation of the command counts against the container's limit.
+        Raises OSError when the command cannot start (FilesystemError: its filesystem could not be made)."""
         log.parent.mkdir(parents=True, exist_ok=True)
         dies_with_parent, joins = die_with_parent(os.getpid()), netfault.join_cgroup(net_cgroup)
         enter = memory.join() if memory is not None else None
+        report, reported = os.pipe()
+        chroot = filesystem.preexec(reported)
 
         def preexec() -> None:
             if enter is not None:
                 enter()
             dies_with_parent()
             joins()
+            chroot()
 
-        with open(log, "ab") as out:
-            self.popen = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=cwd,
-                env=dict(env),
-                start_new_session=True,
-                # Dies with the thread that started it: the agent's event loop thread.
-                preexec_fn=preexec,
-                close_fds=True,
-            )
+        try:
+            with open(log, "ab") as out:
+                self.popen = subprocess.Popen(
+                    list(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=dict(env),
+                    start_new_session=True,
+                    # Dies with the thread that started it: the agent's event loop thread.
+                    preexec_fn=preexec,
+                    close_fds=True,
+                )
+        except subprocess.SubprocessError as error:  # preexec failed: say why, as the container runtime does
+            raise Filesystem.start_error(report) or FilesystemError(0, str(error)) from None
+        finally:
+            os.close(report)
+            os.close(reported)
         self.pid = self.popen.pid
         self.pidfd = os.pidfd_open(self.pid)
         self.log = log
@@ -314,7 +314,7 @@ class PodHost(Protocol):
     timeouts: Any  # nodeagent.AgentTimeouts
     cgroups: netfault.PodCgroups
 
-    def base_env(self, pod: dict, ip: str, root: Path) -> dict[str, str]: ...
+    def base_env(self, pod: dict, ip: str, tmpdir: Path) -> dict[str, str]: ...
     def log_path(self, namespace: str, name: str, uid: str, container: str) -> Path: ...
     async def fetch_sources(self, pod: dict) -> podenv.Sources: ...  # MountError if the API fails
     async def send_pod_status(self, namespace: str, name: str, uid: str, status: dict) -> bool | None: ...
@@ -343,7 +343,7 @@ class PodLifecycle:
         self.host_ip = agent.ips.node_ip(node_index)
         self.start_time = now_rfc3339()
         self.sources = podenv.Sources()
-        self.roots: dict[str, Path] = {}
+        self.filesystems: dict[str, Filesystem] = {}
         self.gpu_slots: list[int] | None = None  # held from sandbox set-up to the end
         self.gpu_plan: dict[str, list[int]] = {}
         self.cgroup: Path | None = None  # the pod's processes' cgroup (None where cgroups are unavailable)
@@ -535,8 +535,12 @@ class PodLifecycle:
                 self.sources = await self.agent.fetch_sources(self.pod)
                 contents = podenv.volume_contents(self._pod_view(), self.sources, self.agent.allocatable)
                 folders = write_volumes(self.dir, contents, self.agent.workdir / "claims")
-                for name in self.specs:
-                    self.roots[name] = container_root(self.dir, self.specs[name], folders)
+                api_data = {volume.name for volume in contents if volume.files is not None}
+                for name, spec in self.specs.items():
+                    mounts = container_mounts(spec, folders, api_data)
+                    root = self.dir / "containers" / name / "root"
+                    (root.parent / "tmp").mkdir(parents=True, exist_ok=True)
+                    self.filesystems[name] = Filesystem.build(root, mounts, spec.get("workingDir") or "/")
                 return True
             except (podenv.MountError, podenv.PodConfigError, OSError) as error:
                 message = f"local node agent: {error}"
@@ -575,21 +579,14 @@ class PodLifecycle:
             },
         }
 
-    def _container_config(self, name: str) -> tuple[list[str], dict[str, str], Path]:
+    def _container_config(self, name: str) -> tuple[list[str], dict[str, str]]:
         spec = self.specs[name]
-        root = self.roots[name]
-        base = self.agent.base_env(self.pod, self.ip, root)
-        mounts = {m["mountPath"].rstrip("/"): m for m in spec.get("volumeMounts") or []}
-        if SERVICEACCOUNT_MOUNT in mounts:
-            base[SERVICEACCOUNT_DIR_ENV] = podenv.mounted_path(str(root), SERVICEACCOUNT_MOUNT)
+        base = self.agent.base_env(self.pod, self.ip, self.dir / "containers" / name / "tmp")
         visible = self.agent.gpus.visible(self.node_index, self.gpu_plan.get(name, []))
         if visible is not None:
             base["CUDA_VISIBLE_DEVICES"] = base["NVIDIA_VISIBLE_DEVICES"] = visible
         env = podenv.container_env(self._pod_view(), spec, self.sources, self.agent.allocatable, base)
-        argv = podenv.container_argv(spec, env)
-        cwd = Path(podenv.mounted_path(str(root), spec["workingDir"])) if spec.get("workingDir") else root
-        cwd.mkdir(parents=True, exist_ok=True)
-        return argv, env, cwd
+        return podenv.container_argv(spec, env), env
 
     async def _supervise(self, container: ContainerRun, init: bool = False) -> None:
         """Run one container until it exits for good (restartPolicy), or the pod stops."""
@@ -597,7 +594,7 @@ class PodLifecycle:
         failures = 0
         while not (self.stopping or self.deleting):
             try:
-                argv, env, cwd = self._container_config(container.name)
+                argv, env = self._container_config(container.name)
             except (podenv.PodConfigError, OSError) as error:
                 container.waiting = ("CreateContainerConfigError", str(error))
                 await self.report()
@@ -607,8 +604,9 @@ class PodLifecycle:
             started = now_rfc3339()
             cgroup = self._memory_cgroup(container.name)
             try:
-                container.process = ContainerProcess(argv, env, cwd, log_path, self.cgroup, cgroup)
-            except OSError as error:  # e.g. the command is not on PATH
+                filesystem = self.filesystems[container.name]
+                container.process = ContainerProcess(argv, env, filesystem, log_path, self.cgroup, cgroup)
+            except OSError as error:  # the command is not on PATH, or its filesystem could not be made
                 if cgroup is not None:
                     cgroup.remove()
                 container.process = None
@@ -616,7 +614,7 @@ class PodLifecycle:
                 container.terminated = {
                     "exitCode": code,
                     "reason": "StartError",
-                    "message": f"{argv[0]}: {error}",
+                    "message": str(error) if isinstance(error, FilesystemError) else f"{argv[0]}: {error}",
                     "startedAt": started,
                     "finishedAt": now_rfc3339(),
                 }

@@ -380,8 +380,7 @@ def test_node_not_ready_and_back(cluster: Cluster, local_nodes: NodeAgent) -> No
 
 PROBE = """
 import json, os, ssl, urllib.request
-sa = os.environ["OOBLECK_SERVICEACCOUNT_DIR"]
-root = os.environ["OOBLECK_CONTAINER_ROOT"]
+sa = "/var/run/secrets/kubernetes.io/serviceaccount"  # where a kubelet mounts it
 token = open(os.path.join(sa, "token")).read()
 url = "https://%s:%s/api/v1/namespaces/%s/pods/%s" % (
     os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"],
@@ -393,8 +392,9 @@ keys = ("POD_NAME", "POD_NAMESPACE", "POD_UID", "NODE_NAME", "POD_IP", "HOST_IP"
         "GREETING_TWICE", "OOBLECK_POD_IP", "HOSTNAME")
 print(json.dumps({
     "env": {key: os.environ.get(key) for key in keys},
-    "greeting_file": open(root + "/etc/greeting/message").read(),
-    "labels_file": open(root + "/etc/podinfo/labels").read(),
+    "greeting_file": open("/etc/greeting/message").read(),
+    "labels_file": open("/etc/podinfo/labels").read(),
+    "hooks": sorted(key for key in os.environ if key in ("OOBLECK_CONTAINER_ROOT", "OOBLECK_SERVICEACCOUNT_DIR")),
     "own_pod_uid": me["metadata"]["uid"],
     "cwd": os.getcwd(),
     "python": os.path.realpath(__import__("sys").executable),
@@ -484,12 +484,82 @@ def test_pod_runs_with_env_volumes_and_a_working_token(cluster: Cluster, local_n
         "OOBLECK_POD_IP": status["podIP"],
         "HOSTNAME": "probe",
     }
+    # The volumes are where the pod spec mounts them, in the pod's own mount namespace (not on the host).
     assert report["greeting_file"] == "hello"
     assert report["labels_file"] == 'app="probe"'
+    assert report["hooks"] == [] and not Path("/etc/greeting").exists()
     # The bound token authenticated as the pod's ServiceAccount, and RBAC let it read its own pod.
     assert report["own_pod_uid"] == done["metadata"]["uid"]
     assert report["python"] == os.path.realpath(sys.executable)  # the project's environment stands in
-    assert Path(report["cwd"]).is_relative_to(local_nodes.workdir)
+    assert report["cwd"] == "/"  # no workingDir: the container's root
+
+
+READ_ONLY_CONFIG = """
+import errno, time
+who = open("/etc/config/who").read()
+try:
+    open("/etc/config/who", "w")
+except OSError as error:
+    print(who, errno.errorcode[error.errno], flush=True)
+time.sleep(600)
+"""
+
+
+def test_pods_on_one_node_each_see_their_own_volume_at_the_same_path(cluster: Cluster, local_nodes: NodeAgent) -> None:
+    namespace = cluster.namespace("mounts")
+    for who in ("a", "b"):
+        configmap = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"config-{who}", "namespace": namespace},
+            "data": {"who": who},
+        }
+        mounts = [{"name": "config", "mountPath": "/etc/config"}]
+        pod = python_pod(
+            f"reader-{who}",
+            namespace,
+            READ_ONLY_CONFIG,
+            local_nodes,
+            node=local_nodes.node_names[0],
+            volumeMounts=mounts,
+        )
+        pod["spec"]["volumes"] = [{"name": "config", "configMap": {"name": f"config-{who}"}}]
+        apply(cluster, configmap, pod)
+
+    def printed(name: str) -> str:
+        return local_nodes.log_path(namespace, name, "main").read_text()
+
+    for who in ("a", "b"):
+        running = wait_phase(cluster, namespace, f"reader-{who}", ("Running",))
+        log = wait_until(lambda name=f"reader-{who}": printed(name), f"reader-{who} to read its config")
+        assert log == f"{who} EROFS\n"  # a ConfigMap volume is read-only, as a kubelet mounts it
+        # The process is the agent's to see and signal (its PID), and its files are its own mount namespace's.
+        pid = int(running["status"]["containerStatuses"][0]["containerID"].rsplit("/", 1)[1])
+        assert pid_running(pid)
+        assert Path(f"/proc/{pid}/root/etc/config/who").read_text() == who
+        assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    assert not Path("/etc/config/who").exists()  # nothing on the host
+    cluster.kubectl("delete", "pod", "reader-a", "reader-b", "-n", namespace, "--wait=false")
+
+
+def test_a_mount_that_cannot_be_made_keeps_the_pod_creating_with_the_reason(
+    cluster: Cluster, local_nodes: NodeAgent
+) -> None:
+    namespace = cluster.namespace("nomount")
+    pod = python_pod(
+        "unmountable", namespace, "print('never')", local_nodes, volumeMounts=[{"name": "gone", "mountPath": "/data"}]
+    )
+    pod["spec"]["volumes"] = [{"name": "gone", "hostPath": {"path": "/nonexistent/oobleck"}}]
+    apply(cluster, pod)
+
+    def waiting_message() -> str:
+        status = (get_pod(cluster, namespace, "unmountable") or {}).get("status", {})
+        waiting = ((status.get("containerStatuses") or [{}])[0].get("state") or {}).get("waiting") or {}
+        return waiting.get("message", "") if waiting.get("reason") == "ContainerCreating" else ""
+
+    message = wait_until(lambda: "does not exist" in waiting_message() and waiting_message(), "the mount's error")
+    assert "containers[main].volumeMounts[gone]: /nonexistent/oobleck does not exist on this node" in message
+    cluster.kubectl("delete", "pod", "unmountable", "-n", namespace, "--wait=false")
 
 
 def test_pods_get_distinct_ips_and_talk_over_them(cluster: Cluster, local_nodes: NodeAgent) -> None:
@@ -886,7 +956,7 @@ def test_a_restarted_agent_takes_over_its_nodes_and_fails_lost_pods(cluster: Clu
 
 def test_missing_configmap_waits_in_container_creating_then_runs(cluster: Cluster, local_nodes: NodeAgent) -> None:
     namespace = cluster.namespace("waits")
-    code = "import os; print(open(os.environ['OOBLECK_CONTAINER_ROOT'] + '/config/key').read())"
+    code = "print(open('/config/key').read())"
     pod = python_pod("waiter", namespace, code, local_nodes, volumeMounts=[{"name": "config", "mountPath": "/config"}])
     pod["spec"]["volumes"] = [{"name": "config", "configMap": {"name": "late"}}]
     apply(cluster, pod)
@@ -916,8 +986,8 @@ def test_missing_configmap_waits_in_container_creating_then_runs(cluster: Cluste
 
 def test_init_containers_run_first_and_share_volumes(cluster: Cluster, local_nodes: NodeAgent) -> None:
     namespace = cluster.namespace("init")
-    read = "import os; print(open(os.environ['OOBLECK_CONTAINER_ROOT'] + '/work/seed').read())"
-    pod = python_pod("seeded", namespace, read, local_nodes, volumeMounts=[{"name": "work", "mountPath": "/work"}])
+    read = "print(open('/seeded/seed').read())"
+    pod = python_pod("seeded", namespace, read, local_nodes, volumeMounts=[{"name": "work", "mountPath": "/seeded"}])
     pod["spec"]["volumes"] = [{"name": "work", "emptyDir": {}}]
     pod["spec"]["initContainers"] = [
         {
@@ -927,7 +997,7 @@ def test_init_containers_run_first_and_share_volumes(cluster: Cluster, local_nod
             "command": [
                 "python",
                 "-c",
-                "import os; open(os.environ['OOBLECK_CONTAINER_ROOT'] + '/scratch/seed', 'w').write('from init')",
+                "open('/scratch/seed', 'w').write('from init')",
             ],
         }
     ]

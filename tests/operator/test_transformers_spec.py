@@ -40,10 +40,10 @@ def test_config_map_and_init_from_are_mounted_read_only_and_named_in_the_worker_
     assert mounts["init-from"]["mountPath"] == "/weights/run1" and mounts["init-from"]["readOnly"]
     assert volumes["init-from"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
 
-    config = worker_config(spec, "j", container_root="/roots/pod0")
+    config = worker_config(spec, "j")
     hf = config.model.transformers
-    assert hf.config_path == f"/roots/pod0{MODEL_CONFIG_DIR}/llama.json"
-    assert hf.init_from == "/roots/pod0/weights/run1"
+    assert hf.config_path == f"{MODEL_CONFIG_DIR}/llama.json"
+    assert hf.init_from == "/weights/run1"
     assert (hf.family, hf.sequence_length, hf.preset, hf.config) == ("llama", 16, None, None)
 
 

@@ -13,13 +13,7 @@ def test_in_cluster_config_reads_the_serviceaccount_folder(tmp_path):
     (tmp_path / "token").write_text("abc\n")
     (tmp_path / "ca.crt").write_text("---")
     (tmp_path / "namespace").write_text("team-a")
-    kube = Kube.in_cluster(
-        {
-            "OOBLECK_SERVICEACCOUNT_DIR": str(tmp_path),
-            "KUBERNETES_SERVICE_HOST": "fd00::1",
-            "KUBERNETES_SERVICE_PORT": "6443",
-        }
-    )
+    kube = Kube.in_cluster({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"}, str(tmp_path))
     configuration = kube.core.api_client.configuration
     assert kube.namespace == "team-a"
     assert configuration.host == "https://[fd00::1]:6443"
@@ -31,12 +25,12 @@ def test_in_cluster_config_reads_the_serviceaccount_folder(tmp_path):
 
 def test_in_cluster_config_names_what_is_missing(tmp_path):
     with pytest.raises(KubeConfigError, match="KUBERNETES_SERVICE_HOST"):
-        Kube.in_cluster({"OOBLECK_SERVICEACCOUNT_DIR": str(tmp_path)})
+        Kube.in_cluster({}, str(tmp_path))
     with pytest.raises(KubeConfigError, match="token: missing"):
-        Kube.in_cluster({"OOBLECK_SERVICEACCOUNT_DIR": str(tmp_path), "KUBERNETES_SERVICE_HOST": "10.0.0.1"})
+        Kube.in_cluster({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, str(tmp_path))
     (tmp_path / "token").write_text("abc")
     with pytest.raises(KubeConfigError, match="ca.crt: missing"):
-        Kube.in_cluster({"OOBLECK_SERVICEACCOUNT_DIR": str(tmp_path), "KUBERNETES_SERVICE_HOST": "10.0.0.1"})
+        Kube.in_cluster({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, str(tmp_path))
 
 
 def test_api_errors_read_as_status_reason_and_message():

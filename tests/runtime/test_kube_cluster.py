@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -25,9 +28,10 @@ from oobleck.api.reports import FailureReport
 from oobleck.operator import render
 from oobleck.operator.planning import Tuning, cluster_shape, synthetic_profile
 from oobleck.runtime.backends.pod.coordinator_link import CoordinatorAddress
-from oobleck.runtime.backends.pod.kube import ApiException, Kube, WatchTimeouts, api_error_text
+from oobleck.runtime.backends.pod.kube import SERVICEACCOUNT_DIR, ApiException, Kube, WatchTimeouts, api_error_text
 from oobleck.runtime.backends.pod.plan_configmap import ConfigMapPlanSource
 from oobleck.runtime.backends.pod.report import PodFailureReporter, ProgressReporter
+from oobleck_dev.mountns import Filesystem, VolumeMount
 
 pytestmark = [pytest.mark.cluster]
 JOB = "kube"
@@ -99,12 +103,9 @@ def world(cluster, tmp_path_factory):
     else:
         (folder / "ca.crt").write_bytes(Path(kubeconfig["certificate-authority"]).read_bytes())
     url = urlparse(cluster.server)
-    env = {
-        "OOBLECK_SERVICEACCOUNT_DIR": str(folder),
-        "KUBERNETES_SERVICE_HOST": url.hostname,
-        "KUBERNETES_SERVICE_PORT": str(url.port or 443),
-    }
-    return {"ns": ns, "uid": uid, "spec": spec, "client": Kube.in_cluster(env)}
+    env = {"KUBERNETES_SERVICE_HOST": url.hostname, "KUBERNETES_SERVICE_PORT": str(url.port or 443)}
+    client = Kube.in_cluster(env, str(folder))
+    return {"ns": ns, "uid": uid, "spec": spec, "client": client, "env": env, "serviceaccount": folder}
 
 
 def write_plan(cluster, world, plan: Plan, inline_limit: int | None = None) -> None:
@@ -119,6 +120,33 @@ def write_plan(cluster, world, plan: Plan, inline_limit: int | None = None) -> N
 
 def annotations(cluster, ns: str, pod: str) -> dict[str, str]:
     return cluster.kubectl_json("get", "pod", pod, "-n", ns)["metadata"].get("annotations", {})
+
+
+def test_in_cluster_defaults_find_the_token_where_the_kubelet_mounts_it(world, tmp_path):
+    """A process whose ServiceAccount folder is mounted at the kubelet's path (a mount namespace of its own, as
+    local nodes run pods) gets a working client from `Kube.in_cluster()` with nothing configured."""
+    code = (
+        "from oobleck.runtime.backends.pod.kube import Kube; kube = Kube.in_cluster(); "
+        f"print(kube.namespace, kube.read_pod(kube.namespace, {render.coordinator_name(JOB)!r})['metadata']['uid'])"
+    )
+    mounts = [VolumeMount(SERVICEACCOUNT_DIR, world["serviceaccount"], read_only=True, where="serviceaccount")]
+    filesystem = Filesystem.build(tmp_path / "root", mounts)
+    report, reported = os.pipe()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, **world["env"]},
+            preexec_fn=filesystem.preexec(reported),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(report), os.close(reported)
+    assert result.returncode == 0, result.stderr
+    pod = world["client"].read_pod(world["ns"], render.coordinator_name(JOB))
+    assert result.stdout.split() == [world["ns"], pod["metadata"]["uid"]]
+    assert not (Path(SERVICEACCOUNT_DIR) / "token").exists()  # the mount was the process's own
 
 
 def test_configmap_plan_source_sees_each_new_generation_within_a_second(cluster, world):

@@ -98,23 +98,18 @@ def test_schedules_end_at_a_tenth_of_the_rate_or_stay_constant():
     assert learning_rate(linear, 20) == pytest.approx(0.00055)
 
 
-def test_token_file_lives_under_the_container_root():
+def test_token_file_is_read_at_its_container_path():
     spec = example_spec(data={"source": "tokenFile", "path": "/data/train.bin", "claimName": "tokens"})
-    assert worker_config(spec, "j").data.path == "/data/train.bin"
-    config = worker_config(spec, "j", container_root="/var/pods/x/root/")
-    assert (config.data.kind, config.data.path) == ("file", "/var/pods/x/root/data/train.bin")
+    config = worker_config(spec, "j")
+    assert (config.data.kind, config.data.path) == ("file", "/data/train.bin")
 
 
-def test_checkpoint_spec_maps_under_the_container_root_and_snapshots_stay_on():
+def test_checkpoint_spec_maps_to_the_jobs_folder_and_snapshots_stay_on():
     assert worker_config(example_spec(), "j").checkpoint.path is None  # no spec.checkpoint: no directory
     spec = example_spec(checkpoint={"path": "/ckpt", "claimName": "c", "intervalSteps": 7, "keep": 3})
-    config = worker_config(spec, "j", container_root="/var/pods/x/root")
-    assert (config.checkpoint.path, config.checkpoint.interval_steps, config.checkpoint.keep) == (
-        "/var/pods/x/root/ckpt/j",
-        7,
-        3,
-    )
-    assert worker_config(spec, "j").checkpoint.path == "/ckpt/j"  # scoped per job
+    config = worker_config(spec, "j")
+    # Scoped per job, at the container path the checkpoint volume is mounted at.
+    assert (config.checkpoint.path, config.checkpoint.interval_steps, config.checkpoint.keep) == ("/ckpt/j", 7, 3)
     # In-memory snapshots are on by default: a pod gets a snapshot agent (snapshot.snapshotter_for).
     assert config.snapshot.interval_steps > 0
 

@@ -1,5 +1,5 @@
-"""The pod's job key: OOBLECK_JOB_KEY_FILE (a mounted Secret) read below the container root, a bad key a
-configuration error naming the variable."""
+"""The pod's job key: OOBLECK_JOB_KEY_FILE (a mounted Secret) read at its path, a bad key a configuration
+error naming the variable."""
 
 from __future__ import annotations
 
@@ -22,15 +22,12 @@ ENV = {
 }
 
 
-def test_the_key_is_read_below_the_container_root(tmp_path, monkeypatch):
-    (tmp_path / "var/run/oobleck").mkdir(parents=True)
-    (tmp_path / "var/run/oobleck/key").write_bytes(b"s" * 40 + b"\n")
-    env = PodEnv.from_env(
-        {**ENV, "OOBLECK_JOB_KEY_FILE": "/var/run/oobleck/key", "OOBLECK_CONTAINER_ROOT": str(tmp_path)}
-    )
+def test_the_key_is_read_at_its_path(tmp_path, monkeypatch):
+    (tmp_path / "key").write_bytes(b"s" * 40 + b"\n")
+    env = PodEnv.from_env({**ENV, "OOBLECK_JOB_KEY_FILE": str(tmp_path / "key")})
     monkeypatch.delenv(KEY_FILE_ENV, raising=False)
     use_job_key(env)
-    assert os.environ[KEY_FILE_ENV] == str(tmp_path / "var/run/oobleck/key")
+    assert os.environ[KEY_FILE_ENV] == str(tmp_path / "key")
     assert job_signer().key == b"s" * 40
     with pytest.raises(ValueError, match=f"{KEY_FILE_ENV}: not set"):
         use_job_key(PodEnv.from_env(ENV))  # a pod never runs unauthenticated

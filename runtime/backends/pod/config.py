@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 from pydantic import Field
@@ -42,19 +41,14 @@ def worker_config(
     spec: OobleckJobSpec,
     job: str,
     *,
-    container_root: str | None = None,
     connect_timeout_s: float = 120.0,
     compute_device: str | None = None,
 ) -> WorkerConfig:
     """The runtime's WorkerConfig for a job spec: model, training, data, seed, device, timeouts, checkpoints.
 
-    `container_root`: where the pod's filesystem starts on local nodes (OOBLECK_CONTAINER_ROOT;
-    volumes are mounted below it), prefixed to the token file's and the checkpoint directory's paths.
+    Paths (token file, checkpoint directory, model config) are the container's, where the pod mounts them.
     `compute_device` "cpu" (WORKER_DEVICE) runs a cuda spec on the CPU. Raises ValueError naming the
     spec field the runtime cannot honour."""
-
-    def in_container(path: str) -> str:
-        return (container_root.rstrip("/") + path) if container_root else path
 
     gpt = spec.model.gpt
     if gpt is not None:
@@ -74,7 +68,7 @@ def worker_config(
             },
         )
     elif spec.model.transformers is not None:
-        model = ModelConfig(transformers=transformers_config(spec.model.transformers, in_container))
+        model = ModelConfig(transformers=transformers_config(spec.model.transformers))
     else:
         model = ModelConfig(name=str(spec.model.entry_point))
     training = spec.training
@@ -89,14 +83,14 @@ def worker_config(
     )
     if spec.data.source == "tokenFile":
         path = str(spec.data.path)
-        data = DataConfig(kind="file", path=in_container(path), dtype=spec.data.dtype)
+        data = DataConfig(kind="file", path=path, dtype=spec.data.dtype)
     else:
         data = DataConfig(kind="synthetic")
     checkpoint = CheckpointConfig()
     if spec.checkpoint is not None:
         checkpoint = CheckpointConfig(
             # Scoped per job: jobs sharing a volume never restore or prune each other's steps.
-            path=in_container(job_checkpoint_dir(spec.checkpoint.path, job)),
+            path=job_checkpoint_dir(spec.checkpoint.path, job),
             interval_steps=spec.checkpoint.interval_steps,
             keep=spec.checkpoint.keep,
             format=spec.checkpoint.format,
@@ -122,12 +116,12 @@ def worker_config(
     )
 
 
-def transformers_config(hf: TransformersModel, in_container: Callable[[str], str]) -> TransformersConfig:
+def transformers_config(hf: TransformersModel) -> TransformersConfig:
     """The runtime's view of spec.model.transformers: the ConfigMap key and initFrom as container paths
     (operator/render.py mounts them)."""
     config_path = None
     if hf.config_map is not None:
-        config_path = in_container(f"{MODEL_CONFIG_DIR}/{hf.config_map.key}")
+        config_path = f"{MODEL_CONFIG_DIR}/{hf.config_map.key}"
     return TransformersConfig(
         family=hf.family,
         preset=hf.preset,
@@ -135,5 +129,5 @@ def transformers_config(hf: TransformersModel, in_container: Callable[[str], str
         config_path=config_path,
         sequence_length=hf.sequence_length,
         attn_implementation=hf.attn_implementation,
-        init_from=in_container(hf.init_from.path) if hf.init_from is not None else None,
+        init_from=hf.init_from.path if hf.init_from is not None else None,
     )

@@ -4,10 +4,9 @@ A worker pod makes a handful of calls (get the coordinator pod, merge-patch anno
 pod, watch its job's plan ConfigMap); the client does configuration, authentication, token refresh
 and errors. What is ours:
 
-- `Kube.in_cluster()`: `config.load_incluster_config` (KUBERNETES_SERVICE_HOST/PORT, the
-  ServiceAccount token, re-read every minute as projected tokens rotate). The local nodes (devtools)
-  project the token into the pod's own folder and name it with OOBLECK_SERVICEACCOUNT_DIR; then the
-  client's in-cluster loader reads that folder. `Kube.from_kubeconfig()` for use outside a pod.
+- `Kube.in_cluster()`: the client's in-cluster loader (KUBERNETES_SERVICE_HOST/PORT, the ServiceAccount
+  token and CA at /var/run/secrets/kubernetes.io/serviceaccount, the token re-read every minute as
+  projected tokens rotate). `Kube.from_kubeconfig()` for use outside a pod.
 - `api_error_text`: an ApiException as one line, `403 Forbidden: <the API server's message>`.
 - `watch_object`: one named object followed with `watch.Watch().stream(...)`, resumed from the last
   resourceVersion when the server ends a watch, and re-read after 410 Gone or any error, so that no
@@ -34,7 +33,6 @@ from kubernetes.config.incluster_config import InClusterConfigLoader
 log = logging.getLogger("oobleck.runtime.backends.pod.kube")
 
 SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-SERVICEACCOUNT_DIR_ENV = "OOBLECK_SERVICEACCOUNT_DIR"
 MERGE_PATCH = "application/merge-patch+json"
 TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (urllib3.exceptions.HTTPError, OSError)
 """errors of the connection, not answers of the API server: a retry may succeed"""
@@ -66,26 +64,24 @@ class Kube:
         self.core, self.namespace, self.request_timeout_s = core, namespace, request_timeout_s
 
     @classmethod
-    def in_cluster(cls, env: Mapping[str, str] | None = None) -> Kube:
+    def in_cluster(cls, env: Mapping[str, str] | None = None, folder: str = SERVICEACCOUNT_DIR) -> Kube:
+        """The pod's client: `env` (default os.environ) names the API server, `folder` holds the
+        ServiceAccount's token, ca.crt and namespace (the kubelet mounts them there)."""
         env = os.environ if env is None else env
         if not env.get("KUBERNETES_SERVICE_HOST"):
             raise KubeConfigError("KUBERNETES_SERVICE_HOST: not set (not running in a pod?)")
-        folder = Path(env.get(SERVICEACCOUNT_DIR_ENV) or SERVICEACCOUNT_DIR)
+        path = Path(folder)
         for name in ("token", "ca.crt"):
-            if not (folder / name).is_file():
-                raise KubeConfigError(
-                    f"{folder / name}: missing (the pod's service-account folder; {SERVICEACCOUNT_DIR_ENV} names another)"
-                )
+            if not (path / name).is_file():
+                raise KubeConfigError(f"{path / name}: missing (the pod's service-account token is not mounted?)")
         configuration = client.Configuration()
         try:
-            if folder != Path(SERVICEACCOUNT_DIR) or env is not os.environ:
-                loader = InClusterConfigLoader(str(folder / "token"), str(folder / "ca.crt"), environ=env)
-                loader.load_and_set(configuration)
-            else:
-                config.load_incluster_config(client_configuration=configuration)
+            # What config.load_incluster_config does, with the environment passed in.
+            loader = InClusterConfigLoader(str(path / "token"), str(path / "ca.crt"), environ=env)
+            loader.load_and_set(configuration)
         except ConfigException as error:
             raise KubeConfigError(f"in-cluster configuration: {error}") from error
-        namespace_file = folder / "namespace"
+        namespace_file = path / "namespace"
         namespace = namespace_file.read_text().strip() if namespace_file.is_file() else "default"
         return cls(client.CoreV1Api(client.ApiClient(configuration)), namespace)
 

@@ -15,7 +15,7 @@ following the operator <-> pod contract, oobleck.api.contract:
          final step always), from which the operator marks the job Succeeded
       -> a snapshot agent (runtime/snapshot/agent.py `snapshotter_for`, as reconfig.py's main() sets one up):
          in-memory snapshots pushed to a buddy on another node, advertised at the pod IP, and the
-         spec's checkpoint directory (under OOBLECK_CONTAINER_ROOT on local nodes).
+         spec's checkpoint directory.
 
 gloo and the /metrics endpoint (port WORKER_PORT + local GPU) bind to the pod IP: on local nodes
 several pods share one host. Logs are JSON lines carrying job, node, gpu, generation and step.
@@ -90,7 +90,7 @@ def job_spec_config(env: PodEnv):
 
     try:
         spec = parse_spec(json.loads(env.job_spec or "null"))
-        config = worker_config(spec, env.job, container_root=env.container_root, compute_device=env.compute_device)
+        config = worker_config(spec, env.job, compute_device=env.compute_device)
     except ValueError as error:
         raise JobFault(make_cause("InvalidConfig", f"OOBLECK_JOB_SPEC: {error}")) from error
     return spec, config
@@ -181,7 +181,7 @@ def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: fl
     body = first_config_map(source, env, first_plan_s)
     try:
         spec = parse_spec(planmap.read_job_spec(body))
-        config = worker_config(spec, env.job, container_root=env.container_root, compute_device=env.compute_device)
+        config = worker_config(spec, env.job, compute_device=env.compute_device)
         health = HealthTimeouts(heartbeat_period_s=env.heartbeat_period_s, dead_after_s=env.dead_after_s)
     except ValueError as error:  # pydantic's ValidationError is a ValueError
         raise JobFault(make_cause("InvalidConfig", f"configmap {env.plan_config_map}: {error}")) from error
@@ -279,15 +279,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def use_job_key(env: PodEnv) -> None:
-    """Point this process's signer (oobleck.runtime.elastic.signing.job_signer) at the job key's file, below
-    OOBLECK_CONTAINER_ROOT on local nodes, and read it now: a missing or unreadable key is a configuration
+    """Point this process's signer (oobleck.runtime.elastic.signing.job_signer) at the job key's file and
+    read it now: a missing or unreadable key is a configuration
     error (the operator mounts the job's key Secret in every worker pod: a pod never runs unauthenticated)."""
     from oobleck.runtime.elastic.signing import KEY_FILE_ENV, job_signer
 
     if env.job_key_file is None:
         raise ValueError(f"{KEY_FILE_ENV}: not set (the operator sets it to the job's mounted key Secret)")
-    root = (env.container_root or "").rstrip("/")
-    os.environ[KEY_FILE_ENV] = root + env.job_key_file if root else env.job_key_file
+    os.environ[KEY_FILE_ENV] = env.job_key_file
     job_signer()
 
 

@@ -92,8 +92,8 @@ the job InvalidSpec. The operator keeps every pod's reports in memory: these cap
 class PodContract(BaseModel):
     """The worker container's environment, set by the operator (field aliases are the variable names).
 
-    OOBLECK_POD_IP and OOBLECK_CONTAINER_ROOT are the node's to set, not the operator's: the local
-    nodes (devtools) set them, where several pods share one host and one filesystem; a kubelet does not.
+    OOBLECK_POD_IP is the node's to set, not the operator's: the local nodes (devtools) set it, where
+    several pods share one host's network; a kubelet does not.
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="ignore")
@@ -124,9 +124,6 @@ class PodContract(BaseModel):
         "nothing is authenticated",
     )
     pod_ip: str | None = Field(None, alias="OOBLECK_POD_IP", description="set by the node: bind here")
-    container_root: str | None = Field(
-        None, alias="OOBLECK_CONTAINER_ROOT", description="set by the node: where the pod's filesystem starts"
-    )
 
     @field_validator("store")
     @classmethod
