@@ -309,6 +309,20 @@ class JobObservation:
         return self._by_name.get(name)  # type: ignore[attr-defined]
 
 
+def ready_newcomers(obs: JobObservation, plan: Plan | None) -> tuple[str, ...]:
+    """Running worker pods in no plan yet whose runtime is up (it reported: torch imported, the store reached;
+    any running one while no member reports, a runtime that reports nothing), oldest first. They are the warm
+    spares (spec.nodes.spares) and the replacements to fold in; never members, so no progress, agreement or
+    straggler question counts them (those read the plan's nodes only)."""
+    members, dropped = (set(plan.nodes), set(plan.lost_nodes)) if plan is not None else (set(), set())
+    reporting = obs.generation_trained is not None
+    return tuple(
+        w.name
+        for w in obs.workers
+        if w.status == "running" and w.name not in members and w.name not in dropped and (w.reported or not reporting)
+    )
+
+
 def agreed_step(plan: Plan | None, workers: Mapping[str, Worker], summaries: Mapping[str, PodSummary]) -> int:
     """The step the current plan's members agree on: the smallest step reported by the members whose pods
     still run or succeeded (a member that reported nothing counts 0; lost members do not count).

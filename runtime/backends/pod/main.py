@@ -58,6 +58,10 @@ from oobleck.runtime.causes import JobFault, blame, classify, model_field
 
 __all__ = ["PodEnv", "main", "run_worker", "worker_config"]
 
+JOIN_WAIT_S = 30 * 24 * 3600.0
+"""How long a pod's runtime waits to be in a plan once a plan exists: unbounded in practice (a month,
+within the lock timeouts the plan source waits with)."""
+
 log = logging.getLogger("oobleck.runtime.backends.pod.main")
 
 
@@ -202,8 +206,10 @@ def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: fl
         _log("coordinator", env, gpu=gpu, address=host_port(*control.address), epoch=control.epoch)
         _announce(env, gpu, worker, config, progress)
         try:
+            # Once a plan exists a pod waits to be in one as long as the operator keeps it: a warm spare
+            # (spec.nodes.spares) may wait for hours, and the operator deletes the pods it no longer wants.
             result = run_elastic(
-                worker, source, detector, control, config.steps, ElasticTimeouts(first_plan_s=first_plan_s)
+                worker, source, detector, control, config.steps, ElasticTimeouts(first_plan_s=JOIN_WAIT_S)
             )
         except Unrecoverable as error:
             # The operator fails the job with these words (FailureReport kind "unrecoverable").
