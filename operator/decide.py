@@ -185,7 +185,7 @@ def _decide(
     planner: Planner,
 ) -> Decision:
     plan_read = current.plan if current is not None else None
-    status = StatusBuilder(ctx, now, measured(obs), verdict, ready=ready_newcomers(obs, plan_read))
+    status = StatusBuilder(ctx, now, measured(obs), verdict, ready=ready_newcomers(obs, plan_read, reported=True))
     ended = _ended(ctx, obs, current, status)
     if ended is not None:
         return ended

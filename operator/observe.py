@@ -309,13 +309,13 @@ class JobObservation:
         return self._by_name.get(name)  # type: ignore[attr-defined]
 
 
-def ready_newcomers(obs: JobObservation, plan: Plan | None) -> tuple[str, ...]:
+def ready_newcomers(obs: JobObservation, plan: Plan | None, *, reported: bool = False) -> tuple[str, ...]:
     """Running worker pods in no plan yet whose runtime is up (it reported: torch imported, the store reached;
-    any running one while no member reports, a runtime that reports nothing), oldest first. They are the warm
-    spares (spec.nodes.spares) and the replacements to fold in; never members, so no progress, agreement or
-    straggler question counts them (those read the plan's nodes only)."""
+    unless `reported`, any running one while no member reports, a runtime that reports nothing), oldest first.
+    They are the warm spares (spec.nodes.spares) and the replacements to fold in; never members, so no
+    progress, agreement or straggler question counts them (those read the plan's nodes only)."""
     members, dropped = (set(plan.nodes), set(plan.lost_nodes)) if plan is not None else (set(), set())
-    reporting = obs.generation_trained is not None
+    reporting = reported or obs.generation_trained is not None
     return tuple(
         w.name
         for w in obs.workers

@@ -20,6 +20,8 @@ from oobleck.operator import render
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-2")]
 LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
 NODES = 3
+STEPS = 1500
+"""Long enough (~40 ms a step here) for a replacement pod without a spare to start and be folded in."""
 SPARE_RESTORE_TARGET_S = 5.0
 """Issue #22's target from a kill to the full node count restored with a spare."""
 
@@ -45,7 +47,8 @@ def _trains_in(run, pod: str, generation: int, killed_at: float) -> float:
 @pytest.mark.parametrize("spares", [1, 0])
 def test_a_kill_folds_the_spare_in_at_once(job_run, local_nodes, spares):
     run = job_run
-    spec = run.job_spec(nodes=NODES)
+    run.STEPS = STEPS
+    spec = run.job_spec(STEPS, nodes=NODES)
     spec["nodes"]["spares"] = spares
     run.apply(spec)
     first = run.wait_for(run.plan, "generation 0")
