@@ -18,6 +18,10 @@ snapshot and checkpoint: the job fails with the worker's words), "coordinator-re
 lost: the generation is redone on the same nodes), and failures that name nobody (a broken
 collective: the dead worker's pod or node usually shows it within moments; `stalled_since` lets
 decide redo the generation if nothing does).
+
+Only the plan's members count in these questions: a running pod in no plan (a replacement not folded in
+yet, or a warm spare of spec.nodes.spares: `ready_newcomers`) is never lost to a peer's report, never
+holds the agreed step back and is never a straggler.
 """
 
 from __future__ import annotations

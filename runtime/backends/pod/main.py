@@ -20,7 +20,8 @@ following the operator <-> pod contract, oobleck.api.contract:
 gloo and the /metrics endpoint (port WORKER_PORT + local GPU) bind to the pod IP: on local nodes
 several pods share one host. Logs are JSON lines carrying job, node, gpu, generation and step.
 Before its first plan a worker writes the progress annotation `{"generation": -1, "step": 0}`: "up and
-waiting", the operator's cue to fold a replacement pod in.
+waiting", the operator's cue to fold a replacement pod in, or to count it as a warm spare (spec.nodes.spares),
+which waits, in no plan, until a loss or a scale-up folds it in or the operator deletes it.
 Exit codes: oobleck.api.contract.ExitCode (an unrecoverable loss is also reported to the operator,
 which fails the job with it).
 A failure caused by the job itself (runtime/causes.py: model import, data, config, memory, non-finite
