@@ -33,7 +33,7 @@ from oobleck.api.profile import ModelProfile
 from oobleck.operator.admission import admit
 from oobleck.operator.decision import CurrentPlan, Decision, Event, JobContext
 from oobleck.operator.faults import Verdict
-from oobleck.operator.observe import JobObservation
+from oobleck.operator.observe import JobObservation, ready_newcomers
 from oobleck.operator.planning import Tuning, check_spec, first_plan, synthetic_profile
 from oobleck.operator.planpool import IN_PROCESS, Planner, PlanningLimitExceeded
 from oobleck.operator.render import ranks_table, worker_annotations, worker_index
@@ -55,11 +55,17 @@ def next_indices(obs: JobObservation, plan: Plan | None, count: int) -> tuple[in
     return tuple(range(start, start + count))
 
 
-def _cleanup(spec: OobleckJobSpec, obs: JobObservation) -> tuple[tuple[str, str], ...]:
-    """Pods to delete once the job finished, per cleanPodPolicy."""
+def _cleanup(spec: OobleckJobSpec, obs: JobObservation, plan: Plan | None) -> tuple[tuple[str, str], ...]:
+    """Pods to delete once the job finished: per cleanPodPolicy, and, whatever the policy, the running pods
+    in no plan (spares and replacements never folded in: they hold nothing and would wait for ever)."""
+    members = set(plan.nodes) if plan is not None else set()
+    doomed = [
+        (w.name, "not a member when the job ended")
+        for w in obs.workers
+        if plan is not None and w.status == "running" and w.name not in members and not w.deleting
+    ]
     if spec.clean_pod_policy == "None":
-        return ()
-    doomed = []
+        return tuple(doomed)
     for worker in obs.workers:
         if spec.clean_pod_policy == "All" or worker.status in ("running", "pending"):
             doomed.append((worker.name, f"cleanPodPolicy {spec.clean_pod_policy}"))
@@ -70,7 +76,7 @@ def _cleanup(spec: OobleckJobSpec, obs: JobObservation) -> tuple[tuple[str, str]
         and (spec.clean_pod_policy == "All" or coordinator.phase in ("Running", "Pending"))
     ):
         doomed.append((coordinator.name, f"cleanPodPolicy {spec.clean_pod_policy}"))
-    return tuple(doomed)
+    return tuple(dict(doomed).items())
 
 
 def _finished(
@@ -80,7 +86,7 @@ def _finished(
     failures = current.failures_survived if current else 0
     return Decision(
         status=status.render(plan, failures, obs.step, completed=True),
-        delete=_cleanup(ctx.spec, obs),
+        delete=_cleanup(ctx.spec, obs, plan),
         events=tuple(events),
     )
 
@@ -178,7 +184,8 @@ def _decide(
     verdict: Verdict | None,
     planner: Planner,
 ) -> Decision:
-    status = StatusBuilder(ctx, now, measured(obs), verdict)
+    plan_read = current.plan if current is not None else None
+    status = StatusBuilder(ctx, now, measured(obs), verdict, ready=ready_newcomers(obs, plan_read, reported=True))
     ended = _ended(ctx, obs, current, status)
     if ended is not None:
         return ended
@@ -247,7 +254,7 @@ class Membership:
 
 
 def _membership(ctx: JobContext, obs: JobObservation, plan: Plan) -> Membership:
-    wanted = ctx.spec.nodes.wanted
+    wanted, spares = ctx.spec.nodes.wanted, ctx.spec.nodes.spares
     members = plan.nodes
     member_set, dropped = set(members), set(plan.lost_nodes)
     lost: dict[str, str] = {}
@@ -261,33 +268,30 @@ def _membership(ctx: JobContext, obs: JobObservation, plan: Plan) -> Membership:
     # Scale down: drop the newest members beyond the target.
     by_index = sorted(survivors, key=lambda n: worker_index(ctx.name, n) or 0)
     scaled = by_index[wanted:] if len(survivors) > wanted else []
-    room = wanted - (len(survivors) - len(scaled))
+    room = max(wanted - (len(survivors) - len(scaled)), 0)
     # Fold a running newcomer in once its runtime is up (it reported: torch imported, store reached), and
     # not while the current generation is still being adopted (its members have not trained a step in
     # it yet): otherwise the survivors would wait for the newcomer's start-up, or abandon an adoption.
-    # Pods whose runtime reports nothing (no member ever did) are folded in as soon as they run.
-    reporting = obs.generation_trained is not None
-    newcomers = [
-        w
-        for w in obs.workers
-        if w.name not in member_set
-        and w.status == "running"
-        and w.name not in dropped
-        and (not reporting or (w.reported and obs.generation_trained))
-    ]
-    added = [w.name for w in newcomers[: max(room, 0)]]
-    added_set, eligible = set(added), {w.name for w in newcomers}
-    spare = max(room, 0) - len(added)  # pending (or still starting) pods beyond this are no longer wanted
+    # A warm spare is such a newcomer kept waiting: a loss folds it in by the generation that drops the
+    # lost node, as a scale-up does. Pods whose runtime reports nothing are folded in as soon as they run.
+    ready = ready_newcomers(obs, plan)
+    eligible = ready if obs.generation_trained is None or obs.generation_trained else ()
+    added = list(eligible[:room])
+    added_set, warm = set(added), set(ready)
+    # Pods kept on their way in: those filling the room left (pending or still starting), then the spares.
+    keep = room - len(added) + spares
     delete: list[tuple[str, str]] = []
-    for worker in obs.workers:
+    # Warm ones first, then running, then pending; oldest first within each.
+    waiting = sorted(obs.workers, key=lambda w: (w.name not in warm, w.status != "running", w.index))
+    for worker in waiting:
         if worker.name in member_set or worker.name in added_set:
             continue
         if worker.status == "lost" or worker.name in dropped:
             delete.append((worker.name, worker.reason or "dropped from the plan"))
-        elif (worker.status == "pending" or (worker.status == "running" and worker.name not in eligible)) and spare > 0:
-            spare -= 1
+        elif worker.status in ("running", "pending") and keep > 0:
+            keep -= 1
         elif worker.status in ("running", "pending"):
-            delete.append((worker.name, f"scaled to {wanted} nodes"))
+            delete.append((worker.name, f"scaled to {wanted} nodes" + (f" and {spares} spares" if spares else "")))
     return Membership(lost, survivors, scaled, added, delete)
 
 
@@ -461,7 +465,10 @@ def _converge(
     doomed = {d for d, _ in delete}
     kept_pending = [w for w in pending if w.name not in doomed]
     pending_condition(status, kept_pending, spec.pending_timeout_seconds, wall)
-    create = next_indices(obs, in_force, spec.nodes.wanted - len(in_force.nodes) - len(kept_pending))
+    # Up to the wanted nodes and the warm spares beyond them.
+    create = next_indices(
+        obs, in_force, spec.nodes.wanted + spec.nodes.spares - len(in_force.nodes) - len(kept_pending)
+    )
     # A pod already being deleted needs no second request (a pod on a dead node can stay terminating).
     delete = [(name, why) for name, why in delete if not ((w := obs.get(name)) is not None and w.deleting)]
     return Decision(
@@ -503,17 +510,23 @@ def _first_plan(
         problem = check_spec(spec, basis, tuning, planner)
         if problem is not None:
             return _fail(ctx, obs, None, status, Reason.INVALID_SPEC, f"the planner cannot serve this spec: {problem}")
-    wanted = spec.nodes.wanted
+    wanted, pods = spec.nodes.wanted, spec.nodes.wanted + spec.nodes.spares
     for worker in obs.workers:
         if worker.status in ("lost", "succeeded"):
             delete.append((worker.name, worker.reason or "finished before the first plan"))
     live = [w for w in obs.workers if w.status in ("running", "pending")]
-    for worker in live[wanted:]:  # scaled down before the first plan
-        delete.append((worker.name, f"scaled to {wanted} nodes"))
-    live = live[:wanted]
-    running = [w for w in live if w.status == "running"]
+    for worker in live[pods:]:  # scaled down before the first plan
+        delete.append(
+            (
+                worker.name,
+                f"scaled to {wanted} nodes" + (f" and {spec.nodes.spares} spares" if spec.nodes.spares else ""),
+            )
+        )
+    live = live[:pods]
+    # Generation 0 takes the first `wanted` running pods; the others are the spares (decide's _membership).
+    running = [w for w in live if w.status == "running"][:wanted]
     pending = [w for w in live if w.status == "pending"]
-    create = next_indices(obs, None, wanted - len(live))
+    create = next_indices(obs, None, pods - len(live))
     oldest = min((w.created for w in pending if w.created is not None), default=None)
     timed_out = oldest is not None and wall - oldest >= spec.pending_timeout_seconds
     plan = None

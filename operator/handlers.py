@@ -499,4 +499,5 @@ async def reconcile(
     metrics.pods_created.inc(applied.created)
     if decision.slowdowns is not None:
         metrics.set_slowdowns(namespace, name, decision.slowdowns)
+    metrics.spares.labels(namespace=namespace, job=name).set(decision.status.get("spares", 0))
     runner.phase = str(decision.status.get("phase", "Pending"))

@@ -47,6 +47,12 @@ class Metrics:
             ["namespace", "job", "node"],
             registry=r,
         )
+        self.spares = Gauge(
+            f"{PREFIX}spares",
+            "Warm spare worker pods ready to replace a lost node (status.spares)",
+            ["namespace", "job"],
+            registry=r,
+        )
         self._slowdown_nodes: dict[tuple[str, str], set[str]] = {}
         for phase in Phase:
             self.jobs.labels(phase=phase.value).set(0)

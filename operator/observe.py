@@ -18,6 +18,10 @@ snapshot and checkpoint: the job fails with the worker's words), "coordinator-re
 lost: the generation is redone on the same nodes), and failures that name nobody (a broken
 collective: the dead worker's pod or node usually shows it within moments; `stalled_since` lets
 decide redo the generation if nothing does).
+
+Only the plan's members count in these questions: a running pod in no plan (a replacement not folded in
+yet, or a warm spare of spec.nodes.spares: `ready_newcomers`) is never lost to a peer's report, never
+holds the agreed step back and is never a straggler.
 """
 
 from __future__ import annotations
@@ -307,6 +311,20 @@ class JobObservation:
 
     def get(self, name: str) -> Worker | None:
         return self._by_name.get(name)  # type: ignore[attr-defined]
+
+
+def ready_newcomers(obs: JobObservation, plan: Plan | None, *, reported: bool = False) -> tuple[str, ...]:
+    """Running worker pods in no plan yet whose runtime is up (it reported: torch imported, the store reached;
+    unless `reported`, any running one while no member reports, a runtime that reports nothing), oldest first.
+    They are the warm spares (spec.nodes.spares) and the replacements to fold in; never members, so no
+    progress, agreement or straggler question counts them (those read the plan's nodes only)."""
+    members, dropped = (set(plan.nodes), set(plan.lost_nodes)) if plan is not None else (set(), set())
+    reporting = reported or obs.generation_trained is not None
+    return tuple(
+        w.name
+        for w in obs.workers
+        if w.status == "running" and w.name not in members and w.name not in dropped and (w.reported or not reporting)
+    )
 
 
 def agreed_step(plan: Plan | None, workers: Mapping[str, Worker], summaries: Mapping[str, PodSummary]) -> int:

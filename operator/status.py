@@ -24,11 +24,14 @@ class StatusBuilder:
         now: datetime,
         measured: tuple[float | None, float | None, int | None] | None = None,
         verdict: Verdict | None = None,
+        ready: Sequence[str] = (),
     ) -> None:
         self.ctx, self.now = ctx, now
         self.verdict = verdict
         """operator/faults.py's: the worker failures counted (status.workerFailures), and whether to fail"""
         self.conditions: list[Condition] = list(ctx.status.conditions)
+        self.ready = tuple(ready)
+        """running pods in no plan whose runtime is up (observe.ready_newcomers): the spares, once not folded in"""
         self.measured = measured
         """(loss, samples/s) of the newest step the workers reported, and the newest complete checkpoint step"""
 
@@ -69,7 +72,10 @@ class StatusBuilder:
                     "last_checkpoint_step": known if checkpoint is None else max(known or 0, checkpoint),
                 }
             )
+        spares = [] if completed or plan is None else [n for n in self.ready if n not in set(plan.nodes)]
         status = OobleckJobStatus(
+            spares=len(spares),
+            spare_pods=spares,
             phase=phase_of(self.conditions),
             conditions=self.conditions,
             observed_generation=self.ctx.generation,

@@ -621,3 +621,72 @@ def test_a_failed_checkpoint_write_raises_a_condition_and_one_event(h):
     _progress(world, 30)  # the next write succeeded: the reports carry no error
     d = world.step()
     assert cond(d.status, ConditionType.CHECKPOINT_FAILING).status == "False"
+
+
+def _with_spare(h) -> tuple[World, str]:
+    """A 3-node job with one warm spare on 5 nodes, every runtime reporting: members in generation 0 at
+    step 7, the spare up and waiting (generation -1)."""
+    spec = h.spec(nodes={"min": 2, "max": 3, "spares": 1})
+    world = World(h, spec, n_nodes=5)
+    d = world.step()
+    assert d.create == (0, 1, 2, 3), "the wanted nodes and the spare"
+    world.apply(d)
+    d = world.step()
+    assert sorted(d.plan.nodes) == world.names(0, 1, 2), "generation 0 takes the first wanted pods"
+    spare = world.names(3)[0]
+    assert spare not in dict(d.patches) and d.status["spares"] == 0, "a spare counts once its runtime is up"
+    world.apply(d)
+    for name in world.current.plan.nodes:
+        world.pods[name] = replace(world.pods[name], progress=json.dumps({"generation": 0, "step": 7}))
+    world.pods[spare] = replace(world.pods[spare], progress=json.dumps({"generation": -1, "step": 0}))
+    quiet = world.settle()
+    assert quiet.status["spares"] == 1 and quiet.status["sparePods"] == [spare]
+    # The spare is no member: the agreed step is the members' (the spare's 0 would hold it back).
+    assert quiet.status["progress"]["step"] == 7 and world.current.plan.generation == 0
+    return world, spare
+
+
+def test_a_warm_spare_is_kept_beside_the_plan_and_counts_for_nothing(h):
+    world, spare = _with_spare(h)
+    assert sorted(world.pods) == sorted([*world.names(0, 1, 2, 3), "c"])
+    # A spare that fails is replaced by a new spare; no generation, no failure survived.
+    world.pods[spare] = replace(world.pods[spare], phase="Failed")
+    d = world.step()
+    assert d.plan is None and dict(d.delete).get(spare) and d.create == (4,) and d.status["spares"] == 0
+    assert d.status["failuresSurvived"] == 0
+
+
+def test_a_loss_folds_the_spare_into_the_generation_that_drops_it(h):
+    world, spare = _with_spare(h)
+    victim = world.names(1)[0]
+    world.pods[victim] = replace(world.pods[victim], phase="Failed")
+    d = world.step()
+    assert d.plan.generation == 1 and d.plan.lost_nodes == [victim] and d.plan.added_nodes == [spare]
+    assert len(d.plan.nodes) == 3, "the full node count in the same reconfiguration"
+    assert spare in dict(d.patches) and d.create == (4,) and d.failures_survived == 1
+    assert d.status["spares"] == 0 and d.status_during["sparePods"] == [spare]
+    world.apply(d)
+    fresh = world.names(4)[0]
+    world.pods[fresh] = replace(world.pods[fresh], progress=json.dumps({"generation": -1, "step": 0}))
+    for name in world.current.plan.nodes:
+        world.pods[name] = replace(world.pods[name], progress=json.dumps({"generation": 1, "step": 9}))
+    d = world.settle()
+    assert world.current.plan.generation == 1, "the replacement becomes the spare, not a member"
+    assert d.status["spares"] == 1 and d.status["sparePods"] == [fresh] and d.status["nodes"] == 3
+
+
+def test_scaling_up_takes_the_spare_at_once(h):
+    world, spare = _with_spare(h)
+    world.spec = h.spec(nodes={"min": 2, "max": 4, "spares": 1})
+    d = world.step()
+    assert d.plan.added_nodes == [spare] and len(d.plan.nodes) == 4 and d.create == (4,)
+
+
+def test_an_ended_job_deletes_its_spares_whatever_the_clean_pod_policy(h):
+    world, spare = _with_spare(h)
+    world.spec = h.spec(nodes={"min": 2, "max": 3, "spares": 1}, cleanPodPolicy="None")
+    for name in world.current.plan.nodes:
+        world.pods[name] = replace(world.pods[name], progress=json.dumps({"generation": 0, "step": 40}))
+    d = world.step()
+    assert d.status["phase"] == "Succeeded" and d.status["spares"] == 0
+    assert d.delete == ((spare, "not a member when the job ended"),), "members are kept (cleanPodPolicy None)"

@@ -206,6 +206,16 @@ def test_wait_newer_stops_on_the_stop_event_and_absent_configmap_is_no_plan():
     assert time.monotonic() - started < 5.0
 
 
+def test_wait_read_is_the_first_delivery_present_or_absent():
+    src = source()
+    assert not src.wait_read(0.01), "nothing delivered yet: current() None says nothing"
+    src._on_object(None)
+    assert src.wait_read(0.01) and src.current() is None
+    src = source()
+    threading.Timer(0.1, lambda: src._on_object(config_map(plan(0)))).start()
+    assert src.wait_read(5.0) and src.current() == plan(0)
+
+
 def test_invalid_plan_names_the_key():
     src = source()
     src._on_object(

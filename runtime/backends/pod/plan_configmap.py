@@ -33,6 +33,7 @@ class ConfigMapPlanSource:
         self.last_error: BaseException | None = None
         """the last transport error of the watch (it keeps retrying), for diagnostics"""
         self._stop = threading.Event()
+        self._read = threading.Event()  # the watch delivered the ConfigMap's state once (absent included)
         self._thread: threading.Thread | None = None
 
     def start(self) -> ConfigMapPlanSource:
@@ -59,6 +60,12 @@ class ConfigMapPlanSource:
         watch_object(self.kube, self.namespace, self.name, self._on_object, self._stop, self._timeouts, error)
 
     def _on_object(self, obj: dict[str, Any] | None) -> None:
+        try:
+            self._take(obj)
+        finally:
+            self._read.set()
+
+    def _take(self, obj: dict[str, Any] | None) -> None:
         if obj is None:
             return  # not created yet, or deleted with its job: keep what we had
         with self._changed:
@@ -83,6 +90,12 @@ class ConfigMapPlanSource:
         """The ConfigMap holding the newest plan seen (None before the first)."""
         with self._changed:
             return self._object
+
+    def wait_read(self, timeout_s: float) -> bool:
+        """Whether the ConfigMap's state was read once (present or absent) within `timeout_s`: until then
+        `current()` is None whether or not a plan exists."""
+        self.start()
+        return self._read.wait(timeout_s)
 
     def current(self) -> Plan | None:
         self.start()

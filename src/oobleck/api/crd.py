@@ -47,6 +47,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "priority": 1,
     },
     {
+        "name": "Spares",
+        "type": "integer",
+        "jsonPath": ".status.spares",
+        "description": "Warm spare worker pods ready to replace a lost node.",
+        "priority": 1,
+    },
+    {
         "name": "Pipelines",
         "type": "integer",
         "jsonPath": ".status.plan.pipelines",

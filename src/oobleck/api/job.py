@@ -45,6 +45,8 @@ WORKER_ROLE = "worker"
 COORDINATOR_ROLE = "coordinator"
 
 MAX_NODES = 4096
+# Warm spares each keep a node (its GPUs) idle: a few cover the failures a reconfiguration meets at once.
+MAX_SPARES = 64
 # The planner's cost grows with nodes and layers (measured: 1024 nodes x 512 GPT layers 7 s, 1024 x 1024
 # 14 s and 744 MB): the API server refuses GPT shapes beyond this product up front; the operator's
 # planner limits (time, memory per call) bound the rest (entry points, transformers configs).
@@ -343,6 +345,14 @@ class NodeRange(_Model):
         le=MAX_NODES,
         description="Nodes the job asks for, between min and max; `kubectl scale oj/NAME --replicas=N` sets it. "
         "Absent means max.",
+    )
+    spares: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SPARES,
+        description="Warm spare worker pods kept beyond the wanted nodes: started, the runtime imported and "
+        "connected to the job's store, holding no layers. A lost node is replaced by a spare in the very "
+        "generation that drops it, and a new pod becomes the spare.",
     )
 
     @property
@@ -1142,6 +1152,14 @@ class OobleckJobStatus(_Model):
     )
     stragglers: list[Straggler] = Field(
         default_factory=list, max_length=MAX_NODES, description="Nodes now slower than spec.stragglers.threshold."
+    )
+    spares: int = Field(
+        default=0, ge=0, le=MAX_NODES, description="Warm spare worker pods ready to be folded in (spec.nodes.spares)."
+    )
+    spare_pods: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_NODES,
+        description="Those spares' pod names: running, their runtime up, in no plan (not members).",
     )
     start_time: datetime | None = Field(default=None, description="When the first plan started training.")
     completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed.")
