@@ -104,6 +104,7 @@ def test_bad_mounts_name_the_field():
         plan([VolumeMount("/data", Path("/vol/absent"), where="m[e]")], HOST)
 
 
+@pytest.mark.integration  # starts a process
 def test_a_process_sees_its_mounts_and_a_step_that_fails_is_a_start_error(tmp_path):
     """For real (root): the child enters its filesystem before exec; a failure says which step, as a runtime does."""
     import shutil
