@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Container
 from dataclasses import dataclass
 
@@ -46,6 +47,8 @@ from oobleck.runtime.train.groups import (
     GenerationGroups,
     Interrupted,
     Layout,
+    Ticket,
+    hand_off,
     layout,
     overlap,
     rows,
@@ -57,6 +60,8 @@ from oobleck.runtime.train.numerics import find_non_finite
 from oobleck.runtime.train.optim import LayerAdamW, learning_rate
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
+RECEIVE_AHEAD = 1
+"""Receives posted beyond the one being waited for (CPU): the next one's data moves while this rank computes."""
 
 
 @dataclass
@@ -304,7 +309,11 @@ class Engine:
                 result.append((peer, common))
         return result
 
-    def _receive(self, offset: int, spec: tuple[tuple[int, ...], torch.dtype], tag: int, what: str) -> torch.Tensor:
+    def _post_receive(
+        self, offset: int, spec: tuple[tuple[int, ...], torch.dtype], tag: int, what: str
+    ) -> tuple[list[torch.Tensor], list[tuple[object, str]], Ticket | None]:
+        """Post the receives of one tensor from the stage `offset` away; `_take` waits for them.
+        On CPU they are handed to the waiting thread at once (groups.hand_off)."""
         shape, dtype = spec
         buffers, works = [], []
         for peer, (lo, hi) in self._pieces(offset):
@@ -312,7 +321,23 @@ class Engine:
             buffer = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=self.device)
             works.append((backend.recv([buffer], peer_index, tag), f"{what} from rank {peer}"))
             buffers.append(buffer)
-        self._wait_all(works)
+        return buffers, works, None if self.device.type == "cuda" else hand_off(works)
+
+    def _post(self, kind: str, m: int):
+        """Post the receive that schedule item (kind, m) needs: activations for "F", gradients for "B"."""
+        index = self.layout.pipeline.microbatch_offset + m
+        if kind == "F":
+            assert self.input_spec is not None
+            return self._post_receive(-1, self.input_spec, FORWARD_TAG, f"activations of microbatch {index}")
+        assert self.output_spec is not None
+        return self._post_receive(+1, self.output_spec, BACKWARD_TAG, f"gradients of microbatch {index}")
+
+    def _take(self, posted) -> torch.Tensor:
+        buffers, works, ticket = posted
+        if ticket is None:
+            self._wait_all(works)
+        else:
+            ticket.wait(self.failed, self.timeouts.poll, self.timeouts.step)
         return buffers[0] if len(buffers) == 1 else torch.cat(buffers)
 
     def _send(self, tensor: torch.Tensor, offset: int, tag: int, pending: list) -> None:
@@ -341,54 +366,67 @@ class Engine:
         pending: list = []  # sends in flight: (work, tensor kept alive, peer)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         compute = _ComputeClock(self.device)
-        for kind, m in one_f_one_b(len(pipeline.stages), lay.stage_index, pipeline.microbatches):
-            self._check()
-            index = pipeline.microbatch_offset + m
-            if kind == "F":
-                batch = self.data.microbatch(step, index) if lay.first or lay.last else None
-                if lay.first:
-                    assert batch is not None
-                    x = batch[0][lo:hi].to(self.device)
-                    source = None
-                else:
-                    assert self.input_spec is not None
-                    x = self._receive(-1, self.input_spec, FORWARD_TAG, f"activations of microbatch {index}")
-                    x.requires_grad_(True)
-                    source = x
-                out = x
-                compute.start()
-                with autocast(self.device, self.config.precision):
-                    for layer, module in self.held:
-                        if self.model.stochastic:
-                            torch.manual_seed(layer_seed(self.config.seed, step, index, layer))
-                        out = run_layer(module, out, self.recompute)
-                    if lay.last:
+        order = one_f_one_b(len(pipeline.stages), lay.stage_index, pipeline.microbatches)
+        # This step's receives in the order they are needed; each is posted RECEIVE_AHEAD items before its use.
+        needed = [(kind, m) for kind, m in order if (kind == "F" and not lay.first) or (kind == "B" and not lay.last)]
+        ahead = 0 if self.device.type == "cuda" else RECEIVE_AHEAD
+        posted: deque = deque()
+        taken = 0
+        try:
+            for kind, m in order:
+                self._check()
+                index = pipeline.microbatch_offset + m
+                if (kind == "F" and not lay.first) or (kind == "B" and not lay.last):
+                    while taken + len(posted) < min(len(needed), taken + 1 + ahead):
+                        posted.append(self._post(*needed[taken + len(posted)]))
+                    received = self._take(posted.popleft())
+                    taken += 1
+                if kind == "F":
+                    batch = self.data.microbatch(step, index) if lay.first or lay.last else None
+                    if lay.first:
                         assert batch is not None
-                        targets = batch[1][lo:hi].to(self.device)
-                        out = self.model.loss(out, targets).sum()
-                        loss_sum += out.detach().double()
-                compute.stop()
-                if not lay.last:
-                    # Autocast may hand back another dtype than the (autocast-free) spec the receiver expects.
-                    assert self.output_spec is not None
-                    out = out.to(self.output_spec[1])
-                    self._send(out.detach(), +1, FORWARD_TAG, pending)
-                saved[m] = (source, out)
-            else:
-                source, out = saved.pop(m)
-                if lay.last:
+                        x = batch[0][lo:hi].to(self.device)
+                        source = None
+                    else:
+                        x = received
+                        x.requires_grad_(True)
+                        source = x
+                    out = x
                     compute.start()
-                    out.backward()
+                    with autocast(self.device, self.config.precision):
+                        for layer, module in self.held:
+                            if self.model.stochastic:
+                                torch.manual_seed(layer_seed(self.config.seed, step, index, layer))
+                            out = run_layer(module, out, self.recompute)
+                        if lay.last:
+                            assert batch is not None
+                            targets = batch[1][lo:hi].to(self.device)
+                            out = self.model.loss(out, targets).sum()
+                            loss_sum += out.detach().double()
+                    compute.stop()
+                    if not lay.last:
+                        # Autocast may hand back another dtype than the (autocast-free) spec the receiver expects.
+                        assert self.output_spec is not None
+                        out = out.to(self.output_spec[1])
+                        self._send(out.detach(), +1, FORWARD_TAG, pending)
+                    saved[m] = (source, out)
                 else:
-                    assert self.output_spec is not None
-                    grad = self._receive(+1, self.output_spec, BACKWARD_TAG, f"gradients of microbatch {index}")
+                    source, out = saved.pop(m)
                     compute.start()
-                    out.backward(grad)
-                compute.stop()
-                if source is not None:
-                    self._send(source.grad, -1, BACKWARD_TAG, pending)
-                self.buffers.accumulate()
-                self.tied.accumulate()
+                    if lay.last:
+                        out.backward()
+                    else:
+                        out.backward(received)
+                    compute.stop()
+                    if source is not None:
+                        self._send(source.grad, -1, BACKWARD_TAG, pending)
+                    self.buffers.accumulate()
+                    self.tied.accumulate()
+        except BaseException:
+            for _, _, ticket in posted:  # receives posted ahead that this step will not take
+                if ticket is not None:
+                    ticket.cancel()
+            raise
         # One hand-off for every send of the step (most completed long ago).
         self._wait_all([(work, f"send to rank {peer}") for work, _, peer in pending])
         if self.buffers.loss_slot is not None:

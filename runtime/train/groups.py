@@ -336,6 +336,33 @@ def wait_all(
         _waiter().wait(pending, failed, poll, timeout)
 
 
+class Ticket:
+    """Works handed to the helper thread (`hand_off`), waited for later: the caller goes on meanwhile."""
+
+    def __init__(self, works: list[tuple[Any, str]], waiter: _Waiter) -> None:
+        self.works, self.waiter, self.thread = works, waiter, waiter.thread
+        self.done, self.progress, self.error = threading.Event(), [0], []
+
+    def wait(self, failed: threading.Event | None, poll: float, timeout: float) -> None:
+        """Wait for every work of the ticket while watching `failed`; Interrupted or CommError instead of hanging."""
+        deadline = time.monotonic() + timeout
+        while not self.done.wait(poll):
+            what = self.works[self.progress[0]][1]  # the work the helper is blocked on
+            if failed is not None and failed.is_set():
+                self.cancel()
+                raise Interrupted(f"interrupted while waiting for {what}")
+            if time.monotonic() > deadline:
+                self.cancel()
+                raise CommError(f"{what}: no completion within {timeout:.0f} s")
+        if self.error:
+            raise CommError(f"{self.works[self.progress[0]][1]}: {self.error[0]}") from self.error[0]
+
+    def cancel(self) -> None:
+        """Give up on the works: a helper still blocked on them goes to the graveyard, a fresh one takes over."""
+        if not self.done.is_set() and self.waiter.thread is self.thread:
+            self.waiter.replace(self.works)
+
+
 class _Waiter:
     """A helper thread that blocks in `work.wait()` on behalf of one caller thread.
 
@@ -348,40 +375,34 @@ class _Waiter:
 
     def _start(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, args=(self._queue,), name="oobleck-wait", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, args=(self._queue,), name="oobleck-wait", daemon=True)
+        self.thread.start()
 
     @staticmethod
     def _run(requests: queue.SimpleQueue) -> None:
         while True:
-            works, done, progress, error = requests.get()
+            ticket = requests.get()
             try:
-                for index, (work, _) in enumerate(works):
-                    progress[0] = index
+                for index, (work, _) in enumerate(ticket.works):
+                    ticket.progress[0] = index
                     work.wait()
             except BaseException as exc:  # handed to the waiting caller
-                error.append(exc)
+                ticket.error.append(exc)
             finally:
-                done.set()
+                ticket.done.set()
+
+    def submit(self, works: list[tuple[Any, str]]) -> Ticket:
+        """Queue `works` for the helper (waited in order, after anything queued before) and return at once."""
+        ticket = Ticket(works, self)
+        self._queue.put(ticket)
+        return ticket
 
     def wait(self, works: list[tuple[Any, str]], failed: threading.Event | None, poll: float, timeout: float) -> None:
         """Wait for every (work, what) in `works`, in order, in the helper thread."""
-        done, progress, error = threading.Event(), [0], []
-        self._queue.put((works, done, progress, error))
-        deadline = time.monotonic() + timeout
-        while not done.wait(poll):
-            what = works[progress[0]][1]  # the work the helper is blocked on
-            if failed is not None and failed.is_set():
-                self._give_up(works)
-                raise Interrupted(f"interrupted while waiting for {what}")
-            if time.monotonic() > deadline:
-                self._give_up(works)
-                raise CommError(f"{what}: no completion within {timeout:.0f} s")
-        if error:
-            raise CommError(f"{works[progress[0]][1]}: {error[0]}") from error[0]
+        self.submit(works).wait(failed, poll, timeout)
 
-    def _give_up(self, work) -> None:
-        GRAVEYARD.append((self._thread, work))
+    def replace(self, work) -> None:
+        GRAVEYARD.append((self.thread, work))
         self._start()
 
 
@@ -392,6 +413,16 @@ def _waiter() -> _Waiter:
     if not hasattr(_local, "waiter"):
         _local.waiter = _Waiter()
     return _local.waiter
+
+
+def hand_off(works: list[tuple[Any, str]]) -> Ticket:
+    """Start waiting for gloo works in this thread's helper now; `Ticket.wait` collects them later.
+
+    A receive posted and handed off ahead of its use completes while the caller computes: gloo moves
+    the data as soon as the peer sends it, and the caller's wait finds it done (no thread hand-off on
+    the critical path). CPU only: NCCL works are polled (`wait`). The works are waited in the order
+    handed off, so hand them off in the order they will be needed."""
+    return _waiter().submit(works)
 
 
 def _poll_completion(work, failed: threading.Event | None, poll: float, timeout: float, what: str) -> None:

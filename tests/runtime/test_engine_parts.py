@@ -15,7 +15,7 @@ from oobleck.api.plan import Plan
 from oobleck.runtime.models.layered import load_model
 from oobleck.runtime.train.config import OptimConfig, WorkerConfig, load_config
 from oobleck.runtime.train.engine import one_f_one_b
-from oobleck.runtime.train.groups import Interrupted, group_specs, layout, rows, wait
+from oobleck.runtime.train.groups import Interrupted, group_specs, hand_off, layout, rows, wait
 from oobleck.runtime.train.layer_state import flatten, state_nbytes, unflatten
 from oobleck.runtime.train.optim import LayerAdamW, learning_rate, torch_adamw
 from oobleck.runtime.train.reference import train_reference
@@ -179,6 +179,46 @@ def test_wait_is_interrupted_by_the_failure_event():
     with pytest.raises(Interrupted, match="stuck recv"):
         wait(never, failed, 0.01, 30, "stuck recv")
     assert time.monotonic() - started < 3.0  # 0.2 s plus scheduling slack on a loaded machine
+
+
+def test_receive_handed_off_ahead_completes_meanwhile_and_a_cancelled_one_frees_the_helper():
+    """groups.hand_off: the engine posts a receive before it needs it; the helper thread waits for it while the
+    caller goes on, and the caller's later wait finds it done. A ticket given up on (a step interrupted with
+    receives still posted) must not leave the next wait queued behind a work that never completes."""
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stores = [TCPStore("127.0.0.1", master.port, is_master=False) for _ in range(2)]
+    backends = [None, None]
+    threads = [
+        threading.Thread(target=lambda r=r: backends.__setitem__(r, _pair(stores[r], r, "aheadpair/"))) for r in (0, 1)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = threading.Event()
+    buffer = torch.zeros(4)
+    ticket = hand_off([(backends[1].recv([buffer], 0, 0), "recv ahead")])
+    assert not ticket.done.is_set()  # nothing sent yet: the helper is blocked on it, the caller is not
+    send = backends[0].send([torch.arange(4.0)], 1, 0)
+    assert ticket.done.wait(10)  # completed by the helper without the caller waiting
+    ticket.wait(failed, 0.01, 10)
+    wait(send, failed, 0.01, 10, "send")
+    assert torch.equal(buffer, torch.arange(4.0))
+    # A receive that never completes, handed off ahead, then given up on: the next wait still completes.
+    stuck = hand_off([(backends[1].recv([torch.zeros(4)], 0, 7), "never sent")])
+    stuck.cancel()
+    later = torch.zeros(2)
+    send = backends[0].send([torch.ones(2)], 1, 3)
+    started = time.monotonic()
+    wait(backends[1].recv([later], 0, 3), failed, 0.01, 30, "after the cancelled one")
+    wait(send, failed, 0.01, 10, "send")
+    assert torch.equal(later, torch.ones(2))
+    assert time.monotonic() - started < 3.0
+    # Without the cancel it would have waited behind the stuck receive: the failure event ends that wait.
+    behind = hand_off([(backends[1].recv([torch.zeros(4)], 0, 8), "never sent either")])
+    threading.Timer(0.2, failed.set).start()
+    with pytest.raises(Interrupted, match="never sent either"):
+        behind.wait(failed, 0.01, 30)
 
 
 def test_config_errors_name_the_field(tmp_path):
