@@ -293,7 +293,9 @@ OWNER_SCRIPT = textwrap.dedent(
     """
     import json, sys, time
     from oobleck_dev.controlplane import ControlPlane
-    plane = ControlPlane(crds_dir=None).start()
+    # A folder of its own: another control plane starting on this machine (a parallel test) would
+    # otherwise reap the orphaned work folder before this test looks at it.
+    plane = ControlPlane(crds_dir=None, workdir_parent=sys.argv[1]).start()
     plane.start_kwok()
     print(json.dumps({"pids": plane.pids(), "workdir": str(plane.workdir)}), flush=True)
     time.sleep(600)
@@ -303,8 +305,8 @@ OWNER_SCRIPT = textwrap.dedent(
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_sigkill_of_the_owner_leaves_no_orphans() -> None:
-    owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT], stdout=subprocess.PIPE, text=True)
+def test_sigkill_of_the_owner_leaves_no_orphans(tmp_path: Path) -> None:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         line = owner.stdout.readline()
         assert line, "the owner process died before reporting its control plane"
