@@ -68,7 +68,8 @@ def test_consecutive_commits_drop_the_keys_of_steps_every_rank_is_past(world):
     so a long job's store stays small; the two newest steps' keys remain."""
     from oobleck.runtime.elastic import keys
 
-    with Coordinator() as coordinator:
+    # The test's own reads connect with the coordinator's op timeout: 5 s was once too short under CI's load.
+    with Coordinator(op_timeout_s=30.0) as coordinator:
         controls = [ControlStore(FixedEndpoint("127.0.0.1", coordinator.port), FAST) for _ in range(world)]
         decisions: dict[int, list[bool]] = {}
 
