@@ -36,6 +36,10 @@ def stragglers(run) -> list[dict[str, Any]]:
     return (run.job().get("status") or {}).get("stragglers") or []
 
 
+def naming(messages: list[str], node: str) -> list[str]:
+    return [m for m in messages if node in m]
+
+
 def paced_steps(run, pods: list[str]) -> int:
     """The lowest step among `pods` whose report carries a measured pace (0 while one has none)."""
     steps = []
@@ -95,9 +99,12 @@ def test_a_worker_throttled_to_half_its_cpu_is_a_confirmed_straggler_within_20_s
         f"throttled at step {throttled_at}, slow since {found['sinceStep']}: confirmed at {found['sinceStep'] + WINDOW}"
     )
     assert found["slowdown"] >= THRESHOLD
-    assert [s["node"] for s in stragglers(run)] == [slow], "only the throttled node is slow"
-    messages = run.wait_for(lambda: run.events("Straggler"), "the Straggler event")
-    assert len(messages) == 1 and slow in messages[0], messages
+    # On the shared 2-core CI host, a neighbour test's load once held an untouched node at 1.66x for a window
+    # too (a slow node, truly): the others may be listed, but never slower than the throttled one.
+    listed = {s["node"]: s["slowdown"] for s in stragglers(run)}
+    assert listed[slow] == max(listed.values()), listed
+    messages = run.wait_for(lambda: naming(run.events("Straggler"), slow), "the Straggler event")
+    assert len(messages) == 1, messages
     assert run.agent.cpu_throttled_seconds(run.ns, slow) > 0, "the kernel never held the pod back"
     labels = f'job="tiny",namespace="{run.ns}",node="{slow}"'
     # (A re-split generation may be under way: the series returns with the nodes' reports in it.)
@@ -117,7 +124,7 @@ def test_a_worker_throttled_to_half_its_cpu_is_a_confirmed_straggler_within_20_s
     run.wait_for(lambda: run.events("StragglerRecovered"), "the StragglerRecovered event", timeout=240)
     back = run.wait_for(lambda: "(all at pace)" in (plan := run.plan()).reason and plan, "the profile's split again")
     assert sorted(p.microbatches for p in back.pipelines) == sorted(even.values())
-    assert len(run.events("Straggler")) == 1
+    assert len(naming(run.events("Straggler"), slow)) == 1
     # The same losses as one process training the job without any of it.
     run.wait_succeeded()
     assert run.check_losses() >= STEPS
