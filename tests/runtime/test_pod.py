@@ -316,3 +316,53 @@ def test_two_jobs_sharing_a_checkpoint_path_never_restore_or_prune_each_others_s
     assert newest_complete_step(first, 2) == 20 and newest_complete_step(second, 2) == 30
     prune_checkpoints(first, num_layers=2, keep=1)
     assert newest_complete_step(second, 2) == 30 and read_checkpoint_layer(first, 20, 1).tolist() == [20] * 4
+
+
+@pytest.mark.integration
+def test_a_checkpoint_error_on_gpu_1_reaches_gpu_0s_report_through_the_supervisors_folder():
+    """Only GPU 0 writes the pod's progress annotation: GPU 1's failed checkpoint write must reach it
+    (runtime/backends/pod/siblings.py), across the supervisor's real child processes."""
+    import sys
+
+    from oobleck.runtime.backends.pod.supervise import supervise
+
+    env = PodEnv.from_env(ENV)  # 2 GPUs per node
+    script = """
+import os, sys, time
+from oobleck.runtime.backends.pod.siblings import PodSiblings
+gpu = int(sys.argv[2])
+siblings = PodSiblings.from_env(os.environ, gpu, 2)
+assert siblings is not None and oct(os.stat(siblings.folder).st_mode & 0o777) == "0o700"
+if gpu == 1:
+    siblings.publish("step 4 in /checkpoints/job: OSError: [Errno 28] No space left on device")
+    sys.exit(0)
+deadline = time.monotonic() + 30
+while (error := siblings.pod_error(None)) is None and time.monotonic() < deadline:
+    time.sleep(0.1)
+assert error == "gpu 1: step 4 in /checkpoints/job: OSError: [Errno 28] No space left on device", error
+assert siblings.pod_error("own") == "own"  # GPU 0's own failure comes first
+"""
+    assert supervise(env, [sys.executable, "-c", script]) == 0
+
+
+def test_siblings_publish_only_changes_read_at_most_every_interval_and_cut_what_they_read(tmp_path):
+    from oobleck.runtime.backends.pod.siblings import ERROR_CHARS, READ_INTERVAL_S, PodSiblings
+
+    now = [0.0]
+    reporter = PodSiblings(tmp_path, 0, 3, clock=lambda: now[0])
+    gpu2 = PodSiblings(tmp_path, 2, 3)
+    assert reporter.pod_error(None) is None
+    gpu2.publish("x" * 1000)  # a file can hold anything: what is reported is bounded
+    assert reporter.pod_error(None) is None  # read again only after the interval
+    now[0] += READ_INTERVAL_S
+    error = reporter.pod_error(None)
+    assert error is not None and error.startswith("gpu 2: x") and len(error) == ERROR_CHARS
+    written = (tmp_path / "gpu-2.checkpoint-error").stat().st_mtime_ns
+    gpu2.publish("x" * 1000)
+    assert (tmp_path / "gpu-2.checkpoint-error").stat().st_mtime_ns == written  # unchanged: not rewritten
+    gpu2.publish(None)  # the next write succeeded: the pod's report clears
+    now[0] += READ_INTERVAL_S
+    assert reporter.pod_error(None) is None
+    assert (
+        PodSiblings.from_env({}, 0, 2) is None and PodSiblings.from_env({"OOBLECK_POD_SHARED_DIR": "/x"}, 0, 1) is None
+    )

@@ -177,6 +177,7 @@ def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: fl
     from oobleck.runtime.backends.base import build_worker, finish
     from oobleck.runtime.backends.pod.plan_configmap import ConfigMapPlanSource
     from oobleck.runtime.backends.pod.pod_worker import PodWorker
+    from oobleck.runtime.backends.pod.siblings import PodSiblings
     from oobleck.runtime.elastic.health import FailureDetector, HealthTimeouts
     from oobleck.runtime.elastic.loop import ElasticTimeouts, run_elastic
     from oobleck.runtime.elastic.sources import Unrecoverable
@@ -206,7 +207,15 @@ def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: fl
     progress = ProgressReporter(kube, env.namespace, env.node, env.progress_interval_s) if gpu == 0 else None
     try:
         built = build_worker(
-            config, env.node, gpu, address, detector, store_timeouts, worker_class=PodWorker, progress=progress
+            config,
+            env.node,
+            gpu,
+            address,
+            detector,
+            store_timeouts,
+            worker_class=PodWorker,
+            progress=progress,
+            siblings=PodSiblings.from_env(os.environ, gpu, env.gpus_per_node),
         )
         worker, control = built.worker, built.control
         _log("coordinator", env, gpu=gpu, address=host_port(*control.address), epoch=control.epoch)

@@ -5,14 +5,19 @@ from __future__ import annotations
 import time
 
 from oobleck.runtime.backends.pod.report import ProgressReporter
+from oobleck.runtime.backends.pod.siblings import PodSiblings
 from oobleck.runtime.elastic.worker import Worker
 from oobleck.runtime.train.engine import StepOutcome
 
 
 class PodWorker(Worker):
-    def __init__(self, *args, progress: ProgressReporter | None = None, **kwargs) -> None:
+    def __init__(
+        self, *args, progress: ProgressReporter | None = None, siblings: PodSiblings | None = None, **kwargs
+    ) -> None:
+        """`progress`: GPU 0's reporter for the pod (None on the pod's other GPUs); `siblings`: the pod's GPU
+        workers' shared checkpoint errors (None on a single-GPU pod)."""
         super().__init__(*args, **kwargs)
-        self.progress = progress
+        self.progress, self.siblings = progress, siblings
 
     @property
     def checkpoint_step(self) -> int | None:
@@ -21,8 +26,15 @@ class PodWorker(Worker):
 
     @property
     def checkpoint_error(self) -> str | None:
-        """Why the snapshot agent's last checkpoint write failed (None: it succeeded, or none was due)."""
-        return self.snapshots.checkpoint_error if self.snapshots is not None else None
+        """Why the last checkpoint write failed (None: it succeeded, or none was due): this worker's snapshot
+        agent's, or on the reporting GPU 0 of a multi-GPU pod, another GPU's when its own is fine."""
+        own = self.snapshots.checkpoint_error if self.snapshots is not None else None
+        if self.siblings is None:
+            return own
+        if self.progress is None:
+            self.siblings.publish(own)
+            return own
+        return self.siblings.pod_error(own)
 
     def abandon(self) -> None:
         # run_elastic abandons a generation right after it broke: recovery_seconds runs from here to the
@@ -33,6 +45,8 @@ class PodWorker(Worker):
 
     def train_step(self) -> StepOutcome:
         outcome = super().train_step()
+        if self.progress is None and self.siblings is not None:
+            self.siblings.publish(self.checkpoint_error)
         if self.progress is not None and self.plan is not None:
             rate = outcome.samples / outcome.seconds if outcome.seconds > 0 else None
             pace = tuple(self.pace.history) or None

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 from oobleck.runtime.backends.pod.config import PodEnv
+from oobleck.runtime.backends.pod.siblings import SHARED_DIR_ENV
 
 log = logging.getLogger("oobleck.runtime.backends.pod.main")
 
@@ -20,8 +23,11 @@ def _log(event: str, env: PodEnv, **fields) -> None:
 
 def supervise(env: PodEnv, argv0: list[str]) -> int:
     """One child process per local GPU; the first to fail takes the others down (the pod is the unit of loss)."""
+    shared = tempfile.mkdtemp(prefix="oobleck-pod-")  # 0700: the children's checkpoint errors (siblings.py)
     children = [
-        subprocess.Popen([*argv0, "--gpu", str(gpu)], env={**os.environ, "OOBLECK_GPU": str(gpu)})
+        subprocess.Popen(
+            [*argv0, "--gpu", str(gpu)], env={**os.environ, "OOBLECK_GPU": str(gpu), SHARED_DIR_ENV: shared}
+        )
         for gpu in range(env.gpus_per_node)
     ]
 
@@ -49,4 +55,5 @@ def supervise(env: PodEnv, argv0: list[str]) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        shutil.rmtree(shared, ignore_errors=True)
     return code
