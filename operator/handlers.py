@@ -285,6 +285,7 @@ async def job_daemon(
         memo.wakers.pop(key, None)
         for jobs in memo.node_jobs.values():
             jobs.discard(key)
+        memo.metrics.forget_job(namespace, name)
         memo.metrics.set_phases(r.phase for r in memo.runners.values())
 
 

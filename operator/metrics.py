@@ -65,6 +65,16 @@ class Metrics:
             self.node_slowdown.labels(namespace=namespace, job=job, node=node).set(slowdown)
         self._slowdown_nodes[(namespace, job)] = set(slowdowns)
 
+    def forget_job(self, namespace: str, job: str) -> None:
+        """A job no longer served (deleted, or the operator handing it off): its per-job series go, so that a
+        dashboard does not show a deleted job's spares or slow nodes forever."""
+        self.set_slowdowns(namespace, job, {})
+        self._slowdown_nodes.pop((namespace, job), None)
+        try:
+            self.spares.remove(namespace, job)
+        except KeyError:  # never set: the job ended before its first reconcile
+            pass
+
     def set_phases(self, phases: Iterable[str]) -> None:
         """Set the jobs-by-phase gauge from the phases of every job served."""
         counts = {phase.value: 0 for phase in Phase}

@@ -250,6 +250,8 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
     assert 'oobleck_operator_jobs{phase="Running"} 1.0' in metrics
     created = [line for line in metrics.splitlines() if line.startswith("oobleck_operator_pods_created_total ")]
     assert created == ["oobleck_operator_pods_created_total 4.0"], (created, workers(cluster, ns))  # 3 + coordinator
+    spares_series = f'oobleck_operator_spares{{job="tiny",namespace="{ns}"}} 0.0'
+    assert spares_series in metrics
     cluster.kubectl("delete", "oobleckjob", "tiny", "-n", ns, "--wait=true", timeout=90)
     wait_for(
         lambda: (
@@ -259,6 +261,8 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
         ),
         "garbage collection of every child",
     )
+    # A deleted job's series go with it (a dashboard would show its spares forever).
+    wait_for(lambda: f'namespace="{ns}"' not in env["operator"].metrics(), "the deleted job's series gone")
 
 
 def test_spec_the_planner_cannot_serve_fails_with_an_event(cluster, env):

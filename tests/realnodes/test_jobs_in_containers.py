@@ -1,6 +1,7 @@
 """The whole loop in containers: an OobleckJob's coordinator and workers run the project image under real
 kubelets (containerd + runc), with nothing but what a cluster gives a pod (the `kubernetes` Service, a
-projected ServiceAccount token); the operator is a host process. The tiny Llama of
+projected ServiceAccount token); the operator is the chart's, installed by helm and running the image too, for
+the tiny Llama's run, and a host process for the fault tests (its log read directly). The tiny Llama of
 examples/llama-tiny.yaml trains to Succeeded at the exact step, and every step's loss, read back with
 `kubectl logs`, equals a single-process run of the same job (runtime/train/reference.py).
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import json
+import secrets
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +22,7 @@ import yaml
 
 from oobleck.api.job import worker_selector
 from oobleck.api.planmap import read_plan
+from oobleck_dev.chart import CHART_PATH
 from oobleck_dev.operatorproc import OperatorProcess
 from oobleck_dev.poll import wait_until
 
@@ -198,8 +202,93 @@ def real_job(real_cluster, tmp_path) -> Iterator[RealJob]:
         )
 
 
-def test_llama_trains_to_succeeded_in_containers(real_job):
-    job = real_job
+class HelmOperator:
+    """The operator as a user runs it: the chart installed by helm, its Deployment's pod running the project
+    image on a real node (non-root, read-only root filesystem, probes), in-cluster credentials only."""
+
+    def __init__(self, cluster, image: str, node_selector: dict[str, str], served: str, values_dir: Path) -> None:
+        self.cluster, self.served = cluster, served
+        self.name = f"h{secrets.token_hex(3)}"
+        self.namespace = cluster.namespace("real-op")
+        repository, tag = image.rsplit(":", 1)
+        values = {
+            "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},  # in the nodes' own store
+            "nodeSelector": node_selector,
+            "operator": {"watchNamespaces": [served], "extraArgs": ["--resync", "2"]},
+            "crds": {"install": True, "keep": True},
+            # The control plane installed the cluster-wide worker policy at start; the chart's copy is the same
+            # (tests/helm/golden), and an uninstall must not remove it from under the other tests.
+            "workerPolicy": {"install": False},
+        }
+        self.values = values_dir / "values.yaml"
+        self.values.write_text(yaml.safe_dump(values))
+        self.selector = f"app.kubernetes.io/instance={self.name},app.kubernetes.io/component=operator"
+
+    def helm(self, *args: str) -> None:
+        command = [str(self.cluster.bin.helm), "--kubeconfig", self.cluster.kubeconfig, *args]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"helm {' '.join(args)}: {result.stdout}\n{result.stderr}"
+
+    def install(self) -> HelmOperator:
+        # --take-ownership: the release adopts the CRD the control plane applied from crds/ (the same content).
+        chart = str(Path(__file__).parents[2] / CHART_PATH)
+        self.helm("install", self.name, chart, "-n", self.namespace, "--values", str(self.values), "--take-ownership")
+        return self
+
+    def pod(self) -> dict[str, Any]:
+        pods = self.cluster.kubectl_json("get", "pods", "-n", self.namespace, "-l", self.selector)["items"]
+        assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+        return pods[0]
+
+    def ready(self) -> bool:
+        conditions = self.pod().get("status", {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    def log(self) -> str:
+        name = self.pod()["metadata"]["name"]
+        return self.cluster.kubectl("logs", name, "-n", self.namespace, check=False, timeout=120).stdout
+
+    def kill(self) -> None:
+        self.helm("uninstall", self.name, "-n", self.namespace, "--wait", "--timeout", "2m")
+
+
+@pytest.fixture
+def helm_job(real_cluster, tmp_path) -> Iterator[RealJob]:
+    cluster, nodes = real_cluster
+    if cluster.bin.helm is None:
+        pytest.fail("helm not found: run scripts/k8s-tools/build", pytrace=False)
+    namespace = cluster.namespace("real")
+    operator = HelmOperator(cluster, nodes.image, nodes.node_selector, namespace, tmp_path).install()
+    job = RealJob(cluster, nodes, namespace, operator)  # type: ignore[arg-type]
+    try:
+        yield job
+    finally:
+        job.dump()
+        cluster.kubectl("delete", "oobleckjob", JOB, "-n", namespace, "--ignore-not-found", "--wait=false", check=False)
+        cluster.kubectl("wait", "--for=delete", f"oobleckjob/{JOB}", "-n", namespace, "--timeout=120s", check=False)
+        operator.kill()
+        cluster.kubectl(
+            "delete", "pods", "--all", "-n", namespace, "--grace-period=0", "--wait=true", check=False, timeout=120
+        )
+
+
+def test_llama_trains_to_succeeded_in_containers(helm_job):
+    """The operator too runs in its container, installed by helm: the whole loop as a user runs it."""
+    job = helm_job
+    operator = job.operator
+    wait_for(operator.ready, "the operator's pod Ready (its readiness probe answered)", START_TIMEOUT_S)
+    pod = operator.pod()
+    assert pod["spec"]["nodeName"] in job.nodes.names
+    container = pod["spec"]["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True and container["livenessProbe"]
+    check = (
+        "import os, json\n"
+        "try:\n    open('/probe', 'w'); writable = True\nexcept OSError:\n    writable = False\n"
+        "print(json.dumps({'uid': os.getuid(), 'root_writable': writable}))"
+    )
+    name = pod["metadata"]["name"]
+    seen = json.loads(job.cluster.kubectl("exec", name, "-n", operator.namespace, "--", "python", "-c", check).stdout)
+    assert seen == {"uid": 65532, "root_writable": False}, seen
     steps = 40
     job.apply(job_spec(job.nodes.image, steps, min_nodes=2, node_selector=job.nodes.node_selector))
 
@@ -233,6 +322,7 @@ def test_llama_trains_to_succeeded_in_containers(real_job):
     assert body["status"]["progress"]["step"] == steps
     compared = job.check_losses()
     print(f"{compared} losses compared against the single-process run")
+    assert operator.pod()["status"]["containerStatuses"][0]["restartCount"] == 0, "the operator restarted"
 
 
 def test_kubectl_delete_pod_recovers_in_place(real_job):
