@@ -25,11 +25,9 @@ from datetime import datetime
 from typing import Any
 
 from oobleck.api.conditions import ConditionType, Reason, is_true
-from oobleck.api.job import (
-    OobleckJobSpec,
-)
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ModelProfile
+from oobleck.api.spec import OobleckJobSpec
 from oobleck.operator.admission import admit
 from oobleck.operator.decision import CurrentPlan, Decision, Event, JobContext
 from oobleck.operator.faults import Verdict

@@ -8,8 +8,9 @@ from datetime import datetime
 from typing import Any
 
 from oobleck.api.conditions import ConditionType, Reason, phase_of, set_condition
-from oobleck.api.job import Condition, OobleckJobStatus, PlanSummary, Progress, TemplateUse, worker_selector
 from oobleck.api.plan import Plan
+from oobleck.api.resource import worker_selector
+from oobleck.api.status import Condition, OobleckJobStatus, PlanSummary, Progress, TemplateUse
 from oobleck.operator.decision import JobContext
 from oobleck.operator.faults import Verdict
 from oobleck.operator.observe import JobObservation, Worker
