@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import re
 
-from oobleck.api.job import OobleckJobSpec
 from oobleck.api.profile import ModelProfile
+from oobleck.api.spec import OobleckJobSpec
 
 _SUFFIX = {
     "": 1,

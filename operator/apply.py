@@ -24,9 +24,11 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio import config as kube_config
 
-from oobleck.api.job import GROUP, PLURAL, VERSION, OobleckJobSpec, Phase
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ModelProfile
+from oobleck.api.resource import GROUP, PLURAL, VERSION
+from oobleck.api.spec import OobleckJobSpec
+from oobleck.api.status import Phase
 from oobleck.operator import render
 from oobleck.operator.decision import Decision, Event
 from oobleck.operator.metrics import Metrics

@@ -25,58 +25,21 @@ from datetime import datetime
 from typing import Any
 
 from oobleck.api.conditions import ConditionType, Reason, is_true
-from oobleck.api.job import (
-    OobleckJobSpec,
-)
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ModelProfile
+from oobleck.api.spec import OobleckJobSpec
 from oobleck.operator.admission import admit
 from oobleck.operator.decision import CurrentPlan, Decision, Event, JobContext
 from oobleck.operator.faults import Verdict
-from oobleck.operator.observe import JobObservation, ready_newcomers
+from oobleck.operator.membership import Membership, cleanup, coordinator_pod, membership, next_indices
+from oobleck.operator.observe import JobObservation, Worker, ready_newcomers
 from oobleck.operator.planning import Tuning, check_spec, first_plan, synthetic_profile
 from oobleck.operator.planpool import IN_PROCESS, Planner, PlanningLimitExceeded
-from oobleck.operator.render import ranks_table, worker_annotations, worker_index
-from oobleck.operator.status import StatusBuilder, measured, pending_condition
+from oobleck.operator.render import ranks_table, worker_annotations
+from oobleck.operator.status import StatusBuilder, checkpoint_condition, measured, pending_condition
 from oobleck.operator.stragglers import with_stragglers
 from oobleck.planner.errors import PlanningError
 from oobleck.planner.nextgen import WORKERS_CHOOSE, next_generation
-
-
-def next_indices(obs: JobObservation, plan: Plan | None, count: int) -> tuple[int, ...]:
-    """`count` fresh worker indices above every index an existing pod or the current plan uses."""
-    if count <= 0:
-        return ()
-    used = [w.index for w in obs.workers]
-    if plan is not None:
-        job = plan.job
-        used += [i for n in (*plan.nodes, *plan.lost_nodes) if (i := worker_index(job, n)) is not None]
-    start = max(used, default=-1) + 1
-    return tuple(range(start, start + count))
-
-
-def _cleanup(spec: OobleckJobSpec, obs: JobObservation, plan: Plan | None) -> tuple[tuple[str, str], ...]:
-    """Pods to delete once the job finished: per cleanPodPolicy, and, whatever the policy, the running pods
-    in no plan (spares and replacements never folded in: they hold nothing and would wait for ever)."""
-    members = set(plan.nodes) if plan is not None else set()
-    doomed = [
-        (w.name, "not a member when the job ended")
-        for w in obs.workers
-        if plan is not None and w.status == "running" and w.name not in members and not w.deleting
-    ]
-    if spec.clean_pod_policy == "None":
-        return tuple(doomed)
-    for worker in obs.workers:
-        if spec.clean_pod_policy == "All" or worker.status in ("running", "pending"):
-            doomed.append((worker.name, f"cleanPodPolicy {spec.clean_pod_policy}"))
-    coordinator = obs.coordinator
-    if (
-        coordinator is not None
-        and not coordinator.deleting
-        and (spec.clean_pod_policy == "All" or coordinator.phase in ("Running", "Pending"))
-    ):
-        doomed.append((coordinator.name, f"cleanPodPolicy {spec.clean_pod_policy}"))
-    return tuple(dict(doomed).items())
 
 
 def _finished(
@@ -86,7 +49,7 @@ def _finished(
     failures = current.failures_survived if current else 0
     return Decision(
         status=status.render(plan, failures, obs.step, completed=True),
-        delete=_cleanup(ctx.spec, obs, plan),
+        delete=cleanup(ctx.spec, obs, plan),
         events=tuple(events),
     )
 
@@ -94,9 +57,7 @@ def _finished(
 def _fail(
     ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, status: StatusBuilder, reason: str, message: str
 ) -> Decision:
-    status.set(ConditionType.FAILED, "True", reason, message)
-    status.set(ConditionType.RUNNING, "False", Reason.NOT_APPLICABLE, "the job failed")
-    status.set(ConditionType.RECONFIGURING, "False", Reason.NOT_APPLICABLE, "the job failed")
+    status.failed(reason, message)
     return _finished(ctx, obs, current, status, [Event("Warning", reason, message)])
 
 
@@ -121,24 +82,6 @@ def _retry_reason(obs: JobObservation, wall: float) -> str:
     return ""
 
 
-def _checkpoint_condition(ctx: JobContext, obs: JobObservation, status: StatusBuilder) -> tuple[Event, ...]:
-    """CheckpointFailing from the members' reports: True (and a Warning event as it turns True) while a
-    running member's last checkpoint write failed, False once their writes succeed again."""
-    if obs.checkpoint_error:
-        status.set(ConditionType.CHECKPOINT_FAILING, "True", Reason.CHECKPOINT_WRITE_FAILED, obs.checkpoint_error)
-        if is_true(ctx.status.conditions, ConditionType.CHECKPOINT_FAILING):
-            return ()
-        return (Event("Warning", Reason.CHECKPOINT_WRITE_FAILED, obs.checkpoint_error),)
-    if any(c.type == ConditionType.CHECKPOINT_FAILING for c in status.conditions):
-        status.set(
-            ConditionType.CHECKPOINT_FAILING,
-            "False",
-            Reason.CHECKPOINTS_WRITTEN,
-            "the members' last checkpoint writes succeeded",
-        )
-    return ()
-
-
 def decide(
     ctx: JobContext,
     obs: JobObservation,
@@ -159,7 +102,7 @@ def decide(
 
     A pipeline of named steps: a finished job only cleans up; a job whose last step is done succeeds,
     one that lost some layer for good fails; before generation 0 `_first_plan` decides; else the
-    members are sorted (`_membership`), the next generation planned if any changed or the generation
+    members are sorted (`membership`), the next generation planned if any changed or the generation
     must be redone (`_change`), and the pods converged on the plan in force (`_converge`)."""
     try:
         decision = _decide(ctx, obs, current, profile, tuning, now, verdict, planner)
@@ -195,10 +138,10 @@ def _decide(
     status.set(
         ConditionType.CREATED, "True", Reason.OBJECTS_CREATED, "service, RBAC, coordinator and worker pods created"
     )
-    create_coordinator, delete = _coordinator(obs)
+    create_coordinator, delete = coordinator_pod(obs)
     if current is None:
         return _first_plan(ctx, obs, profile, tuning, status, delete, create_coordinator, now.timestamp(), planner)
-    members = _membership(ctx, obs, current.plan)
+    members = membership(ctx, obs, current.plan)
     change = _change(ctx, obs, current, profile, tuning, status, members, now.timestamp())
     if isinstance(change, Decision):
         return change
@@ -213,11 +156,7 @@ def _ended(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, st
     # The steps the workers reported: now on their pods, or earlier in the status (pods cleaned up since).
     reported = max(obs.step, ctx.status.progress.step if ctx.status.progress else 0)
     if current is not None and reported >= spec.training.steps:
-        status.set(
-            ConditionType.SUCCEEDED, "True", Reason.STEPS_COMPLETED, f"{reported} of {spec.training.steps} steps done"
-        )
-        status.set(ConditionType.RUNNING, "False", Reason.NOT_APPLICABLE, "the job succeeded")
-        status.set(ConditionType.RECONFIGURING, "False", Reason.NOT_APPLICABLE, "the job succeeded")
+        status.succeeded(f"{reported} of {spec.training.steps} steps done")
         return _finished(
             ctx,
             obs,
@@ -228,71 +167,6 @@ def _ended(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, st
     if current is not None and obs.unrecoverable:
         return _fail(ctx, obs, current, status, Reason.LAYERS_LOST, obs.unrecoverable)
     return None
-
-
-def _coordinator(obs: JobObservation) -> tuple[bool, list[tuple[str, str]]]:
-    """Whether to create the coordinator pod, and a failed one to delete (it is recreated on the next pass)."""
-    delete: list[tuple[str, str]] = []
-    if obs.coordinator is not None and not obs.coordinator.deleting and obs.coordinator.phase == "Failed":
-        delete.append((obs.coordinator.name, "coordinator failed"))
-    return obs.coordinator is None, delete
-
-
-@dataclass(frozen=True)
-class Membership:
-    """The plan's members sorted by what happened to them, and the newcomers to fold in."""
-
-    lost: dict[str, str]
-    """member -> why it is lost"""
-    survivors: list[str]
-    scaled: list[str]
-    """survivors dropped to scale down"""
-    added: list[str]
-    """running newcomers to fold in"""
-    delete: list[tuple[str, str]]
-    """non-member pods to delete: lost, dropped from the plan, or no longer wanted"""
-
-
-def _membership(ctx: JobContext, obs: JobObservation, plan: Plan) -> Membership:
-    wanted, spares = ctx.spec.nodes.wanted, ctx.spec.nodes.spares
-    members = plan.nodes
-    member_set, dropped = set(members), set(plan.lost_nodes)
-    lost: dict[str, str] = {}
-    for name in members:
-        worker = obs.get(name)
-        if worker is None:
-            lost[name] = f"pod {name} gone"
-        elif worker.status == "lost":
-            lost[name] = worker.reason
-    survivors = [m for m in members if m not in lost]
-    # Scale down: drop the newest members beyond the target.
-    by_index = sorted(survivors, key=lambda n: worker_index(ctx.name, n) or 0)
-    scaled = by_index[wanted:] if len(survivors) > wanted else []
-    room = max(wanted - (len(survivors) - len(scaled)), 0)
-    # Fold a running newcomer in once its runtime is up (it reported: torch imported, store reached), and
-    # not while the current generation is still being adopted (its members have not trained a step in
-    # it yet): otherwise the survivors would wait for the newcomer's start-up, or abandon an adoption.
-    # A warm spare is such a newcomer kept waiting: a loss folds it in by the generation that drops the
-    # lost node, as a scale-up does. Pods whose runtime reports nothing are folded in as soon as they run.
-    ready = ready_newcomers(obs, plan)
-    eligible = ready if obs.generation_trained is None or obs.generation_trained else ()
-    added = list(eligible[:room])
-    added_set, warm = set(added), set(ready)
-    # Pods kept on their way in: those filling the room left (pending or still starting), then the spares.
-    keep = room - len(added) + spares
-    delete: list[tuple[str, str]] = []
-    # Warm ones first, then running, then pending; oldest first within each.
-    waiting = sorted(obs.workers, key=lambda w: (w.name not in warm, w.status != "running", w.index))
-    for worker in waiting:
-        if worker.name in member_set or worker.name in added_set:
-            continue
-        if worker.status == "lost" or worker.name in dropped:
-            delete.append((worker.name, worker.reason or "dropped from the plan"))
-        elif worker.status in ("running", "pending") and keep > 0:
-            keep -= 1
-        elif worker.status in ("running", "pending"):
-            delete.append((worker.name, f"scaled to {wanted} nodes" + (f" and {spares} spares" if spares else "")))
-    return Membership(lost, survivors, scaled, added, delete)
 
 
 @dataclass(frozen=True)
@@ -382,12 +256,8 @@ def _change(
         if restore
         else (Reason.NODE_LOST if lost else Reason.SCALED if scaled else Reason.NODES_ADDED)
     )
-    status.set(ConditionType.RECONFIGURING, "True", reason, summary)
-    status.set(
-        ConditionType.RUNNING, "True", Reason.TRAINING, f"generation {plan.generation} until the survivors switch"
-    )
-    during = status.render(plan, failures, obs.step)
-    status.set(ConditionType.RECONFIGURING, "False", Reason.RECONFIGURED, summary)
+    running = f"generation {plan.generation} until the survivors switch"
+    during = status.reconfiguring(reason, summary, plan, failures, obs.step, running)
     delete = [(name, why) for name, why in lost.items() if obs.get(name) is not None]
     delete += [(name, f"scaled to {spec.nodes.wanted} nodes") for name in scaled]
     return Change(new_plan, failures, during, tuple(events), tuple(delete), planner_s)
@@ -409,9 +279,7 @@ def _retry(
         return Change(failures=failures)
     new_plan = next_generation(plan, profile or (), reason="retry", bandwidth=tuning.inter_node_bandwidth)
     summary = f"generation {new_plan.generation}: the same {len(plan.nodes)} nodes again ({why})"
-    status.set(ConditionType.RECONFIGURING, "True", Reason.GENERATION_RETRIED, summary)
-    during = status.render(plan, failures, obs.step)
-    status.set(ConditionType.RECONFIGURING, "False", Reason.RECONFIGURED, summary)
+    during = status.reconfiguring(Reason.GENERATION_RETRIED, summary, plan, failures, obs.step)
     return Change(new_plan, failures, during, (Event("Normal", Reason.GENERATION_RETRIED, summary),))
 
 
@@ -438,29 +306,10 @@ def _converge(
         worker = by_name.get(name)
         if worker is not None and worker.status == "running" and worker.ranks != table.get(name, ""):
             patches.append((name, worker_annotations(in_force, name, table)))
-    status.set(
-        ConditionType.RUNNING,
-        "True",
-        Reason.TRAINING,
-        f"generation {in_force.generation}: {len(in_force.pipelines)} pipelines on {len(in_force.nodes)} nodes",
-    )
-    if in_force.degraded:
-        status.set(
-            ConditionType.DEGRADED,
-            "True",
-            Reason.FEWER_PIPELINES,
-            f"{len(in_force.pipelines)} pipelines, fewer than f + 1 = {spec.f + 1}: another failure may need a checkpoint",
-        )
-    else:
-        status.set(
-            ConditionType.DEGRADED,
-            "False",
-            Reason.FULLY_REDUNDANT,
-            f"{len(in_force.pipelines)} pipelines >= f + 1 = {spec.f + 1}",
-        )
-    events = change.events + _checkpoint_condition(ctx, obs, status)
+    status.training(in_force, spec.f, ": another failure may need a checkpoint")
+    events = change.events + checkpoint_condition(ctx, obs, status)
     in_force_set = set(in_force.nodes)
-    # Pods on their way in: pending, or running but not folded in yet (still starting, see _membership).
+    # Pods on their way in: pending, or running but not folded in yet (still starting, see membership.py).
     pending = [w for w in obs.workers if w.status in ("pending", "running") and w.name not in in_force_set]
     doomed = {d for d, _ in delete}
     kept_pending = [w for w in pending if w.name not in doomed]
@@ -501,15 +350,72 @@ def _first_plan(
     `profile: measure`, once a worker has reported the profile it measured; until then the spec is
     checked against the synthetic estimate of its model)."""
     spec = ctx.spec
+    problem = _spec_problem(spec, profile, tuning, planner)
+    if problem is not None:
+        return _fail(ctx, obs, None, status, Reason.INVALID_SPEC, problem)
+    pods = _first_pods(spec, obs, delete)
+    create = next_indices(obs, None, spec.nodes.wanted + spec.nodes.spares - len(pods.live))
+    attempt = _try_first_plan(ctx, pods, profile, tuning, wall, planner)
+    if attempt.plan is None:
+        reason = Reason.PROFILING if attempt.profiling else Reason.WAITING_FOR_NODES
+        status.set(ConditionType.RUNNING, "False", reason, attempt.waiting)
+        pending_condition(status, pods.pending, spec.pending_timeout_seconds, wall)
+        return Decision(
+            status=status.render(None, 0, 0),
+            delete=tuple(dict(delete).items()),
+            create=create,
+            create_coordinator=create_coordinator,
+            planner_seconds=attempt.planner_s,
+        )
+    plan = attempt.plan
+    message = f"generation 0: {len(plan.pipelines)} pipelines on {len(plan.nodes)} nodes"
+    events = [*attempt.events, Event("Normal", "Planned", f"{message}, estimated {plan.iteration_ms:.1f} ms per step")]
+    status.training(plan, spec.f)
+    if any(c.type == ConditionType.WORKERS_PENDING for c in status.conditions):
+        status.set(ConditionType.WORKERS_PENDING, "False", Reason.ALL_SCHEDULED, "no worker pod is stuck unschedulable")
+    table = ranks_table(plan)
+    patches = tuple(
+        (w.name, worker_annotations(plan, w.name, table)) for w in pods.running if w.ranks != table.get(w.name, "")
+    )
+    # Pods still pending stay: once they run they are folded into the next generation.
+    return Decision(
+        status=status.render(plan, 0, 0),
+        plan=plan,
+        patches=patches,
+        delete=tuple(dict(delete).items()),
+        create=create,
+        create_coordinator=create_coordinator,
+        events=tuple(events),
+        planner_seconds=attempt.planner_s,
+        profile=attempt.profile,
+    )
+
+
+def _spec_problem(spec: OobleckJobSpec, profile: ModelProfile | None, tuning: Tuning, planner: Planner) -> str | None:
+    """Why generation 0 can never be planned (admission, then the planner's check), or None."""
     # An entry point's profile is known only once a worker measured it: nothing to check before.
     basis = profile if profile is not None else synthetic_profile(spec, tuning) if spec.model.gpt else None
-    if basis is not None:
-        problem = admit(spec, basis, tuning)
-        if problem is not None:
-            return _fail(ctx, obs, None, status, Reason.INVALID_SPEC, problem)
-        problem = check_spec(spec, basis, tuning, planner)
-        if problem is not None:
-            return _fail(ctx, obs, None, status, Reason.INVALID_SPEC, f"the planner cannot serve this spec: {problem}")
+    if basis is None:
+        return None
+    problem = admit(spec, basis, tuning)
+    if problem is not None:
+        return problem
+    problem = check_spec(spec, basis, tuning, planner)
+    return None if problem is None else f"the planner cannot serve this spec: {problem}"
+
+
+@dataclass(frozen=True)
+class FirstPods:
+    """The worker pods before generation 0: those kept (`live`), and of them the running ones it would take."""
+
+    live: list[Worker]
+    running: list[Worker]
+    pending: list[Worker]
+
+
+def _first_pods(spec: OobleckJobSpec, obs: JobObservation, delete: list[tuple[str, str]]) -> FirstPods:
+    """Sort the pods before generation 0; finished pods and those beyond the wanted count and spares go to
+    `delete`."""
     wanted, pods = spec.nodes.wanted, spec.nodes.wanted + spec.nodes.spares
     for worker in obs.workers:
         if worker.status in ("lost", "succeeded"):
@@ -523,15 +429,39 @@ def _first_plan(
             )
         )
     live = live[:pods]
-    # Generation 0 takes the first `wanted` running pods; the others are the spares (decide's _membership).
+    # Generation 0 takes the first `wanted` running pods; the others are the spares (membership.py).
     running = [w for w in live if w.status == "running"][:wanted]
     pending = [w for w in live if w.status == "pending"]
-    create = next_indices(obs, None, pods - len(live))
+    return FirstPods(live, running, pending)
+
+
+@dataclass(frozen=True)
+class FirstAttempt:
+    """Generation 0, or why it is not planned yet (`waiting`)."""
+
+    plan: Plan | None
+    profile: ModelProfile | None
+    """the profile planned with: the measured one, or the synthetic estimate once the measurement is overdue"""
+    events: tuple[Event, ...]
+    waiting: str
+    profiling: bool
+    """enough pods run, but their measured profile has not come yet"""
+    planner_s: float
+
+
+def _try_first_plan(
+    ctx: JobContext, pods: FirstPods, profile: ModelProfile | None, tuning: Tuning, wall: float, planner: Planner
+) -> FirstAttempt:
+    """Plan generation 0 once enough pods run: all wanted, or nodes.min of them once a pending pod has
+    waited pendingTimeoutSeconds."""
+    spec = ctx.spec
+    wanted, running, pending = spec.nodes.wanted, pods.running, pods.pending
     oldest = min((w.created for w in pending if w.created is not None), default=None)
     timed_out = oldest is not None and wall - oldest >= spec.pending_timeout_seconds
     plan = None
     planner_s = 0.0
     events: list[Event] = []
+    waiting = ""
     enough = bool(running) and (len(running) == wanted or (timed_out and len(running) >= spec.nodes.min))
     started = max((w.created for w in running if w.created is not None), default=wall)
     if enough and profile is None and wall - started >= tuning.measure_timeout_s:
@@ -554,52 +484,7 @@ def _first_plan(
             waiting = f"{len(running)} running worker pods cannot be planned yet: {error}"
             plan = None
         planner_s = time.perf_counter() - began
-    if plan is None:
-        if not running or len(running) < wanted:
-            why = next((w.reason for w in pending if w.reason), "")
-            waiting = f"{len(running)} of {wanted} worker pods running" + (f"; {why}" if why else "")
-        profiling = enough and profile is None
-        status.set(ConditionType.RUNNING, "False", Reason.PROFILING if profiling else Reason.WAITING_FOR_NODES, waiting)
-        pending_condition(status, pending, spec.pending_timeout_seconds, wall)
-        return Decision(
-            status=status.render(None, 0, 0),
-            delete=tuple(dict(delete).items()),
-            create=create,
-            create_coordinator=create_coordinator,
-            planner_seconds=planner_s,
-        )
-    message = f"generation 0: {len(plan.pipelines)} pipelines on {len(plan.nodes)} nodes"
-    events.append(Event("Normal", "Planned", f"{message}, estimated {plan.iteration_ms:.1f} ms per step"))
-    status.set(ConditionType.RUNNING, "True", Reason.TRAINING, message)
-    if plan.degraded:
-        status.set(
-            ConditionType.DEGRADED,
-            "True",
-            Reason.FEWER_PIPELINES,
-            f"{len(plan.pipelines)} pipelines, fewer than f + 1 = {spec.f + 1}",
-        )
-    else:
-        status.set(
-            ConditionType.DEGRADED,
-            "False",
-            Reason.FULLY_REDUNDANT,
-            f"{len(plan.pipelines)} pipelines >= f + 1 = {spec.f + 1}",
-        )
-    if any(c.type == ConditionType.WORKERS_PENDING for c in status.conditions):
-        status.set(ConditionType.WORKERS_PENDING, "False", Reason.ALL_SCHEDULED, "no worker pod is stuck unschedulable")
-    table = ranks_table(plan)
-    patches = tuple(
-        (w.name, worker_annotations(plan, w.name, table)) for w in running if w.ranks != table.get(w.name, "")
-    )
-    # Pods still pending stay: once they run they are folded into the next generation.
-    return Decision(
-        status=status.render(plan, 0, 0),
-        plan=plan,
-        patches=patches,
-        delete=tuple(dict(delete).items()),
-        create=create,
-        create_coordinator=create_coordinator,
-        events=tuple(events),
-        planner_seconds=planner_s,
-        profile=profile,
-    )
+    if plan is None and (not running or len(running) < wanted):
+        why = next((w.reason for w in pending if w.reason), "")
+        waiting = f"{len(running)} of {wanted} worker pods running" + (f"; {why}" if why else "")
+    return FirstAttempt(plan, profile, tuple(events), waiting, enough and profile is None, planner_s)

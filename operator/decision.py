@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from oobleck.api.job import OobleckJobSpec, OobleckJobStatus
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ModelProfile
+from oobleck.api.spec import OobleckJobSpec
+from oobleck.api.status import OobleckJobStatus
 
 
 @dataclass(frozen=True)

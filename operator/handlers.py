@@ -25,16 +25,10 @@ from kubernetes_asyncio import config as kube_config
 from pydantic import ValidationError
 
 from oobleck.api.conditions import ConditionType, Reason, is_true, phase_of, set_condition
-from oobleck.api.job import (
-    GROUP,
-    JOB_LABEL,
-    PLURAL,
-    VERSION,
-    OobleckJobSpec,
-    parse_spec,
-    parse_status,
-)
 from oobleck.api.profile import ModelProfile
+from oobleck.api.resource import GROUP, JOB_LABEL, PLURAL, VERSION
+from oobleck.api.spec import OobleckJobSpec, parse_spec
+from oobleck.api.status import parse_status
 from oobleck.operator import faults, observe
 from oobleck.operator.apply import (
     Api,

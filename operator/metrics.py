@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from oobleck.api.job import Phase
+from oobleck.api.status import Phase
 
 PREFIX = "oobleck_operator_"
 # Failure-to-patch targets 1 s for 1000 nodes: resolve well below and above it.

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from oobleck.api.hfpresets import PRESETS
 from oobleck.api.hfpresets import sizes as hf_sizes
-from oobleck.api.job import OobleckJobSpec
 from oobleck.api.plan import Plan, Template
 from oobleck.api.profile import ClusterShape, ModelProfile
+from oobleck.api.spec import OobleckJobSpec
 from oobleck.operator.admission import gpu_memory_bytes
 from oobleck.operator.planpool import IN_PROCESS, Planner, PlanningLimitExceeded
 from oobleck.planner import instantiate

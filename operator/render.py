@@ -49,19 +49,6 @@ from oobleck.api.contract import (  # noqa: F401  (re-exported: the operator's m
     WORKER_PORT,
     PodContract,
 )
-from oobleck.api.job import (
-    API_VERSION,
-    COORDINATOR_ROLE,
-    GROUP,
-    JOB_LABEL,
-    KIND,
-    MODEL_CONFIG_DIR,
-    ROLE_LABEL,
-    SHM_DIR,
-    WORKER_ROLE,
-    OobleckJobSpec,
-    data_directory,
-)
 from oobleck.api.plan import Plan
 from oobleck.api.planmap import (  # noqa: F401  (re-exported: the operator's modules and tests use them from here)
     JOB_KEY,
@@ -75,6 +62,9 @@ from oobleck.api.planmap import (  # noqa: F401  (re-exported: the operator's mo
     read_profile,
 )
 from oobleck.api.profile import ModelProfile
+from oobleck.api.resource import API_VERSION, COORDINATOR_ROLE, GROUP, JOB_LABEL, KIND, ROLE_LABEL, WORKER_ROLE
+from oobleck.api.schema import MODEL_CONFIG_DIR, SHM_DIR, data_directory
+from oobleck.api.spec import OobleckJobSpec
 
 INDEX_LABEL = f"{GROUP}/worker-index"
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import kopf
 
-from oobleck.api.job import GROUP, KIND
+from oobleck.api.resource import GROUP, KIND
 from oobleck.operator.planning import Tuning
 from oobleck.operator.planpool import PlannerLimits
 

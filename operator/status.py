@@ -1,5 +1,7 @@
 """The job's next status, built from the previous one: conditions keep their transition times, progress
-keeps its last known loss, throughput and checkpoint step. Pure; decide.py drives it."""
+keeps its last known loss, throughput and checkpoint step. Also the conditions each outcome of a pass sets
+(failed, succeeded, reconfiguring, training on a plan, checkpoints failing, pods pending). Pure; decide.py
+drives it and keeps the planning."""
 
 from __future__ import annotations
 
@@ -7,10 +9,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from oobleck.api.conditions import ConditionType, Reason, phase_of, set_condition
-from oobleck.api.job import Condition, OobleckJobStatus, PlanSummary, Progress, TemplateUse, worker_selector
+from oobleck.api.conditions import ConditionType, Reason, is_true, phase_of, set_condition
 from oobleck.api.plan import Plan
-from oobleck.operator.decision import JobContext
+from oobleck.api.resource import worker_selector
+from oobleck.api.status import Condition, OobleckJobStatus, PlanSummary, Progress, TemplateUse
+from oobleck.operator.decision import Event, JobContext
 from oobleck.operator.faults import Verdict
 from oobleck.operator.observe import JobObservation, Worker
 
@@ -37,6 +40,48 @@ class StatusBuilder:
 
     def set(self, type_: str, status: str, reason: str, message: str) -> None:
         self.conditions = set_condition(self.conditions, type_, status, reason, message, self.ctx.generation, self.now)  # type: ignore[arg-type]
+
+    def failed(self, reason: str, message: str) -> None:
+        """The job fails: Failed, and neither Running nor Reconfiguring."""
+        self.set(ConditionType.FAILED, "True", reason, message)
+        self.set(ConditionType.RUNNING, "False", Reason.NOT_APPLICABLE, "the job failed")
+        self.set(ConditionType.RECONFIGURING, "False", Reason.NOT_APPLICABLE, "the job failed")
+
+    def succeeded(self, message: str) -> None:
+        """The job's last step is done: Succeeded, and neither Running nor Reconfiguring."""
+        self.set(ConditionType.SUCCEEDED, "True", Reason.STEPS_COMPLETED, message)
+        self.set(ConditionType.RUNNING, "False", Reason.NOT_APPLICABLE, "the job succeeded")
+        self.set(ConditionType.RECONFIGURING, "False", Reason.NOT_APPLICABLE, "the job succeeded")
+
+    def training(self, plan: Plan, f: int, degraded_note: str = "") -> None:
+        """Running on `plan`, and Degraded while it has fewer than f + 1 pipelines (`degraded_note` says what
+        that risks)."""
+        pipelines = len(plan.pipelines)
+        self.set(
+            ConditionType.RUNNING,
+            "True",
+            Reason.TRAINING,
+            f"generation {plan.generation}: {pipelines} pipelines on {len(plan.nodes)} nodes",
+        )
+        if plan.degraded:
+            message = f"{pipelines} pipelines, fewer than f + 1 = {f + 1}{degraded_note}"
+            self.set(ConditionType.DEGRADED, "True", Reason.FEWER_PIPELINES, message)
+        else:
+            self.set(
+                ConditionType.DEGRADED, "False", Reason.FULLY_REDUNDANT, f"{pipelines} pipelines >= f + 1 = {f + 1}"
+            )
+
+    def reconfiguring(
+        self, reason: str, summary: str, plan: Plan, failures: int, step: int, running: str | None = None
+    ) -> dict[str, Any]:
+        """The status written while a new generation's patches are in flight (Reconfiguring, and Running on
+        the old `plan` with the message `running` when given); the builder goes on with Reconfigured."""
+        self.set(ConditionType.RECONFIGURING, "True", reason, summary)
+        if running is not None:
+            self.set(ConditionType.RUNNING, "True", Reason.TRAINING, running)
+        during = self.render(plan, failures, step)
+        self.set(ConditionType.RECONFIGURING, "False", Reason.RECONFIGURED, summary)
+        return during
 
     def render(self, plan: Plan | None, failures: int, step: int, *, completed: bool = False) -> dict[str, Any]:
         prior = self.ctx.status
@@ -112,3 +157,21 @@ def pending_condition(status: StatusBuilder, pending: Sequence[Worker], timeout_
         )
     elif any(c.type == ConditionType.WORKERS_PENDING for c in status.conditions):
         status.set(ConditionType.WORKERS_PENDING, "False", Reason.ALL_SCHEDULED, "no worker pod is stuck unschedulable")
+
+
+def checkpoint_condition(ctx: JobContext, obs: JobObservation, status: StatusBuilder) -> tuple[Event, ...]:
+    """CheckpointFailing from the members' reports: True (and a Warning event as it turns True) while a
+    running member's last checkpoint write failed, False once their writes succeed again."""
+    if obs.checkpoint_error:
+        status.set(ConditionType.CHECKPOINT_FAILING, "True", Reason.CHECKPOINT_WRITE_FAILED, obs.checkpoint_error)
+        if is_true(ctx.status.conditions, ConditionType.CHECKPOINT_FAILING):
+            return ()
+        return (Event("Warning", Reason.CHECKPOINT_WRITE_FAILED, obs.checkpoint_error),)
+    if any(c.type == ConditionType.CHECKPOINT_FAILING for c in status.conditions):
+        status.set(
+            ConditionType.CHECKPOINT_FAILING,
+            "False",
+            Reason.CHECKPOINTS_WRITTEN,
+            "the members' last checkpoint writes succeeded",
+        )
+    return ()

@@ -21,8 +21,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from oobleck.api.job import Straggler, StragglerPolicy
 from oobleck.api.reports import ProgressReport
+from oobleck.api.spec import StragglerPolicy
+from oobleck.api.status import Straggler
 from oobleck.operator.decision import CurrentPlan, Decision, Event, JobContext
 from oobleck.operator.observe import JobObservation
 from oobleck.planner.resplit import RESPLIT_REASON, resplit

@@ -25,9 +25,11 @@ from oobleck.api.plan import Plan
 from oobleck.api.profile import ClusterShape, LayerProfile, ModelProfile
 from oobleck.planner.errors import PlanningError
 
+from .baselines import BambooPolicy, CheckpointPolicy, ReplicaPolicy
 from .costs import Costs
+from .oobleck_policy import OobleckPolicy
 from .planning import NoPipeline, Planner
-from .policies import TRAINING, BambooPolicy, CheckpointPolicy, OobleckPolicy, ReplicaPolicy, Timeline
+from .policies import TRAINING, Timeline
 from .traces import Trace, TraceError
 
 POLICIES = ("oobleck", "checkpoint-restart", "redundant-computation", "replica-dropping")

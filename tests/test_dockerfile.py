@@ -321,7 +321,7 @@ def image_commands() -> dict[str, list[str]]:
     docs = [d for d in yaml.safe_load_all(GOLDEN.read_text()) if d]
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    from oobleck.api.job import parse_spec
+    from oobleck.api.spec import parse_spec
     from oobleck.operator import render
     from oobleck.operator.settings import DEFAULT_COMMAND
 

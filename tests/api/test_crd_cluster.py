@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from oobleck.api.job import parse_spec, parse_status, worker_selector
+from oobleck.api.resource import worker_selector
+from oobleck.api.spec import parse_spec
+from oobleck.api.status import parse_status
 
 pytestmark = pytest.mark.cluster
 

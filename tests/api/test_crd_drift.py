@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from oobleck.api import cli, crd, job
+from oobleck.api import cli, crd
+from oobleck.api.pod_spec import PodResources
+from oobleck.api.spec import DataSpec, OobleckJobSpec
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
 
@@ -131,8 +133,8 @@ def test_immutable_fields_carry_transition_rules(root_schema: dict[str, Any]) ->
 
 def test_defaults_in_the_schema_are_the_models_defaults(root_schema: dict[str, Any]) -> None:
     spec = root_schema["properties"]["spec"]["properties"]
-    defaults = job.OobleckJobSpec.model_fields
-    assert spec["resources"]["default"] == job.PodResources().to_kubernetes()
-    assert spec["data"]["default"] == job.DataSpec().to_kubernetes()
+    defaults = OobleckJobSpec.model_fields
+    assert spec["resources"]["default"] == PodResources().to_kubernetes()
+    assert spec["data"]["default"] == DataSpec().to_kubernetes()
     assert spec["f"]["default"] == defaults["f"].default == 1
     assert spec["cleanPodPolicy"]["enum"] == ["None", "Running", "All"]

@@ -10,9 +10,11 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from oobleck.api import job
+from oobleck.api import model_spec, pod_spec, resource, spec, status
 from oobleck.api.conditions import ConditionType, Reason, find_condition, phase_of, set_condition
-from oobleck.api.job import OobleckJobSpec, OobleckJobStatus, Phase, parse_spec, parse_status
+from oobleck.api.schema import CrdModel
+from oobleck.api.spec import OobleckJobSpec, parse_spec
+from oobleck.api.status import OobleckJobStatus, Phase, parse_status
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MINIMAL = {
@@ -63,8 +65,8 @@ def test_example_round_trips(example: dict[str, Any]) -> None:
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_example_is_a_valid_job(path: Path) -> None:
     document = yaml.safe_load(path.read_text())
-    assert (document["apiVersion"], document["kind"]) == (job.API_VERSION, job.KIND)
-    assert len(document["metadata"]["name"]) <= job.MAX_NAME_LENGTH
+    assert (document["apiVersion"], document["kind"]) == (resource.API_VERSION, resource.KIND)
+    assert len(document["metadata"]["name"]) <= resource.MAX_NAME_LENGTH
     spec = parse_spec(document["spec"])
     assert parse_spec(spec.to_kubernetes()) == spec
 
@@ -96,7 +98,12 @@ def test_invalid_specs_are_rejected_naming_the_field(invalid_spec_case: dict[str
 
 def test_every_rule_names_a_field_of_its_model() -> None:
     # A CEL fieldPath that names no field makes the API server refuse the whole CRD.
-    models = [m for m in vars(job).values() if isinstance(m, type) and issubclass(m, job._Model)]
+    models = [
+        m
+        for module in (model_spec, pod_spec, spec, status)
+        for m in vars(module).values()
+        if isinstance(m, type) and issubclass(m, CrdModel)
+    ]
     checked = 0
     for model in models:
         aliases = {field.alias or name for name, field in model.model_fields.items()}

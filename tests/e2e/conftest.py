@@ -27,8 +27,8 @@ from kubernetes.config import new_client_from_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from oobleck.api.contract import PROGRESS_ANNOTATION
-from oobleck.api.job import GROUP, PLURAL, VERSION, worker_selector
 from oobleck.api.planmap import read_plan
+from oobleck.api.resource import GROUP, PLURAL, VERSION, worker_selector
 from oobleck.operator import render
 from oobleck_dev.operatorproc import OperatorProcess
 from oobleck_dev.poll import wait_until
@@ -120,7 +120,7 @@ def reference_losses(spec: dict[str, Any]) -> tuple[float, ...]:
     """Per-step losses of the job trained in one process without failures. Cached by what the losses
     depend on (model, data, optimizer, steps, seed, global batch), not by the job's shape: tests that
     share a training section share one reference run."""
-    from oobleck.api.job import parse_spec
+    from oobleck.api.spec import parse_spec
     from oobleck.runtime.backends.pod.config import worker_config
 
     parsed = parse_spec(spec)

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from oobleck.api.job import worker_selector
+from oobleck.api.resource import worker_selector
 from oobleck.operator import render
 
 # One job at a time per xdist worker (test_training.py says why there are two groups).

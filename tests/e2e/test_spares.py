@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from oobleck.api.job import worker_selector
+from oobleck.api.resource import worker_selector
 from oobleck.operator import render
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-2")]

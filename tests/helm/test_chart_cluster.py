@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from oobleck.api.job import JOB_LABEL
+from oobleck.api.resource import JOB_LABEL
 from oobleck.operator import render
 from oobleck_dev.chart import CHART_PATH
 from oobleck_dev.controlplane import free_port

@@ -73,7 +73,7 @@ def test_console_commands_answer_as_65532(container: str, command: str) -> None:
 
 def test_the_operators_coordinator_command_answers(container: str) -> None:
     # The command the operator renders for a job's coordinator pod (its module path is the product's).
-    from oobleck.api.job import parse_spec
+    from oobleck.api.spec import parse_spec
     from oobleck.operator import render
 
     spec = parse_spec(yaml.safe_load((REPO / "examples" / "tiny-gpt.yaml").read_text())["spec"])

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from oobleck.api.job import OobleckJobSpec, OobleckJobStatus, parse_spec
+from oobleck.api.spec import OobleckJobSpec, parse_spec
+from oobleck.api.status import OobleckJobStatus
 from oobleck.operator.decision import JobContext
 from oobleck.operator.observe import NodeSummary, PodSummary
 from oobleck.operator.render import COORDINATOR_ROLE, WORKER_ROLE, coordinator_name, worker_name

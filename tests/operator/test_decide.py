@@ -7,7 +7,7 @@ from dataclasses import replace
 from datetime import timedelta
 
 from oobleck.api.conditions import ConditionType, find_condition
-from oobleck.api.job import parse_status
+from oobleck.api.status import parse_status
 from oobleck.operator import render
 from oobleck.operator.decide import decide
 from oobleck.operator.decision import CurrentPlan, Decision

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from oobleck.api.causes import CAUSE_ANNOTATION, EXIT_CODES, make_cause
-from oobleck.api.job import FailurePolicy, WorkerFailure
+from oobleck.api.spec import FailurePolicy
+from oobleck.api.status import WorkerFailure
 from oobleck.operator.faults import assess, counted_so_far, pod_fault
 from oobleck.operator.observe import summarize_pod
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from oobleck.api.job import JOB_LABEL
+from oobleck.api.resource import JOB_LABEL
 from oobleck.operator import render
 from oobleck.operator.planning import Tuning, synthetic_profile
 from oobleck.planner import plan_job

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from oobleck.api.job import Straggler, StragglerPolicy
 from oobleck.api.reports import ProgressReport
+from oobleck.api.spec import StragglerPolicy
+from oobleck.api.status import Straggler
 from oobleck.operator.stragglers import RECOVERED, STRAGGLER, assess, relative_slowdowns
 
 NODES = ["w-0", "w-1", "w-2", "w-3"]

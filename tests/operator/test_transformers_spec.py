@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oobleck.api.job import MODEL_CONFIG_DIR, parse_spec
+from oobleck.api.schema import MODEL_CONFIG_DIR
+from oobleck.api.spec import parse_spec
 from oobleck.operator import render
 from oobleck.operator.planning import Tuning, synthetic_profile
 from oobleck.planner.errors import PlanningError

@@ -18,7 +18,7 @@ import yaml
 
 from oobleck.api import contract
 from oobleck.api.causes import CAUSE_ANNOTATION
-from oobleck.api.job import parse_spec
+from oobleck.api.spec import parse_spec
 from oobleck.operator import render
 from oobleck.runtime.backends.pod.kube import MERGE_PATCH, ApiException, Kube, api_error_text
 

@@ -191,7 +191,7 @@ def test_a_shrink_lands_on_a_size_the_old_rule_lacked():
 
 @pytest.mark.parametrize("microbatch_size", [1, 4, 8])
 def test_gpt3_175b_at_1000_nodes_plans_for_every_microbatch_size(microbatch_size):
-    from oobleck.api.job import OobleckJobSpec
+    from oobleck.api.spec import OobleckJobSpec
     from oobleck.operator.planning import Tuning, check_spec, synthetic_profile
 
     spec = OobleckJobSpec.model_validate(

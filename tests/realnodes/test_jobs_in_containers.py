@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from oobleck.api.job import worker_selector
 from oobleck.api.planmap import read_plan
+from oobleck.api.resource import worker_selector
 from oobleck_dev.chart import CHART_PATH
 from oobleck_dev.operatorproc import OperatorProcess
 from oobleck_dev.poll import wait_until
@@ -75,7 +75,7 @@ def _reference(config_json: str, global_microbatches: int) -> tuple[float, ...]:
 
 
 def reference_losses(spec: dict[str, Any]) -> tuple[float, ...]:
-    from oobleck.api.job import parse_spec
+    from oobleck.api.spec import parse_spec
     from oobleck.runtime.backends.pod.config import worker_config
 
     parsed = parse_spec(spec)

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from oobleck.api.contract import PROGRESS_ANNOTATION, STORE_PORT, WORKER_PORT
-from oobleck.api.job import worker_selector
+from oobleck.api.resource import worker_selector
 from oobleck_dev.operatorproc import OperatorProcess
 from oobleck_dev.poll import wait_until
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from oobleck.api.job import parse_spec
 from oobleck.api.profile import ModelProfile
+from oobleck.api.spec import parse_spec
 from oobleck.cli import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

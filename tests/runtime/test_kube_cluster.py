@@ -22,9 +22,9 @@ import pytest
 import yaml
 
 from oobleck.api import contract, planmap
-from oobleck.api.job import parse_spec
 from oobleck.api.plan import Plan
 from oobleck.api.reports import FailureReport
+from oobleck.api.spec import parse_spec
 from oobleck.operator import render
 from oobleck.operator.planning import Tuning, cluster_shape, synthetic_profile
 from oobleck.runtime.backends.pod.coordinator_link import CoordinatorAddress

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from oobleck.api.contract import WORKER_PORT, ExitCode, PodContract
-from oobleck.api.job import parse_spec
 from oobleck.api.reports import FailureReport
+from oobleck.api.spec import parse_spec
 from oobleck.runtime.backends.pod.config import PodEnv, worker_config
 from oobleck.runtime.backends.pod.coordinator_link import coordinator_ip
 from oobleck.runtime.backends.pod.report import failure_annotation, progress_annotation
@@ -165,7 +165,7 @@ ENV = {
 
 
 def test_env_contract_parses_what_the_operator_renders():
-    from oobleck.api.job import parse_spec as parse
+    from oobleck.api.spec import parse_spec as parse
     from oobleck.operator import render
 
     spec = parse({**example_spec().to_kubernetes(), "gpusPerNode": 2})

@@ -7,7 +7,9 @@ from typing import Literal
 from pydantic import Field
 
 from oobleck.api.contract import WORKER_PORT, PodContract
-from oobleck.api.job import MODEL_CONFIG_DIR, OobleckJobSpec, TransformersModel
+from oobleck.api.model_spec import TransformersModel
+from oobleck.api.schema import MODEL_CONFIG_DIR
+from oobleck.api.spec import OobleckJobSpec
 from oobleck.runtime.train.config import (
     CheckpointConfig,
     DataConfig,

@@ -93,7 +93,7 @@ class PodFailure(RuntimeError):
 def job_spec_config(env: PodEnv):
     """The job's spec (OOBLECK_JOB_SPEC) and this worker's config from it; an unusable one is InvalidConfig
     (the message carries the validation error, which names the field)."""
-    from oobleck.api.job import parse_spec
+    from oobleck.api.spec import parse_spec
 
     try:
         spec = parse_spec(json.loads(env.job_spec or "null"))
@@ -172,8 +172,8 @@ def _announce(env: PodEnv, gpu: int, worker, config, progress: ProgressReporter 
 
 def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: float = 600.0) -> int:
     """One elastic worker process (local GPU `gpu`) of this pod, to the job's last step; the exit code."""
-    from oobleck.api.job import parse_spec
     from oobleck.api.reports import FailureKind
+    from oobleck.api.spec import parse_spec
     from oobleck.runtime.backends.base import build_worker, finish
     from oobleck.runtime.backends.pod.plan_configmap import ConfigMapPlanSource
     from oobleck.runtime.backends.pod.pod_worker import PodWorker

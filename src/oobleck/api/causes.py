@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from oobleck.api.contract import ExitCode
-from oobleck.api.job import GROUP
+from oobleck.api.resource import GROUP
 
 CAUSE_ANNOTATION = f"{GROUP}/cause"
 """On a worker pod, written by the worker about itself just before it exits: a Cause as JSON."""

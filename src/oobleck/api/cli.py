@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         stale = drift(args.check, files)
         for name in stale:
             print(
-                f"{args.check / name}: differs from the models in src/oobleck/api/job.py; run `make crds`",
+                f"{args.check / name}: differs from the models in src/oobleck/api/; run `make crds`",
                 file=sys.stderr,
             )
         return 1 if stale else 0

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Literal
 
-from oobleck.api.job import Condition, Phase
+from oobleck.api.status import Condition, Phase
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 

@@ -24,7 +24,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from oobleck.api.addresses import parse_host_port
-from oobleck.api.job import GROUP
+from oobleck.api.resource import GROUP
 
 STORE_PORT = 29400
 """The coordinator pod's TCPStore (`OOBLECK_STORE`'s port)"""

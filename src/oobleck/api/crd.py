@@ -1,4 +1,4 @@
-"""Render the OobleckJob CustomResourceDefinition from the pydantic models in `oobleck.api.job`.
+"""Render the OobleckJob CustomResourceDefinition from the pydantic models in `oobleck.api.spec` and `.status`.
 
 Pydantic emits JSON Schema (draft 2020-12); the API server wants a *structural* OpenAPI v3 schema:
 every node typed, no `$ref`, no `anyOf` except the int-or-string form, no `additionalProperties:
@@ -13,12 +13,15 @@ import copy
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
-from oobleck.api import job
+from oobleck.api import resource
+from oobleck.api.spec import OobleckJobSpec
+from oobleck.api.status import OobleckJobStatus
 
-CRD_NAME = f"{job.PLURAL}.{job.GROUP}"
+CRD_NAME = f"{resource.PLURAL}.{resource.GROUP}"
 CRD_FILE = f"{CRD_NAME}.yaml"
-HEADER = "# Generated from src/oobleck/api/job.py by `make crds` (oobleck crds --write crds/). Do not edit.\n"
+HEADER = "# Generated from src/oobleck/api/ by `make crds` (oobleck crds --write crds/). Do not edit.\n"
 
 _INT32_MAX = 2**31 - 1
 # JSON Schema keywords that mean nothing to the API server (or are rejected by it).
@@ -111,8 +114,8 @@ METADATA = {
     "properties": {
         "name": {
             "type": "string",
-            "maxLength": job.MAX_NAME_LENGTH,
-            "pattern": job.NAME_PATTERN,
+            "maxLength": resource.MAX_NAME_LENGTH,
+            "pattern": resource.NAME_PATTERN,
         }
     },
 }
@@ -209,7 +212,7 @@ def _keyword_rank(item: tuple[str, Any]) -> tuple[int, int, str]:
     return (1, 0, keyword)
 
 
-def model_schema(model: type[job.BaseModel]) -> dict[str, Any]:
+def model_schema(model: type[BaseModel]) -> dict[str, Any]:
     """The structural schema of one model class (its Kubernetes field names)."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
     return structural(raw, raw.get("$defs", {}))
@@ -217,11 +220,11 @@ def model_schema(model: type[job.BaseModel]) -> dict[str, Any]:
 
 def render_crd() -> dict[str, Any]:
     """The OobleckJob CRD as a plain dict (apiextensions.k8s.io/v1)."""
-    spec = model_schema(job.OobleckJobSpec)
-    status = model_schema(job.OobleckJobStatus)
+    spec = model_schema(OobleckJobSpec)
+    status = model_schema(OobleckJobStatus)
     root = {
         "type": "object",
-        "description": f"{job.KIND}: {spec.get('description', '')}",
+        "description": f"{resource.KIND}: {spec.get('description', '')}",
         "properties": {
             "apiVersion": {"type": "string", "description": "APIVersion of this object."},
             "kind": {"type": "string", "description": "Kind of this object."},
@@ -236,19 +239,19 @@ def render_crd() -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         "metadata": {"name": CRD_NAME},
         "spec": {
-            "group": job.GROUP,
+            "group": resource.GROUP,
             "names": {
-                "kind": job.KIND,
-                "listKind": f"{job.KIND}List",
-                "plural": job.PLURAL,
-                "singular": job.SINGULAR,
-                "shortNames": list(job.SHORT_NAMES),
+                "kind": resource.KIND,
+                "listKind": f"{resource.KIND}List",
+                "plural": resource.PLURAL,
+                "singular": resource.SINGULAR,
+                "shortNames": list(resource.SHORT_NAMES),
                 "categories": ["oobleck"],
             },
             "scope": "Namespaced",
             "versions": [
                 {
-                    "name": job.VERSION,
+                    "name": resource.VERSION,
                     "served": True,
                     "storage": True,
                     "schema": {"openAPIV3Schema": root},
