@@ -61,8 +61,8 @@ from oobleck.api.spec import OobleckJobSpec
 
 INDEX_LABEL = f"{GROUP}/worker-index"
 
-# Pod names are `<job>-worker-<index>`: the job name is at most 40 characters (api.job), which
-# leaves room for any index below a million within the 63-character hostname limit.
+# Pod names are `<job>-worker-<index>`: the job name is at most 40 characters (api.resource.MAX_NAME_LENGTH),
+# which leaves room for any index below a million within the 63-character hostname limit.
 
 
 def worker_name(job: str, index: int) -> str:
