@@ -30,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from oobleck.api import planmap
 from oobleck.operator import render
 from oobleck_dev.controlplane import Cluster, ControlPlane, free_port
 from oobleck_dev.kwok import FAKE_NODE_LABEL
@@ -108,7 +109,7 @@ def proc_usage(pid: int) -> tuple[float, int, int]:
 
 
 def members(cluster: Cluster, ns: str, job: str) -> list[str]:
-    return render.read_plan(cluster.kubectl_json("get", "configmap", render.plan_name(job), "-n", ns)).nodes
+    return planmap.read_plan(cluster.kubectl_json("get", "configmap", render.plan_name(job), "-n", ns)).nodes
 
 
 def inject(cluster: Cluster, ns: str, pod: str, kind: str) -> None:

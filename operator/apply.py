@@ -24,6 +24,7 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio import config as kube_config
 
+from oobleck.api import planmap
 from oobleck.api.plan import Plan
 from oobleck.api.profile import ModelProfile
 from oobleck.api.resource import GROUP, PLURAL, VERSION
@@ -394,8 +395,8 @@ def read_current(config_map: dict[str, Any] | None) -> tuple[Plan, int, ModelPro
     if config_map is None:
         return None
     return (
-        render.read_plan(config_map),
-        render.read_failures_survived(config_map),
-        render.read_profile(config_map),
+        planmap.read_plan(config_map),
+        planmap.read_failures_survived(config_map),
+        planmap.read_profile(config_map),
         config_map["metadata"]["resourceVersion"],
     )

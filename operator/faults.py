@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 from oobleck.api.causes import CERTAIN, KIND_OF_EXIT, parse_cause
 from oobleck.api.conditions import Reason
+from oobleck.api.resource import WORKER_ROLE
 from oobleck.api.spec import FailurePolicy
 from oobleck.api.status import WorkerFailure
 from oobleck.operator.observe import PodSummary
-from oobleck.operator.render import WORKER_ROLE
 
 START_FAILURES = frozenset(
     {

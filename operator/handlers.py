@@ -25,6 +25,7 @@ from kubernetes_asyncio import config as kube_config
 from pydantic import ValidationError
 
 from oobleck.api.conditions import ConditionType, Reason, is_true, phase_of, set_condition
+from oobleck.api.contract import MEASURED_PROFILE_ANNOTATION
 from oobleck.api.profile import ModelProfile
 from oobleck.api.resource import GROUP, JOB_LABEL, PLURAL, VERSION
 from oobleck.api.spec import OobleckJobSpec, parse_spec
@@ -33,6 +34,7 @@ from oobleck.operator import faults, observe
 from oobleck.operator.apply import (
     Api,
     ApiError,
+    Applied,
     ForeignObject,
     GcPause,
     Rejected,
@@ -43,11 +45,10 @@ from oobleck.operator.apply import (
     retry_delay,
 )
 from oobleck.operator.decide import decide
-from oobleck.operator.decision import CurrentPlan, JobContext
+from oobleck.operator.decision import CurrentPlan, Decision, JobContext
 from oobleck.operator.metrics import Metrics
 from oobleck.operator.planning import synthetic_profile
 from oobleck.operator.planpool import PlannerPool
-from oobleck.operator.render import MEASURED_PROFILE_ANNOTATION
 from oobleck.operator.settings import OperatorConfig, configure_kopf
 from oobleck.planner.errors import PlanningError
 
@@ -366,7 +367,6 @@ async def reconcile(
     server, to decide on instead of kopf's cached `body` (see `_stale`)."""
     config: OperatorConfig = memo.config
     api: Api = memo.api
-    metrics: Metrics = memo.metrics
     namespace, name = runner.key
     view: Mapping[str, Any] = body if fresh is None else fresh
     raw_spec, raw_status = dict(view.get("spec") or {}), dict(view.get("status") or {})
@@ -375,54 +375,16 @@ async def reconcile(
     except ValidationError as error:
         runner.phase = await _fail_invalid(api, namespace, name, body, f"invalid spec: {error}")
         return
-    if not runner.loaded:
-        await ensure_static_children(api, namespace, name, runner.uid, config.metrics_scrape_namespace)
-        config_map = await api.read_config_map(namespace, f"{name}-plan")
-        owners = {o.get("uid") for o in ((config_map or {}).get("metadata") or {}).get("ownerReferences") or []}
-        if config_map is not None and runner.uid not in owners:
-            raise ForeignObject(
-                f"configmap {namespace}/{name}-plan belongs to another owner (a deleted job's?); waiting for it to go"
-            )
-        try:
-            current = read_current(config_map)
-        except ValueError as error:  # e.g. over the decompression cap (planmap.MAX_PLAN_BYTES)
-            runner.phase = await _fail_invalid(api, namespace, name, body, str(error), Reason.PLAN_UNREADABLE)
-            return
-        if current is not None:
-            plan, failures, stored_profile, runner.plan_version = current
-            runner.current = CurrentPlan(plan, failures)
-            runner.profile = stored_profile or runner.profile
-        else:
-            runner.current = runner.plan_version = None
-        runner.loaded = True
-    nodes = {node: next(iter(store)) for node, store in node_health.items()}
-    gpu = spec.gpu_resource_name if spec.device == "cuda" else None
-    obs = observe.observe(
-        name,
-        runner.uid,
-        job_pods.get(runner.key, ()),
-        nodes,
-        runner.current.plan if runner.current else None,
-        gpu_resource=gpu,
-        gpu_conditions=config.tuning.gpu_failure_conditions,
-    )
+    if not runner.loaded and not await _load(runner, api, config, body):
+        return
+    obs = _observe(runner, spec, config, job_pods, node_health)
     try:
         profile = await _profile(api, runner, spec, namespace, config, obs.measured_profile, obs.oversized)
     except (PlanningError, ValueError) as error:
         runner.phase = await _fail_invalid(api, namespace, name, body, str(error))
         return
-    # Node events wake the jobs with pods on that node.
-    on_nodes = frozenset(w.node_name for w in obs.workers if w.node_name)
-    for node in runner.nodes - on_nodes:
-        memo.node_jobs.get(node, set()).discard(runner.key)
-    for node in on_nodes:
-        memo.node_jobs.setdefault(node, set()).add(runner.key)
-    runner.nodes = on_nodes
-    if obs.oversized and obs.oversized != runner.oversized:
-        message = "worker reports ignored: " + "; ".join(obs.oversized)
-        logger.warning(message)
-        kopf.warn(body, reason=Reason.REPORT_TOO_LARGE, message=message[:1024])
-    runner.oversized = obs.oversized
+    _track_nodes(runner, memo, obs)
+    _warn_oversized(runner, obs, body, logger)
     status = parse_status(raw_status)
     generation = int((view.get("metadata") or {}).get("generation") or 0)
     ctx = JobContext(name, namespace, runner.uid, generation, spec, status)
@@ -458,21 +420,102 @@ async def reconcile(
             pause.end()
         if obs.foreign:
             logger.warning(f"pods {list(obs.foreign)} carry this job's label but another owner; ignored")
-        applied = await apply_decision(
-            api,
-            namespace=namespace,
-            job=name,
-            uid=runner.uid,
-            spec=spec,
-            profile=profile,
-            decision=decision,
-            plan_version=runner.plan_version,
-            default_image=config.default_image,
-            default_command=list(config.default_command),
-            status_before=parse_status(raw_status).to_kubernetes(),
-            post_event=lambda e: kopf.event(body, type=e.type, reason=e.reason, message=e.message),
-        )
+        applied = await _apply(runner, api, config, body, spec, profile, decision, raw_status)
     runner.failures_written = (verdict.worker_failures, verdict.last_worker_failures)
+    _record(runner, memo.metrics, decision, applied, first_event_at)
+
+
+async def _apply(
+    runner: JobRunner,
+    api: Api,
+    config: OperatorConfig,
+    body: kopf.Body,
+    spec: OobleckJobSpec,
+    profile: ModelProfile | None,
+    decision: Decision,
+    raw_status: dict[str, Any],
+) -> Applied:
+    namespace, name = runner.key
+    return await apply_decision(
+        api,
+        namespace=namespace,
+        job=name,
+        uid=runner.uid,
+        spec=spec,
+        profile=profile,
+        decision=decision,
+        plan_version=runner.plan_version,
+        default_image=config.default_image,
+        default_command=list(config.default_command),
+        status_before=parse_status(raw_status).to_kubernetes(),
+        post_event=lambda e: kopf.event(body, type=e.type, reason=e.reason, message=e.message),
+    )
+
+
+async def _load(runner: JobRunner, api: Api, config: OperatorConfig, body: kopf.Body) -> bool:
+    """A job's first pass in this operator: its static children, and the plan in force from its ConfigMap.
+    False when the job failed (a plan ConfigMap that cannot be read)."""
+    namespace, name = runner.key
+    await ensure_static_children(api, namespace, name, runner.uid, config.metrics_scrape_namespace)
+    config_map = await api.read_config_map(namespace, f"{name}-plan")
+    owners = {o.get("uid") for o in ((config_map or {}).get("metadata") or {}).get("ownerReferences") or []}
+    if config_map is not None and runner.uid not in owners:
+        raise ForeignObject(
+            f"configmap {namespace}/{name}-plan belongs to another owner (a deleted job's?); waiting for it to go"
+        )
+    try:
+        current = read_current(config_map)
+    except ValueError as error:  # e.g. over the decompression cap (planmap.MAX_PLAN_BYTES)
+        runner.phase = await _fail_invalid(api, namespace, name, body, str(error), Reason.PLAN_UNREADABLE)
+        return False
+    if current is not None:
+        plan, failures, stored_profile, runner.plan_version = current
+        runner.current = CurrentPlan(plan, failures)
+        runner.profile = stored_profile or runner.profile
+    else:
+        runner.current = runner.plan_version = None
+    runner.loaded = True
+    return True
+
+
+def _observe(
+    runner: JobRunner, spec: OobleckJobSpec, config: OperatorConfig, job_pods: kopf.Index, node_health: kopf.Index
+) -> observe.JobObservation:
+    nodes = {node: next(iter(store)) for node, store in node_health.items()}
+    return observe.observe(
+        runner.key[1],
+        runner.uid,
+        job_pods.get(runner.key, ()),
+        nodes,
+        runner.current.plan if runner.current else None,
+        gpu_resource=spec.gpu_resource_name if spec.device == "cuda" else None,
+        gpu_conditions=config.tuning.gpu_failure_conditions,
+    )
+
+
+def _track_nodes(runner: JobRunner, memo: kopf.Memo, obs: observe.JobObservation) -> None:
+    """Node events wake the jobs with pods on that node."""
+    on_nodes = frozenset(w.node_name for w in obs.workers if w.node_name)
+    for node in runner.nodes - on_nodes:
+        memo.node_jobs.get(node, set()).discard(runner.key)
+    for node in on_nodes:
+        memo.node_jobs.setdefault(node, set()).add(runner.key)
+    runner.nodes = on_nodes
+
+
+def _warn_oversized(runner: JobRunner, obs: observe.JobObservation, body: kopf.Body, logger: logging.Logger) -> None:
+    if obs.oversized and obs.oversized != runner.oversized:
+        message = "worker reports ignored: " + "; ".join(obs.oversized)
+        logger.warning(message)
+        kopf.warn(body, reason=Reason.REPORT_TOO_LARGE, message=message[:1024])
+    runner.oversized = obs.oversized
+
+
+def _record(
+    runner: JobRunner, metrics: Metrics, decision: Decision, applied: Applied, first_event_at: float | None
+) -> None:
+    """After a pass: the runner's plan in force and phase, and the operator's metrics."""
+    namespace, name = runner.key
     latency = None
     if decision.lost:
         metrics.pods_lost.inc(len(decision.lost))

@@ -32,20 +32,19 @@ from datetime import datetime
 from typing import Any, Literal
 
 from oobleck.api.causes import CAUSE_ANNOTATION
-from oobleck.api.contract import MAX_MEASURED_PROFILE_BYTES, MAX_REPORT_BYTES
-from oobleck.api.plan import Plan
-from oobleck.api.reports import FailureKind, FailureReport, ProgressReport
-from oobleck.operator.render import (
-    COORDINATOR_ROLE,
+from oobleck.api.contract import (
     FAILURE_ANNOTATION,
     GENERATION_ANNOTATION,
+    MAX_MEASURED_PROFILE_BYTES,
+    MAX_REPORT_BYTES,
     MEASURED_PROFILE_ANNOTATION,
     PROGRESS_ANNOTATION,
     RANKS_ANNOTATION,
-    ROLE_LABEL,
-    WORKER_ROLE,
-    worker_index,
 )
+from oobleck.api.plan import Plan
+from oobleck.api.reports import FailureKind, FailureReport, ProgressReport
+from oobleck.api.resource import COORDINATOR_ROLE, ROLE_LABEL, WORKER_ROLE
+from oobleck.operator.render import worker_index
 
 UNREACHABLE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 
@@ -405,84 +404,19 @@ def observe(
         if pod.role != WORKER_ROLE or index is None:
             continue
         summaries[pod.name] = pod
-        progress = ProgressReport.parse(pod.progress)
+        worker, node_silent = _classify(pod, index, nodes, gpu_resource, gpu_conditions)
+        workers[pod.name] = worker
+        if node_silent:
+            silent.add(pod.name)
+        progress = worker.progress
         if progress is not None and progress.step >= newest:
             newest = progress.step
             latest = (progress.loss, progress.samples_per_second)
-        problem = pod_problem(pod)
-        if problem is None and pod.node_name is not None and pod.phase != "Succeeded":
-            problem = node_problem(nodes.get(pod.node_name), pod.node_name, gpu_resource, gpu_conditions)
-            if problem is not None and pod.phase == "Running" and _silent(nodes.get(pod.node_name)):
-                silent.add(pod.name)
-        if problem is not None:
-            status: WorkerStatus = "lost"
-        elif pod.phase == "Succeeded" or pod.terminated is not None:
-            status = "succeeded"
-        elif pod.phase == "Running":
-            status = "running"
-        else:
-            status = "pending"
-            problem = pod.unschedulable or ""
-        workers[pod.name] = Worker(
-            name=pod.name,
-            index=index,
-            status=status,
-            reason=problem or "",
-            node_name=pod.node_name,
-            generation=pod.generation,
-            ranks=pod.ranks,
-            created=pod.created,
-            scheduled=pod.node_name is not None,
-            deleting=pod.deleting,
-            reported=progress is not None,
-            progress=progress,
-        )
 
     held = _blind(plan, workers, silent)
     for name in held:
         workers[name] = replace(workers[name], status="running", reason="")
-    accepted = []
-    unrecoverable = retry = ""
-    stalled_since: float | None = None
-    generation_trained: bool | None = None
-    if plan is not None:
-        for name in plan.nodes:
-            progress = ProgressReport.parse(summaries[name].progress) if name in summaries else None
-            if progress is not None:
-                generation_trained = bool(generation_trained) or progress.generation == plan.generation
-        members = set(plan.nodes)
-        # Reports count only from live members about the current generation (older ones are settled).
-        for name, pod in summaries.items():
-            report = FailureReport.parse(pod.failure_report)
-            worker = workers[name]
-            if report is None or worker.status != "running" or name not in members:
-                continue
-            if report.generation != plan.generation:
-                continue
-            dead = list(report.dead)
-            kind, detail = report.kind, report.detail
-            if kind == FailureKind.UNRECOVERABLE:
-                unrecoverable = unrecoverable or f"{name}: {detail}"
-                continue
-            if kind == FailureKind.COORDINATOR_RESTART:
-                retry = retry or f"{name}: the coordinator restarted ({detail})"
-                continue
-            if not dead and kind != FailureKind.GPU:
-                # Who died is not known yet (a broken collective): the pod or node status usually
-                # tells within moments; if nothing does, the generation is redone (decide).
-                at = report.detected_at
-                stalled_since = at if stalled_since is None else min(stalled_since, at)
-                continue
-            if kind == FailureKind.GPU and (not dead or name in dead):
-                dead = [name]
-                why = f"worker {name} reported an unhealthy GPU" + (f": {detail}" if detail else "")
-            else:
-                why = f"reported dead by {name} ({kind.value})" + (f": {detail}" if detail else "")
-            for target in dead:
-                peer = workers.get(target)
-                if target in members and peer is not None and peer.status == "running":
-                    workers[target] = Worker(**{**peer.__dict__, "status": "lost", "reason": why})
-                    accepted.append(f"{target}: {why}")
+    reports = _failure_reports(plan, workers, summaries) if plan is not None else Reports()
     ordered = tuple(sorted(workers.values(), key=lambda w: w.index))
     step = agreed_step(plan, workers, summaries)
     checkpoint_step = agreed_checkpoint(plan, workers, summaries)
@@ -502,14 +436,119 @@ def observe(
         coordinator=coordinator,
         step=step,
         foreign=tuple(sorted(foreign)),
-        reports=tuple(accepted),
+        reports=reports.accepted,
         loss=latest[0],
         samples_per_second=latest[1],
         checkpoint_step=checkpoint_step,
         checkpoint_error=checkpoint_error,
-        unrecoverable=unrecoverable,
-        retry=retry,
-        stalled_since=stalled_since,
-        generation_trained=generation_trained,
+        unrecoverable=reports.unrecoverable,
+        retry=reports.retry,
+        stalled_since=reports.stalled_since,
+        generation_trained=_generation_trained(plan, summaries),
         silent_held=held,
     )
+
+
+def _classify(
+    pod: PodSummary,
+    index: int,
+    nodes: Mapping[str, NodeSummary],
+    gpu_resource: str | None,
+    gpu_conditions: Sequence[str],
+) -> tuple[Worker, bool]:
+    """A worker pod as its own status and its node's show it, and whether it is lost only because its
+    node's status went silent while it runs."""
+    progress = ProgressReport.parse(pod.progress)
+    silent = False
+    problem = pod_problem(pod)
+    if problem is None and pod.node_name is not None and pod.phase != "Succeeded":
+        problem = node_problem(nodes.get(pod.node_name), pod.node_name, gpu_resource, gpu_conditions)
+        silent = problem is not None and pod.phase == "Running" and _silent(nodes.get(pod.node_name))
+    if problem is not None:
+        status: WorkerStatus = "lost"
+    elif pod.phase == "Succeeded" or pod.terminated is not None:
+        status = "succeeded"
+    elif pod.phase == "Running":
+        status = "running"
+    else:
+        status = "pending"
+        problem = pod.unschedulable or ""
+    worker = Worker(
+        name=pod.name,
+        index=index,
+        status=status,
+        reason=problem or "",
+        node_name=pod.node_name,
+        generation=pod.generation,
+        ranks=pod.ranks,
+        created=pod.created,
+        scheduled=pod.node_name is not None,
+        deleting=pod.deleting,
+        reported=progress is not None,
+        progress=progress,
+    )
+    return worker, silent
+
+
+def _generation_trained(plan: Plan | None, summaries: Mapping[str, PodSummary]) -> bool | None:
+    """Whether a member reported a step of the current generation (None: no member reported at all)."""
+    if plan is None:
+        return None
+    trained: bool | None = None
+    for name in plan.nodes:
+        progress = ProgressReport.parse(summaries[name].progress) if name in summaries else None
+        if progress is not None:
+            trained = bool(trained) or progress.generation == plan.generation
+    return trained
+
+
+@dataclass(frozen=True)
+class Reports:
+    """What the members' failure reports about the current generation say."""
+
+    accepted: tuple[str, ...] = ()
+    """"<worker>: <why>" for each running member a report made lost"""
+    unrecoverable: str = ""
+    retry: str = ""
+    stalled_since: float | None = None
+
+
+def _failure_reports(plan: Plan, workers: dict[str, Worker], summaries: Mapping[str, PodSummary]) -> Reports:
+    """Apply the failure reports to `workers` (the running members they name become lost)."""
+    accepted = []
+    unrecoverable = retry = ""
+    stalled_since: float | None = None
+    members = set(plan.nodes)
+    # Reports count only from live members about the current generation (older ones are settled).
+    for name, pod in summaries.items():
+        report = FailureReport.parse(pod.failure_report)
+        worker = workers[name]
+        if report is None or worker.status != "running" or name not in members:
+            continue
+        if report.generation != plan.generation:
+            continue
+        dead = list(report.dead)
+        kind, detail = report.kind, report.detail
+        if kind == FailureKind.UNRECOVERABLE:
+            unrecoverable = unrecoverable or f"{name}: {detail}"
+            continue
+        if kind == FailureKind.COORDINATOR_RESTART:
+            retry = retry or f"{name}: the coordinator restarted ({detail})"
+            continue
+        if not dead and kind != FailureKind.GPU:
+            # Who died is not known yet (a broken collective): the pod or node status usually
+            # tells within moments; if nothing does, the generation is redone (decide).
+            at = report.detected_at
+            stalled_since = at if stalled_since is None else min(stalled_since, at)
+            continue
+        if kind == FailureKind.GPU and (not dead or name in dead):
+            dead = [name]
+            why = f"worker {name} reported an unhealthy GPU" + (f": {detail}" if detail else "")
+        else:
+            why = f"reported dead by {name} ({kind.value})" + (f": {detail}" if detail else "")
+        for target in dead:
+            peer = workers.get(target)
+            if target in members and peer is not None and peer.status == "running":
+                workers[target] = Worker(**{**peer.__dict__, "status": "lost", "reason": why})
+                accepted.append(f"{target}: {why}")
+    return Reports(tuple(accepted), unrecoverable, retry, stalled_since)

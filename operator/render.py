@@ -38,28 +38,21 @@ from typing import Any
 
 import kopf
 
-from oobleck.api.contract import (  # noqa: F401  (re-exported: the operator's modules and tests use them from here)
-    FAILURE_ANNOTATION,
+from oobleck.api.contract import (
     FAILURES_SURVIVED_ANNOTATION,
     GENERATION_ANNOTATION,
-    MEASURED_PROFILE_ANNOTATION,
-    PROGRESS_ANNOTATION,
     RANKS_ANNOTATION,
     STORE_PORT,
     WORKER_PORT,
     PodContract,
 )
 from oobleck.api.plan import Plan
-from oobleck.api.planmap import (  # noqa: F401  (re-exported: the operator's modules and tests use them from here)
+from oobleck.api.planmap import (
     JOB_KEY,
     PLAN_GZ_KEY,
     PLAN_INLINE_LIMIT,
-    PLAN_KEY,
     PROFILE_KEY,
     encode_plan,
-    read_failures_survived,
-    read_plan,
-    read_profile,
 )
 from oobleck.api.profile import ModelProfile
 from oobleck.api.resource import API_VERSION, COORDINATOR_ROLE, GROUP, JOB_LABEL, KIND, ROLE_LABEL, WORKER_ROLE
@@ -68,8 +61,8 @@ from oobleck.api.spec import OobleckJobSpec
 
 INDEX_LABEL = f"{GROUP}/worker-index"
 
-# Pod names are `<job>-worker-<index>`: the job name is at most 40 characters (api.job), which
-# leaves room for any index below a million within the 63-character hostname limit.
+# Pod names are `<job>-worker-<index>`: the job name is at most 40 characters (api.resource.MAX_NAME_LENGTH),
+# which leaves room for any index below a million within the 63-character hostname limit.
 
 
 def worker_name(job: str, index: int) -> str:
@@ -204,55 +197,9 @@ def worker_pod(
     """The worker Pod `<job>-worker-<index>`: one per node, `gpusPerNode` GPUs, never restarted in place
     (a dead worker is a lost node: the operator re-plans without it and creates a replacement)."""
     name = worker_name(job, index)
-    requests: dict[str, Any] = {"cpu": str(spec.resources.cpu), "memory": str(spec.resources.memory)}
-    limits: dict[str, Any] = {"memory": str(spec.resources.memory)}
-    if spec.device == "cuda":
-        requests[spec.gpu_resource_name] = str(spec.gpus_per_node)
-        limits[spec.gpu_resource_name] = str(spec.gpus_per_node)
-    contract = PodContract(
-        job=job,
-        namespace=namespace,
-        node=name,
-        plan_config_map=plan_name(job),
-        store=store_address(job, namespace),
-        gpus_per_node=spec.gpus_per_node,
-        device=spec.device,
-        # The model to profile before the first plan exists (`profile: measure`); afterwards the plan
-        # ConfigMap's job.json is what the worker reads.
-        job_spec=json.dumps(spec.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True),
-        job_key_file=f"{JOB_KEY_DIR}/{JOB_KEY_ITEM}",
-    )
-    env = [
-        *contract.to_env(),
-        # A valueFrom stays a reference: the kubelet reads the Secret, the operator never does.
-        *(e.to_kubernetes() for e in spec.pod.env),
-    ]
-    mounts: list[dict[str, Any]] = [
-        {"name": "dshm", "mountPath": SHM_DIR},
-        {"name": "job-key", "mountPath": JOB_KEY_DIR, "readOnly": True},
-    ]
-    volumes: list[dict[str, Any]] = [
-        # NCCL and the data loader need more shared memory than the container runtime's 64 MiB default.
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-        # The key every message between the job's workers is signed with (runtime/elastic/signing.py).
-        {"name": "job-key", "secret": {"secretName": key_name(job), "defaultMode": 0o444}},
-    ]
-    if spec.data.claim_name and spec.data.path:
-        directory = data_directory(spec.data.path)  # never "" or reserved: the API server's rules
-        mounts.append({"name": "data", "mountPath": directory, "readOnly": True})
-        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.claim_name, "readOnly": True}})
-    hf = spec.model.transformers
-    if hf is not None and hf.config_map is not None:  # the runtime reads MODEL_CONFIG_DIR/<key>
-        mounts.append({"name": "model-config", "mountPath": MODEL_CONFIG_DIR, "readOnly": True})
-        items = [{"key": hf.config_map.key, "path": hf.config_map.key}]
-        volumes.append({"name": "model-config", "configMap": {"name": hf.config_map.name, "items": items}})
-    if hf is not None and hf.init_from is not None and hf.init_from.claim_name:
-        mounts.append({"name": "init-from", "mountPath": hf.init_from.path, "readOnly": True})
-        claim = {"claimName": hf.init_from.claim_name, "readOnly": True}
-        volumes.append({"name": "init-from", "persistentVolumeClaim": claim})
-    if spec.checkpoint is not None and spec.checkpoint.claim_name:
-        mounts.append({"name": "checkpoints", "mountPath": spec.checkpoint.path})
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name}})
+    requests, limits = _worker_resources(spec)
+    env = _worker_env(job, namespace, name, spec)
+    mounts, volumes = _worker_volumes(job, spec)
     pod_security, container_security = _security()
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -299,6 +246,70 @@ def worker_pod(
     metadata = _meta(name, namespace, job, uid, {**spec.pod.labels, ROLE_LABEL: WORKER_ROLE, INDEX_LABEL: str(index)})
     metadata["annotations"] = dict(spec.pod.annotations)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def _worker_resources(spec: OobleckJobSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A worker container's requests and limits: memory is also its limit, CPU is not limited."""
+    requests: dict[str, Any] = {"cpu": str(spec.resources.cpu), "memory": str(spec.resources.memory)}
+    limits: dict[str, Any] = {"memory": str(spec.resources.memory)}
+    if spec.device == "cuda":
+        requests[spec.gpu_resource_name] = str(spec.gpus_per_node)
+        limits[spec.gpu_resource_name] = str(spec.gpus_per_node)
+    return requests, limits
+
+
+def _worker_env(job: str, namespace: str, name: str, spec: OobleckJobSpec) -> list[dict[str, Any]]:
+    """The worker container's environment: the operator-pod contract, then the job's own variables."""
+    contract = PodContract(
+        job=job,
+        namespace=namespace,
+        node=name,
+        plan_config_map=plan_name(job),
+        store=store_address(job, namespace),
+        gpus_per_node=spec.gpus_per_node,
+        device=spec.device,
+        # The model to profile before the first plan exists (`profile: measure`); afterwards the plan
+        # ConfigMap's job.json is what the worker reads.
+        job_spec=json.dumps(spec.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True),
+        job_key_file=f"{JOB_KEY_DIR}/{JOB_KEY_ITEM}",
+    )
+    return [
+        *contract.to_env(),
+        # A valueFrom stays a reference: the kubelet reads the Secret, the operator never does.
+        *(e.to_kubernetes() for e in spec.pod.env),
+    ]
+
+
+def _worker_volumes(job: str, spec: OobleckJobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The worker container's volume mounts and the pod's volumes: shared memory, the job key, and the
+    claims and ConfigMaps the spec names."""
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": SHM_DIR},
+        {"name": "job-key", "mountPath": JOB_KEY_DIR, "readOnly": True},
+    ]
+    volumes: list[dict[str, Any]] = [
+        # NCCL and the data loader need more shared memory than the container runtime's 64 MiB default.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        # The key every message between the job's workers is signed with (runtime/elastic/signing.py).
+        {"name": "job-key", "secret": {"secretName": key_name(job), "defaultMode": 0o444}},
+    ]
+    if spec.data.claim_name and spec.data.path:
+        directory = data_directory(spec.data.path)  # never "" or reserved: the API server's rules
+        mounts.append({"name": "data", "mountPath": directory, "readOnly": True})
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.claim_name, "readOnly": True}})
+    hf = spec.model.transformers
+    if hf is not None and hf.config_map is not None:  # the runtime reads MODEL_CONFIG_DIR/<key>
+        mounts.append({"name": "model-config", "mountPath": MODEL_CONFIG_DIR, "readOnly": True})
+        items = [{"key": hf.config_map.key, "path": hf.config_map.key}]
+        volumes.append({"name": "model-config", "configMap": {"name": hf.config_map.name, "items": items}})
+    if hf is not None and hf.init_from is not None and hf.init_from.claim_name:
+        mounts.append({"name": "init-from", "mountPath": hf.init_from.path, "readOnly": True})
+        claim = {"claimName": hf.init_from.claim_name, "readOnly": True}
+        volumes.append({"name": "init-from", "persistentVolumeClaim": claim})
+    if spec.checkpoint is not None and spec.checkpoint.claim_name:
+        mounts.append({"name": "checkpoints", "mountPath": spec.checkpoint.path})
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name}})
+    return mounts, volumes
 
 
 def coordinator_pod(job: str, namespace: str, uid: str, spec: OobleckJobSpec, *, default_image: str) -> dict[str, Any]:

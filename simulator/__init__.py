@@ -1,7 +1,8 @@
 """oobleck.simulate: goodput of a training job under node failure traces, for oobleck and its peers.
 
-Traces (traces.py) drive four policies (their shared loop policies.py, oobleck_policy.py, baselines.py) whose costs are explicit inputs (costs.py); the
-planner is reached through one adapter (planning.py); engine.py sums up, report.py prints and plots,
+Traces (traces.py) drive four policies (their shared loop in policies.py, oobleck's in oobleck_policy.py,
+the baselines in baselines.py) whose costs are explicit inputs (costs.py); the planner is reached
+through one adapter (planning.py); engine.py sums up, report.py prints and plots,
 cli.py is `oobleck simulate`, paper.py draws `make paper-figures`. Pure and deterministic: no GPU, no clock, seeded randomness only.
 """
 

@@ -53,16 +53,26 @@ def quantity(text: str, flag: str) -> float:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """`oobleck simulate`'s flags: one flat list of add_argument calls (long, but nothing to factor out)."""
-    from .traces import TRACES_DIR
-
-    bundled = ", ".join(sorted(p.stem for p in TRACES_DIR.glob("*.csv")))
+    """`oobleck simulate` and its flags, one argument group each."""
     p = subparsers.add_parser(
         "simulate",
         help="goodput under failure traces: oobleck vs checkpoint-restart, redundant computation, replica dropping",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _model_arguments(p)
+    _cluster_and_job_arguments(p)
+    _trace_arguments(p)
+    _cost_arguments(p)
+    out = p.add_argument_group("output")
+    out.add_argument("--policies", default=",".join(_policies()), help="comma-separated subset")
+    out.add_argument("--json", dest="json_path", help="write the results as JSON to this path ('-': stdout)")
+    out.add_argument("--plot", help="write throughput and cumulative samples over time as a PNG")
+    out.add_argument("--recommend-f", action="store_true", help="also find the f that maximises oobleck's goodput")
+    p.set_defaults(func=run)
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model (a measured profile, or a synthetic GPT)")
     model.add_argument("--profile", help="a profile JSON file (`oobleck profile` writes one)")
     model.add_argument("--model", default="gpt3-350m", help="synthetic model preset (default gpt3-350m): " + _presets())
@@ -72,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--gpu-flops", default="125e12", help="sustained FLOP/s of one GPU (default 125e12: an A100 at ~40 %% MFU)"
     )
     model.add_argument("--hbm-bandwidth", default="1.5TB", help="GPU memory bandwidth, bytes/s (default 1.5TB)")
+
+
+def _cluster_and_job_arguments(p: argparse.ArgumentParser) -> None:
     cluster = p.add_argument_group("cluster")
     cluster.add_argument("--nodes", type=int, default=30, help="nodes at start for generated traces (default 30)")
     cluster.add_argument("--gpus-per-node", type=int, default=1)
@@ -96,6 +109,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="oobleck starts from this plan JSON (`oobleck plan --json`): its templates and pipelines, its "
         "nodes taken as the trace's first nodes in order",
     )
+
+
+def _trace_arguments(p: argparse.ArgumentParser) -> None:
+    from .traces import TRACES_DIR
+
+    bundled = ", ".join(sorted(path.stem for path in TRACES_DIR.glob("*.csv")))
     trace = p.add_argument_group("availability trace (a file, or generated from a seed)")
     trace.add_argument(
         "--trace", help=f"TIME_MS,add|remove,NODE (and TIME_MS,slow,NODE,SPEED) file, or a bundled one: {bundled}"
@@ -110,6 +129,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     trace.add_argument("--duration", help="simulated time (generated traces: default 1d; files: see README)")
     trace.add_argument("--seed", type=int, default=0)
+
+
+def _cost_arguments(p: argparse.ArgumentParser) -> None:
     costs = p.add_argument_group(
         "costs (a named set, each value overridable; defaults and sources: README, Simulating goodput)"
     )
@@ -144,12 +166,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     costs.add_argument("--spares", type=int, help="every policy: warm spare nodes kept out of training (default 0)")
     costs.add_argument("--spare-join", help="every policy: a warm spare trains this long after a loss (s; default 5)")
     costs.add_argument("--node-startup", help="every policy: a node is usable this long after it joins (default 0)")
-    out = p.add_argument_group("output")
-    out.add_argument("--policies", default=",".join(_policies()), help="comma-separated subset")
-    out.add_argument("--json", dest="json_path", help="write the results as JSON to this path ('-': stdout)")
-    out.add_argument("--plot", help="write throughput and cumulative samples over time as a PNG")
-    out.add_argument("--recommend-f", action="store_true", help="also find the f that maximises oobleck's goodput")
-    p.set_defaults(func=run)
 
 
 def _presets() -> str:

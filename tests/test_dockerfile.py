@@ -307,7 +307,8 @@ def test_user_and_ports_match_the_chart() -> None:
     uid, _, gid = FINAL.all("USER")[-1].args.partition(":")
     pod = CHART_VALUES["podSecurityContext"]
     assert (int(uid), int(gid)) == (pod["runAsUser"], pod["runAsGroup"])
-    from oobleck.operator.render import IMAGE_UID, STORE_PORT, WORKER_PORT
+    from oobleck.api.contract import STORE_PORT, WORKER_PORT
+    from oobleck.operator.render import IMAGE_UID
 
     assert int(uid) == int(gid) == IMAGE_UID  # worker pods run as the image's user (operator/render.py)
     exposed = {int(p.split("/")[0]) for i in FINAL.all("EXPOSE") for p in i.args.split()}

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -148,15 +149,9 @@ class Worker:
     def adopt(self, plan: Plan) -> int:
         """Join `plan`'s generation: groups, layer copies, frees. Returns this worker's rank.
 
-        Kept whole (~85 lines): its order (checks, groups, copies, frees, engine) is the recovery
-        protocol, and each step's comment says why it comes where it does."""
-        rank = plan.rank_of(self.node, self.gpu)
-        if rank is None:
-            raise NotInPlan(f"plan generation {plan.generation} has no rank for node {self.node!r} gpu {self.gpu}")
-        if plan.num_layers != self.model.num_layers:
-            raise ValueError(
-                f"num_layers: plan has {plan.num_layers}, model {self.model.name!r} has {self.model.num_layers}"
-            )
+        Its order (checks, groups, copies, frees, engine) is the recovery protocol, and each step's
+        comment says why it comes where it does."""
+        rank = self._rank_in(plan)
         reconfiguring = self.plan is not None
         mine = layout(plan, rank)
         if self.snapshots is not None:
@@ -165,32 +160,9 @@ class Worker:
             # Before the rendezvous: a rollback interrupted from here on still leaves this worker
             # wholly at the restore step (never half old step, half restored).
             self._restore_local(plan, rank)
-        timeout = max(self.config.timeouts.connect, self.config.timeouts.step)
-        self.groups = GenerationGroups(
-            self.store,
-            plan,
-            rank,
-            self.config.microbatch_size,
-            self.device,
-            timeout,
-            self.failed,
-            self.config.timeouts.poll,
-            ties=[tuple(layer for layer, _ in tie) for tie in self.model.tied_parameters()],
-            everyone=self.config.max_grad_norm is not None,
-        )
+        self.groups = self._generation_groups(plan, rank)
         incoming = {c.layer for c in plan.copies if c.dst_rank == rank and c.src_rank != rank}
-        for layer in mine.layers:
-            if layer in self.layers or layer in incoming:
-                continue
-            if self.started:
-                raise ValueError(
-                    f"copies: rank {rank} (node {self.node!r} gpu {self.gpu}) needs layer {layer} but the plan "
-                    f"copies it from nowhere"
-                )
-            # A fresh job: every layer's initial weights are a pure function of (seed, layer).
-            module = self.model.build_layer(layer).to(self.device)
-            self.optimizer.ensure_layer(layer, module)
-            self.layers[layer] = module
+        self._build_fresh_layers(mine.layers, incoming, rank)
         moved = transfer(
             plan.copies,
             rank,
@@ -236,6 +208,47 @@ class Worker:
             self.snapshots.store.thaw()
         self._log("adopted", layers=list(mine.layers), copied_bytes=moved, reason=plan.reason)
         return rank
+
+    def _rank_in(self, plan: Plan) -> int:
+        """This worker's rank in `plan`; NotInPlan or a ValueError when the plan does not fit it."""
+        rank = plan.rank_of(self.node, self.gpu)
+        if rank is None:
+            raise NotInPlan(f"plan generation {plan.generation} has no rank for node {self.node!r} gpu {self.gpu}")
+        if plan.num_layers != self.model.num_layers:
+            raise ValueError(
+                f"num_layers: plan has {plan.num_layers}, model {self.model.name!r} has {self.model.num_layers}"
+            )
+        return rank
+
+    def _generation_groups(self, plan: Plan, rank: int) -> GenerationGroups:
+        timeout = max(self.config.timeouts.connect, self.config.timeouts.step)
+        return GenerationGroups(
+            self.store,
+            plan,
+            rank,
+            self.config.microbatch_size,
+            self.device,
+            timeout,
+            self.failed,
+            self.config.timeouts.poll,
+            ties=[tuple(layer for layer, _ in tie) for tie in self.model.tied_parameters()],
+            everyone=self.config.max_grad_norm is not None,
+        )
+
+    def _build_fresh_layers(self, layers: Iterable[int], incoming: set[int], rank: int) -> None:
+        """Build the layers this rank holds that it neither has nor receives: only a fresh job may have such."""
+        for layer in layers:
+            if layer in self.layers or layer in incoming:
+                continue
+            if self.started:
+                raise ValueError(
+                    f"copies: rank {rank} (node {self.node!r} gpu {self.gpu}) needs layer {layer} but the plan "
+                    f"copies it from nowhere"
+                )
+            # A fresh job: every layer's initial weights are a pure function of (seed, layer).
+            module = self.model.build_layer(layer).to(self.device)
+            self.optimizer.ensure_layer(layer, module)
+            self.layers[layer] = module
 
     def _restore_local(self, plan: Plan, rank: int) -> None:
         """Reset to `plan.restore_step`: drop every live layer, restore those whose source is this rank

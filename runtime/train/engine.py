@@ -352,8 +352,8 @@ class Engine:
     def train_step(self, step: int) -> StepOutcome:
         """Forward and backward of this rank's share of global step `step`, then the update.
 
-        One function on purpose (~80 lines): the 1F1B schedule, the sums and the update read in the order
-        they run, and this is the per-step hot path (no extra frames per microbatch)."""
+        The 1F1B schedule is one loop on purpose: it reads in the order it runs, and it is the per-step hot
+        path (no extra frames per microbatch). The sums and the update follow in `_finish_step`."""
         started = time.perf_counter()
         lay = self.layout
         pipeline = lay.pipeline
@@ -427,6 +427,13 @@ class Engine:
                 if ticket is not None:
                     ticket.cancel()
             raise
+        return self._finish_step(step, pending, loss_sum, compute, started)
+
+    def _finish_step(
+        self, step: int, pending: list, loss_sum: torch.Tensor, compute: _ComputeClock, started: float
+    ) -> StepOutcome:
+        """After the schedule: the sends' hand-off, the gradient sums, the non-finite check, clipping and the
+        optimizer's step."""
         # One hand-off for every send of the step (most completed long ago).
         self._wait_all([(work, f"send to rank {peer}") for work, _, peer in pending])
         if self.buffers.loss_slot is not None:

@@ -26,6 +26,7 @@ from kubernetes.client import CoreV1Api, CustomObjectsApi
 from kubernetes.config import new_client_from_config
 from prometheus_client.parser import text_string_to_metric_families
 
+from oobleck.api import contract
 from oobleck.api.contract import PROGRESS_ANNOTATION
 from oobleck.api.planmap import read_plan
 from oobleck.api.resource import GROUP, PLURAL, VERSION, worker_selector
@@ -121,10 +122,10 @@ def reference_losses(spec: dict[str, Any]) -> tuple[float, ...]:
     depend on (model, data, optimizer, steps, seed, global batch), not by the job's shape: tests that
     share a training section share one reference run."""
     from oobleck.api.spec import parse_spec
-    from oobleck.runtime.backends.pod.config import worker_config
+    from oobleck.runtime.backends.pod.config import config_from_spec
 
     parsed = parse_spec(spec)
-    config = worker_config(parsed, JOB, compute_device="cpu")
+    config = config_from_spec(parsed, JOB, compute_device="cpu")
     return _reference(config.model_dump_json(), parsed.training.global_microbatches)
 
 
@@ -236,7 +237,7 @@ class JobRun:
     def scrape(self, pod: str, gpu: int = 0) -> dict[str, float]:
         """The worker metrics of a pod's local GPU `gpu`, from http://<pod IP>:29500+gpu/metrics, parsed."""
         ip = self.pod(pod)["status"]["podIP"]
-        with urllib.request.urlopen(f"http://{ip}:{render.WORKER_PORT + gpu}/metrics", timeout=10) as response:
+        with urllib.request.urlopen(f"http://{ip}:{contract.WORKER_PORT + gpu}/metrics", timeout=10) as response:
             return parse_metrics(response.read().decode())
 
     def operator_metrics(self) -> dict[str, float]:

@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from oobleck.operator import render
+from oobleck.api import contract
 from oobleck_dev.operatorproc import OperatorExited
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-2")]
@@ -39,7 +39,7 @@ def _steps_during(ip: str, seconds: float) -> list[int]:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         try:
-            with urllib.request.urlopen(f"http://{ip}:{render.WORKER_PORT}/metrics", timeout=5) as response:
+            with urllib.request.urlopen(f"http://{ip}:{contract.WORKER_PORT}/metrics", timeout=5) as response:
                 metrics = {
                     s.name: s.value for f in text_string_to_metric_families(response.read().decode()) for s in f.samples
                 }

@@ -24,7 +24,7 @@ import urllib.request
 
 import pytest
 
-from oobleck.operator import render
+from oobleck.api import contract
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-1")]
 LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
@@ -50,7 +50,7 @@ def test_job_trains_in_pods_to_the_exact_step(job_run, local_nodes):
     # Bound to the pod IP, not every address: the node's own IP (same host) refuses the port.
     host_ip = run.pod(pod)["status"]["hostIP"]
     with pytest.raises(OSError):
-        urllib.request.urlopen(f"http://{host_ip}:{render.WORKER_PORT}/metrics", timeout=5)
+        urllib.request.urlopen(f"http://{host_ip}:{contract.WORKER_PORT}/metrics", timeout=5)
     body = run.wait_succeeded()
     assert body["status"]["progress"]["step"] == steps
     assert run.plan().generation == 0  # nothing failed: no reconfiguration

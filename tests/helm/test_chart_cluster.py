@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
+from oobleck.api import planmap
 from oobleck.api.resource import JOB_LABEL
 from oobleck.operator import render
 from oobleck_dev.chart import CHART_PATH
@@ -302,7 +303,7 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
 
         def settled(at_least: int) -> list[str] | None:
             """The plan's nodes once its generation is `at_least` or newer and all of them run and carry their ranks."""
-            plan = render.read_plan(cluster.kubectl_json("get", "configmap", render.plan_name(name), "-n", served))
+            plan = planmap.read_plan(cluster.kubectl_json("get", "configmap", render.plan_name(name), "-n", served))
             generation = plan.generation
             if generation < at_least:
                 return None

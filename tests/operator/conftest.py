@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
+from oobleck.api.resource import COORDINATOR_ROLE, WORKER_ROLE
 from oobleck.api.spec import OobleckJobSpec, parse_spec
 from oobleck.api.status import OobleckJobStatus
 from oobleck.operator.decision import JobContext
 from oobleck.operator.observe import NodeSummary, PodSummary
-from oobleck.operator.render import COORDINATOR_ROLE, WORKER_ROLE, coordinator_name, worker_name
+from oobleck.operator.render import coordinator_name, worker_name
 
 JOB = "tiny"
 UID = "uid-1"

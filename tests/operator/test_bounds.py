@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from oobleck.api import contract, planmap, resource
 from oobleck.api.contract import MAX_MEASURED_PROFILE_BYTES, MAX_REPORT_BYTES
 from oobleck.operator import render
 from oobleck.operator.apply import ApiError, Rejected, _error, retry_delay
@@ -31,7 +32,7 @@ def test_env_from_a_secret_is_rendered_as_a_reference_and_written_nowhere_else(h
     names = [render.worker_name(h.JOB, i) for i in range(4)]
     plan = plan_job(profile, cluster_shape(spec, Tuning()), 1, 8, h.JOB, nodes=names)
     config_map = render.plan_config_map(h.JOB, "ns", h.UID, plan, profile, spec, 0)
-    stored = json.loads(config_map["data"][render.JOB_KEY])
+    stored = json.loads(config_map["data"][planmap.JOB_KEY])
     assert stored["pod"]["env"][0] == SECRET_ENV[0]
     job_spec = json.loads(env["OOBLECK_JOB_SPEC"]["value"])
     assert job_spec["pod"]["env"][0] == SECRET_ENV[0]
@@ -49,7 +50,7 @@ def _pod(h, **annotations: str) -> dict:
         "metadata": {
             "name": f"{h.JOB}-worker-0",
             "uid": "p0",
-            "labels": {render.ROLE_LABEL: render.WORKER_ROLE},
+            "labels": {resource.ROLE_LABEL: resource.WORKER_ROLE},
             "annotations": annotations,
             "ownerReferences": [{"uid": h.UID, "controller": True}],
         },
@@ -64,23 +65,23 @@ def test_oversized_reports_are_left_unread_and_named(h):
         _pod(
             h,
             **{
-                render.PROGRESS_ANNOTATION: huge_progress,
-                render.MEASURED_PROFILE_ANNOTATION: "y" * (MAX_MEASURED_PROFILE_BYTES + 1),
-                render.FAILURE_ANNOTATION: '{"generation": 0}',
+                contract.PROGRESS_ANNOTATION: huge_progress,
+                contract.MEASURED_PROFILE_ANNOTATION: "y" * (MAX_MEASURED_PROFILE_BYTES + 1),
+                contract.FAILURE_ANNOTATION: '{"generation": 0}',
             },
         )
     )
     assert summary.progress is None and summary.measured_profile is None
     assert summary.failure_report == '{"generation": 0}'  # within its cap
     assert summary.oversized == (
-        f"annotation {render.PROGRESS_ANNOTATION} is {len(huge_progress)} bytes, over the operator's cap of "
+        f"annotation {contract.PROGRESS_ANNOTATION} is {len(huge_progress)} bytes, over the operator's cap of "
         f"{MAX_REPORT_BYTES}",
-        f"annotation {render.MEASURED_PROFILE_ANNOTATION} is {MAX_MEASURED_PROFILE_BYTES + 1} bytes, over the "
+        f"annotation {contract.MEASURED_PROFILE_ANNOTATION} is {MAX_MEASURED_PROFILE_BYTES + 1} bytes, over the "
         f"operator's cap of {MAX_MEASURED_PROFILE_BYTES}",
     )
     obs = observe(h.JOB, h.UID, [summary], h.nodes(1), None, gpu_resource="nvidia.com/gpu")
     assert obs.step == 0  # the huge step was not believed
-    assert obs.oversized[0].startswith(f"{h.JOB}-worker-0: annotation {render.PROGRESS_ANNOTATION} is ")
+    assert obs.oversized[0].startswith(f"{h.JOB}-worker-0: annotation {contract.PROGRESS_ANNOTATION} is ")
 
 
 def test_refused_creates_are_rejected_and_the_rest_retried_with_backoff():

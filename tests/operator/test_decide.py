@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 from datetime import timedelta
 
+from oobleck.api import contract
 from oobleck.api.conditions import ConditionType, find_condition
 from oobleck.api.status import parse_status
 from oobleck.operator import render
@@ -54,7 +55,9 @@ class World:
             for name, written in d.patches:
                 pod = self.pods[name]
                 self.pods[name] = replace(
-                    pod, generation=int(written[render.GENERATION_ANNOTATION]), ranks=written[render.RANKS_ANNOTATION]
+                    pod,
+                    generation=int(written[contract.GENERATION_ANNOTATION]),
+                    ranks=written[contract.RANKS_ANNOTATION],
                 )
             for name, _ in d.delete:
                 pod = self.pods.pop(name, None)
@@ -125,7 +128,9 @@ def test_pod_failure_makes_exactly_one_generation_and_a_replacement(h):
     # Only the survivors whose ranks changed are patched (the planner keeps the others' ranks).
     renumbered = sorted(n for n in d.plan.nodes if before[n] != after[n])
     assert sorted(n for n, _ in d.patches) == renumbered and 0 < len(renumbered) < len(d.plan.nodes)
-    assert all(a[render.GENERATION_ANNOTATION] == "1" and a[render.RANKS_ANNOTATION] == after[n] for n, a in d.patches)
+    assert all(
+        a[contract.GENERATION_ANNOTATION] == "1" and a[contract.RANKS_ANNOTATION] == after[n] for n, a in d.patches
+    )
     assert (lost, "pod tiny-worker-2 failed (Evicted)") in d.delete
     assert d.create == (4,) and d.failures_survived == 1 and d.lost == (lost,)
     assert [e.reason for e in d.events] == ["NodeLost", "Reconfigured"]

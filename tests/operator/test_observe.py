@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from oobleck.api import contract, resource
 from oobleck.operator import render
 from oobleck.operator.observe import observe, summarize_node, summarize_pod
 
@@ -20,8 +21,8 @@ def test_summaries_from_raw_objects():
         "metadata": {
             "name": "tiny-worker-0",
             "uid": "p",
-            "labels": {render.ROLE_LABEL: "worker"},
-            "annotations": {render.GENERATION_ANNOTATION: "3"},
+            "labels": {resource.ROLE_LABEL: "worker"},
+            "annotations": {contract.GENERATION_ANNOTATION: "3"},
             "creationTimestamp": "2026-01-01T00:00:00Z",
             "ownerReferences": [{"uid": "uid-1", "controller": True}],
         },

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
+from oobleck.api import contract, planmap, resource
 from oobleck.api.plan import Plan
 from oobleck.operator import render
 from oobleck_dev.controlplane import free_port
@@ -156,14 +157,14 @@ def condition(body: dict[str, Any], type_: str) -> dict[str, Any] | None:
 
 
 def workers(cluster, ns: str, name: str = "tiny") -> dict[str, dict[str, Any]]:
-    pods = cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"oobleck.dev/job={name},{render.ROLE_LABEL}=worker")[
+    pods = cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"oobleck.dev/job={name},{resource.ROLE_LABEL}=worker")[
         "items"
     ]
     return {p["metadata"]["name"]: p for p in pods}
 
 
 def current_plan(cluster, ns: str, name: str = "tiny") -> Plan:
-    return render.read_plan(cluster.kubectl_json("get", "configmap", render.plan_name(name), "-n", ns))
+    return planmap.read_plan(cluster.kubectl_json("get", "configmap", render.plan_name(name), "-n", ns))
 
 
 def reconfigured_events(cluster, ns: str) -> list[str]:
@@ -186,7 +187,9 @@ def settled(cluster, ns: str, generation: int, name: str = "tiny", *, or_later: 
         annotations = pod["metadata"].get("annotations", {})
         if not render.annotations_current(plan, node, annotations, table):
             return None
-        assert int(annotations[render.GENERATION_ANNOTATION]) <= plan.generation, "patched before the plan was written"
+        assert int(annotations[contract.GENERATION_ANNOTATION]) <= plan.generation, (
+            "patched before the plan was written"
+        )
     return plan
 
 
@@ -356,7 +359,7 @@ def inject(kind: str, cluster, ns: str, victim: str, plan: Plan) -> None:
             "kind": "heartbeat",
             "dead": [victim],
         }
-        cluster.kubectl("annotate", "pod", reporter, "-n", ns, f"{render.FAILURE_ANNOTATION}={json.dumps(report)}")
+        cluster.kubectl("annotate", "pod", reporter, "-n", ns, f"{contract.FAILURE_ANNOTATION}={json.dumps(report)}")
     elif kind == "gpu-report":
         report = {
             "job": "tiny",
@@ -366,7 +369,7 @@ def inject(kind: str, cluster, ns: str, victim: str, plan: Plan) -> None:
             "dead": [],
             "detail": "Xid 79",
         }
-        cluster.kubectl("annotate", "pod", victim, "-n", ns, f"{render.FAILURE_ANNOTATION}={json.dumps(report)}")
+        cluster.kubectl("annotate", "pod", victim, "-n", ns, f"{contract.FAILURE_ANNOTATION}={json.dumps(report)}")
     else:
         raise ValueError(kind)
 
@@ -513,13 +516,13 @@ def test_final_step_succeeds_and_cleans_pods(cluster, env):
     first, *others = plan.nodes
     for pod, step in ((first, 10**9), *((pod, 12) for pod in others)):
         progress = json.dumps({"generation": 0, "step": step})
-        cluster.kubectl("annotate", "pod", pod, "-n", ns, "--overwrite", f"{render.PROGRESS_ANNOTATION}={progress}")
+        cluster.kubectl("annotate", "pod", pod, "-n", ns, "--overwrite", f"{contract.PROGRESS_ANNOTATION}={progress}")
     wait_for(lambda: (job(cluster, ns)["status"].get("progress") or {}).get("step") == 12, "status.progress.step 12")
     time.sleep(2)  # further passes of the operator over the same reports
     assert job(cluster, ns)["status"]["phase"] == "Running"
     for pod in plan.nodes:
         progress = json.dumps({"generation": 0, "step": 40})
-        cluster.kubectl("annotate", "pod", pod, "-n", ns, "--overwrite", f"{render.PROGRESS_ANNOTATION}={progress}")
+        cluster.kubectl("annotate", "pod", pod, "-n", ns, "--overwrite", f"{contract.PROGRESS_ANNOTATION}={progress}")
     wait_for(lambda: job(cluster, ns)["status"]["phase"] == "Succeeded", "Succeeded")
     wait_for(
         lambda: not cluster.kubectl_json("get", "pods", "-n", ns, "-l", "oobleck.dev/job=tiny")["items"],
@@ -772,7 +775,9 @@ def test_a_gzip_bomb_in_the_plan_config_map_fails_the_job_and_the_operator_lives
     bomb = b"".join([*(stream.compress(zeros) for _ in range(512)), stream.flush()])  # 512 MiB in ~0.5 MB
     patch = tmp_path / "bomb.json"
     patch.write_text(
-        json.dumps({"data": {render.PLAN_KEY: ""}, "binaryData": {render.PLAN_GZ_KEY: base64.b64encode(bomb).decode()}})
+        json.dumps(
+            {"data": {planmap.PLAN_KEY: ""}, "binaryData": {planmap.PLAN_GZ_KEY: base64.b64encode(bomb).decode()}}
+        )
     )
     cluster.kubectl("patch", "configmap", "tiny-plan", "-n", ns, "--type=merge", "--patch-file", str(patch))
     operator.start()

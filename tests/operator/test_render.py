@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 
+from oobleck.api import contract, planmap
 from oobleck.api.resource import JOB_LABEL
 from oobleck.operator import render
 from oobleck.operator.planning import Tuning, synthetic_profile
@@ -105,37 +106,39 @@ def test_role_is_least_privilege(h):
 def test_plan_config_map_round_trips_inline_and_gzipped(h, monkeypatch):
     spec, profile, plan = _plan(h)
     body = render.plan_config_map(h.JOB, "ns", h.UID, plan, profile, spec, failures_survived=2)
-    assert body["metadata"]["annotations"][render.GENERATION_ANNOTATION] == "0"
-    assert render.read_plan(body) == plan
-    assert render.read_failures_survived(body) == 2
-    assert render.read_profile(body) == profile
+    assert body["metadata"]["annotations"][contract.GENERATION_ANNOTATION] == "0"
+    assert planmap.read_plan(body) == plan
+    assert planmap.read_failures_survived(body) == 2
+    assert planmap.read_profile(body) == profile
     monkeypatch.setattr(render, "PLAN_INLINE_LIMIT", 10)
     small = render.plan_config_map(h.JOB, "ns", h.UID, plan, profile, spec, failures_survived=0)
-    assert small["data"][render.PLAN_KEY] == "" and render.PLAN_GZ_KEY in small["binaryData"]
-    assert render.read_plan(small) == plan
+    assert small["data"][planmap.PLAN_KEY] == "" and planmap.PLAN_GZ_KEY in small["binaryData"]
+    assert planmap.read_plan(small) == plan
     # Going back to an inline plan removes the gzipped one in the same merge patch.
-    assert render.plan_patch(body)["binaryData"] == {render.PLAN_GZ_KEY: None}
+    assert render.plan_patch(body)["binaryData"] == {planmap.PLAN_GZ_KEY: None}
 
 
 def test_read_plan_names_the_bad_key():
     import pytest
 
     with pytest.raises(ValueError, match="key plan.json"):
-        render.read_plan({"metadata": {"name": "x-plan"}, "data": {"plan.json": "{}"}})
+        planmap.read_plan({"metadata": {"name": "x-plan"}, "data": {"plan.json": "{}"}})
 
 
 def test_ranks_annotation(h):
     _, _, plan = _plan(h)
     node = plan.ranks[1].node
     annotations = render.worker_annotations(plan, node)
-    assert annotations[render.GENERATION_ANNOTATION] == "0"
-    assert annotations[render.RANKS_ANNOTATION] == str(plan.ranks[1].rank)
+    assert annotations[contract.GENERATION_ANNOTATION] == "0"
+    assert annotations[contract.RANKS_ANNOTATION] == str(plan.ranks[1].rank)
     assert render.ranks_value(plan, "absent", 1) == ""
     table = render.ranks_table(plan)
     assert table == {n: render.ranks_value(plan, n, plan.gpus_per_node) for n in plan.nodes}
     # Current means: the pod carries the plan's ranks (whatever generation wrote them).
-    assert render.annotations_current(plan, node, {**annotations, render.GENERATION_ANNOTATION: "0"}, table)
-    assert not render.annotations_current(plan, node, {render.GENERATION_ANNOTATION: "0", render.RANKS_ANNOTATION: "9"})
+    assert render.annotations_current(plan, node, {**annotations, contract.GENERATION_ANNOTATION: "0"}, table)
+    assert not render.annotations_current(
+        plan, node, {contract.GENERATION_ANNOTATION: "0", contract.RANKS_ANNOTATION: "9"}
+    )
     assert not render.annotations_current(plan, node, None)
 
 

@@ -12,7 +12,7 @@ from oobleck.api.spec import parse_spec
 from oobleck.operator import render
 from oobleck.operator.planning import Tuning, synthetic_profile
 from oobleck.planner.errors import PlanningError
-from oobleck.runtime.backends.pod.main import worker_config
+from oobleck.runtime.backends.pod.config import config_from_spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -41,7 +41,7 @@ def test_config_map_and_init_from_are_mounted_read_only_and_named_in_the_worker_
     assert mounts["init-from"]["mountPath"] == "/weights/run1" and mounts["init-from"]["readOnly"]
     assert volumes["init-from"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
 
-    config = worker_config(spec, "j")
+    config = config_from_spec(spec, "j")
     hf = config.model.transformers
     assert hf.config_path == f"{MODEL_CONFIG_DIR}/llama.json"
     assert hf.init_from == "/weights/run1"
@@ -51,11 +51,11 @@ def test_config_map_and_init_from_are_mounted_read_only_and_named_in_the_worker_
 def test_preset_and_inline_config_reach_the_worker_and_build():
     from oobleck.runtime.train.config import build_model
 
-    config = worker_config(_spec(preset="llama-tiny", sequenceLength=16), "j")
+    config = config_from_spec(_spec(preset="llama-tiny", sequenceLength=16), "j")
     model = build_model(config)
     assert (model.num_layers, model.seq_len, model.vocab_size) == (6, 16, 256)
     inline = {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 8, "vocab_size": 40}
-    config = worker_config(_spec(family="gpt2", config=inline), "j")
+    config = config_from_spec(_spec(family="gpt2", config=inline), "j")
     model = build_model(config)
     assert (model.num_layers, model.seq_len, model.tied) == (3, 8, True)
     pod = render.worker_pod("j", "ns", "uid", _spec(preset="llama-tiny"), 0, default_image="i", default_command=["x"])

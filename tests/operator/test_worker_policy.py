@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oobleck.api import contract
+from oobleck.api import contract, resource
 from oobleck.api.causes import CAUSE_ANNOTATION
 from oobleck.api.spec import parse_spec
 from oobleck.operator import render
@@ -154,9 +154,9 @@ def test_a_worker_cannot_change_its_own_pods_spec_labels_or_the_operators_annota
     image = {"spec": {"containers": [{"name": "worker", "image": "attacker/image"}]}}
     # A strategic merge patch, as `kubectl set image` sends (a merge patch would replace the whole list).
     assert "spec" in _refused(kube, own, image, "application/strategic-merge-patch+json")
-    assert "labels" in _refused(kube, own, {"metadata": {"labels": {render.JOB_LABEL: "beta"}}})
-    ranks = {"metadata": {"annotations": {render.RANKS_ANNOTATION: "0"}}}
-    assert render.RANKS_ANNOTATION in _refused(kube, own, ranks)
+    assert "labels" in _refused(kube, own, {"metadata": {"labels": {resource.JOB_LABEL: "beta"}}})
+    ranks = {"metadata": {"annotations": {contract.RANKS_ANNOTATION: "0"}}}
+    assert contract.RANKS_ANNOTATION in _refused(kube, own, ranks)
     after = cluster.kubectl_json("get", "pod", own, "-n", ns)
     assert after["spec"] == before["spec"] and after["metadata"]["labels"] == before["metadata"]["labels"]
 

@@ -76,10 +76,10 @@ def _reference(config_json: str, global_microbatches: int) -> tuple[float, ...]:
 
 def reference_losses(spec: dict[str, Any]) -> tuple[float, ...]:
     from oobleck.api.spec import parse_spec
-    from oobleck.runtime.backends.pod.config import worker_config
+    from oobleck.runtime.backends.pod.config import config_from_spec
 
     parsed = parse_spec(spec)
-    config = worker_config(parsed, JOB, compute_device="cpu")
+    config = config_from_spec(parsed, JOB, compute_device="cpu")
     return _reference(config.model_dump_json(), parsed.training.global_microbatches)
 
 

@@ -206,8 +206,8 @@ def test_reporters_annotate_their_own_pod_with_the_worker_token(cluster, world):
 def test_coordinator_address_waits_for_a_running_pod_ip(cluster, world):
     ns = world["ns"]
     pod = render.coordinator_name(JOB)
-    address = CoordinatorAddress(world["client"], ns, pod, "fallback.example", render.STORE_PORT, poll_s=0.05)
-    assert address.resolve(0.3) == ("fallback.example", render.STORE_PORT)  # Pending: no IP yet
+    address = CoordinatorAddress(world["client"], ns, pod, "fallback.example", contract.STORE_PORT, poll_s=0.05)
+    assert address.resolve(0.3) == ("fallback.example", contract.STORE_PORT)  # Pending: no IP yet
     status = {"status": {"phase": "Running", "podIP": "127.16.9.9", "podIPs": [{"ip": "127.16.9.9"}]}}
 
     def run_it() -> None:
@@ -215,7 +215,7 @@ def test_coordinator_address_waits_for_a_running_pod_ip(cluster, world):
         cluster.kubectl("patch", "pod", pod, "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps(status))
 
     threading.Thread(target=run_it).start()
-    assert address.resolve(30.0) == ("127.16.9.9", render.STORE_PORT)
+    assert address.resolve(30.0) == ("127.16.9.9", contract.STORE_PORT)
 
 
 def test_the_worker_token_gets_clear_refusals_beyond_its_role(world):

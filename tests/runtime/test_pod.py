@@ -11,7 +11,7 @@ import yaml
 from oobleck.api.contract import WORKER_PORT, ExitCode, PodContract
 from oobleck.api.reports import FailureReport
 from oobleck.api.spec import parse_spec
-from oobleck.runtime.backends.pod.config import PodEnv, worker_config
+from oobleck.runtime.backends.pod.config import PodEnv, config_from_spec
 from oobleck.runtime.backends.pod.coordinator_link import coordinator_ip
 from oobleck.runtime.backends.pod.report import failure_annotation, progress_annotation
 from oobleck.runtime.train.config import build_model
@@ -28,7 +28,7 @@ def example_spec(**overrides):
 
 def test_tiny_gpt_example_maps_to_the_worker_config():
     spec = example_spec()
-    config = worker_config(spec, "tiny-gpt")
+    config = config_from_spec(spec, "tiny-gpt")
     assert config.job == "tiny-gpt"
     assert config.model.name == "gpt"
     assert config.model.sizes == {"blocks": 4, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 256}
@@ -43,7 +43,7 @@ def test_tiny_gpt_example_maps_to_the_worker_config():
 
 
 def test_precision_recompute_clipping_and_sums_map_to_the_worker_config():
-    default = worker_config(example_spec(), "j")
+    default = config_from_spec(example_spec(), "j")
     assert (default.precision, default.recompute, default.max_grad_norm, default.gradient_sum_dtype) == (
         "fp32",
         "none",
@@ -51,7 +51,9 @@ def test_precision_recompute_clipping_and_sums_map_to_the_worker_config():
         "float32",
     )
     training = {"steps": 4, "globalBatchSize": 4, "microbatchSize": 2, "precision": "bf16", "recompute": "full"}
-    config = worker_config(example_spec(training={**training, "maxGradNorm": 1.0, "gradientSumDtype": "float64"}), "j")
+    config = config_from_spec(
+        example_spec(training={**training, "maxGradNorm": 1.0, "gradientSumDtype": "float64"}), "j"
+    )
     assert (config.precision, config.recompute, config.max_grad_norm, config.gradient_sum_dtype) == (
         "bf16",
         "full",
@@ -80,10 +82,10 @@ def test_schedules_end_at_a_tenth_of_the_rate_or_stay_constant():
                 "schedule": schedule,
             }
         )
-        optim = worker_config(spec, "j").optim
+        optim = config_from_spec(spec, "j").optim
         assert learning_rate(optim, 3) == pytest.approx(1e-3)  # warmup's last step
         assert learning_rate(optim, 40) == pytest.approx(last)
-    linear = worker_config(
+    linear = config_from_spec(
         example_spec(
             training={
                 "steps": 40,
@@ -100,14 +102,14 @@ def test_schedules_end_at_a_tenth_of_the_rate_or_stay_constant():
 
 def test_token_file_is_read_at_its_container_path():
     spec = example_spec(data={"source": "tokenFile", "path": "/data/train.bin", "claimName": "tokens"})
-    config = worker_config(spec, "j")
+    config = config_from_spec(spec, "j")
     assert (config.data.kind, config.data.path) == ("file", "/data/train.bin")
 
 
 def test_checkpoint_spec_maps_to_the_jobs_folder_and_snapshots_stay_on():
-    assert worker_config(example_spec(), "j").checkpoint.path is None  # no spec.checkpoint: no directory
+    assert config_from_spec(example_spec(), "j").checkpoint.path is None  # no spec.checkpoint: no directory
     spec = example_spec(checkpoint={"path": "/ckpt", "claimName": "c", "intervalSteps": 7, "keep": 3})
-    config = worker_config(spec, "j")
+    config = config_from_spec(spec, "j")
     # Scoped per job, at the container path the checkpoint volume is mounted at.
     assert (config.checkpoint.path, config.checkpoint.interval_steps, config.checkpoint.keep) == ("/ckpt/j", 7, 3)
     # In-memory snapshots are on by default: a pod gets a snapshot agent (snapshot.snapshotter_for).
@@ -116,8 +118,8 @@ def test_checkpoint_spec_maps_to_the_jobs_folder_and_snapshots_stay_on():
 
 def test_worker_device_runs_a_cuda_spec_on_the_cpu():
     cuda = example_spec(device="cuda")
-    assert worker_config(cuda, "j").device == "cuda"
-    assert worker_config(cuda, "j", compute_device="cpu").device == "cpu"
+    assert config_from_spec(cuda, "j").device == "cuda"
+    assert config_from_spec(cuda, "j", compute_device="cpu").device == "cpu"
     assert PodEnv.from_env({**ENV, "OOBLECK_DEVICE": "cuda", "WORKER_DEVICE": "cpu"}).compute_device == "cpu"
     assert PodEnv.from_env(ENV).compute_device is None
     with pytest.raises(ValueError, match="WORKER_DEVICE: Input should be 'cpu', got 'tpu'"):
@@ -135,7 +137,7 @@ def test_progress_annotation_carries_loss_and_throughput_when_known():
 
 def test_entry_point_and_unsupported_mlp_width():
     spec = example_spec(model={"entryPoint": "mypkg.models:build"})
-    assert worker_config(spec, "j").model.name == "mypkg.models:build"
+    assert config_from_spec(spec, "j").model.name == "mypkg.models:build"
     wide = example_spec(
         model={
             "gpt": {
@@ -149,7 +151,7 @@ def test_entry_point_and_unsupported_mlp_width():
         }
     )
     with pytest.raises(ValueError, match=r"ffnHiddenSize: the built-in GPT's MLP is 4 \* hiddenSize = 256, got 100"):
-        worker_config(wide, "j")
+        config_from_spec(wide, "j")
 
 
 ENV = {
@@ -165,6 +167,7 @@ ENV = {
 
 
 def test_env_contract_parses_what_the_operator_renders():
+    from oobleck.api import contract
     from oobleck.api.spec import parse_spec as parse
     from oobleck.operator import render
 
@@ -173,9 +176,9 @@ def test_env_contract_parses_what_the_operator_renders():
     rendered = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
     env = PodEnv.from_env({**rendered, "OOBLECK_POD_IP": "127.16.0.5"})
     assert (env.job, env.namespace, env.node, env.plan_config_map) == ("tiny", "ns", "tiny-worker-2", "tiny-plan")
-    assert (env.store_port, env.gpus_per_node, env.device, env.pod_ip) == (render.STORE_PORT, 2, "cpu", "127.16.0.5")
+    assert (env.store_port, env.gpus_per_node, env.device, env.pod_ip) == (contract.STORE_PORT, 2, "cpu", "127.16.0.5")
     assert env.coordinator_pod == render.coordinator_name("tiny")
-    assert env.metrics_port == WORKER_PORT == render.WORKER_PORT
+    assert env.metrics_port == WORKER_PORT == contract.WORKER_PORT
     assert PodContract.from_env(rendered).to_env() == [
         e for e in pod["spec"]["containers"][0]["env"] if e["name"] in rendered and e["name"].startswith("OOBLECK_")
     ], "the env round-trips through the contract"
@@ -305,7 +308,7 @@ def test_two_jobs_sharing_a_checkpoint_path_never_restore_or_prune_each_others_s
     )
 
     spec = example_spec(checkpoint={"path": str(tmp_path), "intervalSteps": 10, "keep": 1})
-    first, second = (worker_config(spec, job).checkpoint.path for job in ("first", "second"))
+    first, second = (config_from_spec(spec, job).checkpoint.path for job in ("first", "second"))
     assert first != second
     for step in (10, 20):
         for layer in range(2):

@@ -91,7 +91,7 @@ class LaunchOptions:
             raise ValueError(f"restart_coordinator_at_step: {restart} is outside the job's steps 0..{self.steps - 1}")
 
 
-def worker_config(o: LaunchOptions):
+def config_from_options(o: LaunchOptions):
     """The workers' WorkerConfig: the options' config file (or the defaults) with the options applied."""
     from oobleck.runtime.train.config import WorkerConfig, load_config
 

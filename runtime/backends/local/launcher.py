@@ -26,7 +26,7 @@ from oobleck.api.causes import KIND_OF_EXIT
 from oobleck.api.contract import ExitCode
 from oobleck.api.reports import FailureKind, FailureReport
 from oobleck.runtime.backends.local.children import Child, spawn_worker
-from oobleck.runtime.backends.local.config import Fault, LaunchOptions, initial_plan, load_profile, worker_config
+from oobleck.runtime.backends.local.config import Fault, LaunchOptions, config_from_options, initial_plan, load_profile
 from oobleck.runtime.backends.local.faults import FaultInjector
 from oobleck.runtime.backends.local.plan_control import JobFailed, PlanController
 from oobleck.runtime.backends.local.summary import Reconfiguration, Summary, reconfiguration, summarize
@@ -126,7 +126,7 @@ class Launcher:
         self.signer = Signer(write_key(str(self.key_path)))
         for stale in self.workdir.glob("*.losses.jsonl"):
             stale.unlink()
-        config = worker_config(o)
+        config = config_from_options(o)
         (self.workdir / "config.json").write_text(config.model_dump_json(indent=2))
         profile = load_profile(o, config)
         from oobleck.runtime.train.config import build_model

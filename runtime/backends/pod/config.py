@@ -39,7 +39,7 @@ def job_checkpoint_dir(path: str, job: str) -> str:
     return f"{path.rstrip('/')}/{job}"
 
 
-def worker_config(
+def config_from_spec(
     spec: OobleckJobSpec,
     job: str,
     *,

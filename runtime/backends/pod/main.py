@@ -4,7 +4,7 @@ The pod runs the elastic worker (runtime/elastic/loop.py `run_elastic`) against 
 following the operator <-> pod contract, oobleck.api.contract:
 
     env (PodContract: OOBLECK_JOB, _NAMESPACE, _NODE, _PLAN_CONFIGMAP, _STORE, _GPUS_PER_NODE, _DEVICE, ...)
-      -> the plan ConfigMap (ConfigMapPlanSource): plans, and job.json -> WorkerConfig (worker_config)
+      -> the plan ConfigMap (ConfigMapPlanSource): plans, and job.json -> WorkerConfig (config_from_spec)
       -> the coordinator: its pod's status.podIP read through the API (DNS names of the headless
          Service do not resolve on local nodes), else OOBLECK_STORE's host; re-read on reconnects
       -> one elastic worker per local GPU (inline when OOBLECK_GPUS_PER_NODE is 1, else one child
@@ -50,14 +50,14 @@ from oobleck.api import planmap
 from oobleck.api.addresses import host_port, worker_id
 from oobleck.api.causes import CAUSE_ANNOTATION, make_cause
 from oobleck.api.contract import MEASURED_PROFILE_ANNOTATION, ExitCode
-from oobleck.runtime.backends.pod.config import PodEnv, worker_config
+from oobleck.runtime.backends.pod.config import PodEnv, config_from_spec
 from oobleck.runtime.backends.pod.coordinator_link import CoordinatorAddress
 from oobleck.runtime.backends.pod.kube import TRANSPORT_ERRORS, ApiException, Kube, KubeConfigError, api_error_text
 from oobleck.runtime.backends.pod.report import PodFailureReporter, ProgressReporter, annotate
 from oobleck.runtime.backends.pod.supervise import supervise
 from oobleck.runtime.causes import JobFault, blame, classify, model_field
 
-__all__ = ["PodEnv", "main", "run_worker", "worker_config"]
+__all__ = ["PodEnv", "config_from_spec", "main", "run_worker"]
 
 PLAN_READ_WAIT_S = 10.0
 """How long a starting pod waits for the plan ConfigMap's first read before deciding to measure the profile."""
@@ -97,7 +97,7 @@ def job_spec_config(env: PodEnv):
 
     try:
         spec = parse_spec(json.loads(env.job_spec or "null"))
-        config = worker_config(spec, env.job, compute_device=env.compute_device)
+        config = config_from_spec(spec, env.job, compute_device=env.compute_device)
     except ValueError as error:
         raise JobFault(make_cause("InvalidConfig", f"OOBLECK_JOB_SPEC: {error}")) from error
     return spec, config
@@ -192,7 +192,7 @@ def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: fl
     body = first_config_map(source, env, first_plan_s)
     try:
         spec = parse_spec(planmap.read_job_spec(body))
-        config = worker_config(spec, env.job, compute_device=env.compute_device)
+        config = config_from_spec(spec, env.job, compute_device=env.compute_device)
         health = HealthTimeouts(heartbeat_period_s=env.heartbeat_period_s, dead_after_s=env.dead_after_s)
     except ValueError as error:  # pydantic's ValidationError is a ValueError
         raise JobFault(make_cause("InvalidConfig", f"configmap {env.plan_config_map}: {error}")) from error
