@@ -206,17 +206,8 @@ def run_worker(env: PodEnv, gpu: int, kube: Kube | None = None, first_plan_s: fl
     ).start()
     progress = ProgressReporter(kube, env.namespace, env.node, env.progress_interval_s) if gpu == 0 else None
     try:
-        built = build_worker(
-            config,
-            env.node,
-            gpu,
-            address,
-            detector,
-            store_timeouts,
-            worker_class=PodWorker,
-            progress=progress,
-            siblings=PodSiblings.from_env(os.environ, gpu, env.gpus_per_node),
-        )
+        reporting = {"progress": progress, "siblings": PodSiblings.from_env(os.environ, gpu, env.gpus_per_node)}
+        built = build_worker(config, env.node, gpu, address, detector, store_timeouts, PodWorker, **reporting)
         worker, control = built.worker, built.control
         _log("coordinator", env, gpu=gpu, address=host_port(*control.address), epoch=control.epoch)
         _announce(env, gpu, worker, config, progress)
