@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from oobleck.api.causes import CERTAIN, KIND_OF_EXIT, parse_cause
 from oobleck.api.conditions import Reason
+from oobleck.api.contract import ExitCode
 from oobleck.api.resource import WORKER_ROLE
 from oobleck.api.spec import FailurePolicy
 from oobleck.api.status import WorkerFailure
@@ -45,8 +46,8 @@ START_FAILURES = frozenset(
     }
 )
 """Container waiting reasons that do not go away by themselves (the kubelet's own words)."""
-NOT_COUNTED_EXITS = frozenset({3})
-"""runtime/backends/pod/main.py's EXIT_DROPPED: the plan left the worker out; that is the operator's doing."""
+NOT_COUNTED_EXITS = frozenset({ExitCode.DROPPED})
+"""The plan left the worker out: that is the operator's doing, not the node's failure."""
 RECORDS_KEPT = 8
 SIGNAL_BASE = 128
 """exit codes above it are 128 + a signal's number"""

@@ -56,7 +56,7 @@ from oobleck.api.planmap import (
 )
 from oobleck.api.profile import ModelProfile
 from oobleck.api.resource import API_VERSION, COORDINATOR_ROLE, GROUP, JOB_LABEL, KIND, ROLE_LABEL, WORKER_ROLE
-from oobleck.api.schema import MODEL_CONFIG_DIR, SHM_DIR, data_directory
+from oobleck.api.schema import JOB_KEY_DIR, MODEL_CONFIG_DIR, SHM_DIR, data_directory
 from oobleck.api.spec import OobleckJobSpec
 
 INDEX_LABEL = f"{GROUP}/worker-index"
@@ -105,8 +105,6 @@ def isolation_name(job: str) -> str:
     return f"{job}-isolation"
 
 
-JOB_KEY_DIR = "/var/run/oobleck/job-key"
-"""Where a worker pod mounts its job's key Secret (OOBLECK_JOB_KEY_FILE is `JOB_KEY_DIR/JOB_KEY_ITEM`)."""
 JOB_KEY_ITEM = "key"
 METRICS_PORTS = 64
 """Worker metrics listen on WORKER_PORT + local GPU: the NetworkPolicy opens this many ports to scrapers."""

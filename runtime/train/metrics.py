@@ -67,7 +67,8 @@ class WorkerMetrics:
         self._labels = labels
 
     def count_rejected(self, kind: str) -> None:
-        """One more refused message of `kind` (abort, held, holding, failure_report, liveness, snapshot_push)."""
+        """One more refused message of `kind` (abort, held, holding, failure_report, commit_decision,
+        snapshot_complete, liveness, snapshot_push)."""
         self._rejected.labels(**self._labels, kind=kind).inc()
 
     def observe_step(self, seconds: float, samples: int, tokens: int, step: int, loss: float | None) -> None:

@@ -131,7 +131,9 @@ MODEL_CONFIG_DIR = "/etc/oobleck/model"
 """Where worker pods see the model's config.json ConfigMap key (model.transformers.configMap)."""
 SHM_DIR = "/dev/shm"
 """Where worker pods get a memory-backed emptyDir (NCCL and the data loader need more than 64 MiB)."""
-RESERVED_MOUNT_PATHS = (SHM_DIR, MODEL_CONFIG_DIR)
+JOB_KEY_DIR = "/var/run/oobleck/job-key"
+"""Where a worker pod mounts its job's key Secret (OOBLECK_JOB_KEY_FILE is a file in it)."""
+RESERVED_MOUNT_PATHS = (SHM_DIR, MODEL_CONFIG_DIR, JOB_KEY_DIR)
 """Directories the operator mounts volumes at: no user volume may be mounted at one or above one."""
 _RESERVED_CEL = "[" + ", ".join(f"'{p}'" for p in RESERVED_MOUNT_PATHS) + "]"
 
