@@ -22,9 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from oobleck.api.job import Straggler, StragglerPolicy
+from oobleck.api.profile import ModelProfile
 from oobleck.api.reports import ProgressReport
 from oobleck.operator.decision import CurrentPlan, Decision, Event, JobContext
 from oobleck.operator.observe import JobObservation
+from oobleck.operator.planning import Tuning, cluster_shape
+from oobleck.planner.rebalance import REBALANCE_REASON, mitigate, rebalance
 from oobleck.planner.resplit import RESPLIT_REASON, resplit
 
 STRAGGLER = "Straggler"
@@ -39,6 +42,20 @@ class Assessment:
     """the nodes at or over the threshold, for status.stragglers"""
     events: list[tuple[str, str, str]]
     """(type, reason, message) to post on the job"""
+    steady: frozenset[str] = frozenset()
+    """the members with at least `steady_steps(policy)` figures, all of them under the threshold: at pace for
+    long enough to undo a mitigation"""
+    measured: frozenset[str] = frozenset()
+    """the members with at least `steady_steps(policy)` figures: measured for long enough to act on"""
+
+
+STEADY_STEPS_MAX = 20
+"""A report carries the last 24 steps' figures (runtime/train/pace.py): the most steps one read can show."""
+
+
+def steady_steps(policy: StragglerPolicy) -> int:
+    """Steps a node's figures must cover before a mitigation is changed for it: `window`, as for confirming."""
+    return min(policy.window, STEADY_STEPS_MAX)
 
 
 def _at(series: Sequence[tuple[int, float]], step: int) -> float:
@@ -121,19 +138,42 @@ def assess(
         # A node that stopped reporting (lost, replaced) is the failure path's business, not a recovery.
         if known.confirmed and node not in listed and node in slowdowns:
             events.append(("Normal", RECOVERED, f"{node} is back under {policy.threshold}x the other nodes' median"))
-    return Assessment(slowdowns, stragglers, events)
+    k = steady_steps(policy)
+    measured = frozenset(node for node, series in relative.items() if len(series) >= k)
+    steady = frozenset(node for node in measured if all(f < policy.threshold for _, f in relative[node][-k:]))
+    return Assessment(slowdowns, stragglers, events, steady, measured)
 
 
 RESPLIT_MIN_GAIN = 0.1
-"""A re-split must shorten the step at the measured speeds by a tenth: a wobbling measurement makes no new
-generation per wobble (each costs a redone step)."""
+"""A re-split or a move of layers must shorten the step at the measured speeds by a tenth: a wobbling
+measurement makes no new generation per wobble (each costs a redone step)."""
+
+LAYERS_REBALANCED = "LayersRebalanced"
+BATCH_RESPLIT = "BatchResplit"
 
 
-def with_stragglers(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, decision: Decision) -> Decision:
+def with_stragglers(
+    ctx: JobContext,
+    obs: JobObservation,
+    current: CurrentPlan | None,
+    decision: Decision,
+    profile: ModelProfile | None = None,
+    tuning: Tuning | None = None,
+) -> Decision:
     """The decision with status.stragglers and the Straggler events (operator/stragglers.py) while the
-    plan in force trains (nothing is slow in a job that does not); with `stragglers.mitigation: resplit`
-    and nothing else to change, the next generation re-splits the batch around the confirmed stragglers
-    (planner_cy/resplit.py), or back to the profile's split once none is left."""
+    plan in force trains (nothing is slow in a job that does not). With nothing else to change, the next
+    generation works around the confirmed stragglers by `stragglers.mitigation`: `resplit` re-splits the
+    batch (planner_cy/resplit.py); `rebalance` takes the cheaper by the planner's price (copy time +
+    horizon x step time at the measured speeds) of that and moving layers off the slow nodes
+    (planner_cy/rebalance.py, with the job's profile). Once none is slow, the profile's split and the
+    template's layout again.
+
+    Hysteresis, so that a mitigation cannot oscillate: nothing changes until every member has reported
+    `steady_steps` figures in the plan in force (a moved node's figures start afresh after its warm-up);
+    a change for a confirmed straggler (slow for `window` steps) must shorten the step by
+    RESPLIT_MIN_GAIN at the measured speeds; it is undone only once every member's last `steady_steps`
+    figures are all under the threshold. The runtime carries each node's calibration across a stage
+    change (runtime/train/pace.py), so a node moved while slow still reads slow and keeps its mitigation."""
     in_force = decision.plan or (current.plan if current is not None else None)
     if in_force is None or decision.status.get("phase") not in ("Running", "Reconfiguring"):
         return decision
@@ -144,25 +184,38 @@ def with_stragglers(ctx: JobContext, obs: JobObservation, current: CurrentPlan |
     decision = replace(decision, status=status, events=(*decision.events, *events), slowdowns=found.slowdowns)
     if current is None or decision.plan is not None or decision.status.get("phase") != "Running":
         return decision
-    if ctx.spec.stragglers.mitigation != "resplit":
-        return decision
+    mitigation = ctx.spec.stragglers.mitigation
+    if mitigation == "none" or not found.measured >= set(current.plan.nodes):
+        return decision  # nothing to do, or some member not measured long enough in this generation
+    moves = mitigation == "rebalance" and profile is not None
     confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed}
-    if confirmed:
+    tuning = tuning or Tuning()
+    if confirmed and moves:
+        assert profile is not None
+        plan = mitigate(
+            current.plan,
+            profile,
+            confirmed,
+            RESPLIT_MIN_GAIN,
+            bandwidth=tuning.inter_node_bandwidth,
+            horizon=tuning.horizon,
+            gpu_memory_bytes=cluster_shape(ctx.spec, tuning).gpu_memory_bytes,
+        )
+    elif confirmed:
         plan = resplit(current.plan, confirmed, RESPLIT_MIN_GAIN)
-    elif (
-        current.plan.reason.startswith(RESPLIT_REASON)
-        and not found.stragglers
-        and set(found.slowdowns) == set(current.plan.nodes)
-    ):
-        # Every member measured in this generation and none slow: the profile's split again.
-        plan = resplit(current.plan, {})
+    elif found.steady >= set(current.plan.nodes) and current.plan.reason.startswith(REBALANCE_REASON):
+        assert profile is not None, "layers were moved with the job's profile"
+        plan = rebalance(current.plan, profile, {})  # the template's layout, the layers copied back
+    elif found.steady >= set(current.plan.nodes) and current.plan.reason.startswith(RESPLIT_REASON):
+        plan = resplit(current.plan, {})  # the profile's split
     else:
         return decision
     if plan is None:
         return decision
+    reason = LAYERS_REBALANCED if plan.reason.startswith(REBALANCE_REASON) else BATCH_RESPLIT
     return replace(
         decision,
         plan=plan,
         failures_survived=current.failures_survived,
-        events=(*decision.events, Event("Normal", "BatchResplit", plan.reason)),
+        events=(*decision.events, Event("Normal", reason, plan.reason)),
     )

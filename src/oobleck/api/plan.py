@@ -98,7 +98,11 @@ class Template(_Strict):
 
 
 class Stage(_OmitsDegreeOne):
-    """A stage of a concrete pipeline: layers [start, end) on GPUs of one node, one rank per GPU."""
+    """A stage of a concrete pipeline: layers [start, end) on GPUs of one node, one rank per GPU.
+
+    `forward_ms`/`backward_ms` are set only on a stage whose bounds are not its template stage's (layers
+    moved off a slow node, oobleck.planner.rebalance): the runtime's pace needs every stage's profiled cost,
+    and a template names only its own stages'. Left out of the JSON when unset."""
 
     start: int = Field(ge=0)
     end: int = Field(ge=1)
@@ -117,10 +121,26 @@ class Stage(_OmitsDegreeOne):
         description="t: consecutive runs of t ranks split each layer (Megatron-style) and share one 1/(len/t) of "
         "every microbatch. A power of two dividing len(gpus); the runtime runs t = 1 only (so far)",
     )
+    forward_ms: float | None = Field(
+        default=None, ge=0, description="profiled, per microbatch, divided by the GPUs (None: the template stage's)"
+    )
+    backward_ms: float | None = Field(
+        default=None, ge=0, description="profiled, per microbatch, divided by the GPUs (None: the template stage's)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = _OmitsDegreeOne._omit_degree_one(self, handler)
+        for name in ("forward_ms", "backward_ms"):
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
 
     @model_validator(mode="after")
     def _tp_divides_gpus(self) -> Stage:
         _check_tensor_parallel(self.tensor_parallel, len(self.gpus))
+        if (self.forward_ms is None) != (self.backward_ms is None):
+            raise ValueError("forward_ms, backward_ms: set both or neither")
         return self
 
 
