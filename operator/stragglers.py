@@ -144,6 +144,24 @@ def assess(
     return Assessment(slowdowns, stragglers, events, steady, measured)
 
 
+REPLAN_FACTOR = 2.0
+"""A mitigated straggler's figure must move by this factor from the one its plan was made for before the plan
+is made again: measured under a CPU quota on a loaded host, one node's figure wobbled between 5.9 and 10.8
+window by window, and each figure alone called for another split."""
+
+
+def _replan(planned: Mapping[str, float], confirmed: Mapping[str, float], steady: frozenset[str]) -> bool:
+    """Whether the plan in force, made around `planned` slowdowns, is to be made again for the `confirmed`
+    stragglers: one is new, or its figure moved by REPLAN_FACTOR from its planned one, or a planned node is
+    confirmed no more and `steady` (at pace for long enough: its layers come back)."""
+    if any(node not in confirmed and node not in steady for node in planned):
+        return False  # a planned node between slow and steady: wait for it
+    for node, figure in confirmed.items():
+        if node not in planned or not 1 / REPLAN_FACTOR <= figure / planned[node] <= REPLAN_FACTOR:
+            return True
+    return set(planned) != set(confirmed)
+
+
 RESPLIT_MIN_GAIN = 0.1
 """A re-split or a move of layers must shorten the step at the measured speeds by a tenth: a wobbling
 measurement makes no new generation per wobble (each costs a redone step)."""
@@ -171,8 +189,11 @@ def with_stragglers(
     Hysteresis, so that a mitigation cannot oscillate: nothing changes until every member has reported
     `steady_steps` figures in the plan in force (a moved node's figures start afresh after its warm-up);
     a change for a confirmed straggler (slow for `window` steps) must shorten the step by
-    RESPLIT_MIN_GAIN at the measured speeds; it is undone only once every member's last `steady_steps`
-    figures are all under the threshold. The runtime carries each node's calibration across a stage
+    RESPLIT_MIN_GAIN at the measured speeds; with `rebalance`, a plan made around a straggler's figure
+    (Plan.slowdowns) is made again only once that figure moved by REPLAN_FACTOR, another node is
+    confirmed, or a planned node is steady at pace again (`_replan`), so a wobbling figure cannot flip the
+    plan; the mitigation is undone only once every member's last `steady_steps` figures are all under the
+    threshold. The runtime carries each node's calibration across a stage
     change (runtime/train/pace.py), so a node moved while slow still reads slow and keeps its mitigation."""
     in_force = decision.plan or (current.plan if current is not None else None)
     if in_force is None or decision.status.get("phase") not in ("Running", "Reconfiguring"):
@@ -192,6 +213,8 @@ def with_stragglers(
     tuning = tuning or Tuning()
     if confirmed and moves:
         assert profile is not None
+        if not _replan(current.plan.slowdowns, confirmed, found.steady):
+            return decision
         plan = mitigate(
             current.plan,
             profile,

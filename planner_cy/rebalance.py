@@ -189,10 +189,11 @@ def rebalance(
             costs,
             counts,
             f"{RESPLIT_REASON} by measured speed {slow or '(all at pace)'}: {counts} microbatches",
+            slowdowns,
         )
     layout = [[(s.start, s.end) for s in p.stages] for p in pipelines]
     reason = f"{REBALANCE_REASON} by measured speed {slow or '(all at pace)'}: stages {layout}, {counts} microbatches"
-    draft = with_pipelines(plan, pipelines, costs, counts, reason)
+    draft = with_pipelines(plan, pipelines, costs, counts, reason, slowdowns)
     holdings = {(a.node, a.gpu): range(a.start, a.end) for a in plan.ranks}
     return draft.model_copy(update={"copies": layout_copies(draft, holdings, state_bytes)})
 
@@ -229,7 +230,6 @@ def mitigate(
     reconfigure.py's); a tie goes to (a), which moves nothing. None when neither shortens the step in
     force by `min_gain` (both judged by the same model, `step_ms`: resplit's own treats a pipeline whose
     layers were moved as its template)."""
-    now = step_ms(plan, profile, slowdowns)
     priced = []
     for candidate in (
         resplit(plan, slowdowns, engine=engine),
@@ -238,6 +238,6 @@ def mitigate(
         if candidate is None:
             continue
         step = step_ms(candidate, profile, slowdowns)
-        if step <= now * (1 - min_gain):
+        if step <= step_ms(plan, profile, slowdowns) * (1 - min_gain):
             priced.append((copy_ms(candidate, bandwidth) + horizon * step, len(priced), candidate))
     return min(priced, key=lambda p: p[:2])[2] if priced else None

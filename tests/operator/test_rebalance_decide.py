@@ -115,3 +115,20 @@ def test_the_resplit_mitigation_never_moves_layers(h):
     split = world.current.plan
     assert split.generation == first.generation + 1 and split.reason.startswith("batch re-split"), split.reason
     assert not split.copies and all(s.forward_ms is None for p in split.pipelines for s in p.stages)
+
+
+def test_a_speed_that_wobbles_widely_makes_one_move_not_one_per_wobble(h):
+    """As measured on a loaded host (a CPU quota of 0.1 CPU): 6.3x, then 9.6x, 5.9x, 7.4x, 10.8x a window each.
+    Each figure alone would call for another split; the plan must win at both ends of the wobble."""
+    world = World(h, _spec(h), n_nodes=4)
+    world.settle()
+    first = world.current.plan
+    slow = next(p for p in first.pipelines if len(p.stages) > 1).stages[0].node
+    reports = Reports(world)
+    reports.run(2 * WINDOW + 1, {slow: 6.3})
+    moved = world.current.plan
+    assert moved.generation == first.generation + 1, moved.reason
+    for _ in range(3):
+        for pace in (9.6, 5.9, 7.4, 10.8):
+            reports.run(WINDOW, {slow: pace})
+    assert world.current.plan.generation == moved.generation, world.current.plan.reason

@@ -213,7 +213,11 @@ class Plan(_Strict):
         ge=0,
         description="set on a rollback: every rank resets to this step (every layer from `copies`) and replays from it",
     )
-
+    slowdowns: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="the measured slowdowns of the nodes this generation was planned around (a straggler "
+        "mitigation, oobleck.operator.stragglers); empty: the profile's speeds",
+    )
     # -- derived (cached in __dict__ beside the fields: equality, dumps and copies see only fields) --
 
     def _index(self) -> dict[tuple[str, int], int]:
