@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from oobleck.api.job import Straggler, StragglerPolicy
 from oobleck.api.profile import ModelProfile
@@ -47,6 +47,9 @@ class Assessment:
     long enough to undo a mitigation"""
     measured: frozenset[str] = frozenset()
     """the members with at least `steady_steps(policy)` figures: measured for long enough to act on"""
+    typical: dict[str, float] = field(default_factory=dict)
+    """each straggler's median figure over its last `steady_steps(policy)` steps since it has been slow: what a
+    mitigation plans around (one figure of a node under a CPU quota on a loaded host swung 3.4 to 18)"""
 
 
 STEADY_STEPS_MAX = 20
@@ -102,6 +105,7 @@ def assess(
     slowdowns = {node: series[-1][1] for node, series in relative.items()}
     before = {s.node: s for s in previous}
     stragglers, events = [], []
+    typical: dict[str, float] = {}
     for node in sorted(relative):
         series = relative[node]
         slowdown, step = series[-1][1], series[-1][0]
@@ -118,6 +122,8 @@ def assess(
             since = known.since_step
         confirmed = step - since >= policy.window
         stragglers.append(Straggler(node=node, slowdown=round(slowdown, 3), since_step=since, confirmed=confirmed))
+        recent = [figure for at, figure in series[-steady_steps(policy) :] if at >= since]
+        typical[node] = round(statistics.median(recent), 3)
         if confirmed and not (known is not None and known.confirmed):
             events.append(
                 (
@@ -141,7 +147,7 @@ def assess(
     k = steady_steps(policy)
     measured = frozenset(node for node, series in relative.items() if len(series) >= k)
     steady = frozenset(node for node in measured if all(f < policy.threshold for _, f in relative[node][-k:]))
-    return Assessment(slowdowns, stragglers, events, steady, measured)
+    return Assessment(slowdowns, stragglers, events, steady, measured, typical)
 
 
 REPLAN_FACTOR = 2.0
@@ -189,8 +195,8 @@ def with_stragglers(
     Hysteresis, so that a mitigation cannot oscillate: nothing changes until every member has reported
     `steady_steps` figures in the plan in force (a moved node's figures start afresh after its warm-up);
     a change for a confirmed straggler (slow for `window` steps) must shorten the step by
-    RESPLIT_MIN_GAIN at the measured speeds; with `rebalance`, a plan made around a straggler's figure
-    (Plan.slowdowns) is made again only once that figure moved by REPLAN_FACTOR, another node is
+    RESPLIT_MIN_GAIN at the measured speeds; with `rebalance`, a straggler's figure is its median over
+    those steps (`Assessment.typical`), a plan made around it (Plan.slowdowns) is made again only once that figure moved by REPLAN_FACTOR, another node is
     confirmed, or a planned node is steady at pace again (`_replan`), so a wobbling figure cannot flip the
     plan; the mitigation is undone only once every member's last `steady_steps` figures are all under the
     threshold. The runtime carries each node's calibration across a stage
@@ -213,6 +219,7 @@ def with_stragglers(
     tuning = tuning or Tuning()
     if confirmed and moves:
         assert profile is not None
+        confirmed = {node: found.typical.get(node, figure) for node, figure in confirmed.items()}
         if not _replan(current.plan.slowdowns, confirmed, found.steady):
             return decision
         plan = mitigate(

@@ -32,9 +32,9 @@ CARRIED_SLOW = 1.2
 loaded host the figures of a balanced node wobble around 1.5-2)."""
 HELD_S = 20
 """Seconds the moved layout must hold while the node stays slow (several operator reads, many steps)."""
-MAX_GENERATIONS = 4
-"""Generation 0, the move (perhaps a re-split before it, if the price chose one first), the way back: more
-would be a mitigation undone and redone."""
+MAX_GENERATIONS = 5
+"""Generation 0, the move (perhaps a re-split before it, if the price chose one first, and one more for a
+neighbour the loaded host slowed too), the way back: more would be a mitigation undone and redone."""
 
 
 def bounds(plan) -> list[list[tuple[str, int, int]]]:
@@ -63,9 +63,12 @@ def test_a_straggler_s_layers_move_to_its_pipeline_peer_and_back_with_exact_loss
     run.wait_for(lambda: paced_steps(run, pods) >= 20, "every node's pace")
     assert run.plan().generation == first.generation, f"a generation with nothing slow: {run.plan().reason}"
 
-    pipeline = first.pipelines[1]
-    slow = pipeline.stages[0].node
-    held = pipeline.stages[0].end - pipeline.stages[0].start
+    # The stage with the most layers (the measured profile, and so the template, varies from run to run):
+    # the one with layers to spare.
+    pipeline, heaviest = max(
+        ((p, s) for p in first.pipelines for s in p.stages), key=lambda ps: (ps[1].end - ps[1].start, ps[0].index)
+    )
+    slow, held = heaviest.node, heaviest.end - heaviest.start
     before, began = run.agent.pod_cpu_seconds(run.ns, slow), time.monotonic()
     time.sleep(3)
     rate = (run.agent.pod_cpu_seconds(run.ns, slow) - before) / (time.monotonic() - began)
@@ -95,7 +98,11 @@ def test_a_straggler_s_layers_move_to_its_pipeline_peer_and_back_with_exact_loss
     assert sorted(figure for _, figure in pace)[len(pace) // 2] >= CARRIED_SLOW, pace
     assert slow in [s["node"] for s in stragglers(run)], stragglers(run)
     time.sleep(HELD_S)
-    assert run.plan().generation == moved.generation, f"the move was not kept: {run.plan().reason}"
+    # Kept: the layers stay off the node (its figure on the smaller stage may differ enough, REPLAN_FACTOR,
+    # for one more plan around it; measured: 3.4x before the move, 6.9x after).
+    still = run.plan()
+    kept = next(s for p in still.pipelines for s in p.stages if s.node == slow)
+    assert still.generation <= moved.generation + 1 and kept.end - kept.start < held, (still.reason, bounds(still))
 
     run.agent.throttle_cpu(run.ns, slow, None)
     back = run.wait_for(

@@ -72,6 +72,7 @@ def test_layers_move_off_a_slow_node_stay_through_its_wobbles_and_come_back_once
     decisions = reports.run(2 * WINDOW + 1, {slow: 2.0})
     moved = world.current.plan
     assert moved.generation == first.generation + 1 and moved.reason.startswith("layers moved"), moved.reason
+    assert moved.slowdowns == {slow: 2.0}  # what it was planned around: the straggler's median figure
     stages = next(p for p in moved.pipelines if p.nodes == pipeline.nodes).stages
     assert stages[0].node == slow and stages[0].end - stages[0].start < held
     assert all(s.forward_ms is not None for s in stages)  # a moved stage carries its profiled cost
@@ -132,3 +133,7 @@ def test_a_speed_that_wobbles_widely_makes_one_move_not_one_per_wobble(h):
         for pace in (9.6, 5.9, 7.4, 10.8):
             reports.run(WINDOW, {slow: pace})
     assert world.current.plan.generation == moved.generation, world.current.plan.reason
+    # Slower by more than REPLAN_FACTOR than the figure the plan was made for: made again for the new one.
+    reports.run(2 * WINDOW, {slow: 20.0})
+    again = world.current.plan
+    assert again.generation == moved.generation + 1 and again.slowdowns[slow] > 2 * 6.3, again.reason
