@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from oobleck.api.job import Straggler, StragglerPolicy
+from oobleck.api.plan import Plan
 from oobleck.api.profile import ModelProfile
 from oobleck.api.reports import ProgressReport
 from oobleck.operator.decision import CurrentPlan, Decision, Event, JobContext
@@ -156,6 +157,13 @@ is made again: measured under a CPU quota on a loaded host, one node's figure wo
 window by window, and each figure alone called for another split."""
 
 
+def dwell_until(plan: Plan, policy: StragglerPolicy) -> int:
+    """The step before which the straggler plan in force stays, whatever the figures say: `window` steps after
+    it was made, twice that after a second plan in a row, and so on (exponential back-off: in S steps at most
+    about log2(S / window) + 1 plans in a row, however the figures wobble)."""
+    return (plan.mitigation_step or 0) + policy.window * 2 ** max(plan.mitigations - 1, 0)
+
+
 def _replan(planned: Mapping[str, float], confirmed: Mapping[str, float], steady: frozenset[str]) -> bool:
     """Whether the plan in force, made around `planned` slowdowns, is to be made again for the `confirmed`
     stragglers: one is new, or its figure moved by REPLAN_FACTOR from its planned one, or a planned node is
@@ -199,7 +207,9 @@ def with_stragglers(
     those steps (`Assessment.typical`), a plan made around it (Plan.slowdowns) is made again only once that figure moved by REPLAN_FACTOR, another node is
     confirmed, or a planned node is steady at pace again (`_replan`), so a wobbling figure cannot flip the
     plan; the mitigation is undone only once every member's last `steady_steps` figures are all under the
-    threshold. The runtime carries each node's calibration across a stage
+    threshold. And a straggler plan in force stays for `dwell_until` (an exponential back-off over the
+    straggler plans in a row, Plan.mitigations): a host whose load slows one node, then its peer, then the
+    first again (measured on 2 shared cores) gets fewer and fewer generations, not one per window. The runtime carries each node's calibration across a stage
     change (runtime/train/pace.py), so a node moved while slow still reads slow and keeps its mitigation."""
     in_force = decision.plan or (current.plan if current is not None else None)
     if in_force is None or decision.status.get("phase") not in ("Running", "Reconfiguring"):
@@ -217,6 +227,8 @@ def with_stragglers(
     moves = mitigation == "rebalance" and profile is not None
     confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed}
     tuning = tuning or Tuning()
+    if moves and current.plan.mitigations and obs.step < dwell_until(current.plan, ctx.spec.stragglers):
+        return decision  # a straggler plan in force too briefly to change again
     if confirmed and moves:
         assert profile is not None
         confirmed = {node: found.typical.get(node, figure) for node, figure in confirmed.items()}
@@ -242,6 +254,9 @@ def with_stragglers(
         return decision
     if plan is None:
         return decision
+    if moves:
+        count = current.plan.mitigations + 1 if plan.slowdowns or current.plan.mitigations else 0
+        plan = Plan.model_validate(plan.model_dump() | {"mitigation_step": obs.step, "mitigations": count})
     reason = LAYERS_REBALANCED if plan.reason.startswith(REBALANCE_REASON) else BATCH_RESPLIT
     return replace(
         decision,

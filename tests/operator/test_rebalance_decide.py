@@ -73,6 +73,7 @@ def test_layers_move_off_a_slow_node_stay_through_its_wobbles_and_come_back_once
     moved = world.current.plan
     assert moved.generation == first.generation + 1 and moved.reason.startswith("layers moved"), moved.reason
     assert moved.slowdowns == {slow: 2.0}  # what it was planned around: the straggler's median figure
+    assert moved.mitigations == 1 and moved.mitigation_step is not None
     stages = next(p for p in moved.pipelines if p.nodes == pipeline.nodes).stages
     assert stages[0].node == slow and stages[0].end - stages[0].start < held
     assert all(s.forward_ms is not None for s in stages)  # a moved stage carries its profiled cost
@@ -96,6 +97,7 @@ def test_layers_move_off_a_slow_node_stay_through_its_wobbles_and_come_back_once
     ]
     assert all(s.forward_ms is None for p in back.pipelines for s in p.stages)
     assert {c.dst_node for c in back.copies} == {slow}
+    assert back.mitigations == 2 and not back.slowdowns
     assert [e.reason for d in decisions for e in d.events] == [LAYERS_REBALANCED]
 
     # And it stays there.
@@ -137,3 +139,17 @@ def test_a_speed_that_wobbles_widely_makes_one_move_not_one_per_wobble(h):
     reports.run(2 * WINDOW, {slow: 20.0})
     again = world.current.plan
     assert again.generation == moved.generation + 1 and again.slowdowns[slow] > 2 * 6.3, again.reason
+
+
+def test_each_straggler_plan_stays_twice_as_long_as_the_one_before(h):
+    """The back-off that bounds the generations however the figures wobble: a plan made at step 100 after
+    n straggler plans stays until step 100 + window x 2^(n-1)."""
+    from oobleck.operator.stragglers import dwell_until
+
+    world = World(h, _spec(h), n_nodes=4)
+    world.settle()
+    plan = world.current.plan
+    policy = world.spec.stragglers
+    for count, until in ((1, 100 + WINDOW), (2, 100 + 2 * WINDOW), (3, 100 + 4 * WINDOW), (5, 100 + 16 * WINDOW)):
+        placed = plan.model_copy(update={"mitigation_step": 100, "mitigations": count})
+        assert dwell_until(placed, policy) == until

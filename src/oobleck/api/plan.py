@@ -218,6 +218,15 @@ class Plan(_Strict):
         description="the measured slowdowns of the nodes this generation was planned around (a straggler "
         "mitigation, oobleck.operator.stragglers); empty: the profile's speeds",
     )
+    mitigation_step: int | None = Field(
+        default=None, ge=0, description="the step the members agreed on when this straggler mitigation was planned"
+    )
+    mitigations: int = Field(
+        default=0,
+        ge=0,
+        description="straggler plans (mitigations and their undoing) up to this one since the layout was last "
+        "planned from scratch (0: none): each stays twice as long as the one before",
+    )
     # -- derived (cached in __dict__ beside the fields: equality, dumps and copies see only fields) --
 
     def _index(self) -> dict[tuple[str, int], int]:
