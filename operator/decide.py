@@ -114,7 +114,7 @@ def decide(
             Event("Warning", f.kind, f"{f.message} (worker failure {verdict.worker_failures})") for f in verdict.new
         )
         decision = replace(decision, events=(*counted, *decision.events))
-    return with_stragglers(ctx, obs, current, decision)
+    return with_stragglers(ctx, obs, current, decision, profile, tuning)
 
 
 def _decide(

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from oobleck.api.plan import Plan
+from oobleck.api.profile import ModelProfile
 from oobleck.api.reports import ProgressReport
 from oobleck.api.spec import StragglerPolicy
 from oobleck.api.status import Straggler
 from oobleck.operator.decision import CurrentPlan, Decision, Event, JobContext
 from oobleck.operator.observe import JobObservation
+from oobleck.operator.planning import Tuning, cluster_shape
+from oobleck.planner.rebalance import REBALANCE_REASON, mitigate, rebalance
 from oobleck.planner.resplit import RESPLIT_REASON, resplit
 
 STRAGGLER = "Straggler"
@@ -40,6 +44,23 @@ class Assessment:
     """the nodes at or over the threshold, for status.stragglers"""
     events: list[tuple[str, str, str]]
     """(type, reason, message) to post on the job"""
+    steady: frozenset[str] = frozenset()
+    """the members with at least `steady_steps(policy)` figures, all of them under the threshold: at pace for
+    long enough to undo a mitigation"""
+    measured: frozenset[str] = frozenset()
+    """the members with at least `steady_steps(policy)` figures: measured for long enough to act on"""
+    typical: dict[str, float] = field(default_factory=dict)
+    """each straggler's median figure over its last `steady_steps(policy)` steps since it has been slow: what a
+    mitigation plans around (one figure of a node under a CPU quota on a loaded host swung 3.4 to 18)"""
+
+
+STEADY_STEPS_MAX = 20
+"""A report carries the last 24 steps' figures (runtime/train/pace.py): the most steps one read can show."""
+
+
+def steady_steps(policy: StragglerPolicy) -> int:
+    """Steps a node's figures must cover before a mitigation is changed for it: `window`, as for confirming."""
+    return min(policy.window, STEADY_STEPS_MAX)
 
 
 def _at(series: Sequence[tuple[int, float]], step: int) -> float:
@@ -86,6 +107,7 @@ def assess(
     slowdowns = {node: series[-1][1] for node, series in relative.items()}
     before = {s.node: s for s in previous}
     stragglers, events = [], []
+    typical: dict[str, float] = {}
     for node in sorted(relative):
         series = relative[node]
         slowdown, step = series[-1][1], series[-1][0]
@@ -102,6 +124,8 @@ def assess(
             since = known.since_step
         confirmed = step - since >= policy.window
         stragglers.append(Straggler(node=node, slowdown=round(slowdown, 3), since_step=since, confirmed=confirmed))
+        recent = [figure for at, figure in series[-steady_steps(policy) :] if at >= since]
+        typical[node] = round(statistics.median(recent), 3)
         if confirmed and not (known is not None and known.confirmed):
             events.append(
                 (
@@ -122,19 +146,72 @@ def assess(
         # A node that stopped reporting (lost, replaced) is the failure path's business, not a recovery.
         if known.confirmed and node not in listed and node in slowdowns:
             events.append(("Normal", RECOVERED, f"{node} is back under {policy.threshold}x the other nodes' median"))
-    return Assessment(slowdowns, stragglers, events)
+    k = steady_steps(policy)
+    measured = frozenset(node for node, series in relative.items() if len(series) >= k)
+    steady = frozenset(node for node in measured if all(f < policy.threshold for _, f in relative[node][-k:]))
+    return Assessment(slowdowns, stragglers, events, steady, measured, typical)
+
+
+REPLAN_FACTOR = 2.0
+"""A mitigated straggler's figure must move by this factor from the one its plan was made for before the plan
+is made again: measured under a CPU quota on a loaded host, one node's figure wobbled between 5.9 and 10.8
+window by window, and each figure alone called for another split."""
+
+
+def dwell_until(plan: Plan, policy: StragglerPolicy) -> int:
+    """The step before which the straggler plan in force stays, whatever the figures say: `window` steps after
+    it was made, twice that after a second plan in a row, and so on (exponential back-off: in S steps at most
+    about log2(S / window) + 1 plans in a row, however the figures wobble)."""
+    return (plan.mitigation_step or 0) + policy.window * 2 ** max(plan.mitigations - 1, 0)
+
+
+def _replan(planned: Mapping[str, float], confirmed: Mapping[str, float], steady: frozenset[str]) -> bool:
+    """Whether the plan in force, made around `planned` slowdowns, is to be made again for the `confirmed`
+    stragglers: one is new, or its figure moved by REPLAN_FACTOR from its planned one, or a planned node is
+    confirmed no more and `steady` (at pace for long enough: its layers come back)."""
+    if any(node not in confirmed and node not in steady for node in planned):
+        return False  # a planned node between slow and steady: wait for it
+    for node, figure in confirmed.items():
+        if node not in planned or not 1 / REPLAN_FACTOR <= figure / planned[node] <= REPLAN_FACTOR:
+            return True
+    return set(planned) != set(confirmed)
 
 
 RESPLIT_MIN_GAIN = 0.1
-"""A re-split must shorten the step at the measured speeds by a tenth: a wobbling measurement makes no new
-generation per wobble (each costs a redone step)."""
+"""A re-split or a move of layers must shorten the step at the measured speeds by a tenth: a wobbling
+measurement makes no new generation per wobble (each costs a redone step)."""
+
+LAYERS_REBALANCED = "LayersRebalanced"
+BATCH_RESPLIT = "BatchResplit"
 
 
-def with_stragglers(ctx: JobContext, obs: JobObservation, current: CurrentPlan | None, decision: Decision) -> Decision:
+def with_stragglers(
+    ctx: JobContext,
+    obs: JobObservation,
+    current: CurrentPlan | None,
+    decision: Decision,
+    profile: ModelProfile | None = None,
+    tuning: Tuning | None = None,
+) -> Decision:
     """The decision with status.stragglers and the Straggler events (operator/stragglers.py) while the
-    plan in force trains (nothing is slow in a job that does not); with `stragglers.mitigation: resplit`
-    and nothing else to change, the next generation re-splits the batch around the confirmed stragglers
-    (planner_cy/resplit.py), or back to the profile's split once none is left."""
+    plan in force trains (nothing is slow in a job that does not). With nothing else to change, the next
+    generation works around the confirmed stragglers by `stragglers.mitigation`: `resplit` re-splits the
+    batch (planner_cy/resplit.py); `rebalance` takes the cheaper by the planner's price (copy time +
+    horizon x step time at the measured speeds) of that and moving layers off the slow nodes
+    (planner_cy/rebalance.py, with the job's profile). Once none is slow, the profile's split and the
+    template's layout again.
+
+    Hysteresis, so that a mitigation cannot oscillate: nothing changes until every member has reported
+    `steady_steps` figures in the plan in force (a moved node's figures start afresh after its warm-up);
+    a change for a confirmed straggler (slow for `window` steps) must shorten the step by
+    RESPLIT_MIN_GAIN at the measured speeds; with `rebalance`, a straggler's figure is its median over
+    those steps (`Assessment.typical`), a plan made around it (Plan.slowdowns) is made again only once that figure moved by REPLAN_FACTOR, another node is
+    confirmed, or a planned node is steady at pace again (`_replan`), so a wobbling figure cannot flip the
+    plan; the mitigation is undone only once every member's last `steady_steps` figures are all under the
+    threshold. And a straggler plan in force stays for `dwell_until` (an exponential back-off over the
+    straggler plans in a row, Plan.mitigations): a host whose load slows one node, then its peer, then the
+    first again (measured on 2 shared cores) gets fewer and fewer generations, not one per window. The runtime carries each node's calibration across a stage
+    change (runtime/train/pace.py), so a node moved while slow still reads slow and keeps its mitigation."""
     in_force = decision.plan or (current.plan if current is not None else None)
     if in_force is None or decision.status.get("phase") not in ("Running", "Reconfiguring"):
         return decision
@@ -145,25 +222,46 @@ def with_stragglers(ctx: JobContext, obs: JobObservation, current: CurrentPlan |
     decision = replace(decision, status=status, events=(*decision.events, *events), slowdowns=found.slowdowns)
     if current is None or decision.plan is not None or decision.status.get("phase") != "Running":
         return decision
-    if ctx.spec.stragglers.mitigation != "resplit":
-        return decision
+    mitigation = ctx.spec.stragglers.mitigation
+    if mitigation == "none" or not found.measured >= set(current.plan.nodes):
+        return decision  # nothing to do, or some member not measured long enough in this generation
+    moves = mitigation == "rebalance" and profile is not None
     confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed}
-    if confirmed:
+    tuning = tuning or Tuning()
+    if moves and current.plan.mitigations and obs.step < dwell_until(current.plan, ctx.spec.stragglers):
+        return decision  # a straggler plan in force too briefly to change again
+    if confirmed and moves:
+        assert profile is not None
+        confirmed = {node: found.typical.get(node, figure) for node, figure in confirmed.items()}
+        if not _replan(current.plan.slowdowns, confirmed, found.steady):
+            return decision
+        plan = mitigate(
+            current.plan,
+            profile,
+            confirmed,
+            RESPLIT_MIN_GAIN,
+            bandwidth=tuning.inter_node_bandwidth,
+            horizon=tuning.horizon,
+            gpu_memory_bytes=cluster_shape(ctx.spec, tuning).gpu_memory_bytes,
+        )
+    elif confirmed:
         plan = resplit(current.plan, confirmed, RESPLIT_MIN_GAIN)
-    elif (
-        current.plan.reason.startswith(RESPLIT_REASON)
-        and not found.stragglers
-        and set(found.slowdowns) == set(current.plan.nodes)
-    ):
-        # Every member measured in this generation and none slow: the profile's split again.
-        plan = resplit(current.plan, {})
+    elif found.steady >= set(current.plan.nodes) and current.plan.reason.startswith(REBALANCE_REASON):
+        assert profile is not None, "layers were moved with the job's profile"
+        plan = rebalance(current.plan, profile, {})  # the template's layout, the layers copied back
+    elif found.steady >= set(current.plan.nodes) and current.plan.reason.startswith(RESPLIT_REASON):
+        plan = resplit(current.plan, {})  # the profile's split
     else:
         return decision
     if plan is None:
         return decision
+    if moves:
+        count = current.plan.mitigations + 1 if plan.slowdowns or current.plan.mitigations else 0
+        plan = Plan.model_validate(plan.model_dump() | {"mitigation_step": obs.step, "mitigations": count})
+    reason = LAYERS_REBALANCED if plan.reason.startswith(REBALANCE_REASON) else BATCH_RESPLIT
     return replace(
         decision,
         plan=plan,
         failures_survived=current.failures_survived,
-        events=(*decision.events, Event("Normal", "BatchResplit", plan.reason)),
+        events=(*decision.events, Event("Normal", reason, plan.reason)),
     )

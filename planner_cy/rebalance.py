@@ -25,12 +25,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
 
-from oobleck.api.plan import Pipeline, Plan
+from oobleck.api.plan import Pipeline, Plan, Stage
 from oobleck.api.profile import ModelProfile
 
 from .instantiate import Engine, TemplateCost, split_batch, template_cost
 from .reconfigure import layout_copies
-from .resplit import RESPLIT_REASON, pipeline_slowdowns, with_pipelines
+from .resplit import RESPLIT_REASON, pipeline_slowdowns, resplit, with_pipelines
 
 REBALANCE_REASON = "layers moved off slow nodes"
 
@@ -103,6 +103,19 @@ def stage_bounds(
     return bounds[::-1]
 
 
+def _with_bounds(stage: Stage, start: int, end: int, template: tuple[int, int], profile: ModelProfile) -> Stage:
+    """`stage` on layers [start, end), with its profiled cost when that is not its template stage's
+    (the runtime's pace needs every stage's: runtime/train/pace.py)."""
+    if (start, end) == template:
+        return stage.model_copy(update={"start": start, "end": end, "forward_ms": None, "backward_ms": None})
+    gpus, layers = len(stage.gpus), profile.layers[start:end]
+    forward = sum(layer.forward_ms for layer in layers) / gpus
+    backward = sum(layer.backward_ms for layer in layers) / gpus
+    return Stage.model_validate(
+        stage.model_dump() | {"start": start, "end": end, "forward_ms": forward, "backward_ms": backward}
+    )
+
+
 def _stage_factors(pipeline: Pipeline, slowdowns: Mapping[str, float]) -> list[float]:
     return [max(1.0, slowdowns.get(stage.node, 1.0)) / len(stage.gpus) for stage in pipeline.stages]
 
@@ -150,7 +163,10 @@ def rebalance(
             bounds = [(s.start, s.end) for s in template.stages]
         if bounds is None or len(bounds) != len(pipeline.stages):
             bounds = [(s.start, s.end) for s in pipeline.stages]
-        stages = [s.model_copy(update={"start": a, "end": b}) for s, (a, b) in zip(pipeline.stages, bounds)]
+        stages = [
+            _with_bounds(s, a, b, (t.start, t.end), profile)
+            for s, (a, b), t in zip(pipeline.stages, bounds, template.stages, strict=True)
+        ]
         moved = pipeline.model_copy(update={"stages": stages})
         pipelines.append(moved)
         costs.append(_cost(moved, layer_ms, factors, limit))
@@ -173,9 +189,55 @@ def rebalance(
             costs,
             counts,
             f"{RESPLIT_REASON} by measured speed {slow or '(all at pace)'}: {counts} microbatches",
+            slowdowns,
         )
     layout = [[(s.start, s.end) for s in p.stages] for p in pipelines]
     reason = f"{REBALANCE_REASON} by measured speed {slow or '(all at pace)'}: stages {layout}, {counts} microbatches"
-    draft = with_pipelines(plan, pipelines, costs, counts, reason)
+    draft = with_pipelines(plan, pipelines, costs, counts, reason, slowdowns)
     holdings = {(a.node, a.gpu): range(a.start, a.end) for a in plan.ranks}
     return draft.model_copy(update={"copies": layout_copies(draft, holdings, state_bytes)})
+
+
+def step_ms(plan: Plan, profile: ModelProfile, slowdowns: Mapping[str, float]) -> float:
+    """`plan`'s step time at the measured speeds: its slowest pipeline, each stage costing its node's
+    slowdown (at least 1) x its layers' profiled ms over its GPUs."""
+    layer_ms = [layer.forward_ms + layer.backward_ms for layer in profile.layers]
+    return max(_cost(p, layer_ms, _stage_factors(p, slowdowns), None).at(p.microbatches) for p in plan.pipelines)
+
+
+def copy_ms(plan: Plan, bandwidth: float) -> float:
+    """The time `plan`'s copies take: the bytes of the node receiving the most over its link (as reconfigure.py)."""
+    received: dict[str, int] = {}
+    for copy in plan.copies:
+        received[copy.dst_node] = received.get(copy.dst_node, 0) + copy.bytes
+    return max(received.values(), default=0) / bandwidth * 1e3
+
+
+def mitigate(
+    plan: Plan,
+    profile: ModelProfile,
+    slowdowns: Mapping[str, float],
+    min_gain: float,
+    *,
+    bandwidth: float,
+    horizon: int,
+    gpu_memory_bytes: int | None = None,
+    engine: Engine = "compiled",
+) -> Plan | None:
+    """Around the nodes slowed by `slowdowns` (issue 22, mitigations a and b priced): the cheaper of
+    (a) re-splitting the batch (resplit.py) and (b) moving layers with the batch re-split (`rebalance`),
+    each priced as copy time + `horizon` x its step time at the measured speeds (ms, the same price as
+    reconfigure.py's); a tie goes to (a), which moves nothing. None when neither shortens the step in
+    force by `min_gain` (both judged by the same model, `step_ms`: resplit's own treats a pipeline whose
+    layers were moved as its template)."""
+    priced = []
+    for candidate in (
+        resplit(plan, slowdowns, engine=engine),
+        rebalance(plan, profile, slowdowns, gpu_memory_bytes=gpu_memory_bytes, engine=engine),
+    ):
+        if candidate is None:
+            continue
+        step = step_ms(candidate, profile, slowdowns)
+        if step <= step_ms(plan, profile, slowdowns) * (1 - min_gain):
+            priced.append((copy_ms(candidate, bandwidth) + horizon * step, len(priced), candidate))
+    return min(priced, key=lambda p: p[:2])[2] if priced else None

@@ -49,14 +49,20 @@ def resplit(
         return None
     slow = {node: round(s, 2) for node, s in slowdowns.items() if s > 1.0}
     reason = f"{RESPLIT_REASON} by measured speed {slow or '(all at pace)'}: {counts} microbatches"
-    return with_pipelines(plan, plan.pipelines, costs, counts, reason)
+    return with_pipelines(plan, plan.pipelines, costs, counts, reason, slowdowns)
 
 
 def with_pipelines(
-    plan: Plan, pipelines: Sequence[Pipeline], costs: Sequence[TemplateCost], counts: Sequence[int], reason: str
+    plan: Plan,
+    pipelines: Sequence[Pipeline],
+    costs: Sequence[TemplateCost],
+    counts: Sequence[int],
+    reason: str,
+    slowdowns: Mapping[str, float],
 ) -> Plan:
     """Generation + 1 of `plan` with these pipelines running `counts` microbatches (in order, at the costs'
-    iteration times), no node lost or added, no copies (a caller that moves layers adds them)."""
+    iteration times), no node lost or added, no copies (a caller that moves layers adds them), planned
+    around `slowdowns` (those over 1 recorded in the plan)."""
     placed, offset = [], 0
     for pipeline, cost, count in zip(pipelines, costs, counts, strict=True):
         placed.append(
@@ -74,5 +80,6 @@ def with_pipelines(
         "restore_step": None,
         "iteration_ms": max(p.iteration_ms for p in placed),
         "reason": reason,
+        "slowdowns": {node: s for node, s in slowdowns.items() if s > 1.0},
     }
     return Plan.model_validate(body)

@@ -136,7 +136,7 @@ class Worker:
         self.metrics = metrics or WorkerMetrics(config.job, node, gpu)
         self.pace = Pace()
         """this rank's compute against its profile (runtime/train/pace.py); kept across generations: a
-        ratio does not depend on the share of the batch a plan gives the rank"""
+        ratio does not depend on the share of the batch a plan gives the rank, nor on its stage's layers"""
         self._expected_compute: float | None = None
         # Sized now, at start-up, not on the first reconfiguration's critical path (runtime/elastic/sources.py
         # needs them): the first meta-device build takes ~1 s of lazy set-up. Not on a thread: layer
@@ -198,7 +198,10 @@ class Worker:
             self.failed,
         )
         self._expected_compute = expected_compute_seconds(plan, rank)
-        self.pace.on_stage((mine.stage.start, mine.stage.end, len(mine.stage.ranks)))
+        # The calibration carries to another stage with a profiled cost: a node moved while slow still reads slow.
+        self.pace.on_stage(
+            (mine.stage.start, mine.stage.end, len(mine.stage.ranks)), self._expected_compute is not None
+        )
         self.metrics.generation.set(plan.generation)
         self.metrics.pipelines.set(len(plan.pipelines))
         self.metrics.rank.set(rank)

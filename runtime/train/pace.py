@@ -9,9 +9,14 @@ The profile alone is not a trustworthy yardstick: it is taken once, layer by lay
 on a busy host one layer's figure can be off by 2x, so every stage carries its own bias (measured: an
 untouched node 1.5x "slower" than another). So the rank calibrates: the median ratio of its first
 `calibration` steps on a stage (after `warmup` steps) is its baseline, and `slowdown` is the median of
-its last `window` ratios over that baseline. A stage change (other layers) recalibrates; a new batch
-split of the same stage does not, since the ratio is per microbatch. One odd step never moves a
-median. Comparing nodes with each other, so that a host slowing everyone down counts no one, is the
+its last `window` ratios over that baseline. A new batch split of the same stage keeps the baseline,
+since the ratio is per microbatch. So does a stage change (other layers, e.g. moved off a slow node:
+every stage of a plan has a profiled cost, its template's or its own): the baseline is a ratio to the
+profile, so keeping it scales the rank's calibrated seconds by the profiled ratio of new to old stage
+costs. A node moved while slow thus still reads slow, and one that recovers reads at pace (were it to
+recalibrate, it would take its slow pace as normal, and a mitigation would never be undone). Only the
+first calibration, or a stage without a profiled cost, calibrates from scratch. One odd step never
+moves a median. Comparing nodes with each other, so that a host slowing everyone down counts no one, is the
 operator's part: oobleck.operator.stragglers.
 """
 
@@ -28,12 +33,15 @@ HISTORY = 24
 
 
 def expected_compute_seconds(plan: Plan, rank: int) -> float | None:
-    """What `rank`'s forwards and backwards of one step cost by the plan's profile (None: not in the plan,
-    or its stage matches no template stage)."""
+    """What `rank`'s forwards and backwards of one step cost by the plan's profile: its stage's own cost
+    when the plan carries one (layers moved off a slow node), else its template stage's (None: not in the
+    plan, or neither names a cost)."""
     for pipeline in plan.pipelines:
         for stage_index, stage in enumerate(pipeline.stages):
             if rank not in stage.ranks:
                 continue
+            if stage.forward_ms is not None and stage.backward_ms is not None:
+                return pipeline.microbatches * (stage.forward_ms + stage.backward_ms) / 1000.0
             for template in plan.templates:
                 if template.nodes != pipeline.template_nodes or len(template.stages) != len(pipeline.stages):
                     continue
@@ -63,10 +71,14 @@ class Pace:
         self.history: deque[tuple[int, float]] = deque(maxlen=history)
         """(step, slowdown) of the last steps: the operator lines the nodes' up step by step"""
 
-    def on_stage(self, stage: tuple[int, ...]) -> None:
-        """The rank's stage (its layers and GPUs) from now on; another one than before starts a new calibration."""
+    def on_stage(self, stage: tuple[int, ...], carry: bool = True) -> None:
+        """The rank's stage (its layers and GPUs) from now on. Another one than before starts afresh: its
+        figures and history are dropped and its first `warmup` steps left out; the calibrated baseline is
+        carried over (`carry`, when the new stage has a profiled cost) or calibrated anew."""
         if stage != self.stage:
-            self.stage, self.seen, self.baseline = stage, 0, None
+            self.stage, self.seen = stage, 0
+            if not carry:
+                self.baseline = None
             self.history.clear()
             self.calibrating.clear()
             self.ratios.clear()
@@ -77,6 +89,8 @@ class Pace:
             return
         ratio = compute_seconds / expected_seconds
         self.seen += 1
+        if self.seen <= self.warmup and self.baseline is not None:
+            return  # a carried baseline: the new stage's first steps (fresh layers, cold caches) are no figure
         self.ratios.append(ratio)
         if self.baseline is None and self.seen > self.warmup:
             self.calibrating.append(ratio)

@@ -181,6 +181,18 @@ def test_invalid_manifest_is_rejected_naming_the_field(
     assert cluster.kubectl("get", "-n", rejections, "oj", "-o", "name").stdout == ""
 
 
+@pytest.mark.parametrize("mitigation", ["none", "resplit", "rebalance"])
+def test_every_straggler_mitigation_is_accepted_and_stored(
+    cluster: Any, example: dict[str, Any], mitigation: str
+) -> None:
+    namespace = cluster.namespace(f"oj-mitigation-{mitigation}")
+    example["spec"]["stragglers"] = {"mitigation": mitigation}
+    _apply(cluster, namespace, example, check=True)
+    stored = _get(cluster, namespace)["spec"]["stragglers"]
+    assert stored == {"threshold": 1.5, "window": 20, "mitigation": mitigation}
+    assert parse_spec(_get(cluster, namespace)["spec"]).stragglers.mitigation == mitigation
+
+
 @pytest.mark.parametrize(
     ("path", "value", "field"),
     [

@@ -102,3 +102,24 @@ def test_the_cost_model_reaches_the_ideal_at_half_and_quarter_speed_where_the_re
         by_split = plan.global_microbatches / split.iteration_ms / ideal
         by_moving = plan.global_microbatches / moved.iteration_ms / ideal
         assert by_moving >= 0.9 > by_split, (slowdown, by_split, by_moving)
+
+
+def test_the_price_picks_moving_layers_unless_their_copies_cost_more_than_the_horizon_gains():
+    """mitigate: copy time + horizon x step time at the measured speeds, the cheaper of (a) and (b)."""
+    from oobleck.planner.rebalance import copy_ms, mitigate, step_ms
+
+    plan = two_by_two()
+    slow = {"c": 2.0}
+    split, moved = resplit(plan, slow), rebalance(plan, PROFILE, slow)
+    assert split is not None and moved is not None and moved.copies and not split.copies
+    assert step_ms(moved, PROFILE, slow) < step_ms(split, PROFILE, slow) < step_ms(plan, PROFILE, slow)
+    fast = mitigate(plan, PROFILE, slow, 0.1, bandwidth=25e9, horizon=100)
+    assert fast is not None and fast.reason.startswith("layers moved") and fast.copies == moved.copies
+    # Copies over a link so slow that they cost more than 100 steps' gain: the re-split, nothing moved.
+    gain = 100 * (step_ms(split, PROFILE, slow) - step_ms(moved, PROFILE, slow))
+    bandwidth = copy_ms(moved, 1.0) / gain / 2
+    assert copy_ms(moved, bandwidth) == pytest.approx(2 * gain)
+    crawl = mitigate(plan, PROFILE, slow, 0.1, bandwidth=bandwidth, horizon=100)
+    assert crawl is not None and crawl.reason.startswith("batch re-split") and not crawl.copies
+    # Nothing gains a tenth: nothing.
+    assert mitigate(plan, PROFILE, {"c": 1.05}, 0.1, bandwidth=25e9, horizon=100) is None

@@ -64,8 +64,55 @@ def test_the_slowdown_is_against_the_calibrated_start_and_ignores_one_noisy_step
     # A new batch split of the same stage (its per-microbatch cost is the same): the baseline stays.
     pace.on_stage((0, 3, 1))
     assert pace.baseline == pytest.approx(3.0)
-    # Other layers: recalibrate from scratch.
-    pace.on_stage((3, 6, 1))
+    # Other layers without a profiled cost: recalibrate from scratch.
+    pace.on_stage((3, 6, 1), carry=False)
     assert pace.baseline is None and pace.slowdown is None and not pace.history
     with pytest.raises(ValueError, match="window"):
         Pace(window=0)
+
+
+def test_a_stage_change_carries_the_calibration_so_a_node_moved_while_slow_reads_slow_and_recovers() -> None:
+    """The baseline is a ratio to the profile: on a stage with other layers (and another profiled cost) it
+    stands for the old calibrated seconds scaled by the profiled ratio of new to old costs."""
+    pace = Pace(window=3, warmup=2, calibration=3)
+    pace.on_stage((0, 4, 1))
+    for _ in range(5):
+        pace.add(0.3, 0.1)  # at pace: 3x its profile
+    assert pace.baseline == pytest.approx(3.0)
+    for step in range(3):
+        pace.add(0.6, 0.1, step)  # slowed to half speed
+    assert pace.slowdown == pytest.approx(2.0)
+    # Moved while slow to a stage of half the profiled cost: half the seconds, still twice its pace.
+    pace.on_stage((0, 2, 1))
+    assert pace.baseline == pytest.approx(3.0) and pace.slowdown is None and not pace.history
+    pace.add(5.0, 0.05, 10)  # the warm-up steps on the new stage are no figure
+    pace.add(5.0, 0.05, 11)
+    assert pace.slowdown is None
+    for step in (12, 13, 14):
+        pace.add(0.3, 0.05, step)
+    assert pace.slowdown == pytest.approx(2.0) and list(pace.history)[-1] == (14, 2.0)
+    # Recovered on the moved stage: at pace, so the operator can give it its layers back.
+    for step in (15, 16, 17):
+        pace.add(0.15, 0.05, step)
+    assert pace.slowdown == pytest.approx(1.0)
+
+
+def test_a_moved_stage_reports_its_own_profiled_cost() -> None:
+    """A stage whose bounds are not its template's (layers moved off a slow node) carries its profiled cost."""
+    from oobleck.planner.rebalance import rebalance
+
+    templates = generate_templates(PROFILE, CLUSTER, f=1, global_microbatches=12)
+    plan = instantiate([t for t in templates if t.nodes == 2], [f"n{i}" for i in range(4)], 1, 12, "job")
+    slow = plan.pipelines[1].stages[0].node
+    moved = rebalance(plan, PROFILE, {slow: 3.0})
+    assert moved is not None
+    changed = 0
+    for pipeline in moved.pipelines:
+        for stage in pipeline.stages:
+            layers = PROFILE.layers[stage.start : stage.end]
+            per_microbatch = sum(layer.forward_ms + layer.backward_ms for layer in layers) / len(stage.ranks)
+            for rank in stage.ranks:
+                expected = expected_compute_seconds(moved, rank)
+                assert expected == pytest.approx(pipeline.microbatches * per_microbatch / 1000, rel=1e-6)
+            changed += stage.forward_ms is not None
+    assert changed == 2  # the slow pipeline's two stages; the other pipeline keeps its template's bounds

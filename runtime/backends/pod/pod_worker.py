@@ -49,7 +49,8 @@ class PodWorker(Worker):
             self.siblings.publish(self.checkpoint_error)
         if self.progress is not None and self.plan is not None:
             rate = outcome.samples / outcome.seconds if outcome.seconds > 0 else None
-            pace = tuple(self.pace.history) or None
+            # Empty after a stage change (its warm-up): no figure yet, never the old stage's under the new generation.
+            pace = tuple(self.pace.history)
             self.progress.update(
                 self.plan.generation,
                 self.step,

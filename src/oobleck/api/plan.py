@@ -98,7 +98,11 @@ class Template(_Strict):
 
 
 class Stage(_OmitsDegreeOne):
-    """A stage of a concrete pipeline: layers [start, end) on GPUs of one node, one rank per GPU."""
+    """A stage of a concrete pipeline: layers [start, end) on GPUs of one node, one rank per GPU.
+
+    `forward_ms`/`backward_ms` are set only on a stage whose bounds are not its template stage's (layers
+    moved off a slow node, oobleck.planner.rebalance): the runtime's pace needs every stage's profiled cost,
+    and a template names only its own stages'. Left out of the JSON when unset."""
 
     start: int = Field(ge=0)
     end: int = Field(ge=1)
@@ -117,10 +121,26 @@ class Stage(_OmitsDegreeOne):
         description="t: consecutive runs of t ranks split each layer (Megatron-style) and share one 1/(len/t) of "
         "every microbatch. A power of two dividing len(gpus); the runtime runs t = 1 only (so far)",
     )
+    forward_ms: float | None = Field(
+        default=None, ge=0, description="profiled, per microbatch, divided by the GPUs (None: the template stage's)"
+    )
+    backward_ms: float | None = Field(
+        default=None, ge=0, description="profiled, per microbatch, divided by the GPUs (None: the template stage's)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = _OmitsDegreeOne._omit_degree_one(self, handler)
+        for name in ("forward_ms", "backward_ms"):
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
 
     @model_validator(mode="after")
     def _tp_divides_gpus(self) -> Stage:
         _check_tensor_parallel(self.tensor_parallel, len(self.gpus))
+        if (self.forward_ms is None) != (self.backward_ms is None):
+            raise ValueError("forward_ms, backward_ms: set both or neither")
         return self
 
 
@@ -193,7 +213,20 @@ class Plan(_Strict):
         ge=0,
         description="set on a rollback: every rank resets to this step (every layer from `copies`) and replays from it",
     )
-
+    slowdowns: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="the measured slowdowns of the nodes this generation was planned around (a straggler "
+        "mitigation, oobleck.operator.stragglers); empty: the profile's speeds",
+    )
+    mitigation_step: int | None = Field(
+        default=None, ge=0, description="the step the members agreed on when this straggler mitigation was planned"
+    )
+    mitigations: int = Field(
+        default=0,
+        ge=0,
+        description="straggler plans (mitigations and their undoing) up to this one since the layout was last "
+        "planned from scratch (0: none): each stays twice as long as the one before",
+    )
     # -- derived (cached in __dict__ beside the fields: equality, dumps and copies see only fields) --
 
     def _index(self) -> dict[tuple[str, int], int]:

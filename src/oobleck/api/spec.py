@@ -283,10 +283,13 @@ class StragglerPolicy(CrdModel):
         le=100_000,
         description="Steps a node must stay slow before a Straggler event and status.stragglers confirm it.",
     )
-    mitigation: Literal["none", "resplit"] = Field(
+    mitigation: Literal["none", "resplit", "rebalance"] = Field(
         default="resplit",
         description="resplit: a new plan generation gives a confirmed straggler's pipeline fewer microbatches (no "
-        "layer moves, losses exact), and the profile's split back once it recovers; none: only report it.",
+        "layer moves, losses exact), and the profile's split back once it recovers; rebalance: the cheaper by "
+        "the planner's price (copy time + horizon x step time) of that and moving layers off the slow node within "
+        "its pipeline (copied from their holders, losses exact), and the template's layout back once it recovers; "
+        "none: only report it.",
     )
 
 
