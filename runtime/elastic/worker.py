@@ -35,6 +35,9 @@ from oobleck.runtime.train.layer_state import state_nbytes, transfer, unflatten
 from oobleck.runtime.train.metrics import WorkerMetrics
 from oobleck.runtime.train.optim import LayerAdamW
 from oobleck.runtime.train.pace import Pace, expected_compute_seconds
+from oobleck.runtime.train.shard_copy import sharding
+from oobleck.runtime.train.tensor_parallel import TensorParallelGroup
+from oobleck.runtime.train.tp_stage import Channel, bind, build_split, gather_whole, has_tensor_parallel, tp_group
 
 if TYPE_CHECKING:
     from oobleck.runtime.snapshot.agent import Snapshotter
@@ -120,6 +123,8 @@ class Worker:
         self.snapshots = snapshots
         self.epoch = epoch
         self.layers: dict[int, nn.Module] = {}
+        self.channel = Channel()
+        """the collectives of this rank's tensor-parallel split layers (rebound each generation)"""
         self.step = 0
         """the next global step to run (= steps completed)"""
         self.started = False
@@ -161,6 +166,11 @@ class Worker:
         mine = layout(plan, rank)
         if self.snapshots is not None:
             self.snapshots.fence()  # a capture in flight reads the layers this adoption replaces
+        if has_tensor_parallel(plan) and (plan.restore_step is not None or self.snapshots is not None):
+            # Snapshots would capture shards under whole-layer keys, and checkpoints must store whole tensors.
+            raise ValueError(
+                "snapshot: snapshots, checkpoints and rollbacks of tensor_parallel stages are not implemented yet"
+            )
         if plan.restore_step is not None:
             # Before the rendezvous: a rollback interrupted from here on still leaves this worker
             # wholly at the restore step (never half old step, half restored).
@@ -178,9 +188,18 @@ class Worker:
             ties=[tuple(layer for layer, _ in tie) for tie in self.model.tied_parameters()],
             everyone=self.config.max_grad_norm is not None,
         )
+        bind(self.channel, mine, self.groups, self.failed, self.config.timeouts.poll, self.config.timeouts.step)
         incoming = {c.layer for c in plan.copies if c.dst_rank == rank and c.src_rank != rank}
+        want = (mine.tensor_parallel, mine.tp_index)
         for layer in mine.layers:
-            if layer in self.layers or layer in incoming:
+            if layer in incoming:
+                continue
+            if layer in self.layers:
+                if sharding(self.layers[layer]) != want:
+                    raise ValueError(
+                        f"copies: rank {rank} holds layer {layer} as shard {sharding(self.layers[layer])} (t, k), "
+                        f"its new stage needs {want}, and the plan copies it from nowhere"
+                    )
                 continue
             if self.started:
                 raise ValueError(
@@ -188,7 +207,7 @@ class Worker:
                     f"copies it from nowhere"
                 )
             # A fresh job: every layer's initial weights are a pure function of (seed, layer).
-            module = self.model.build_layer(layer).to(self.device)
+            module = build_split(self.model, layer, tp_group(mine, self.channel), self.device)
             self.optimizer.ensure_layer(layer, module)
             self.layers[layer] = module
         moved = transfer(
@@ -203,6 +222,10 @@ class Worker:
             self.config.timeouts.poll,
             self.config.timeouts.step,
             snapshot=self._snapshot_source(plan),
+            want=want,
+            build=lambda layer, t, k: build_split(
+                self.model, layer, TensorParallelGroup(self.channel, k, t), self.device
+            ),
         )
         self.metrics.bytes_copied.inc(moved)
         for layer in [layer for layer in self.layers if layer not in mine.layers]:
@@ -224,6 +247,7 @@ class Worker:
             self.groups,
             self.device,
             self.failed,
+            self.channel,
         )
         self._expected_compute = expected_compute_seconds(plan, rank)
         self.pace.on_stage((mine.stage.start, mine.stage.end, len(mine.stage.ranks)))
@@ -386,9 +410,12 @@ class Worker:
         from oobleck.runtime.models.hf import TransformersModel
         from oobleck.runtime.models.hf_checkpoint import write_checkpoint
 
-        if not isinstance(self.model, TransformersModel) or self.plan is None:
+        if not isinstance(self.model, TransformersModel) or self.plan is None or self.rank is None:
             return []
-        mine = {layer: module for layer, module in self.layers.items() if min(self.plan.holders(layer)) == self.rank}
+        held, mine_layout = self.layers, layout(self.plan, self.rank)
+        if mine_layout.tensor_parallel > 1:  # the group's shards glued whole (every rank of the group takes part)
+            held = gather_whole(self.model, self.layers, mine_layout, self.channel, self.device)
+        mine = {layer: module for layer, module in held.items() if min(self.plan.holders(layer)) == self.rank}
         write_checkpoint(self.model, directory, mine)
         self._log("huggingface_export", directory=str(directory), layers=sorted(mine))
         return sorted(mine)
