@@ -153,7 +153,9 @@ def test_a_tp_job_exports_whole_tensors_that_transformers_loads(tmp_path, plan_b
             "checkpoint": {"path": str(tmp_path / "ckpt")},
         }
     )
-    result = run_and_check(tmp_path, workers, plan, config)
+    # Llama's split matmuls change float32 sums more than the GPT's, and AdamW's normalisation amplifies
+    # that on parameters with tiny gradients (runtime/train/engine.py): measured 1.2e-5 after 4 steps.
+    result = run_and_check(tmp_path, workers, plan, config, param_atol=1e-4)
     directory = tmp_path / "ckpt" / "huggingface"
     assert is_complete(directory)
     model = load_transformers(None, preset="llama-tiny", sequence_length=16)
