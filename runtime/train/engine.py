@@ -189,6 +189,10 @@ class _GradientBuffers:
                 place.add(view, grad)
             p.grad = view if self.aliased else None
 
+    def whole_gradients(self, samples: int) -> dict[nn.Parameter, torch.Tensor]:
+        """Every TP shard's whole (reduced, divided) gradient: what its layer's norm counts. Call after `install`."""
+        return {p: (view / samples).to(p.dtype) for (view, p), place in zip(self.views, self.placed) if place}
+
     def install(self, samples: int) -> None:
         """Set every parameter's gradient to its (reduced) sum divided by the global sample count."""
         if self.aliased:
@@ -275,7 +279,7 @@ class Engine:
         self.layout = layout(plan, rank)
         self.timeouts: Timeouts = config.timeouts
         self.mb = config.microbatch_size
-        check_supported(plan, model, config.max_grad_norm)
+        check_supported(plan, model)
         for stage in self.layout.pipeline.stages:
             if len(stage.ranks) // stage.tensor_parallel > self.mb:
                 raise ValueError(
@@ -480,16 +484,18 @@ class Engine:
 
         The global norm covers every layer once: replicas of a layer hold identical reduced gradients,
         so only the lowest-ranked holder adds the layer's squared norm into a per-layer vector (float64),
-        summed over all ranks by one all-reduce; every rank then computes the same norm from it."""
+        summed over all ranks by one all-reduce; every rank then computes the same norm from it. A TP shard
+        counts its whole gradient, which every rank of its holder set has after the sum."""
         squares = torch.zeros(self.plan.num_layers, dtype=torch.float64, device=self.device)
         counted = set(self.norm_layers)
         shared = self.model.tied_parameters()
+        wholes = self.buffers.whole_gradients(self.samples)
         for layer, module in self.held:
             if layer not in counted:
                 continue
             for name, p in module.named_parameters():
                 if p.grad is not None and not any((layer, name) in group[1:] for group in shared):
-                    squares[layer] += p.grad.double().square().sum()
+                    squares[layer] += wholes.get(p, p.grad).double().square().sum()
         backend = self.groups.everyone()
         if backend is not None:
             self._wait(backend.allreduce([squares]), "gradient norms over all ranks")

@@ -71,17 +71,13 @@ def has_tensor_parallel(plan: Plan) -> bool:
     return any(stage.tensor_parallel > 1 for pipeline in plan.pipelines for stage in pipeline.stages)
 
 
-def check_supported(plan: Plan, model: LayeredModel, max_grad_norm: float | None) -> None:
+def check_supported(plan: Plan, model: LayeredModel) -> None:
     """Refuse, naming the field, what the engine does not run with t > 1 yet."""
-    if not has_tensor_parallel(plan):
-        return
-    if model.tied_parameters():
+    if has_tensor_parallel(plan) and model.tied_parameters():
         raise ValueError(
             f"tensor_parallel: model {model.name!r} ties parameters across layers; tied gradient sums over "
             "tensor-parallel shards are not implemented (plan with tensor_parallel = 1)"
         )
-    if max_grad_norm is not None:
-        raise ValueError("max_grad_norm: gradient clipping with tensor_parallel > 1 stages is not implemented")
 
 
 def tp_group(lay: Layout, channel: Channel) -> TensorParallelGroup:

@@ -87,6 +87,21 @@ def test_a_tp_stage_beside_a_whole_pipeline(tmp_path, plan_builder, workers):
     run_and_check(tmp_path, workers, plan)
 
 
+def test_clipping_counts_each_shard_whole(tmp_path, plan_builder, workers):
+    """max_grad_norm over TP shards: the global norm counts each layer once, whole, as one process does."""
+    make_plan, Spec = plan_builder
+    plan = make_plan(
+        [Spec(stages=[(0, 2, 0, 1), (2, 6, 1, 2, 2)], microbatches=3), Spec(stages=[(0, 6, 0, 1)], microbatches=2)],
+        num_layers=6,
+        gpus_per_node=2,
+    )
+    config = CONFIG.model_copy(update={"max_grad_norm": 0.05})
+    reference = train_reference(config, plan.global_microbatches)
+    unclipped = train_reference(CONFIG, plan.global_microbatches)
+    assert reference.losses[1:] != unclipped.losses[1:], "clipping changed nothing: the test would prove little"
+    run_and_check(tmp_path, workers, plan, config, reference=reference)
+
+
 def test_a_tp_last_stage_and_a_tp_pipeline(tmp_path, plan_builder, workers):
     """t = 1 feeding a t = 2 last stage (vocabulary-split head and parallel cross-entropy), beside a
     one-stage pipeline at t = 2."""

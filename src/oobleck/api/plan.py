@@ -115,7 +115,7 @@ class Stage(_OmitsDegreeOne):
         default=1,
         ge=1,
         description="t: consecutive runs of t ranks split each layer (Megatron-style) and share one 1/(len/t) of "
-        "every microbatch. A power of two dividing len(gpus); the runtime runs t = 1 only (so far)",
+        "every microbatch. A power of two dividing len(gpus) (runtime/train/tp_stage.py)",
     )
 
     @model_validator(mode="after")
