@@ -35,9 +35,9 @@ from oobleck.runtime.train.layer_state import state_nbytes, transfer, unflatten
 from oobleck.runtime.train.metrics import WorkerMetrics
 from oobleck.runtime.train.optim import LayerAdamW
 from oobleck.runtime.train.pace import Pace, expected_compute_seconds
-from oobleck.runtime.train.shard_copy import sharding
+from oobleck.runtime.train.shard_copy import assemble, sharding
 from oobleck.runtime.train.tensor_parallel import TensorParallelGroup
-from oobleck.runtime.train.tp_stage import Channel, bind, build_split, gather_whole, has_tensor_parallel, tp_group
+from oobleck.runtime.train.tp_stage import Channel, bind, build_split, gather_state, tp_group
 
 if TYPE_CHECKING:
     from oobleck.runtime.snapshot.agent import Snapshotter
@@ -166,15 +166,10 @@ class Worker:
         mine = layout(plan, rank)
         if self.snapshots is not None:
             self.snapshots.fence()  # a capture in flight reads the layers this adoption replaces
-        if has_tensor_parallel(plan) and (plan.restore_step is not None or self.snapshots is not None):
-            # Snapshots would capture shards under whole-layer keys, and checkpoints must store whole tensors.
-            raise ValueError(
-                "snapshot: snapshots, checkpoints and rollbacks of tensor_parallel stages are not implemented yet"
-            )
         if plan.restore_step is not None:
             # Before the rendezvous: a rollback interrupted from here on still leaves this worker
             # wholly at the restore step (never half old step, half restored).
-            self._restore_local(plan, rank)
+            self._restore_local(plan, rank, (mine.tensor_parallel, mine.tp_index))
         timeout = max(self.config.timeouts.connect, self.config.timeouts.step)
         self.groups = GenerationGroups(
             self.store,
@@ -223,9 +218,7 @@ class Worker:
             self.config.timeouts.step,
             snapshot=self._snapshot_source(plan),
             want=want,
-            build=lambda layer, t, k: build_split(
-                self.model, layer, TensorParallelGroup(self.channel, k, t), self.device
-            ),
+            build=self._build_split,
         )
         self.metrics.bytes_copied.inc(moved)
         for layer in [layer for layer in self.layers if layer not in mine.layers]:
@@ -261,9 +254,14 @@ class Worker:
         self._log("adopted", layers=list(mine.layers), copied_bytes=moved, reason=plan.reason)
         return rank
 
-    def _restore_local(self, plan: Plan, rank: int) -> None:
+    def _build_split(self, layer: int, t: int, k: int) -> nn.Module:
+        """Layer `layer` built whole from (seed, index) and split as shard k of t (whole when t = 1)."""
+        return build_split(self.model, layer, TensorParallelGroup(self.channel, k, t), self.device)
+
+    def _restore_local(self, plan: Plan, rank: int, want: tuple[int, int]) -> None:
         """Reset to `plan.restore_step`: drop every live layer, restore those whose source is this rank
-        (its own host snapshot, or the checkpoint directory); the others arrive by `transfer`."""
+        (its own host snapshot, or the checkpoint directory: whole layers, cut to shard `want`); the others
+        arrive by `transfer`."""
         from oobleck.runtime.snapshot.checkpoint_dir import read_checkpoint_layer
 
         step = plan.restore_step
@@ -285,9 +283,9 @@ class Worker:
                 data = read_checkpoint_layer(self.config.checkpoint.path, step, copy.layer)
             else:
                 continue
-            module = self.model.build_layer(copy.layer).to(self.device)
-            unflatten(data.to(self.device), copy.layer, module, self.optimizer)
-            self.layers[copy.layer] = module
+            module, scratch = self.model.build_layer(copy.layer).to(self.device), LayerAdamW(self.optimizer.config)
+            unflatten(data.to(self.device), copy.layer, module, scratch)
+            self.layers[copy.layer] = assemble(copy.layer, [(module, scratch)], want, self.optimizer, self._build_split)
         self._log("restored", for_generation=plan.generation, restore_step=step, local=sorted(self.layers))
 
     def _snapshot_source(self, plan: Plan):
@@ -340,7 +338,11 @@ class Worker:
         if self.snapshots is not None and self.snapshots.due(self.plan.generation, self.step):
             # The state before this step (the last committed one), captured while the step runs;
             # the optimizer update waits for the capture (_FencedOptimizer).
-            self.snapshots.begin(self.plan, self.rank, self.step, self.layers, self.optimizer)
+            layers, optimizer = self.layers, self.optimizer
+            mine = layout(self.plan, self.rank)
+            if mine.tensor_parallel > 1:  # snapshots hold whole layers: a stage of any t restores from them
+                layers, optimizer = gather_state(self.model, layers, mine, self.channel, self.device, optimizer)
+            self.snapshots.begin(self.plan, self.rank, self.step, layers, optimizer)
         outcome = self.engine.train_step(self.step)
         self.step += 1
         if self.failure_time is not None:
@@ -414,7 +416,7 @@ class Worker:
             return []
         held, mine_layout = self.layers, layout(self.plan, self.rank)
         if mine_layout.tensor_parallel > 1:  # the group's shards glued whole (every rank of the group takes part)
-            held = gather_whole(self.model, self.layers, mine_layout, self.channel, self.device)
+            held = gather_state(self.model, self.layers, mine_layout, self.channel, self.device, self.optimizer)[0]
         mine = {layer: module for layer, module in held.items() if min(self.plan.holders(layer)) == self.rank}
         write_checkpoint(self.model, directory, mine)
         self._log("huggingface_export", directory=str(directory), layers=sorted(mine))

@@ -29,6 +29,7 @@ from torch import nn
 from oobleck.api.plan import Plan
 from oobleck.runtime.models.layered import GPT, LayeredModel
 from oobleck.runtime.train.groups import GenerationGroups, Layout, exchanges, wait_collective
+from oobleck.runtime.train.optim import LayerAdamW
 from oobleck.runtime.train.tensor_parallel import (
     ShardRule,
     TensorParallelGroup,
@@ -162,20 +163,36 @@ def placements(lay: Layout, layers: dict[int, nn.Module]) -> dict[tuple[int, str
 
 
 @torch.no_grad()
-def gather_whole(
-    model: LayeredModel, layers: dict[int, nn.Module], lay: Layout, channel: Channel, device: torch.device
-) -> dict[int, nn.Module]:
-    """Every layer of this rank's stage whole, glued from its TP group's shards (for exports: checkpoints
-    store whole tensors). One all-reduce per parameter: each rank adds its shard at its place into zeros (a
-    replicated one: TP rank 0 only), so the sum is the whole tensor exactly. Every rank of the group calls it."""
+def gather_state(
+    model: LayeredModel,
+    layers: dict[int, nn.Module],
+    lay: Layout,
+    channel: Channel,
+    device: torch.device,
+    optimizer: LayerAdamW,
+) -> tuple[dict[int, nn.Module], LayerAdamW]:
+    """Every layer of this rank's stage whole, with its AdamW state in a scratch optimizer, glued from the TP
+    group's shards: snapshots and exports hold whole layers, which a stage of any t restores from. One
+    all-reduce per tensor: each rank adds its shard at its place into zeros (a replicated one: TP rank 0
+    only), so the sum is the whole tensor exactly. Every rank of the group calls it, in the training thread."""
     placed = placements(lay, layers)
+    scratch = LayerAdamW(optimizer.config)
     wholes = {}
     for layer in lay.layers:
         whole = model.build_layer(layer).to(device)
+        scratch.ensure_layer(layer, whole)
         for name, parameter in whole.named_parameters():
-            total = torch.zeros_like(parameter)
-            placed[(layer, name)].add(total, layers[layer].get_parameter(name).detach())
-            channel.all_reduce(total, dist.ReduceOp.SUM)
-            parameter.copy_(total)
+            state, shard = optimizer.state[(layer, name)], layers[layer].get_parameter(name).detach()
+            mine = scratch.state[(layer, name)]
+            for target, source in (
+                (parameter, shard),
+                (mine.exp_avg, state.exp_avg),
+                (mine.exp_avg_sq, state.exp_avg_sq),
+            ):
+                total = torch.zeros_like(target)
+                placed[(layer, name)].add(total, source)
+                channel.all_reduce(total, dist.ReduceOp.SUM)
+                target.copy_(total)
+            mine.step.copy_(state.step)
         wholes[layer] = whole
-    return wholes
+    return wholes, scratch

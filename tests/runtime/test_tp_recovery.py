@@ -121,3 +121,71 @@ def test_shards_move_and_reshard_across_a_change_of_t(tmp_path, plan_builder):
             for name, want in reference.layers[layer].items():
                 difference = (whole[name] - want).abs().max().item()
                 assert difference <= 1e-5, f"layer {layer} {name}: {difference}"
+
+
+def test_snapshots_roll_back_exactly_across_a_change_of_t(plan_builder):
+    """Two real Workers (threads, gloo) at t = 2 snapshot every 2 steps: the TP group glues each layer whole
+    (parameters and moments), so a rollback generation to step 2 restores the layers, from each worker's own
+    memory, into a t = 1 layout of two stages; steps 2-5 then train like one process."""
+    import threading
+
+    from oobleck.runtime.elastic.keys import held_key
+    from oobleck.runtime.elastic.worker import Worker
+    from oobleck.runtime.snapshot.agent import Snapshotter
+
+    make_plan, Spec = plan_builder
+    config = CONFIG.model_copy(update={"job": "tp-rollback", "steps": 6, "device": "cpu"})
+    plans = {"job": "tp-rollback", "num_layers": 6, "gpus_per_node": 2, "node_names": [["n0"]]}
+    first = make_plan([Spec(stages=[(0, 6, 0, 2, 2)], microbatches=2)], **plans)
+    layout = [Spec(stages=[(0, 3, 0, 1), (3, 6, 0, 1)], microbatches=2)]
+    own = [
+        {**copy(layer, ("n0", gpu), ("n0", gpu), make_plan(layout, **plans)), "source_kind": "snapshot"}
+        for gpu, layers in ((0, range(3)), (1, range(3, 6)))
+        for layer in layers
+    ]
+    rollback = make_plan(layout, generation=1, copies=own, **plans)
+    rollback = type(rollback).model_validate(rollback.model_dump() | {"restore_step": 2, "reason": "rollback"})
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = lambda: TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)  # noqa: E731
+    workers = {}
+    for gpu in (0, 1):
+        worker = Worker(config, client(), "n0", gpu, snapshots=Snapshotter(f"n0:{gpu}", 2, client))
+        master.set(held_key(f"n0:{gpu}"), json.dumps({"snapshot_address": worker.snapshots.address}))
+        workers[gpu] = worker
+
+    def run(plan, until) -> dict[int, list]:
+        losses, errors = {}, []
+
+        def one(gpu):
+            try:
+                worker = workers[gpu]
+                worker.abandon()
+                worker.adopt(plan)
+                losses[gpu] = [worker.train_step().loss for _ in range(worker.step, until)]
+            except BaseException as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=one, args=(gpu,)) for gpu in workers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert not errors, errors
+        return losses
+
+    try:
+        before = run(first, 4)[1]
+        for worker in workers.values():
+            assert worker.snapshots.wait_idle(30)
+            assert worker.snapshots.store.holdings()["2"] == list(range(6)), "every TP rank holds every layer whole"
+        after = run(rollback, 6)[1]
+    finally:
+        for worker in workers.values():
+            worker.snapshots.server.close()
+    reference = train_reference(config, 2).losses
+    assert len(before) == 4 and len(after) == 4
+    for got, want in zip(before + after[2:], reference):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    for got, want in zip(after[:2], before[2:4]):  # the replayed steps, now at t = 1
+        assert abs(got - want) <= 1e-5 * abs(want)
+    assert all(int(state.step) == 6 for worker in workers.values() for state in worker.optimizer.state.values())
