@@ -295,6 +295,12 @@ class Worker:
         store, step = self.snapshots.store, plan.restore_step
         return lambda layer: store.get(step, layer)
 
+    def live_layers(self) -> list[int]:
+        """The layers this worker reports as held: whole ones only. The copy planners know layers, not shards:
+        a TP shard reported as the layer could be named the source of another shard. A TP stage's layers
+        then come from a whole replica (cut on arrival) or, with none left, from the snapshots (whole)."""
+        return sorted(layer for layer, module in self.layers.items() if sharding(module) == (1, 0))
+
     def layer_state_bytes(self) -> list[int]:
         """Every layer's full state in bytes (`state.flatten`'s size): what a copy of it moves.
         Measured at start-up on the meta device: sizes without allocating the whole model."""

@@ -189,3 +189,32 @@ def test_snapshots_roll_back_exactly_across_a_change_of_t(plan_builder):
     for got, want in zip(after[:2], before[2:4]):  # the replayed steps, now at t = 1
         assert abs(got - want) <= 1e-5 * abs(want)
     assert all(int(state.step) == 6 for worker in workers.values() for state in worker.optimizer.state.values())
+
+
+def test_tp_shards_are_not_reported_as_layers_so_resolve_copies_whole_ones_or_rolls_back(plan_builder):
+    """Workers report whole layers only (Worker.live_layers): the copy planner, which knows layers and not
+    shards, then serves a TP stage from a whole replica (cut on arrival) or, with none, rolls back to the
+    snapshots (whole, see the rollback test above)."""
+    from oobleck.runtime.elastic.sources import Holding, resolve
+
+    make_plan, Spec = plan_builder
+    common = {"num_layers": 6, "gpus_per_node": 2, "generation": 1}
+    plan = make_plan(
+        [Spec(stages=[(0, 6, 0, 2, 2)], microbatches=2), Spec(stages=[(0, 6, 0, 1)], microbatches=2)],
+        node_names=[["n0"], ["n1"]],
+        **common,
+    )
+    state = [100] * 6
+    holdings = {
+        "n0:0": Holding(step=4, started=True),  # held shards: reported as nothing
+        "n0:1": Holding(step=4, started=True),
+        "n1:0": Holding(step=4, layers=tuple(range(6)), started=True),
+    }
+    settled = resolve(plan, holdings, state)
+    assert {(c.src_node, c.dst_node) for c in settled.copies} == {("n1", "n0")}
+    assert sorted((c.dst_gpu, c.layer) for c in settled.copies) == [
+        (gpu, layer) for gpu in (0, 1) for layer in range(6)
+    ]
+    only_tp = make_plan([Spec(stages=[(0, 6, 0, 2, 2)], microbatches=4)], node_names=[["n0"]], **common)
+    snapshots = {w: Holding(step=4, started=True, snapshots={2: tuple(range(6))}) for w in ("n0:0", "n0:1")}
+    assert resolve(only_tp, snapshots, state).restore_step == 2
