@@ -418,12 +418,14 @@ def plan_job(
     microbatch_size: int | None = None,
     allow_degraded: bool = False,
     engine: Engine = "compiled",
+    max_tp: int = 1,
 ) -> Plan:
     """Templates + instantiation in one call (what the operator runs for a new job).
 
     Nodes are named "0".."N-1" unless `nodes` (cluster.nodes of them) is given. `m_ref` is the
     microbatch count templates are optimised for; None: derived from the batch (templates.default_m_ref).
-    `microbatch_size` (samples) limits a stage to the GPU counts that split it evenly.
+    `microbatch_size` (samples) limits a stage to the GPU counts that split it evenly. `max_tp`: the largest
+    tensor-parallel degree a stage may take (templates.generate_templates).
     """
     from .templates import generate_templates
 
@@ -432,7 +434,13 @@ def plan_job(
     elif len(nodes) != cluster.nodes:
         raise PlanningError(f"nodes: {len(nodes)} node ids given, cluster.nodes is {cluster.nodes}")
     templates = generate_templates(
-        profile, cluster, f, m_ref, global_microbatches=global_microbatches, microbatch_size=microbatch_size
+        profile,
+        cluster,
+        f,
+        m_ref,
+        global_microbatches=global_microbatches,
+        microbatch_size=microbatch_size,
+        max_tp=max_tp,
     )
     return instantiate(
         templates,

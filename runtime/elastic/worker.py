@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -31,11 +30,14 @@ from oobleck.runtime.causes import JobFault, blame, model_field
 from oobleck.runtime.elastic.commit import CommittingOptimizer, StepCommitter
 from oobleck.runtime.train.config import WorkerConfig, build_dataset, build_model
 from oobleck.runtime.train.engine import Engine, StepOutcome
-from oobleck.runtime.train.groups import GenerationGroups, layout
+from oobleck.runtime.train.groups import GenerationGroups, Layout, layout
 from oobleck.runtime.train.layer_state import state_nbytes, transfer, unflatten
 from oobleck.runtime.train.metrics import WorkerMetrics
 from oobleck.runtime.train.optim import LayerAdamW
 from oobleck.runtime.train.pace import Pace, expected_compute_seconds
+from oobleck.runtime.train.shard_copy import assemble, sharding
+from oobleck.runtime.train.tensor_parallel import TensorParallelGroup
+from oobleck.runtime.train.tp_stage import Channel, bind, build_split, gather_state, tp_group
 
 if TYPE_CHECKING:
     from oobleck.runtime.snapshot.agent import Snapshotter
@@ -121,6 +123,8 @@ class Worker:
         self.snapshots = snapshots
         self.epoch = epoch
         self.layers: dict[int, nn.Module] = {}
+        self.channel = Channel()
+        """the collectives of this rank's tensor-parallel split layers (rebound each generation)"""
         self.step = 0
         """the next global step to run (= steps completed)"""
         self.started = False
@@ -159,10 +163,11 @@ class Worker:
         if plan.restore_step is not None:
             # Before the rendezvous: a rollback interrupted from here on still leaves this worker
             # wholly at the restore step (never half old step, half restored).
-            self._restore_local(plan, rank)
+            self._restore_local(plan, rank, (mine.tensor_parallel, mine.tp_index))
         self.groups = self._generation_groups(plan, rank)
+        bind(self.channel, mine, self.groups, self.failed, self.config.timeouts.poll, self.config.timeouts.step)
         incoming = {c.layer for c in plan.copies if c.dst_rank == rank and c.src_rank != rank}
-        self._build_fresh_layers(mine.layers, incoming, rank)
+        self._build_fresh_layers(mine, incoming, rank)
         moved = transfer(
             plan.copies,
             rank,
@@ -175,6 +180,8 @@ class Worker:
             self.config.timeouts.poll,
             self.config.timeouts.step,
             snapshot=self._snapshot_source(plan),
+            want=(mine.tensor_parallel, mine.tp_index),
+            build=self._build_split,
         )
         self.metrics.bytes_copied.inc(moved)
         for layer in [layer for layer in self.layers if layer not in mine.layers]:
@@ -196,6 +203,7 @@ class Worker:
             self.groups,
             self.device,
             self.failed,
+            self.channel,
         )
         self._expected_compute = expected_compute_seconds(plan, rank)
         # The calibration carries to another stage with a profiled cost: a node moved while slow still reads slow.
@@ -238,10 +246,19 @@ class Worker:
             everyone=self.config.max_grad_norm is not None,
         )
 
-    def _build_fresh_layers(self, layers: Iterable[int], incoming: set[int], rank: int) -> None:
-        """Build the layers this rank holds that it neither has nor receives: only a fresh job may have such."""
-        for layer in layers:
-            if layer in self.layers or layer in incoming:
+    def _build_fresh_layers(self, mine: Layout, incoming: set[int], rank: int) -> None:
+        """Build the layers this rank holds that it neither has nor receives: only a fresh job may have such.
+        A layer it keeps must already be the shard (t, k) its new stage needs."""
+        want = (mine.tensor_parallel, mine.tp_index)
+        for layer in mine.layers:
+            if layer in incoming:
+                continue
+            if layer in self.layers:
+                if sharding(self.layers[layer]) != want:
+                    raise ValueError(
+                        f"copies: rank {rank} holds layer {layer} as shard {sharding(self.layers[layer])} (t, k), "
+                        f"its new stage needs {want}, and the plan copies it from nowhere"
+                    )
                 continue
             if self.started:
                 raise ValueError(
@@ -249,13 +266,18 @@ class Worker:
                     f"copies it from nowhere"
                 )
             # A fresh job: every layer's initial weights are a pure function of (seed, layer).
-            module = self.model.build_layer(layer).to(self.device)
+            module = build_split(self.model, layer, tp_group(mine, self.channel), self.device)
             self.optimizer.ensure_layer(layer, module)
             self.layers[layer] = module
 
-    def _restore_local(self, plan: Plan, rank: int) -> None:
+    def _build_split(self, layer: int, t: int, k: int) -> nn.Module:
+        """Layer `layer` built whole from (seed, index) and split as shard k of t (whole when t = 1)."""
+        return build_split(self.model, layer, TensorParallelGroup(self.channel, k, t), self.device)
+
+    def _restore_local(self, plan: Plan, rank: int, want: tuple[int, int]) -> None:
         """Reset to `plan.restore_step`: drop every live layer, restore those whose source is this rank
-        (its own host snapshot, or the checkpoint directory); the others arrive by `transfer`."""
+        (its own host snapshot, or the checkpoint directory: whole layers, cut to shard `want`); the others
+        arrive by `transfer`."""
         from oobleck.runtime.snapshot.checkpoint_dir import read_checkpoint_layer
 
         step = plan.restore_step
@@ -277,9 +299,9 @@ class Worker:
                 data = read_checkpoint_layer(self.config.checkpoint.path, step, copy.layer)
             else:
                 continue
-            module = self.model.build_layer(copy.layer).to(self.device)
-            unflatten(data.to(self.device), copy.layer, module, self.optimizer)
-            self.layers[copy.layer] = module
+            module, scratch = self.model.build_layer(copy.layer).to(self.device), LayerAdamW(self.optimizer.config)
+            unflatten(data.to(self.device), copy.layer, module, scratch)
+            self.layers[copy.layer] = assemble(copy.layer, [(module, scratch)], want, self.optimizer, self._build_split)
         self._log("restored", for_generation=plan.generation, restore_step=step, local=sorted(self.layers))
 
     def _snapshot_source(self, plan: Plan):
@@ -288,6 +310,12 @@ class Worker:
             return None
         store, step = self.snapshots.store, plan.restore_step
         return lambda layer: store.get(step, layer)
+
+    def live_layers(self) -> list[int]:
+        """The layers this worker reports as held: whole ones only. The copy planners know layers, not shards:
+        a TP shard reported as the layer could be named the source of another shard. A TP stage's layers
+        then come from a whole replica (cut on arrival) or, with none left, from the snapshots (whole)."""
+        return sorted(layer for layer, module in self.layers.items() if sharding(module) == (1, 0))
 
     def layer_state_bytes(self) -> list[int]:
         """Every layer's full state in bytes (`state.flatten`'s size): what a copy of it moves.
@@ -332,7 +360,11 @@ class Worker:
         if self.snapshots is not None and self.snapshots.due(self.plan.generation, self.step):
             # The state before this step (the last committed one), captured while the step runs;
             # the optimizer update waits for the capture (_FencedOptimizer).
-            self.snapshots.begin(self.plan, self.rank, self.step, self.layers, self.optimizer)
+            layers, optimizer = self.layers, self.optimizer
+            mine = layout(self.plan, self.rank)
+            if mine.tensor_parallel > 1:  # snapshots hold whole layers: a stage of any t restores from them
+                layers, optimizer = gather_state(self.model, layers, mine, self.channel, self.device, optimizer)
+            self.snapshots.begin(self.plan, self.rank, self.step, layers, optimizer)
         outcome = self.engine.train_step(self.step)
         self.step += 1
         if self.failure_time is not None:
@@ -402,9 +434,12 @@ class Worker:
         from oobleck.runtime.models.hf import TransformersModel
         from oobleck.runtime.models.hf_checkpoint import write_checkpoint
 
-        if not isinstance(self.model, TransformersModel) or self.plan is None:
+        if not isinstance(self.model, TransformersModel) or self.plan is None or self.rank is None:
             return []
-        mine = {layer: module for layer, module in self.layers.items() if min(self.plan.holders(layer)) == self.rank}
+        held, mine_layout = self.layers, layout(self.plan, self.rank)
+        if mine_layout.tensor_parallel > 1:  # the group's shards glued whole (every rank of the group takes part)
+            held = gather_state(self.model, self.layers, mine_layout, self.channel, self.device, self.optimizer)[0]
+        mine = {layer: module for layer, module in held.items() if min(self.plan.holders(layer)) == self.rank}
         write_checkpoint(self.model, directory, mine)
         self._log("huggingface_export", directory=str(directory), layers=sorted(mine))
         return sorted(mine)

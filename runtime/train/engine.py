@@ -50,14 +50,14 @@ from oobleck.runtime.train.groups import (
     Ticket,
     hand_off,
     layout,
-    overlap,
-    rows,
+    stage_rows,
     tied_holders,
     wait,
     wait_all,
 )
 from oobleck.runtime.train.numerics import find_non_finite
 from oobleck.runtime.train.optim import LayerAdamW, learning_rate
+from oobleck.runtime.train.tp_stage import Channel, Placement, check_supported, pieces, placements, stage_loss, tp_group
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 RECEIVE_AHEAD = 1
@@ -123,6 +123,8 @@ class _GradientBuffers:
     """One flat accumulator per holder set, with a view per (layer, parameter name).
 
     The set holding the last layer carries one extra slot: the loss sum, reduced with the gradients.
+    A parameter with a `Placement` (a tensor-parallel shard, runtime/train/tp_stage.py) gets a view of its
+    whole size, into which the shard's gradient is added at its place (never aliased).
     When the accumulator has the parameters' dtype (float32 sums of float32 master weights), each
     parameter's `.grad` *is* its view: autograd adds every microbatch's gradient into the buffer in
     place (as DDP's buckets do), with no copy per microbatch, and the sum is divided in place. Float64
@@ -137,25 +139,35 @@ class _GradientBuffers:
         device: torch.device,
         dtype: torch.dtype,
         tied: Container[tuple[int, str]] = frozenset(),
+        placed: dict[tuple[int, str], Placement] | None = None,
     ) -> None:
+        placed = placed or {}
         self.sets: list[tuple[tuple[int, ...], torch.Tensor]] = []
         self.views: list[tuple[torch.Tensor, nn.Parameter]] = []
+        self.placed: list[Placement | None] = []
         self.grad_parts: list[torch.Tensor] = []
         self.loss_slot: torch.Tensor | None = None
         for members, held in sorted(lay.holder_sets.items(), key=lambda item: item[1][0]):
             # tied parameters are summed by _TiedGradients instead
-            params = [p for layer in held for n, p in layers[layer].named_parameters() if (layer, n) not in tied]
+            params = [
+                (p, placed.get((layer, n)))
+                for layer in held
+                for n, p in layers[layer].named_parameters()
+                if (layer, n) not in tied
+            ]
+            shapes = [torch.Size(place.whole) if place else p.shape for p, place in params]
             has_loss = num_layers - 1 in held
-            flat = torch.zeros(sum(p.numel() for p in params) + int(has_loss), dtype=dtype, device=device)
+            flat = torch.zeros(sum(s.numel() for s in shapes) + int(has_loss), dtype=dtype, device=device)
             offset = 0
-            for p in params:
-                self.views.append((flat[offset : offset + p.numel()].view(p.shape), p))
-                offset += p.numel()
+            for (p, place), shape in zip(params, shapes):
+                self.views.append((flat[offset : offset + shape.numel()].view(shape), p))
+                self.placed.append(place)
+                offset += shape.numel()
             self.grad_parts.append(flat[:offset])
             if has_loss:
                 self.loss_slot = flat[offset:]
             self.sets.append((members, flat))
-        self.aliased = all(p.dtype == dtype for _, p in self.views)
+        self.aliased = not placed and all(p.dtype == dtype for _, p in self.views)
 
     def zero(self) -> None:
         """Clear the sums (and, aliased, point every `.grad` at its view); call after zero_grad."""
@@ -167,12 +179,19 @@ class _GradientBuffers:
 
     def accumulate(self) -> None:
         """Make sure the parameters' gradients (one microbatch) are in the sums."""
-        for view, p in self.views:
+        for (view, p), place in zip(self.views, self.placed):
             grad = p.grad
             if grad is None or (self.aliased and grad.data_ptr() == view.data_ptr()):
                 continue  # no gradient, or autograd accumulated into the view in place
-            view += grad
+            if place is None:
+                view += grad
+            else:
+                place.add(view, grad)
             p.grad = view if self.aliased else None
+
+    def whole_gradients(self, samples: int) -> dict[nn.Parameter, torch.Tensor]:
+        """Every TP shard's whole (reduced, divided) gradient: what its layer's norm counts. Call after `install`."""
+        return {p: (view / samples).to(p.dtype) for (view, p), place in zip(self.views, self.placed) if place}
 
     def install(self, samples: int) -> None:
         """Set every parameter's gradient to its (reduced) sum divided by the global sample count."""
@@ -180,8 +199,8 @@ class _GradientBuffers:
             for part in self.grad_parts:
                 part.div_(samples)
             return
-        for view, p in self.views:
-            p.grad = (view / samples).to(p.dtype)
+        for (view, p), place in zip(self.views, self.placed):
+            p.grad = ((view if place is None else place.take(view)) / samples).to(p.dtype)
 
 
 class _TiedGradients:
@@ -251,30 +270,39 @@ class Engine:
         groups: GenerationGroups,
         device: torch.device,
         failed: threading.Event | None = None,
+        channel: Channel | None = None,
     ) -> None:
+        """`channel`: the collectives of this rank's split layers (needed when its stage has t > 1)."""
         self.config, self.model, self.data, self.optimizer = config, model, data, optimizer
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
         self.failed = failed
         self.layout = layout(plan, rank)
         self.timeouts: Timeouts = config.timeouts
         self.mb = config.microbatch_size
+        check_supported(plan, model)
         for stage in self.layout.pipeline.stages:
-            if len(stage.ranks) > self.mb:
+            if len(stage.ranks) // stage.tensor_parallel > self.mb:
                 raise ValueError(
                     f"microbatch_size: {self.mb} samples cannot be split over the {len(stage.ranks)} ranks of a stage "
-                    f"of pipeline {self.layout.pipeline.index}"
+                    f"of pipeline {self.layout.pipeline.index} (tensor_parallel {stage.tensor_parallel})"
                 )
+        if self.layout.tensor_parallel > 1 and channel is None:
+            raise ValueError(f"rank {rank}: a tensor_parallel stage needs the layers' channel")
         missing = [layer for layer in self.layout.layers if layer not in layers]
         if missing:
             raise ValueError(f"rank {rank} lacks layers {missing} that generation {plan.generation} assigns to it")
         self.held = [(layer, layers[layer]) for layer in self.layout.layers]
         self.non_finite: str | None = None
         """what was NaN/Inf in the last step's reduced sums (None: all finite)"""
-        self.rows = rows(self.mb, len(self.layout.stage.ranks), self.layout.shard)
+        self.rows = stage_rows(self.mb, self.layout.stage, self.layout.shard)
         self.samples = plan.global_microbatches * self.mb
         sum_dtype = getattr(torch, config.gradient_sum_dtype)
         tied = _TiedGradients.keys(model)
-        self.buffers = _GradientBuffers(self.layout, layers, plan.num_layers, device, sum_dtype, tied)
+        placed = placements(self.layout, layers)
+        self.buffers = _GradientBuffers(self.layout, layers, plan.num_layers, device, sum_dtype, tied, placed)
+        self.loss = stage_loss(model, tp_group(self.layout, channel) if channel is not None else None)
+        # The TP ranks of a group compute the same loss: only TP rank 0 adds it to the sum.
+        self.counts_loss = self.layout.tp_index == 0
         self.tied = _TiedGradients(model, plan, dict(self.held), device, sum_dtype)
         # What arrives from the previous stage: layer start-1's output, a slice of its rows.
         self.input_spec = None if self.layout.first else output_spec(model, self.layout.stage.start - 1, self.mb)
@@ -299,16 +327,6 @@ class Engine:
         if self.failed is not None and self.failed.is_set():
             raise Interrupted("interrupted between operations")
 
-    def _pieces(self, offset: int) -> list[tuple[int, tuple[int, int]]]:
-        """(peer rank, my rows' slice overlapping the peer's rows) for the stage `offset` away."""
-        peers = self.layout.neighbours(offset)
-        result = []
-        for index, peer in enumerate(peers):
-            common = overlap(self.rows, rows(self.mb, len(peers), index))
-            if common:
-                result.append((peer, common))
-        return result
-
     def _post_receive(
         self, offset: int, spec: tuple[tuple[int, ...], torch.dtype], tag: int, what: str
     ) -> tuple[list[torch.Tensor], list[tuple[object, str]], Ticket | None]:
@@ -316,7 +334,7 @@ class Engine:
         On CPU they are handed to the waiting thread at once (groups.hand_off)."""
         shape, dtype = spec
         buffers, works = [], []
-        for peer, (lo, hi) in self._pieces(offset):
+        for peer, (lo, hi) in pieces(self.layout, self.mb, offset, sending=False):
             backend, peer_index = self.groups.link(peer, self.rank)
             buffer = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=self.device)
             works.append((backend.recv([buffer], peer_index, tag), f"{what} from rank {peer}"))
@@ -342,7 +360,7 @@ class Engine:
 
     def _send(self, tensor: torch.Tensor, offset: int, tag: int, pending: list) -> None:
         base = self.rows[0]
-        for peer, (lo, hi) in self._pieces(offset):
+        for peer, (lo, hi) in pieces(self.layout, self.mb, offset, sending=True):
             backend, peer_index = self.groups.link(self.rank, peer)
             piece = tensor[lo - base : hi - base].contiguous()
             pending.append((backend.send([piece], peer_index, tag), piece, peer))
@@ -401,8 +419,9 @@ class Engine:
                         if lay.last:
                             assert batch is not None
                             targets = batch[1][lo:hi].to(self.device)
-                            out = self.model.loss(out, targets).sum()
-                            loss_sum += out.detach().double()
+                            out = self.loss(out, targets).sum()
+                            if self.counts_loss:
+                                loss_sum += out.detach().double()
                     compute.stop()
                     if not lay.last:
                         # Autocast may hand back another dtype than the (autocast-free) spec the receiver expects.
@@ -472,16 +491,18 @@ class Engine:
 
         The global norm covers every layer once: replicas of a layer hold identical reduced gradients,
         so only the lowest-ranked holder adds the layer's squared norm into a per-layer vector (float64),
-        summed over all ranks by one all-reduce; every rank then computes the same norm from it."""
+        summed over all ranks by one all-reduce; every rank then computes the same norm from it. A TP shard
+        counts its whole gradient, which every rank of its holder set has after the sum."""
         squares = torch.zeros(self.plan.num_layers, dtype=torch.float64, device=self.device)
         counted = set(self.norm_layers)
         shared = self.model.tied_parameters()
+        wholes = self.buffers.whole_gradients(self.samples)
         for layer, module in self.held:
             if layer not in counted:
                 continue
             for name, p in module.named_parameters():
                 if p.grad is not None and not any((layer, name) in group[1:] for group in shared):
-                    squares[layer] += p.grad.double().square().sum()
+                    squares[layer] += wholes.get(p, p.grad).double().square().sum()
         backend = self.groups.everyone()
         if backend is not None:
             self._wait(backend.allreduce([squares]), "gradient norms over all ranks")

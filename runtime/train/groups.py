@@ -11,6 +11,8 @@ Groups of a generation:
   stages of a pipeline whose microbatch rows overlap; the source and destination of a LayerCopy);
 - `holders/{r1}-{r2}-...`: every distinct set of (two or more) ranks holding the same layers, for the
   per-layer gradient sum.
+- `tp/{r1}-...`: the t consecutive ranks of a stage that split its layers (tensor_parallel = t > 1), for
+  the split layers' own all-reduces (runtime/train/tensor_parallel.py).
 Every rank creates its groups in one global order (sorted by name): creation is a rendezvous of
 the members, and a common order makes it deadlock-free.
 """
@@ -67,6 +69,40 @@ def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     return (lo, hi) if lo < hi else None
 
 
+def stage_rows(microbatch_size: int, stage: Stage, position: int) -> tuple[int, int]:
+    """Rows of a microbatch that the rank at `position` of `stage.ranks` runs: the stage's len/t groups of
+    t ranks split the microbatch, every rank of a group runs the group's rows."""
+    t = stage.tensor_parallel
+    return rows(microbatch_size, len(stage.ranks) // t, position // t)
+
+
+def exchanges(sender: Stage, receiver: Stage, microbatch_size: int) -> list[tuple[int, int, tuple[int, int]]]:
+    """(sender rank, receiver rank, rows) of one tensor passed between neighbouring stages.
+
+    Tensors between stages are whole (never TP shards): every rank of the receiving stage gets the whole
+    rows it runs, each piece from the one sender whose rows overlap them and whose TP index equals the
+    receiver's TP index modulo the sender's t (all TP ranks of a group hold the same tensor). With t = 1 on
+    both sides: every overlapping pair, as before tensor parallelism."""
+    found = []
+    for j, b in enumerate(receiver.ranks):
+        wanted = (j % receiver.tensor_parallel) % sender.tensor_parallel
+        for i, a in enumerate(sender.ranks):
+            if i % sender.tensor_parallel != wanted:
+                continue
+            common = overlap(stage_rows(microbatch_size, sender, i), stage_rows(microbatch_size, receiver, j))
+            if common:
+                found.append((a, b, common))
+    return found
+
+
+def tensor_parallel_groups(stage: Stage) -> list[tuple[int, ...]]:
+    """The stage's groups of t consecutive ranks that split its layers ([] when t = 1)."""
+    t = stage.tensor_parallel
+    if t == 1:
+        return []
+    return [tuple(stage.ranks[i : i + t]) for i in range(0, len(stage.ranks), t)]
+
+
 @dataclass(frozen=True)
 class Layout:
     """What one rank does in a plan (pure data derived from the plan)."""
@@ -77,7 +113,7 @@ class Layout:
     stage_index: int
     stage: Stage
     shard: int
-    """this rank's index among its stage's ranks: it runs rows(mb, len(stage.ranks), shard)"""
+    """this rank's index among its stage's ranks: it runs stage_rows(mb, stage, shard)"""
     holder_sets: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
     """for each distinct set of holders of this rank's layers: the layers it holds"""
 
@@ -92,6 +128,22 @@ class Layout:
     @property
     def layers(self) -> range:
         return range(self.stage.start, self.stage.end)
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.stage.tensor_parallel
+
+    @property
+    def tp_index(self) -> int:
+        """this rank's index in its tensor-parallel group (0 when t = 1)"""
+        return self.shard % self.stage.tensor_parallel
+
+    @property
+    def tp_members(self) -> tuple[int, ...]:
+        """the ranks of this rank's tensor-parallel group (itself alone when t = 1)"""
+        t = self.stage.tensor_parallel
+        first = self.shard - self.tp_index
+        return tuple(self.stage.ranks[first : first + t])
 
     def neighbours(self, offset: int) -> list[int]:
         """Ranks of the stage `offset` away (-1 previous, +1 next), or [] past the ends."""
@@ -108,11 +160,6 @@ def layout(plan: Plan, rank: int) -> Layout:
     assignment = plan.ranks[rank]
     pipeline = next(p for p in plan.pipelines if p.index == assignment.pipeline)
     stage = pipeline.stages[assignment.stage]
-    if stage.tensor_parallel != 1:  # the planner makes such stages only when asked (--max-tensor-parallel)
-        raise ValueError(
-            f"pipelines[{pipeline.index}].stages[{assignment.stage}].tensor_parallel: {stage.tensor_parallel}; "
-            "this runtime runs tensor_parallel = 1 only (plan without --max-tensor-parallel)"
-        )
     if rank not in stage.ranks:
         raise ValueError(f"ranks[{rank}]: pipeline {pipeline.index} stage {assignment.stage} does not list rank {rank}")
     sets: dict[tuple[int, ...], list[int]] = {}
@@ -154,12 +201,13 @@ def group_specs(
 
     for pipeline in plan.pipelines:
         for upper, lower in zip(pipeline.stages, pipeline.stages[1:]):
-            # Only rank pairs whose rows of a microbatch overlap exchange anything.
-            for i, a in enumerate(upper.ranks):
-                for j, b in enumerate(lower.ranks):
-                    if overlap(rows(microbatch_size, len(upper.ranks), i), rows(microbatch_size, len(lower.ranks), j)):
-                        link(a, b)
-                        link(b, a)
+            # Only the pairs that exchange activations (down) or their gradients (up).
+            for src, dst, _ in exchanges(upper, lower, microbatch_size) + exchanges(lower, upper, microbatch_size):
+                link(src, dst)
+        for stage in pipeline.stages:
+            for members in tensor_parallel_groups(stage):
+                name = "tp/" + "-".join(map(str, members))
+                specs[name] = GroupSpec(name, members, ("tp", *members))
     for copy in plan.copies:
         link(copy.src_rank, copy.dst_rank)
     for layer in range(plan.num_layers):
@@ -262,6 +310,10 @@ class GenerationGroups:
         if len(members) == 1:
             return None
         return self._groups[("holders", *members)]
+
+    def tensor_parallel(self, members: tuple[int, ...]) -> Any:
+        """The backend of a tensor-parallel group (`Layout.tp_members`, t > 1)."""
+        return self._groups[("tp", *members)]
 
     def tied(self, members: tuple[int, ...]) -> Any | None:
         """The backend summing a tied parameter's gradient over `members`; None when this rank is the only one."""
@@ -423,6 +475,15 @@ def hand_off(works: list[tuple[Any, str]]) -> Ticket:
     the critical path). CPU only: NCCL works are polled (`wait`). The works are waited in the order
     handed off, so hand them off in the order they will be needed."""
     return _waiter().submit(works)
+
+
+def wait_collective(work, failed: threading.Event | None, poll: float, timeout: float, what: str) -> None:
+    """Wait for a collective inside a forward or backward (tensor parallelism) by polling its completion.
+
+    Never through the helper thread: its queue may hold receives posted ahead (`hand_off`) that complete
+    only after this very computation, which would deadlock. Polls at least every millisecond: these
+    all-reduces sit on the critical path."""
+    _poll_completion(work, failed, min(poll, 1e-3), timeout, what)
 
 
 def _poll_completion(work, failed: threading.Event | None, poll: float, timeout: float, what: str) -> None:

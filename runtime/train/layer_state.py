@@ -17,8 +17,9 @@ from oobleck.api.plan import LayerCopy
 from oobleck.runtime.models.layered import LayeredModel
 from oobleck.runtime.train.groups import GenerationGroups, wait
 from oobleck.runtime.train.optim import LayerAdamW, ParamState
+from oobleck.runtime.train.shard_copy import Build, assemble, header
 
-COPY_TAG_BASE = 1000  # copy i uses tag COPY_TAG_BASE + i: unique per copy, so order never matters
+COPY_TAG_BASE = 1000  # copy i uses tags COPY_TAG_BASE + 2i (header), + 2i + 1 (state): unique, so order never matters
 
 
 def _tensors(layer: int, module: nn.Module, optimizer: LayerAdamW) -> Iterator[torch.Tensor]:
@@ -148,52 +149,71 @@ def transfer(
     poll: float = 0.05,
     timeout: float = 600.0,
     snapshot: Callable[[int], torch.Tensor] | None = None,
+    want: tuple[int, int] = (1, 0),
+    build: Build | None = None,
 ) -> int:
     """Execute the copies this rank takes part in; received layers land in `layers` (with their
-    optimizer state). Returns the bytes this rank sent and received.
+    optimizer state) as shard `want` = (t, k) of this rank's stage. Returns the bytes this rank sent and received.
 
-    A copy whose `source_kind` is "snapshot" is sent from `snapshot(layer)` (this rank's host copy
-    at the plan's restore step) instead of the live layer; copies with src == dst (a rank's own
-    snapshot, a checkpoint read) are the caller's (Worker.adopt), not a transfer."""
+    Each copy is a (t, k) header then the source's state in that sharding; the destination keeps a piece of
+    its own sharding or re-shards the pieces of a layer (runtime/train/shard_copy.py). `build(layer, t, k)`
+    builds a split layer (None: whole layers only). A copy whose `source_kind` is "snapshot" is sent from
+    `snapshot(layer)` (this rank's host copy at the plan's restore step, of a whole layer) instead of the live
+    layer; copies with src == dst (a rank's own snapshot, a checkpoint read) are the caller's (Worker.adopt)."""
+    build = build or (lambda layer, t, k: model.build_layer(layer).to(device))
+    cuda = device.type == "cuda"
     moved = 0
-    sends, receives = [], []
+    sends, headers = [], []
     for index, copy in enumerate(copies):
-        tag = COPY_TAG_BASE + index
+        tag = COPY_TAG_BASE + 2 * index
         if copy.src_rank == rank and copy.dst_rank != rank:
             backend, peer = groups.link(rank, copy.dst_rank)
-            if copy.source_kind == "snapshot":
-                if snapshot is None:
-                    raise ValueError(f"copies[{index}]: layer {copy.layer} from a snapshot, but rank {rank} keeps none")
-                flat = snapshot(copy.layer).to(device)
-            elif copy.layer not in layers:
-                raise ValueError(
-                    f"copies[{index}]: rank {rank} is the source of layer {copy.layer} but does not hold it"
-                )
-            else:
-                flat = flatten(copy.layer, layers[copy.layer], optimizer)
-            sends.append((backend.send([flat], peer, tag), flat, copy))
+            flat, head = _source(index, copy, rank, layers, optimizer, device, snapshot)
+            sends += [(backend.send([head], peer, tag), head, copy), (backend.send([flat], peer, tag + 1), flat, copy)]
             moved += flat.numel()
         elif copy.dst_rank == rank and copy.src_rank != rank:
-            # Optimizer state is registered only once the bytes arrived (unflatten): a transfer cut
-            # short must not leave zero moments behind for a layer this rank does not hold.
-            module = model.build_layer(copy.layer).to(device)
-            flat = torch.empty(state_nbytes(module), dtype=torch.uint8, device=device)
+            head = torch.empty(2, dtype=torch.int64, device=device)
             backend, peer = groups.link(copy.src_rank, rank)
-            receives.append((backend.recv([flat], peer, tag), flat, module, copy))
+            headers.append((backend.recv([head], peer, tag), head, backend, peer, tag + 1, copy))
+    receives = []
+    for work, head, backend, peer, tag, copy in headers:
+        wait(work, failed, poll, timeout, f"layer {copy.layer} header from rank {copy.src_rank}", cuda=cuda)
+        t, k = (int(v) for v in head.tolist())
+        # Optimizer state is registered only once the bytes arrived (unflatten): a transfer cut
+        # short must not leave zero moments behind for a layer this rank does not hold.
+        module = build(copy.layer, t, k)
+        flat = torch.empty(state_nbytes(module), dtype=torch.uint8, device=device)
+        receives.append((backend.recv([flat], peer, tag), flat, module, copy))
+    pieces: dict[int, list[tuple[nn.Module, LayerAdamW]]] = {}
     for work, flat, module, copy in receives:
-        wait(
-            work,
-            failed,
-            poll,
-            timeout,
-            f"layer {copy.layer} state from rank {copy.src_rank}",
-            cuda=device.type == "cuda",
-        )
-        unflatten(flat, copy.layer, module, optimizer)
-        layers[copy.layer] = module
+        wait(work, failed, poll, timeout, f"layer {copy.layer} state from rank {copy.src_rank}", cuda=cuda)
+        scratch = LayerAdamW(optimizer.config)
+        unflatten(flat, copy.layer, module, scratch)
+        pieces.setdefault(copy.layer, []).append((module, scratch))
         moved += flat.numel()
+    for layer, received in pieces.items():
+        optimizer.drop_layer(layer)  # a piece held before in another sharding: its moments go with it
+        layers[layer] = assemble(layer, received, want, optimizer, build)
     for work, _, copy in sends:
-        wait(
-            work, failed, poll, timeout, f"layer {copy.layer} state to rank {copy.dst_rank}", cuda=device.type == "cuda"
-        )
+        wait(work, failed, poll, timeout, f"layer {copy.layer} state to rank {copy.dst_rank}", cuda=cuda)
     return moved
+
+
+def _source(
+    index: int,
+    copy: LayerCopy,
+    rank: int,
+    layers: dict[int, nn.Module],
+    optimizer: LayerAdamW,
+    device: torch.device,
+    snapshot: Callable[[int], torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a copy's source sends: its state of the layer and the (t, k) header saying how it is split."""
+    if copy.source_kind == "snapshot":
+        if snapshot is None:
+            raise ValueError(f"copies[{index}]: layer {copy.layer} from a snapshot, but rank {rank} keeps none")
+        return snapshot(copy.layer).to(device), torch.tensor((1, 0), dtype=torch.int64, device=device)
+    if copy.layer not in layers:
+        raise ValueError(f"copies[{index}]: rank {rank} is the source of layer {copy.layer} but does not hold it")
+    module = layers[copy.layer]
+    return flatten(copy.layer, module, optimizer), header(module, device)

@@ -32,11 +32,22 @@ from torch import nn
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
-    """The ranks of one stage that split its layers: this rank's index in it and the group's size."""
+    """The ranks of one stage that split its layers: this rank's index in it and the group's size.
+
+    `group`: a torch.distributed process group, or any object with `all_reduce(tensor, op)` (the engine's
+    channel, runtime/train/tp_stage.py, whose waits watch the failure event and whose backend changes
+    with each plan generation while the split modules stay)."""
 
     group: Any
     rank: int
     size: int
+
+
+def _all_reduce(x: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> None:
+    if hasattr(group, "all_reduce"):
+        group.all_reduce(x, op)
+    else:
+        dist.all_reduce(x, op=op, group=group)
 
 
 def shard_bounds(total: int, size: int, rank: int) -> tuple[int, int]:
@@ -61,7 +72,7 @@ class _EnterRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        _all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -71,7 +82,7 @@ class _LeaveRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        _all_reduce(x, group)
         return x
 
     @staticmethod
@@ -95,16 +106,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, group: Any) -> torch.Tensor:
         logits = logits.float()
         peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        _all_reduce(peak, group, dist.ReduceOp.MAX)
         shifted = logits - peak.unsqueeze(-1)
         exp = shifted.exp()
         total = exp.sum(dim=-1)
-        dist.all_reduce(total, group=group)
+        _all_reduce(total, group)
         local = targets - start
         mine = (local >= 0) & (local < logits.shape[-1])
         index = local.clamp(0, logits.shape[-1] - 1)
         target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * mine
-        dist.all_reduce(target_logit, group=group)
+        _all_reduce(target_logit, group)
         ctx.save_for_backward(exp / total.unsqueeze(-1), index, mine)
         return total.log() - target_logit
 
@@ -139,6 +150,10 @@ class ShardRule:
 
 RULES_ATTRIBUTE = "_tensor_parallel_rules"
 """Where a split module records its parameters' rules (see `split_rules`)."""
+SHARD_ATTRIBUTE = "_tensor_parallel_shard"
+"""Where `split_layer` records (t, k): the layer is shard k of t (runtime/train/shard_copy.py reads it)."""
+WHOLE_ATTRIBUTE = "_tensor_parallel_whole_shapes"
+"""Where a split module records its split parameters' whole shapes (see `whole_shapes`)."""
 
 
 def cut(whole: torch.Tensor, rule: ShardRule, size: int, rank: int) -> torch.Tensor:
@@ -167,6 +182,16 @@ def split_rules(layer: nn.Module) -> dict[str, ShardRule]:
         for name, rule in getattr(module, RULES_ATTRIBUTE, {}).items():
             rules[f"{prefix}.{name}" if prefix else name] = rule
     return rules
+
+
+def whole_shapes(layer: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The whole shape of every split parameter of a split layer, by name (uneven vocabulary shards
+    make it unknowable from one shard)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for prefix, module in layer.named_modules():
+        for name, shape in getattr(module, WHOLE_ATTRIBUTE, {}).items():
+            shapes[f"{prefix}.{name}" if prefix else name] = shape
+    return shapes
 
 
 def whole_state(shards: list[dict[str, torch.Tensor]], rules: dict[str, ShardRule]) -> dict[str, torch.Tensor]:
@@ -199,6 +224,9 @@ def _split_parameter(module: nn.Module, name: str, rule: ShardRule, tp: TensorPa
     rules = getattr(module, RULES_ATTRIBUTE, {})
     rules[name] = rule
     setattr(module, RULES_ATTRIBUTE, rules)
+    shapes = getattr(module, WHOLE_ATTRIBUTE, {})
+    shapes[name] = tuple(old.shape)
+    setattr(module, WHOLE_ATTRIBUTE, shapes)
 
 
 def split_columns(module: nn.Module, tp: TensorParallelGroup, parts: int = 1) -> None:
@@ -339,6 +367,7 @@ def split_layer(layer: nn.Module, tp: TensorParallelGroup) -> nn.Module:
     if splitter is None:
         raise ValueError(f"tensor parallelism: no split for a layer of type {type(layer).__name__}")
     splitter(layer, tp)
+    setattr(layer, SHARD_ATTRIBUTE, (tp.size, tp.rank))
     return layer
 
 

@@ -24,9 +24,10 @@ from oobleck.runtime.train.config import WorkerConfig
 
 @dataclass
 class PipelineSpec:
-    """A pipeline by hand: stages as (start, end, node index within the pipeline, gpus)."""
+    """A pipeline by hand: stages as (start, end, node index within the pipeline, gpus), optionally with a
+    fifth item, the stage's tensor-parallel degree t (default 1)."""
 
-    stages: list[tuple[int, int, int, int]]
+    stages: list[tuple[int, ...]]
     microbatches: int
 
 
@@ -44,22 +45,32 @@ def make_plan(
     pipelines, templates = [], {}
     offset, rank, node_counter = 0, 0, 0
     for index, spec in enumerate(specs):
-        count = max(node for _, _, node, _ in spec.stages) + 1
+        count = max(stage[2] for stage in spec.stages) + 1
         names = node_names[index] if node_names else [f"n{node_counter + i}" for i in range(count)]
         node_counter += count
         used = [0] * count
         stages, template_stages = [], []
-        for _stage_index, (start, end, node, gpus) in enumerate(spec.stages):
+        for start, end, node, gpus, *rest in spec.stages:
+            t = rest[0] if rest else 1
             stage_ranks = list(range(rank, rank + gpus))
             rank += gpus
             gpu_ids = list(range(used[node], used[node] + gpus))
             template_stages.append(
                 TemplateStage(
-                    start=start, end=end, node=node, gpus=gpus, gpu_offset=used[node], forward_ms=1, backward_ms=2
+                    start=start,
+                    end=end,
+                    node=node,
+                    gpus=gpus,
+                    gpu_offset=used[node],
+                    forward_ms=1,
+                    backward_ms=2,
+                    tensor_parallel=t,
                 )
             )
             used[node] += gpus
-            stages.append(Stage(start=start, end=end, node=names[node], gpus=gpu_ids, ranks=stage_ranks))
+            stages.append(
+                Stage(start=start, end=end, node=names[node], gpus=gpu_ids, ranks=stage_ranks, tensor_parallel=t)
+            )
         templates.setdefault(
             count, Template(nodes=count, stages=template_stages, iteration_ms=1, m_ref=spec.microbatches)
         )

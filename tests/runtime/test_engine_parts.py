@@ -11,14 +11,14 @@ import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 from torch.distributed import TCPStore
 
-from oobleck.api.plan import Plan
 from oobleck.runtime.models.layered import load_model
 from oobleck.runtime.train.config import OptimConfig, WorkerConfig, load_config
 from oobleck.runtime.train.engine import one_f_one_b
-from oobleck.runtime.train.groups import Interrupted, group_specs, hand_off, layout, rows, wait
+from oobleck.runtime.train.groups import Interrupted, exchanges, group_specs, hand_off, layout, rows, stage_rows, wait
 from oobleck.runtime.train.layer_state import flatten, state_nbytes, unflatten
 from oobleck.runtime.train.optim import LayerAdamW, learning_rate, torch_adamw
 from oobleck.runtime.train.reference import train_reference
+from oobleck.runtime.train.tensor_parallel import split_rules
 
 
 def test_one_f_one_b_orders():
@@ -73,14 +73,76 @@ def test_layout_and_groups(plan_builder):
         layout(plan, 9)
 
 
-def test_layout_refuses_tensor_parallel_stages(plan_builder):
-    """The planner may emit t > 1 when asked; this runtime does not run it yet and says so, naming the field."""
+def test_tensor_parallel_layout_exchanges_and_groups(plan_builder):
+    """A t = 2 stage of 4 ranks runs two groups, each its half of the rows; tensors between stages are
+    whole: each receiver takes its rows from the sender of its TP index modulo the sender's t."""
     make_plan, Spec = plan_builder
-    plan = make_plan([Spec(stages=[(0, 6, 0, 2)], microbatches=2)], num_layers=6, gpus_per_node=2)
-    data = plan.model_dump()
-    data["pipelines"][0]["stages"][0]["tensor_parallel"] = 2
-    with pytest.raises(ValueError, match=r"pipelines\[0\]\.stages\[0\]\.tensor_parallel: 2; this runtime runs"):
-        layout(Plan.model_validate(data), 0)
+    plan = make_plan([Spec(stages=[(0, 3, 0, 4, 2), (3, 6, 1, 1)], microbatches=2)], num_layers=6, gpus_per_node=4)
+    mine = layout(plan, 3)
+    assert (mine.tensor_parallel, mine.tp_index, mine.tp_members) == (2, 1, (2, 3))
+    upper, lower = plan.pipelines[0].stages
+    assert [stage_rows(4, upper, i) for i in range(4)] == [(0, 2), (0, 2), (2, 4), (2, 4)]
+    assert exchanges(upper, lower, 4) == [(0, 4, (0, 2)), (2, 4, (2, 4))]  # TP rank 0 of each group sends
+    assert exchanges(lower, upper, 4) == [(4, r, rows) for r, rows in zip(range(4), [(0, 2), (0, 2), (2, 4), (2, 4)])]
+    names = [spec.name for spec in group_specs(plan, 4)]
+    assert {"tp/0-1", "tp/2-3", "link/0-4", "link/2-4", "link/4-1", "link/4-3"} <= set(names)
+    assert "link/1-4" not in names and "link/3-4" not in names
+
+
+def test_shard_placements_and_resharding_keep_parameters_and_moments():
+    """A layer's state cut at t = 2 and re-cut at t = 4 (glued whole in between) equals the whole layer's
+    state cut at t = 4 directly; a shard's gradient placed into the whole-size sum lands where cut takes it."""
+    from oobleck.runtime.train.shard_copy import assemble, named_state, sharding
+    from oobleck.runtime.train.tensor_parallel import TensorParallelGroup, split_layer
+    from oobleck.runtime.train.tp_stage import Placement
+
+    model = load_model("gpt", sizes={"blocks": 1, "hidden": 16, "heads": 4, "seq_len": 4, "vocab": 10})
+
+    def build(layer, t, k):
+        return split_layer(model.build_layer(layer), TensorParallelGroup(None, k, t))
+
+    whole, optimizer = model.build_layer(1), LayerAdamW(OptimConfig())
+    optimizer.ensure_layer(1, whole)
+    for index, state in enumerate(optimizer.layer_state(1, whole)):
+        state[1].exp_avg.normal_(generator=torch.Generator().manual_seed(index))
+        state[1].exp_avg_sq.uniform_(generator=torch.Generator().manual_seed(index))
+        state[1].step.fill_(3)
+    pieces = []
+    for k in range(2):
+        scratch = LayerAdamW(OptimConfig())
+        pieces.append((assemble(1, [(whole, optimizer)], (2, k), scratch, build), scratch))
+    assert [sharding(module) for module, _ in pieces] == [(2, 0), (2, 1)]
+    for k in range(4):
+        direct, resharded = LayerAdamW(OptimConfig()), LayerAdamW(OptimConfig())
+        want = named_state(1, assemble(1, [(whole, optimizer)], (4, k), direct, build), direct)
+        got = named_state(1, assemble(1, pieces, (4, k), resharded, build), resharded)
+        assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want), k
+    with pytest.raises(ValueError, match="re-sharding needs the layer whole or every shard"):
+        assemble(1, pieces[:1], (4, 0), LayerAdamW(OptimConfig()), build)
+    qkv = whole.qkv.weight  # three fused blocks
+    gradient, total = torch.randn(qkv.shape), torch.zeros(qkv.shape)
+    for k in range(2):
+        shard = dict(build(1, 2, k).named_parameters())["qkv.weight"]
+        place = Placement(tuple(qkv.shape), dict(split_rules(build(1, 2, k)))["qkv.weight"], 2, k)
+        piece = place.take(gradient)
+        assert piece.shape == shard.shape
+        place.add(total, piece)
+    assert torch.equal(total, gradient)
+
+
+def test_tensor_parallel_refuses_tied_parameters_naming_the_field(plan_builder):
+    from oobleck.runtime.models.hf import load_transformers
+    from oobleck.runtime.train.tp_stage import check_supported
+
+    make_plan, Spec = plan_builder
+    tied = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 8, "vocab_size": 40}
+    gpt2 = load_transformers(None, {**tied, "tie_word_embeddings": True}, sequence_length=8)
+    assert gpt2.tied_parameters(), "the model ties nothing: the test would prove little"
+    whole = make_plan([Spec(stages=[(0, 4, 0, 2)], microbatches=2)], num_layers=4, gpus_per_node=2)
+    check_supported(whole, gpt2)
+    split = make_plan([Spec(stages=[(0, 4, 0, 2, 2)], microbatches=2)], num_layers=4, gpus_per_node=2)
+    with pytest.raises(ValueError, match="tensor_parallel: model .* ties parameters"):
+        check_supported(split, gpt2)
 
 
 def test_schedule_warms_up_then_decays():

@@ -28,6 +28,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--config", type=Path, default=None, help="base worker config (JSON or YAML)")
     parser.add_argument("--gpu-memory", type=int, default=80 << 30, help="bytes per GPU for the planner")
     parser.add_argument(
+        "--max-tensor-parallel",
+        type=int,
+        default=1,
+        help="the largest tensor-parallel degree a stage may take (a power of two <= --gpus-per-node)",
+    )
+    parser.add_argument(
         "--copy-bandwidth",
         type=float,
         default=DEFAULT_COPY_BANDWIDTH,
@@ -114,6 +120,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         config=args.config,
         profile=args.profile,
         gpu_memory=args.gpu_memory,
+        max_tensor_parallel=args.max_tensor_parallel,
         copy_bandwidth=args.copy_bandwidth,
         faults=faults,
         add_node_at_step=tuple(args.add_node_at_step),

@@ -66,6 +66,8 @@ class LaunchOptions:
     """checkpoint every this many steps (None: the config's `checkpoint.interval_steps`)"""
     gradient_sum_dtype: str | None = None
     """float32 or float64 (None: the config's `gradient_sum_dtype`)"""
+    max_tensor_parallel: int = 1
+    """the largest tensor-parallel degree the planner may give a stage (a power of two <= gpus_per_node)"""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "microbatch_size", "microbatches"):
@@ -84,6 +86,11 @@ class LaunchOptions:
         for step in self.add_node_at_step:
             if not 0 <= step < self.steps:
                 raise ValueError(f"add_node_at_step: {step} is outside the job's steps 0..{self.steps - 1}")
+        t = self.max_tensor_parallel
+        if t < 1 or t & (t - 1) or t > self.gpus_per_node:
+            raise ValueError(
+                f"max_tensor_parallel: must be a power of two <= gpus_per_node ({self.gpus_per_node}), got {t}"
+            )
         if self.controller not in ("reports", "layouts"):
             raise ValueError(f"controller: must be 'reports' or 'layouts', got {self.controller!r}")
         restart = self.restart_coordinator_at_step
@@ -139,4 +146,13 @@ def initial_plan(o: LaunchOptions, profile, nodes: list[str]):
         intra_node_bandwidth=100e9,
         inter_node_bandwidth=o.copy_bandwidth,
     )
-    return plan_job(profile, cluster, o.f, o.microbatches, o.job, nodes=nodes, microbatch_size=o.microbatch_size)
+    return plan_job(
+        profile,
+        cluster,
+        o.f,
+        o.microbatches,
+        o.job,
+        nodes=nodes,
+        microbatch_size=o.microbatch_size,
+        max_tp=o.max_tensor_parallel,
+    )

@@ -119,7 +119,7 @@ class Stage(_OmitsDegreeOne):
         default=1,
         ge=1,
         description="t: consecutive runs of t ranks split each layer (Megatron-style) and share one 1/(len/t) of "
-        "every microbatch. A power of two dividing len(gpus); the runtime runs t = 1 only (so far)",
+        "every microbatch. A power of two dividing len(gpus) (runtime/train/tp_stage.py)",
     )
     forward_ms: float | None = Field(
         default=None, ge=0, description="profiled, per microbatch, divided by the GPUs (None: the template stage's)"
