@@ -42,10 +42,11 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("lo
 LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
 
 CRASH_AFTER_PLAN_WRITE = Path(__file__).with_name("crash_after_plan_write.py")
-OPERATOR_RESTART_STEPS = 2000
+OPERATOR_RESTART_STEPS = 600
 """Steps of the job whose operator crashes after its plan write and restarts: the survivors train in the new
-generation meanwhile, and training (~30 ms a step here) must outlast the restart, which starts the planner
-processes before it serves (seconds on a loaded host)."""
+generation meanwhile, and training must outlast the crash and the restart, which starts the planner processes
+before it serves (seconds on a loaded host: from step 33 at the kill to 186 at the restart, load ~10,
+2026-11-26). As many as FAULT_TRAINS_ON_STEPS: the same reference run."""
 
 
 def start(run, spec: dict, warm_steps: int = 10):
@@ -214,10 +215,12 @@ def test_operator_crash_mid_reconfiguration_is_finished_by_its_restart(job_run, 
     deletes or creates any pod; its restart finishes that reconfiguration without planning it again."""
     run = job_run
     run.STEPS = OPERATOR_RESTART_STEPS
+    # Started before the job (its start takes seconds of training otherwise): it creates generation 0 and
+    # exits (137) right after it writes generation 1.
+    run.operator.kill()
+    run.operator.start(program=CRASH_AFTER_PLAN_WRITE)
     first = start(run, run.job_spec(run.STEPS, nodes=3))
     survivor, victim = first.nodes[0], first.nodes[1]
-    run.operator.kill()
-    run.operator.start(program=CRASH_AFTER_PLAN_WRITE)  # it exits (137) right after its next plan write
     run.cordon_spare_nodes()
     run.cordon(run.node_of(victim))
     assert local_nodes.kill_pod_process(run.ns, victim)
