@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -40,9 +41,15 @@ READ_TIMEOUT_S = 10.0
 LOSS_RTOL = 1e-5
 """The runtime's documented tolerance: every layout's losses match single-process training to 1e-5 relative."""
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny-gpt.yaml"
-STEPS = 600
-"""Steps of the failure tests' jobs: long enough that training outlasts a fault and its recovery (and
-an operator restart) on a loaded host; one training section, so one reference run for all of them."""
+STEPS = 200
+"""Steps of the failure tests' jobs: only what a kill needs. A killed worker stalls the survivors (a step's
+all-reduce needs every pipeline) until the generation without it, so the job cannot end during the recovery:
+the steps need only outlast the moment from 10 trained steps to the kill (a few API calls; 190 steps is ~4 s at
+the unloaded host's 50 steps/s). A fault that leaves every worker training (a node's GPUs marked unhealthy) or a
+recovery that must see a replacement start first asks for FAULT_TRAINS_ON_STEPS."""
+FAULT_TRAINS_ON_STEPS = 600
+"""Steps of a job that must still train while a fault is detected with every worker up, or while a
+replacement pod starts and is folded in (seconds of torch import on a loaded host)."""
 MODEL = {"layers": 4, "hiddenSize": 32, "heads": 2, "sequenceLength": 16, "vocabSize": 128}
 """Smaller than the example's GPT (a quarter of its hidden size, half its sequence): the reference run
 of STEPS steps takes seconds, not a minute, on a loaded host; the plan shapes stay the same."""
@@ -50,8 +57,12 @@ GLOBAL_BATCH = 4
 """Four microbatches of one sample per GPU of a node: enough for the four pipelines of f = 2 on four nodes."""
 
 
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
-    return wait_until(predicate, what, timeout, 0.2, tolerate=(Exception,))
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S, interval: float = 0.2) -> Any:
+    """wait_until, printing how long it took (a failing test's output shows where its time went)."""
+    began = time.monotonic()
+    result = wait_until(predicate, what, timeout, interval, tolerate=(Exception,))
+    print(f"waited {time.monotonic() - began:.1f} s for {what}")
+    return result
 
 
 def job_spec(
@@ -110,23 +121,26 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 @functools.lru_cache(maxsize=8)
-def _reference(config_json: str, global_microbatches: int) -> tuple[float, ...]:
+def _reference(config_json: str, global_microbatches: int, steps: int) -> tuple[float, ...]:
     from oobleck.runtime.train.config import WorkerConfig
     from oobleck.runtime.train.reference import train_reference
 
-    return tuple(train_reference(WorkerConfig.model_validate_json(config_json), global_microbatches).losses)
+    config = WorkerConfig.model_validate_json(config_json)
+    return tuple(train_reference(config, global_microbatches, steps).losses)
 
 
-def reference_losses(spec: dict[str, Any]) -> tuple[float, ...]:
-    """Per-step losses of the job trained in one process without failures. Cached by what the losses
-    depend on (model, data, optimizer, steps, seed, global batch), not by the job's shape: tests that
-    share a training section share one reference run."""
+def reference_losses(spec: dict[str, Any], through: int | None = None) -> tuple[float, ...]:
+    """Per-step losses of the job trained in one process without failures: all its steps, or the first
+    `through` (a step's loss depends on the steps before it only, so a prefix is the same run's). Cached by
+    what the losses depend on (model, data, optimizer, steps, seed, global batch), not by the job's shape:
+    tests that share a training section share one reference run."""
     from oobleck.api.spec import parse_spec
     from oobleck.runtime.backends.pod.config import config_from_spec
 
     parsed = parse_spec(spec)
     config = config_from_spec(parsed, JOB, compute_device="cpu")
-    return _reference(config.model_dump_json(), parsed.training.global_microbatches)
+    steps = parsed.training.steps if through is None else min(through, parsed.training.steps)
+    return _reference(config.model_dump_json(), parsed.training.global_microbatches, steps)
 
 
 def logged(path: Path) -> Iterator[dict[str, Any]]:
@@ -172,6 +186,7 @@ class JobRun:
         self._thread = threading.Thread(target=self._record, name="e2e-recorder", daemon=True)
 
     STEPS = STEPS
+    FAULT_TRAINS_ON_STEPS = FAULT_TRAINS_ON_STEPS
     wait_for = staticmethod(wait_for)
 
     # -- setup --
@@ -250,7 +265,7 @@ class JobRun:
         return body if body.get("status", {}).get("phase") == "Succeeded" else {}
 
     def wait_succeeded(self) -> dict[str, Any]:
-        return wait_until(self.succeeded, "the job to succeed", TIMEOUT_S, 0.5)
+        return wait_for(self.succeeded, "the job to succeed", TIMEOUT_S, 0.5)
 
     def events(self, reason: str) -> list[str]:
         """Messages of the namespace's events with `reason` (the operator's NodeLost, Reconfigured, ...)."""
@@ -290,18 +305,16 @@ class JobRun:
 
     # -- checks --
 
-    def reference(self) -> tuple[float, ...]:
-        """This job's per-step losses without failures (reference_losses)."""
+    def reference(self, through: int | None = None) -> tuple[float, ...]:
+        """This job's per-step losses without failures, all or the first `through` (reference_losses)."""
         assert self.spec is not None, "apply a job first"
-        return reference_losses(self.spec)
+        return reference_losses(self.spec, through)
 
     def check_losses(self, through: int | None = None) -> int:
         """Every step's loss, as every worker that knew it logged it (replays included), equals the
         no-failure reference within LOSS_RTOL; returns how many values were compared. With `through`, only
         steps before it are checked (a job still training), and each of them must have been logged."""
-        reference = self.reference()
-        if through is not None:
-            reference = reference[:through]
+        reference = self.reference(through)
         seen: dict[int, list[float]] = {}
         for record in self.records():
             if (

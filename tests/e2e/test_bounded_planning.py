@@ -58,7 +58,8 @@ def test_a_huge_spec_beside_a_training_job_stalls_nothing(job_run, local_nodes):
     run = job_run
     run.operator.kill()
     run.operator.start("--planner-timeout", "20")
-    spec = run.job_spec(nodes=3)
+    run.STEPS = run.FAULT_TRAINS_ON_STEPS  # the job trains on while the huge spec is applied before the kill
+    spec = run.job_spec(run.STEPS, nodes=3)
     run.apply(spec)
     first = run.wait_for(run.plan, "generation 0")
     run.wait_for(lambda: run.step(first.nodes[0]) >= 10, "10 steps trained")

@@ -42,9 +42,11 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("lo
 LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
 
 CRASH_AFTER_PLAN_WRITE = Path(__file__).with_name("crash_after_plan_write.py")
-OPERATOR_RESTART_STEPS = 2000
-"""Steps of the jobs whose operator is killed and restarted: training (~30 ms a step here) must outlast the
-restart, which starts the planner processes before it serves (seconds on a loaded host)."""
+OPERATOR_RESTART_STEPS = 600
+"""Steps of the job whose operator crashes after its plan write and restarts: the survivors train in the new
+generation meanwhile, and training must outlast the crash and the restart, which starts the planner processes
+before it serves (seconds on a loaded host: from step 33 at the kill to 186 at the restart, load ~10,
+2026-11-26). As many as FAULT_TRAINS_ON_STEPS: the same reference run."""
 
 
 def start(run, spec: dict, warm_steps: int = 10):
@@ -143,9 +145,11 @@ def test_kubectl_delete_pod_is_a_lost_node(job_run, local_nodes):
 
 def test_deleted_pods_replacement_is_folded_in(job_run, local_nodes):
     """No cordon: the replacement pod runs on the spare node (or the victim's, freed) and the next
-    generation folds it in, so the job ends on three nodes again (generations 0, 1 drop, 2 extend)."""
+    generation folds it in, so the job ends on three nodes again (generations 0, 1 drop, 2 extend). The
+    survivors train in generation 1 while the replacement starts: FAULT_TRAINS_ON_STEPS."""
     run = job_run
-    first = start(run, run.job_spec(nodes=3))
+    run.STEPS = run.FAULT_TRAINS_ON_STEPS
+    first = start(run, run.job_spec(run.STEPS, nodes=3))
     survivor, victim = first.nodes[0], first.nodes[1]
     run.cluster.kubectl("delete", "pod", victim, "-n", run.ns, "--wait=false")
     at_delete = run.step(survivor)
@@ -175,7 +179,8 @@ def test_deleted_pods_replacement_is_folded_in(job_run, local_nodes):
 
 def test_unhealthy_gpus_on_a_node_are_a_lost_node(job_run, local_nodes):
     run = job_run
-    spec = run.job_spec(nodes=3, device="cuda", env={"WORKER_DEVICE": "cpu"})
+    run.STEPS = run.FAULT_TRAINS_ON_STEPS  # every worker trains on in generation 0 until the operator drops the node
+    spec = run.job_spec(run.STEPS, nodes=3, device="cuda", env={"WORKER_DEVICE": "cpu"})
     first = start(run, spec)
     survivor, victim = first.nodes[0], first.nodes[1]
     assert run.pod(victim)["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "1"
@@ -210,10 +215,12 @@ def test_operator_crash_mid_reconfiguration_is_finished_by_its_restart(job_run, 
     deletes or creates any pod; its restart finishes that reconfiguration without planning it again."""
     run = job_run
     run.STEPS = OPERATOR_RESTART_STEPS
+    # Started before the job (its start takes seconds of training otherwise): it creates generation 0 and
+    # exits (137) right after it writes generation 1.
+    run.operator.kill()
+    run.operator.start(program=CRASH_AFTER_PLAN_WRITE)
     first = start(run, run.job_spec(run.STEPS, nodes=3))
     survivor, victim = first.nodes[0], first.nodes[1]
-    run.operator.kill()
-    run.operator.start(program=CRASH_AFTER_PLAN_WRITE)  # it exits (137) right after its next plan write
     run.cordon_spare_nodes()
     run.cordon(run.node_of(victim))
     assert local_nodes.kill_pod_process(run.ns, victim)
@@ -246,10 +253,10 @@ def test_operator_crash_mid_reconfiguration_is_finished_by_its_restart(job_run, 
 
 def test_operator_sigkilled_with_a_worker_is_caught_up_by_its_restart(job_run, local_nodes):
     """A worker and the operator SIGKILLed together (the operator may not even have seen the loss): the
-    restarted operator plans exactly one generation for it, and nothing is created twice."""
+    restarted operator plans exactly one generation for it, and nothing is created twice. The survivors stall
+    without the killed worker until that generation, so the default STEPS outlast the restart."""
     run = job_run
-    run.STEPS = OPERATOR_RESTART_STEPS
-    first = start(run, run.job_spec(run.STEPS, nodes=3))
+    first = start(run, run.job_spec(nodes=3))
     survivor, victim = first.nodes[0], first.nodes[1]
     run.cordon_spare_nodes()
     run.cordon(run.node_of(victim))

@@ -13,8 +13,9 @@ scraped over HTTP at its pod IP and parsed. test_failures.py has the other fault
 Every listener of a pod (gloo, the worker's /metrics, the coordinator's store) binds to its pod IP,
 so jobs on one host do not collide. Each xdist worker still runs at most one job at a time: the
 tests that run jobs on local nodes are split into two xdist groups ("local-node-jobs-1": the kills,
-here and in test_failures.py; "local-node-jobs-2": job faults, partitions, outages, the demo) of
-about equal length, one per worker of `make test`. One group took the whole suite's length (41 min
+here and in test_failures.py, bounded planning, job faults; "local-node-jobs-2": partitions, outages,
+spares, stragglers, the demo) of about equal length, one per worker of `make test` (each about 13 min
+with -n 0 at load 10-30, 2026-11-26). One group took the whole suite's length (41 min
 of 41); more than one job per worker would compete for the CPU and slow each past its timeouts.
 """
 
