@@ -110,6 +110,7 @@ def job_templates(spec: OobleckJobSpec, profile: ModelProfile, tuning: Tuning) -
         spec.training.reference_microbatches,
         global_microbatches=spec.training.global_microbatches,
         microbatch_size=spec.training.microbatch_size,
+        max_tp=spec.max_tensor_parallel,
     )
 
 
@@ -119,9 +120,10 @@ def check_planned(spec_json: str, profile_json: str, tuning: Tuning) -> str | No
     profile = ModelProfile.model_validate_json(profile_json)
     try:
         templates = job_templates(spec, profile, tuning)
-        # A stage of g GPUs splits every microbatch in g parts: each needs at least one sample. The planner
+        # A stage of g GPUs at tensor-parallel degree t splits every microbatch in g / t parts: each needs at
+        # least one sample. The planner
         # only makes stages whose GPU count divides the microbatch size; this stays as a guard.
-        split = max((stage.gpus for t in templates for stage in t.stages), default=1)
+        split = max((stage.gpus // stage.tensor_parallel for t in templates for stage in t.stages), default=1)
         if split > spec.training.microbatch_size:
             return (
                 f"training.microbatchSize: {spec.training.microbatch_size} sample(s) cannot be split over the "

@@ -117,3 +117,20 @@ def test_killed_worker_is_one_generation_and_the_job_still_succeeds(job_run, loc
     assert operator["oobleck_operator_pods_lost_total"] == 1
     assert operator["oobleck_operator_failure_to_patch_seconds_count"] == 1
     print(f"failure-to-patch: {operator['oobleck_operator_failure_to_patch_seconds_sum']:.3f} s")
+
+
+def test_tensor_parallel_stages_train_in_pods_like_one_process(job_run, local_nodes):
+    """spec.maxTensorParallel 2 on pods of 2 GPU processes with 1-sample microbatches: a sample cannot be
+    split between the two, so the planner gives the stages t = 2 (each process holds half of every layer of
+    its stage); the job trains to its last step with every loss equal to single-process training."""
+    run, steps = job_run, 30
+    spec = run.job_spec(steps, nodes=2, gpus_per_node=2)
+    spec["maxTensorParallel"] = 2
+    spec["training"]["microbatchSize"] = 1
+    run.apply(spec)
+    plan = run.wait_for(run.plan, "generation 0")
+    degrees = {stage.tensor_parallel for pipeline in plan.pipelines for stage in pipeline.stages}
+    assert degrees == {2}, [(s.start, s.end, s.tensor_parallel) for p in plan.pipelines for s in p.stages]
+    body = run.wait_succeeded()
+    assert body["status"]["progress"]["step"] == steps and plan.generation == 0
+    assert run.check_losses() >= steps

@@ -387,6 +387,12 @@ class OobleckJobSpec(CrdModel):
         description="GPUs each worker pod uses (one training process per GPU).",
         json_schema_extra=immutable("gpusPerNode"),
     )
+    max_tensor_parallel: Literal[1, 2, 4, 8, 16] = Field(
+        default=1,
+        description="The largest tensor-parallel degree t the planner may give a stage (at most gpusPerNode): a "
+        "stage on g GPUs of a node runs g / t groups of t GPUs, each GPU holding 1/t of its layers' state. 1: none.",
+        json_schema_extra=immutable("maxTensorParallel"),
+    )
     gpu_resource_name: str = Field(
         default="nvidia.com/gpu",
         min_length=1,
@@ -461,6 +467,14 @@ class OobleckJobSpec(CrdModel):
                 m.checkpoint is None or m.checkpoint.format != "huggingface" or m.model.transformers is not None
             ),
             field_path=".checkpoint.format",
+        ),
+        Rule(
+            cel="self.maxTensorParallel <= self.gpusPerNode",
+            message="maxTensorParallel (%d) is over gpusPerNode (%d): tensor parallelism splits a stage within a node",
+            cel_args=("self.maxTensorParallel", "self.gpusPerNode"),
+            args=lambda m: (m.max_tensor_parallel, m.gpus_per_node),
+            check=lambda m: m.max_tensor_parallel <= m.gpus_per_node,
+            field_path=".maxTensorParallel",
         ),
         Rule(
             cel="self.f + 1 <= self.nodes.max",
