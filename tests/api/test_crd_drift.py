@@ -118,6 +118,7 @@ def test_immutable_fields_carry_transition_rules(root_schema: dict[str, Any]) ->
     assert immutable == {
         "spec.model",
         "spec.gpusPerNode",
+        "spec.maxTensorParallel",
         "spec.gpuResourceName",
         "spec.device",
         "spec.data",
@@ -127,7 +128,7 @@ def test_immutable_fields_carry_transition_rules(root_schema: dict[str, Any]) ->
     }
     # Transition rules on optional fields only run when the old object had them: all these are
     # required or defaulted, so a change is always caught.
-    for name in ("model", "gpusPerNode", "gpuResourceName", "device", "data"):
+    for name in ("model", "gpusPerNode", "maxTensorParallel", "gpuResourceName", "device", "data"):
         assert name in root_schema["properties"]["spec"].get("required", []) or "default" in spec[name], name
 
 
