@@ -29,10 +29,7 @@ class PodWorker(Worker):
         """Why the last checkpoint write failed (None: it succeeded, or none was due): this worker's snapshot
         agent's, or on the reporting GPU 0 of a multi-GPU pod, another GPU's when its own is fine."""
         own = self.snapshots.checkpoint_error if self.snapshots is not None else None
-        if self.siblings is None:
-            return own
-        if self.progress is None:
-            self.siblings.publish(own)
+        if self.siblings is None or self.progress is None:
             return own
         return self.siblings.pod_error(own)
 
@@ -45,7 +42,7 @@ class PodWorker(Worker):
 
     def train_step(self) -> StepOutcome:
         outcome = super().train_step()
-        if self.progress is None and self.siblings is not None:
+        if self.progress is None and self.siblings is not None:  # a non-reporting GPU tells GPU 0
             self.siblings.publish(self.checkpoint_error)
         if self.progress is not None and self.plan is not None:
             rate = outcome.samples / outcome.seconds if outcome.seconds > 0 else None
