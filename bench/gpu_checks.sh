@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on a CUDA machine whose python3 already holds PyTorch (and transformers):
 # installs this checkout (no dependencies; the planner is compiled) into a scratch folder, then runs
-# bench/gpu_single.py (with a breakdown by runtime piece) and the CUDA tests (tests/runtime/test_gpu.py).
+# bench/gpu_capture.py (a snapshot capture's pieces) and bench/gpu_single.py (60 steps: five snapshot steps past the warm-up; and without snapshots) and the
+# CUDA tests (tests/runtime, marked gpu).
 # Logs and figures go to $1 (default: a temporary folder). CI has no GPU: this is run by hand.
 #
-# usage: bench/gpu_checks.sh [OUT_DIR]
+# usage: [GPU_WHEELS=build/gpu-wheels] [GPU_BENCHES='capture single'] bench/gpu_checks.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-$(mktemp -d)}
@@ -15,10 +16,36 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" . >"$out/install.log" 2>&1 \
   || { tail -30 "$out/install.log"; echo "installing the package failed"; exit 1; }
+if [ -n "${GPU_WHEELS:-}" ]; then
+  # A device machine without an index: the runtime's dependencies from a folder of wheels made beside the
+  # checkout (pip download). The small pure ones always go in (they shadow older copies); numpy and the
+  # Hugging Face stack only where missing, so that the machine's torch keeps the numpy it was built with.
+  wheels=()
+  for wheel in "$GPU_WHEELS"/*.whl; do
+    dist=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z' 'a-z')
+    module=$dist; [ "$dist" = pyyaml ] && module=yaml
+    case $dist in
+      numpy | transformers | huggingface_hub | tokenizers | safetensors | regex | tqdm | requests | filelock | fsspec | \
+        hf_xet | certifi | idna | urllib3 | charset_normalizer | packaging)
+        python3 -c "import $module" 2>/dev/null && continue ;;
+    esac
+    wheels+=("$wheel")
+  done
+  python3 -m pip install -q --no-deps --no-index --no-compile --target "$site" "${wheels[@]}" >>"$out/install.log" 2>&1 \
+    || { tail -30 "$out/install.log"; echo "installing the wheels failed"; exit 1; }
+  echo "from wheels: ${#wheels[@]}"
+fi
 echo "installed in $(($(date +%s) - start)) s"
 status=0
-timeout "${GPU_BENCH_TIMEOUT_S:-300}" python3 bench/gpu_single.py --repeats "${GPU_BENCH_REPEATS:-3}" \
-  --pieces "${GPU_BENCH_PIECES:-off,no-snapshots}" --out "$out/gpu_single.json" 2>&1 | tee "$out/gpu_single.log" || status=1
-timeout "${GPU_TESTS_TIMEOUT_S:-240}" python3 -m pytest -p no:cacheprovider -q --timeout 200 -m gpu tests/runtime/test_gpu.py \
+benches=${GPU_BENCHES:-capture single}
+if [[ " $benches " == *" capture "* ]]; then
+  timeout 120 python3 bench/gpu_capture.py --out "$out/gpu_capture.json" 2>&1 | tee "$out/gpu_capture.log" || status=1
+fi
+if [[ " $benches " == *" single "* ]]; then
+  timeout "${GPU_BENCH_TIMEOUT_S:-300}" python3 bench/gpu_single.py --repeats "${GPU_BENCH_REPEATS:-3}" --warmup "${GPU_BENCH_WARMUP:-15}" \
+    --steps "${GPU_BENCH_STEPS:-60}" --pieces "${GPU_BENCH_PIECES-no-snapshots}" --out "$out/gpu_single.json" 2>&1 \
+    | tee "$out/gpu_single.log" || status=1
+fi
+timeout "${GPU_TESTS_TIMEOUT_S:-240}" python3 -m pytest -p no:cacheprovider -q --timeout 200 -m gpu tests/runtime/test_gpu.py tests/runtime/test_causes.py tests/runtime/test_profiler_metrics_cli.py \
   2>&1 | tee "$out/gpu_tests.log" || status=1
 exit $status

@@ -178,6 +178,7 @@ def main() -> int:
     pieces = [v for v in args.pieces.split(",") if v] if args.pieces else []
     names = ["runtime", "plain", *pieces]
     stats: dict[str, dict[str, list[float]]] = {name: {"median": [], "mean": []} for name in names}
+    last_intervals: dict[str, list[float]] = {}  # each variant's last round, step by step (snapshot steps show)
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.repeats):
             for name in names:
@@ -188,6 +189,7 @@ def main() -> int:
                 else:
                     intervals = overhead.run_variant("on" if name == "runtime" else name, config, plan, folder)
                 kept = intervals[args.warmup :] or intervals
+                last_intervals[name] = [round(seconds * 1e3, 2) for seconds in intervals]
                 stats[name]["median"].append(statistics.median(kept))
                 stats[name]["mean"].append(statistics.mean(kept))
                 print(
@@ -208,7 +210,13 @@ def main() -> int:
         mean_seconds = statistics.median(figures["mean"])
         rate = tokens / mean_seconds
         mfu = per_token * rate / (peak * 1e12) if per_token and peak else None
-        result[name] = {"step_ms": seconds * 1e3, "mean_step_ms": mean_seconds * 1e3, "tokens_per_s": rate, "mfu": mfu}
+        result[name] = {
+            "step_ms": seconds * 1e3,
+            "mean_step_ms": mean_seconds * 1e3,
+            "tokens_per_s": rate,
+            "mfu": mfu,
+            "last_round_intervals_ms": last_intervals[name],
+        }
         shown = f"{mfu:.3f}" if mfu is not None else "n/a (no peak FLOP/s for this device)"
         print(
             f"{name:12s}: median {seconds * 1e3:9.2f} ms/step, mean {mean_seconds * 1e3:9.2f} ms/step,"

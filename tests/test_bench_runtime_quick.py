@@ -42,6 +42,12 @@ def test_gpu_single_quick_on_cpu(tmp_path):
     assert math.isfinite(figures["ratio"]) and figures["ratio"] > 0
 
 
+def test_gpu_capture_quick_on_cpu(tmp_path):
+    figures = _run("gpu_capture.py", tmp_path)
+    assert figures["device"] == "cpu" and figures["bytes"] > 0
+    assert figures["capture_s"] > 0 and figures["work_s"] > 0
+
+
 def test_tp_vs_torch_quick(tmp_path):
     figures = _run("tp_vs_torch.py", tmp_path)
     assert math.isfinite(figures["ratio"]) and figures["ratio"] > 0

@@ -8,8 +8,10 @@ Tier (a), in memory (GEMINI-style). Every `snapshot.interval_steps` (K) steps, w
 step t (t % K == 0, the state right after step t - 1 committed), it captures the full state of every
 layer it holds (parameters, AdamW moments, step counter: `state.flatten`'s bytes) into host memory
 on a background thread, while step t's forward and backward run; the optimizer update of step t
-waits for the capture (`Snapshotter.ordered`, the only synchronisation): on a GPU only until the copies
-into page-locked host memory are queued ahead of it on the GPU, elsewhere until they are made. A second thread then pushes
+waits for the capture (`Snapshotter.ordered`, the only synchronisation): on a GPU the copies into
+page-locked host memory start from the state before step t on a side stream, overlapping forward and
+backward, and only the update's stream waits for their end (on the GPU, not on the host); elsewhere the
+update waits until the copies are made. A second thread then pushes
 the captured bytes over TCP to its *buddy*, a worker on another node that holds none of its layers
 (`buddy_of`: the next such node in plan order, ring-wise), and acknowledges the step in the store
 (`snap/gen{g}/step{t}/done`); the rank completing the count marks the step complete
@@ -121,8 +123,8 @@ class _Job:
     """the buddy's worker id, or None (no push)"""
     write: list[int] = field(default_factory=list)
     """layers this rank writes to the checkpoint directory at this step"""
-    compute_stream: torch.cuda.Stream | None = None
-    """the training thread's stream on a GPU: its later work (the update) is ordered after the capture"""
+    start: torch.cuda.Event | None = None
+    """on a GPU: recorded on the training thread's stream where the state is the one to capture"""
 
 
 class Snapshotter:
@@ -158,7 +160,8 @@ class Snapshotter:
         self.checkpoint_keep = checkpoint_keep
         self.num_layers = num_layers
         self.push_timeout_s = push_timeout_s
-        self.store = SnapshotStore()
+        self._pinned = PinnedBuffers()
+        self.store = SnapshotStore(on_drop=self._pinned.give)
         self.signer = signer
         # Bound to the advertised address (the pod IP), not every interface; a buddy's push is bounded by
         # each layer's state size and verified under the job key before it is stored.
@@ -180,7 +183,7 @@ class Snapshotter:
         self._captured.set()
         self._ordered = threading.Event()
         self._ordered.set()
-        self._pinned = PinnedBuffers()
+        self._copied: torch.cuda.Event | None = None
         self._outstanding = 0
         self._quiet = threading.Condition()
         self._begun: set[tuple[int, int]] = set()
@@ -215,6 +218,7 @@ class Snapshotter:
         device = next((p.device for module in layers.values() for p in module.parameters()), None)
         self._captured.clear()
         self._ordered.clear()
+        self._copied = None
         with self._quiet:
             self._outstanding += 1
         self._captures.put(
@@ -227,9 +231,7 @@ class Snapshotter:
                 push=bool(self.interval and step % self.interval == 0),
                 buddy=None if buddy is None else f"{buddy[0]}:{buddy[1]}",
                 write=write,
-                compute_stream=torch.cuda.current_stream(device)
-                if device is not None and device.type == "cuda"
-                else None,
+                start=_recorded(device),
             )
         )
 
@@ -240,8 +242,12 @@ class Snapshotter:
 
     def ordered(self) -> None:
         """Block until work the training thread queues from now on may update the state: on a GPU, once the
-        capture's copies are queued ahead of it (the GPU orders them), else once the capture is done."""
+        capture's copies are queued (the current stream is then made to wait for their end on the GPU),
+        else once the capture is done."""
         self._ordered.wait()
+        copied, self._copied = self._copied, None
+        if copied is not None:
+            torch.cuda.current_stream(copied.device).wait_event(copied)
 
     def wait_idle(self, timeout_s: float = 60.0) -> bool:
         """Wait until every snapshot begun is captured, pushed and written (tests, orderly exit)."""
@@ -259,8 +265,8 @@ class Snapshotter:
                 captured = capture_layers(
                     job.layers,
                     job.optimizer,
-                    compute_stream=job.compute_stream,
-                    ordered=self._ordered.set,
+                    start=job.start,
+                    ordered=self._order,
                     buffers=self._pinned,
                 )
                 self.stats["capture_s"] += time.perf_counter() - started
@@ -272,8 +278,12 @@ class Snapshotter:
                 self._ordered.set()
                 self._captured.set()
                 self._shipments.put((job, captured))
-            if captured is not None and job.compute_stream is not None:
+            if captured is not None and job.start is not None:
                 self._pinned.prepare({layer: data.numel() for layer, data in captured.items()})
+
+    def _order(self, copied: torch.cuda.Event | None) -> None:
+        self._copied = copied
+        self._ordered.set()
 
     def _ship_loop(self) -> None:
         while True:
@@ -437,3 +447,12 @@ def snapshotter_for(config, worker: str, connect_store: Callable[[], object], st
         layer_nbytes=layer_nbytes,
         signer=job_signer(),
     )
+
+
+def _recorded(device: torch.device | None) -> torch.cuda.Event | None:
+    """An event on `device`'s current stream (None off a GPU): the point a capture starts from."""
+    if device is None or device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -10,7 +11,9 @@ import torch
 class SnapshotStore:
     """Snapshots this worker holds in host memory, own and buddy-held: step -> layer -> state bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_drop: Callable[[torch.Tensor], None] = lambda data: None) -> None:
+        self._on_drop = on_drop
+        """called with every tensor the store lets go of (a dropped step, a replaced layer): buffers to reuse"""
         self._lock = threading.Lock()
         self._steps: dict[int, dict[int, torch.Tensor]] = {}
         self.complete: set[int] = set()
@@ -19,7 +22,10 @@ class SnapshotStore:
 
     def put(self, step: int, layer: int, data: torch.Tensor) -> None:
         with self._lock:
-            self._steps.setdefault(step, {})[layer] = data
+            replaced = self._steps.setdefault(step, {}).get(layer)
+            self._steps[step][layer] = data
+        if replaced is not None and replaced is not data:
+            self._on_drop(replaced)
 
     def get(self, step: int, layer: int) -> torch.Tensor:
         with self._lock:
@@ -61,6 +67,7 @@ class SnapshotStore:
 
     def prune(self) -> None:
         """Keep the newest complete step and the newest step being built (see the module docstring)."""
+        dropped: list[torch.Tensor] = []
         with self._lock:
             if self.frozen:
                 return
@@ -73,4 +80,6 @@ class SnapshotStore:
                 keep.update(steps[-2:])  # nothing known complete: the two newest
             for step in steps:
                 if step not in keep:
-                    del self._steps[step]
+                    dropped.extend(self._steps.pop(step).values())
+        for data in dropped:
+            self._on_drop(data)

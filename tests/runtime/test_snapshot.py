@@ -159,6 +159,30 @@ def test_the_store_keeps_the_newest_complete_step_and_the_one_being_built():
     assert store.holdings() == {"12": [0]}
 
 
+def test_the_store_hands_back_every_buffer_it_lets_go_of_and_no_other():
+    """Dropped steps and replaced layers go to `on_drop` (the pinned pool reuses them); held ones never."""
+    dropped: list[torch.Tensor] = []
+    store = SnapshotStore(on_drop=dropped.append)
+    buffers = {step: torch.full((2,), step, dtype=torch.uint8) for step in (0, 4, 8)}
+    for step, data in buffers.items():
+        store.put(step, 0, data)
+    store.mark_complete(4)
+    store.prune()
+    assert [int(t[0]) for t in dropped] == [0] and dropped[0] is buffers[0]
+    again = torch.full((2,), 9, dtype=torch.uint8)
+    store.put(8, 0, again)  # a step captured again (a replay) replaces the older bytes
+    assert dropped[-1] is buffers[8]
+    store.put(8, 0, again)
+    assert len(dropped) == 2, "putting the same tensor again lets go of nothing"
+    store.freeze()
+    store.mark_complete(8)
+    store.prune()
+    assert len(dropped) == 2, "frozen: nothing is let go of"
+    store.thaw()
+    store.prune()
+    assert dropped[-1] is buffers[4] and store.steps() == [8]
+
+
 def test_a_push_lands_in_the_buddys_store_and_a_broken_one_does_not():
     store = SnapshotStore()
     server = SnapshotServer(store, "127.0.0.1").start()
