@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.warmup, args.cpus = 30, 5, args.cpus.split(",")[0]
+        args.steps, args.warmup, args.cpus = 14, 4, args.cpus.split(",")[0]
     from oobleck.planner.rebalance import rebalance
     from oobleck.planner.resplit import resplit
     from oobleck_dev import cpulimit

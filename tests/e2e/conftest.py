@@ -12,7 +12,10 @@ an operator, and cleans up after it (pods gone, nodes uncordoned, GPUs healthy a
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import os
+import sys
 import threading
 import time
 import urllib.request
@@ -120,13 +123,46 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+REPO = Path(__file__).parents[2]
+REFERENCE_CACHE = Path(os.environ.get("OOBLECK_CACHE") or Path.home() / ".cache" / "oobleck") / "e2e-references"
+"""Reference losses kept across runs (a 1500-step reference takes 20-60 s on the 2-core host), keyed by
+everything they depend on: the worker config, the global batch, the runtime's and API's sources and torch."""
+
+
+@functools.cache
+def _sources_stamp() -> str:
+    import torch
+
+    digest = hashlib.sha256(f"{torch.__version__} {sys.version}".encode())
+    for root in (REPO / "runtime", REPO / "src" / "oobleck"):
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(REPO).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 @functools.lru_cache(maxsize=8)
 def _reference(config_json: str, global_microbatches: int, steps: int) -> tuple[float, ...]:
+    """The first `steps` losses of the config's run: from the cache when a run of at least that many steps of
+    the same config (the same job: its steps set the learning-rate schedule) is there, else trained and kept."""
     from oobleck.runtime.train.config import WorkerConfig
     from oobleck.runtime.train.reference import train_reference
 
+    key = hashlib.sha256(f"{_sources_stamp()} {global_microbatches} {config_json}".encode()).hexdigest()
+    path = REFERENCE_CACHE / f"{key}.json"
+    try:
+        kept = json.loads(path.read_text())
+        if len(kept) >= steps:
+            return tuple(float(loss) for loss in kept[:steps])
+    except (OSError, ValueError):
+        pass
     config = WorkerConfig.model_validate_json(config_json)
-    return tuple(train_reference(config, global_microbatches, steps).losses)
+    losses = tuple(train_reference(config, global_microbatches, steps).losses)
+    REFERENCE_CACHE.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(list(losses)))
+    partial.replace(path)  # whole or absent: parallel test processes may write the same key
+    return losses
 
 
 def reference_losses(spec: dict[str, Any], through: int | None = None) -> tuple[float, ...]:
