@@ -169,14 +169,15 @@ def reference_losses(spec: dict[str, Any], through: int | None = None) -> tuple[
     """Per-step losses of the job trained in one process without failures: all its steps, or the first
     `through` (a step's loss depends on the steps before it only, so a prefix is the same run's). Cached by
     what the losses depend on (model, data, optimizer, steps, seed, global batch), not by the job's shape:
-    tests that share a training section share one reference run."""
+    tests that share a training section share one reference run. The whole job's run is what is trained
+    and kept, so that a later `through` (a test's own timing sets it) finds it on disk."""
     from oobleck.api.spec import parse_spec
     from oobleck.runtime.backends.pod.config import config_from_spec
 
     parsed = parse_spec(spec)
     config = config_from_spec(parsed, JOB, compute_device="cpu")
-    steps = parsed.training.steps if through is None else min(through, parsed.training.steps)
-    return _reference(config.model_dump_json(), parsed.training.global_microbatches, steps)
+    losses = _reference(config.model_dump_json(), parsed.training.global_microbatches, parsed.training.steps)
+    return losses if through is None else losses[:through]
 
 
 def logged(path: Path) -> Iterator[dict[str, Any]]:
