@@ -174,6 +174,7 @@ def _settle_sources(plan: Plan, worker, control: ControlStore, me: str, detector
     mine = Holding(
         step=worker.step,
         layers=tuple(worker.live_layers()),
+        shards=worker.live_shards(),
         started=worker.started,
         snapshots={int(k): tuple(v) for k, v in snapshots.store.holdings().items()} if snapshots is not None else {},
         checkpoint={k: tuple(sorted(v)) for k, v in checkpoint_holdings(worker.config.checkpoint.path).items()},
@@ -255,6 +256,7 @@ def _publish_held(
     """phase "adopted": after joining `generation`; "left": after leaving it (final for that generation)."""
     generation = worker.plan.generation if generation is None and worker.plan is not None else generation
     value = {"generation": generation, "step": worker.step, "layers": worker.live_layers(), "phase": phase}
+    value["shards"] = {str(layer): list(sharding) for layer, sharding in worker.live_shards().items()}
     snapshots = worker.snapshots
     if snapshots is not None:
         # What a rollback may restore from (frozen while the worker is between generations), and

@@ -8,13 +8,16 @@ than f failures some layer may have no live replica at all. A plan whose copies 
 does not hold the layer would fail every member of the generation.
 
 So before adopting generation g every member posts what it holds (`gen{g}/holding/{worker}`: step,
-layers, whether it has trained, its snapshots, the checkpoint directory's steps) and waits for the
-others; then each computes, from the same records, the same answer (`resolve`, a pure function):
+whole layers, tensor-parallel shards (layer, t, k), whether it has trained, its snapshots, the checkpoint
+directory's steps) and waits for the others; then each computes, from the same records, the same answer
+(`resolve`, a pure function):
 
-- the proposal stands when every copy's source holds its layer at the step the members share, and
-  every rank gets every layer of its stage (its own, a copy, or - in a fresh job - built from the seed);
-- otherwise the copies are recomputed from the records with the planner's copy plan for the
-  layout (`layout_copies`);
+- the proposal stands when every copy's source holds its layer (in the sharding the copy names) at the
+  step the members share, and every rank gets every layer of its stage in its own sharding (its own, a
+  copy, or - in a fresh job - built from the seed);
+- otherwise the copies are recomputed from the records: with the planner's copy plan for the layout
+  (`layout_copies`), or, when the plan has tensor-parallel stages or some member holds shards, with
+  copies that know shards (runtime/elastic/shard_sources.py: same-t shards, one degree's full set, a whole replica);
 - if some layer has no live holder, or the live holders disagree on the step, the generation rolls
   back: the newest step that the members' snapshots and the checkpoint directory cover in full
   (`snapshot.restore_point`), with `snapshot.restore_copies` as the copies;
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from oobleck.api.addresses import worker_id
 from oobleck.api.plan import Plan
 from oobleck.runtime.elastic import keys
+from oobleck.runtime.elastic.shard_sources import LostShards, shard_copies, sound, uses_shards
 
 
 class Unrecoverable(Exception):
@@ -51,6 +55,12 @@ class Holding:
     """step -> layers of in-memory snapshots it holds (its own and its buddy's)"""
     checkpoint: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     """step -> layers complete in the checkpoint directory, as this member reads it"""
+    shards: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    """layer -> (t, k): the layers it holds as tensor-parallel shard k of t (not in `layers`, which are whole)"""
+
+    def held(self) -> dict[int, tuple[int, int]]:
+        """Every live layer with its sharding: (1, 0) for a whole one."""
+        return {layer: (1, 0) for layer in self.layers} | dict(self.shards)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -60,6 +70,7 @@ class Holding:
                 "started": self.started,
                 "snapshots": {str(k): list(v) for k, v in self.snapshots.items()},
                 "checkpoint": {str(k): list(v) for k, v in self.checkpoint.items()},
+                "shards": {str(layer): list(sharding) for layer, sharding in self.shards.items()},
             }
         )
 
@@ -72,21 +83,13 @@ class Holding:
             started=bool(data["started"]),
             snapshots={int(k): tuple(v) for k, v in data.get("snapshots", {}).items()},
             checkpoint={int(k): tuple(v) for k, v in data.get("checkpoint", {}).items()},
+            shards={int(layer): _sharding(v) for layer, v in data.get("shards", {}).items()},
         )
 
 
-def _sound(plan: Plan, live: Mapping[str, set[int]]) -> bool:
-    """Whether `plan`'s copies can be served by `live` (worker -> layers) and leave no rank short."""
-    incoming: dict[int, set[int]] = {}
-    for copy in plan.copies:
-        if copy.source_kind != "live" or copy.layer not in live.get(f"{copy.src_node}:{copy.src_gpu}", set()):
-            return False
-        incoming.setdefault(copy.dst_rank, set()).add(copy.layer)
-    for a in plan.ranks:
-        have = live.get(f"{a.node}:{a.gpu}", set()) | incoming.get(a.rank, set())
-        if not set(range(a.start, a.end)) <= have:
-            return False
-    return True
+def _sharding(value) -> tuple[int, int]:
+    t, k = (int(v) for v in value)
+    return t, k
 
 
 def resolve(plan: Plan, holdings: Mapping[str, Holding], state_bytes: list[int]) -> Plan:
@@ -101,18 +104,21 @@ def resolve(plan: Plan, holdings: Mapping[str, Holding], state_bytes: list[int])
     trained = {w: h for w, h in holdings.items() if h.started}
     if not trained:
         return plan  # a fresh job: every layer is built from the seed
-    steps = {h.step for h in trained.values() if h.layers}
+    steps = {h.step for h in trained.values() if h.layers or h.shards}
     live = {w: set(h.layers) for w, h in trained.items()}
+    held = {w: h.held() for w, h in trained.items()}
     if len(steps) == 1:
-        if _sound(plan, live):
+        if sound(plan, held):
             return plan
-        keyed = {(w.rpartition(":")[0], int(w.rpartition(":")[2])): frozenset(layers) for w, layers in live.items()}
         try:
-            return plan.model_copy(
-                update={"copies": layout_copies(plan, keyed, state_bytes), "reason": f"{plan.reason}+resolved"}
-            )
-        except LostLayersError:
-            pass  # some layer has no live holder: roll back
+            if uses_shards(plan, held):  # tensor-parallel stages or shards held: copies that know shards
+                copies = shard_copies(plan, held, state_bytes)
+            else:
+                keyed = {(w.rpartition(":")[0], int(w.rpartition(":")[2])): frozenset(ls) for w, ls in live.items()}
+                copies = layout_copies(plan, keyed, state_bytes)
+            return plan.model_copy(update={"copies": copies, "reason": f"{plan.reason}+resolved"})
+        except (LostLayersError, LostShards):
+            pass  # some layer has no live source: roll back
     # Roll back: the newest step covered by the members' snapshots and the directory.
     memory = {w: h.snapshots for w, h in holdings.items()}
     first = min(plan.ranks, key=lambda a: a.rank)
@@ -120,8 +126,8 @@ def resolve(plan: Plan, holdings: Mapping[str, Holding], state_bytes: list[int])
     latest = max((h.step for h in trained.values()), default=None)
     step = restore_point(memory, checkpoint, plan.num_layers, latest)
     if step is None:
-        held = set().union(*live.values()) if live else set()
-        missing = sorted(set(range(plan.num_layers)) - held)
+        whole = set().union(*live.values()) if live else set()
+        missing = sorted(set(range(plan.num_layers)) - whole)
         raise Unrecoverable(
             f"generation {plan.generation}: layers {missing or 'of several steps'} have no live holder and no snapshot "
             "or checkpoint holds every layer at one step; the job must restart from storage"

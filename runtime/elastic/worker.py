@@ -166,7 +166,10 @@ class Worker:
             self._restore_local(plan, rank, (mine.tensor_parallel, mine.tp_index))
         self.groups = self._generation_groups(plan, rank)
         bind(self.channel, mine, self.groups, self.failed, self.config.timeouts.poll, self.config.timeouts.step)
-        incoming = {c.layer for c in plan.copies if c.dst_rank == rank and c.src_rank != rank}
+        # A live copy to itself is a piece this rank holds, re-sharded with the ones it receives.
+        incoming = {
+            c.layer for c in plan.copies if c.dst_rank == rank and (c.src_rank != rank or c.source_kind == "live")
+        }
         self._build_fresh_layers(mine, incoming, rank)
         moved = transfer(
             plan.copies,
@@ -312,10 +315,13 @@ class Worker:
         return lambda layer: store.get(step, layer)
 
     def live_layers(self) -> list[int]:
-        """The layers this worker reports as held: whole ones only. The copy planners know layers, not shards:
-        a TP shard reported as the layer could be named the source of another shard. A TP stage's layers
-        then come from a whole replica (cut on arrival) or, with none left, from the snapshots (whole)."""
+        """The layers this worker holds whole: what layer-level copy planners may name it the source of."""
         return sorted(layer for layer, module in self.layers.items() if sharding(module) == (1, 0))
+
+    def live_shards(self) -> dict[int, tuple[int, int]]:
+        """The layers this worker holds as tensor-parallel shards, each with its (t, k): reported beside the
+        whole ones, so that a generation's members copy shards (runtime/elastic/shard_sources.py)."""
+        return {layer: sharding(module) for layer, module in sorted(self.layers.items()) if sharding(module) != (1, 0)}
 
     def layer_state_bytes(self) -> list[int]:
         """Every layer's full state in bytes (`state.flatten`'s size): what a copy of it moves.

@@ -57,7 +57,7 @@ from oobleck.runtime.train.groups import (
 )
 from oobleck.runtime.train.numerics import find_non_finite
 from oobleck.runtime.train.optim import LayerAdamW, learning_rate
-from oobleck.runtime.train.tp_stage import Channel, Placement, check_supported, pieces, placements, stage_loss, tp_group
+from oobleck.runtime.train.tp_stage import Channel, Placement, pieces, placements, stage_loss, tp_group
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 RECEIVE_AHEAD = 1
@@ -209,7 +209,10 @@ class _TiedGradients:
     Each tied layer owns a copy of the parameter. A rank adds the gradients of the copies it holds into
     one accumulator per tie; the accumulators are summed over every rank holding *any* of the tie's
     layers (the union of their holders, one group per tie) and installed into every copy, so all copies
-    get the one gradient of the shared parameter and, updated identically, stay identical."""
+    get the one gradient of the shared parameter and, updated identically, stay identical.
+    A copy held as a tensor-parallel shard (its `Placement`) adds its gradient at its place in a whole-size
+    accumulator and takes its shard of the sum back, as the holder sets do: the tied copies may live on
+    stages of different t (a vocabulary shard adds its rows at their place; zeros add exactly)."""
 
     def __init__(
         self,
@@ -218,13 +221,18 @@ class _TiedGradients:
         held: dict[int, nn.Module],
         device: torch.device,
         dtype: torch.dtype,
+        placed: dict[tuple[int, str], Placement],
     ) -> None:
-        self.ties: list[tuple[tuple[int, ...], torch.Tensor, list[nn.Parameter]]] = []
+        self.ties: list[tuple[tuple[int, ...], torch.Tensor, list[tuple[nn.Parameter, Placement | None]]]] = []
         for tie in model.tied_parameters():
-            copies = [held[layer].get_parameter(name) for layer, name in tie if layer in held]
+            copies = [
+                (held[layer].get_parameter(name), placed.get((layer, name))) for layer, name in tie if layer in held
+            ]
             if copies:
                 members = tied_holders(plan, [layer for layer, _ in tie])
-                self.ties.append((members, torch.zeros(copies[0].shape, dtype=dtype, device=device), copies))
+                first, place = copies[0]
+                shape = place.whole if place is not None else tuple(first.shape)
+                self.ties.append((members, torch.zeros(shape, dtype=dtype, device=device), copies))
 
     @staticmethod
     def keys(model: LayeredModel) -> set[tuple[int, str]]:
@@ -236,9 +244,12 @@ class _TiedGradients:
 
     def accumulate(self) -> None:
         for _, total, copies in self.ties:
-            for p in copies:
+            for p, place in copies:
                 if p.grad is not None:
-                    total += p.grad
+                    if place is None:
+                        total += p.grad
+                    else:
+                        place.add(total, p.grad)
                     p.grad = None
 
     def launch(self, groups: GenerationGroups) -> list[tuple[object, tuple[int, ...]]]:
@@ -251,8 +262,12 @@ class _TiedGradients:
 
     def install(self, samples: int) -> None:
         for _, total, copies in self.ties:
-            for p in copies:
-                p.grad = (total / samples).to(p.dtype)
+            for p, place in copies:
+                p.grad = ((total if place is None else place.take(total)) / samples).to(p.dtype)
+
+    def whole_gradients(self, samples: int) -> dict[nn.Parameter, torch.Tensor]:
+        """Every shard copy's whole (reduced, divided) gradient: what clipping counts. Call after `install`."""
+        return {p: (total / samples).to(p.dtype) for _, total, copies in self.ties for p, place in copies if place}
 
 
 class Engine:
@@ -279,7 +294,6 @@ class Engine:
         self.layout = layout(plan, rank)
         self.timeouts: Timeouts = config.timeouts
         self.mb = config.microbatch_size
-        check_supported(plan, model)
         for stage in self.layout.pipeline.stages:
             if len(stage.ranks) // stage.tensor_parallel > self.mb:
                 raise ValueError(
@@ -303,7 +317,7 @@ class Engine:
         self.loss = stage_loss(model, tp_group(self.layout, channel) if channel is not None else None)
         # The TP ranks of a group compute the same loss: only TP rank 0 adds it to the sum.
         self.counts_loss = self.layout.tp_index == 0
-        self.tied = _TiedGradients(model, plan, dict(self.held), device, sum_dtype)
+        self.tied = _TiedGradients(model, plan, dict(self.held), device, sum_dtype, placed)
         # What arrives from the previous stage: layer start-1's output, a slice of its rows.
         self.input_spec = None if self.layout.first else output_spec(model, self.layout.stage.start - 1, self.mb)
         self.output_spec = None if self.layout.last else output_spec(model, self.layout.stage.end - 1, self.mb)
@@ -496,7 +510,7 @@ class Engine:
         squares = torch.zeros(self.plan.num_layers, dtype=torch.float64, device=self.device)
         counted = set(self.norm_layers)
         shared = self.model.tied_parameters()
-        wholes = self.buffers.whole_gradients(self.samples)
+        wholes = self.buffers.whole_gradients(self.samples) | self.tied.whole_gradients(self.samples)
         for layer, module in self.held:
             if layer not in counted:
                 continue

@@ -18,7 +18,7 @@ from oobleck.api.plan import LayerCopy
 from oobleck.runtime.models.layered import LayeredModel
 from oobleck.runtime.train.groups import GenerationGroups, wait
 from oobleck.runtime.train.optim import LayerAdamW, ParamState
-from oobleck.runtime.train.shard_copy import Build, assemble, header
+from oobleck.runtime.train.shard_copy import Build, assemble, checked_header, header, own_piece
 
 COPY_TAG_BASE = 1000  # copy i uses tags COPY_TAG_BASE + 2i (header), + 2i + 1 (state): unique, so order never matters
 
@@ -189,11 +189,13 @@ def transfer(
     its own sharding or re-shards the pieces of a layer (runtime/train/shard_copy.py). `build(layer, t, k)`
     builds a split layer (None: whole layers only). A copy whose `source_kind` is "snapshot" is sent from
     `snapshot(layer)` (this rank's host copy at the plan's restore step, of a whole layer) instead of the live
-    layer; copies with src == dst (a rank's own snapshot, a checkpoint read) are the caller's (Worker.adopt)."""
+    layer. A live copy with src == dst is a piece this rank holds itself (re-sharded with the pieces it
+    receives, runtime/elastic/shard_sources.py); other copies with src == dst (a rank's own snapshot, a
+    checkpoint read) are the caller's (Worker.adopt)."""
     build = build or (lambda layer, t, k: model.build_layer(layer).to(device))
     cuda = device.type == "cuda"
     moved = 0
-    sends, headers = [], []
+    sends, headers, own = [], [], []
     for index, copy in enumerate(copies):
         tag = COPY_TAG_BASE + 2 * index
         if copy.src_rank == rank and copy.dst_rank != rank:
@@ -205,16 +207,19 @@ def transfer(
             head = torch.empty(2, dtype=torch.int64, device=device)
             backend, peer = groups.link(copy.src_rank, rank)
             headers.append((backend.recv([head], peer, tag), head, backend, peer, tag + 1, copy))
+        elif copy.src_rank == copy.dst_rank == rank and copy.source_kind == "live":
+            own.append(own_piece(copy, layers, optimizer))  # taken now: received pieces replace layers later
     receives = []
     for work, head, backend, peer, tag, copy in headers:
         wait(work, failed, poll, timeout, f"layer {copy.layer} header from rank {copy.src_rank}", cuda=cuda)
-        t, k = (int(v) for v in head.tolist())
         # Optimizer state is registered only once the bytes arrived (unflatten): a transfer cut
-        # short must not leave zero moments behind for a layer this rank does not hold.
-        module = build(copy.layer, t, k)
+        # short, or a header refused, must not leave zero moments behind for a layer this rank does not hold.
+        module = checked_header([int(v) for v in head.tolist()], copy, build)
         flat = torch.empty(state_nbytes(module), dtype=torch.uint8, device=device)
         receives.append((backend.recv([flat], peer, tag), flat, module, copy))
     pieces: dict[int, list[tuple[nn.Module, LayerAdamW]]] = {}
+    for layer, piece in own:
+        pieces.setdefault(layer, []).append(piece)
     for work, flat, module, copy in receives:
         wait(work, failed, poll, timeout, f"layer {copy.layer} state from rank {copy.src_rank}", cuda=cuda)
         scratch = LayerAdamW(optimizer.config)

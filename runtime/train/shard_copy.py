@@ -3,7 +3,8 @@
 A plan's LayerCopy names one layer, a source and a destination; with tensor parallelism the source holds
 the layer as shard k of t (its own split, `sharding`), the destination needs shard k' of t' (its new stage).
 Every copy first sends a two-number header, the source's (t, k), then the source's full state in that
-sharding (layer_state.flatten of the split module). The destination then:
+sharding (layer_state.flatten of the split module). The destination checks the header before use
+(`checked_header`: bounded, and the sharding the plan's copy names), then:
 - keeps the piece as it is when (t, k) = (t', k'): a shard copy between ranks of the same degree (t = 1 too);
 - otherwise glues the pieces it received for the layer into whole tensors (one piece of t = 1, or the t
   shards of one degree: the plan lists a copy from each of the source group's ranks) and cuts its own shard
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from oobleck.api.plan import MAX_TENSOR_PARALLEL, LayerCopy
 from oobleck.runtime.train.optim import LayerAdamW, ParamState
 from oobleck.runtime.train.tensor_parallel import SHARD_ATTRIBUTE, shard_state, split_rules, whole_state
 
@@ -31,6 +33,32 @@ def sharding(module: nn.Module) -> tuple[int, int]:
 
 def header(module: nn.Module, device: torch.device) -> torch.Tensor:
     return torch.tensor(sharding(module), dtype=torch.int64, device=device)
+
+
+def checked_header(values: list[int], copy: LayerCopy, build: Build) -> nn.Module:
+    """The empty module a copy's payload is received into, from the (t, k) header its source sent, which is
+    checked before anything is built: t a power of two <= MAX_TENSOR_PARALLEL, 0 <= k < t, the sharding
+    the plan's copy names (`LayerCopy.src_tensor_parallel`, `src_tp_index`: the plan and the holdings it
+    was settled from are signed), and one the layer splits into. The payload's size is then the built
+    module's (`state_nbytes`), at most the whole layer's: never a size the peer chose."""
+    where = f"copies: layer {copy.layer} from rank {copy.src_rank}"
+    if len(values) != 2:
+        raise ValueError(f"{where}: the header must be two numbers (t, k), got {len(values)}")
+    t, k = values
+    if not (1 <= t <= MAX_TENSOR_PARALLEL and t & (t - 1) == 0 and 0 <= k < t):
+        raise ValueError(
+            f"{where}: header (t, k) = ({t}, {k}) refused: t must be a power of two <= {MAX_TENSOR_PARALLEL} "
+            "and 0 <= k < t"
+        )
+    if (t, k) != copy.src_shard:
+        raise ValueError(
+            f"{where}: header (t, k) = ({t}, {k}) refused: the plan's copy names the source's shard "
+            f"{copy.src_shard} (src_tensor_parallel, src_tp_index)"
+        )
+    try:
+        return build(copy.layer, t, k)
+    except ValueError as error:
+        raise ValueError(f"{where}: header (t, k) = ({t}, {k}) refused: {error}") from error
 
 
 def named_state(layer: int, module: nn.Module, optimizer: LayerAdamW) -> dict[str, torch.Tensor]:
@@ -60,6 +88,24 @@ def load_state(layer: int, module: nn.Module, optimizer: LayerAdamW, named: dict
         state.step.copy_(named[f"step:{name}"])
     for name, buffer in module.named_buffers():
         buffer.copy_(named[f"buffer:{name}"])
+
+
+def own_piece(
+    copy: LayerCopy, layers: dict[int, nn.Module], optimizer: LayerAdamW
+) -> tuple[int, tuple[nn.Module, LayerAdamW]]:
+    """A copy from this rank to itself: its own piece of the layer, with that state in a scratch optimizer
+    (the real one drops the layer's state before `assemble` fills it anew)."""
+    module = layers.get(copy.layer)
+    if module is None or sharding(module) != copy.src_shard:
+        held = "nothing" if module is None else f"shard {sharding(module)}"
+        raise ValueError(
+            f"copies: rank {copy.src_rank} is the source of its own layer {copy.layer} as shard {copy.src_shard} "
+            f"but holds {held}"
+        )
+    scratch = LayerAdamW(optimizer.config)
+    for name, _ in module.named_parameters():
+        scratch.state[(copy.layer, name)] = optimizer.state[(copy.layer, name)]
+    return copy.layer, (module, scratch)
 
 
 def assemble(

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from oobleck.api.plan import Plan
 from oobleck.runtime.models.layered import GPT, LayeredModel
 from oobleck.runtime.train.groups import GenerationGroups, Layout, exchanges, wait_collective
 from oobleck.runtime.train.optim import LayerAdamW
@@ -66,19 +65,6 @@ class Channel:
         work = self.backend.allreduce([x], options)
         what = f"tensor-parallel all-reduce over ranks {list(self.members)}"
         wait_collective(work, self.failed, self.poll, self.timeout, what)
-
-
-def has_tensor_parallel(plan: Plan) -> bool:
-    return any(stage.tensor_parallel > 1 for pipeline in plan.pipelines for stage in pipeline.stages)
-
-
-def check_supported(plan: Plan, model: LayeredModel) -> None:
-    """Refuse, naming the field, what the engine does not run with t > 1 yet."""
-    if has_tensor_parallel(plan) and model.tied_parameters():
-        raise ValueError(
-            f"tensor_parallel: model {model.name!r} ties parameters across layers; tied gradient sums over "
-            "tensor-parallel shards are not implemented (plan with tensor_parallel = 1)"
-        )
 
 
 def tp_group(lay: Layout, channel: Channel) -> TensorParallelGroup:

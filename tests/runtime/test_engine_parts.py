@@ -130,21 +130,6 @@ def test_shard_placements_and_resharding_keep_parameters_and_moments():
     assert torch.equal(total, gradient)
 
 
-def test_tensor_parallel_refuses_tied_parameters_naming_the_field(plan_builder):
-    from oobleck.runtime.models.hf import load_transformers
-    from oobleck.runtime.train.tp_stage import check_supported
-
-    make_plan, Spec = plan_builder
-    tied = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 8, "vocab_size": 40}
-    gpt2 = load_transformers(None, {**tied, "tie_word_embeddings": True}, sequence_length=8)
-    assert gpt2.tied_parameters(), "the model ties nothing: the test would prove little"
-    whole = make_plan([Spec(stages=[(0, 4, 0, 2)], microbatches=2)], num_layers=4, gpus_per_node=2)
-    check_supported(whole, gpt2)
-    split = make_plan([Spec(stages=[(0, 4, 0, 2, 2)], microbatches=2)], num_layers=4, gpus_per_node=2)
-    with pytest.raises(ValueError, match="tensor_parallel: model .* ties parameters"):
-        check_supported(split, gpt2)
-
-
 def test_schedule_warms_up_then_decays():
     config = OptimConfig(lr=1.0, warmup_steps=4, decay_steps=14, min_lr_ratio=0.1)
     assert [learning_rate(config, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

@@ -4,6 +4,7 @@ Real Worker processes (tests/runtime/drive_worker.py) go from generation 0 to ge
 control side drives them after a node is lost: shards are copied between ranks of the same t, a t = 2
 group's shards are glued whole for a t = 1 stage, and a whole layer is cut into a t = 2 group's shards,
 parameters and AdamW moments alike. Training then continues to the single-process reference's losses.
+Which copies a generation makes from the members' reported shards: tests/runtime/test_shard_sources.py.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ pytestmark = pytest.mark.slow  # real worker processes
 STEPS, SWITCH = 8, 4
 
 
-def copy(layer: int, src: tuple[str, int], dst: tuple[str, int], plan) -> dict:
+def copy(layer: int, src: tuple[str, int], dst: tuple[str, int], plan, shard: tuple[int, int] = (1, 0)) -> dict:
+    """A LayerCopy's fields; `shard`: the (t, k) the source holds the layer in."""
     return {
+        "src_tensor_parallel": shard[0],
+        "src_tp_index": shard[1],
         "layer": layer,
         "src_node": src[0],
         "src_gpu": src[1],
@@ -57,8 +61,8 @@ def test_shards_move_and_reshard_across_a_change_of_t(tmp_path, plan_builder):
     layout.append(Spec(stages=[(0, 6, 0, 2, 2)], microbatches=2))
     names = [["n0"], ["n2"], ["n3"]]
     bare = make_plan(layout, num_layers=6, gpus_per_node=2, job="tp-recovery", generation=1, node_names=names)
-    copies = [copy(layer, ("n0", gpu), ("n2", 0), bare) for layer in range(3) for gpu in (0, 1)]
-    copies += [copy(layer, ("n0", gpu), ("n3", gpu), bare) for layer in range(3) for gpu in (0, 1)]
+    copies = [copy(layer, ("n0", gpu), ("n2", 0), bare, (2, gpu)) for layer in range(3) for gpu in (0, 1)]
+    copies += [copy(layer, ("n0", gpu), ("n3", gpu), bare, (2, gpu)) for layer in range(3) for gpu in (0, 1)]
     copies += [copy(layer, ("n2", 0), ("n3", gpu), bare) for layer in range(3, 6) for gpu in (0, 1)]
     second = make_plan(
         layout, num_layers=6, gpus_per_node=2, job="tp-recovery", generation=1, node_names=names, copies=copies
@@ -191,30 +195,33 @@ def test_snapshots_roll_back_exactly_across_a_change_of_t(plan_builder):
     assert all(int(state.step) == 6 for worker in workers.values() for state in worker.optimizer.state.values())
 
 
-def test_tp_shards_are_not_reported_as_layers_so_resolve_copies_whole_ones_or_rolls_back(plan_builder):
-    """Workers report whole layers only (Worker.live_layers): the copy planner, which knows layers and not
-    shards, then serves a TP stage from a whole replica (cut on arrival) or, with none, rolls back to the
-    snapshots (whole, see the rollback test above)."""
+def test_tp_shards_are_reported_and_a_tp_stage_is_served_from_them_before_a_whole_replica(plan_builder):
+    """Workers report their shards beside their whole layers (Worker.live_shards): a t = 2 group that lost
+    its layers takes them from a surviving t = 2 group's shards, though a whole replica survives too; with
+    no complete shard set and no whole replica, the members roll back to the snapshots (whole, see the
+    rollback test above)."""
     from oobleck.runtime.elastic.sources import Holding, resolve
 
     make_plan, Spec = plan_builder
     common = {"num_layers": 6, "gpus_per_node": 2, "generation": 1}
     plan = make_plan(
-        [Spec(stages=[(0, 6, 0, 2, 2)], microbatches=2), Spec(stages=[(0, 6, 0, 1)], microbatches=2)],
-        node_names=[["n0"], ["n1"]],
+        [Spec(stages=[(0, 6, 0, 2, 2)], microbatches=2)] * 2 + [Spec(stages=[(0, 6, 0, 1)], microbatches=2)],
+        node_names=[["n0"], ["n2"], ["n1"]],
         **common,
     )
     state = [100] * 6
-    holdings = {
-        "n0:0": Holding(step=4, started=True),  # held shards: reported as nothing
-        "n0:1": Holding(step=4, started=True),
-        "n1:0": Holding(step=4, layers=tuple(range(6)), started=True),
-    }
+    holdings = {f"n0:{k}": Holding(step=4, started=True, shards={i: (2, k) for i in range(6)}) for k in (0, 1)}
+    holdings |= {"n1:0": Holding(step=4, layers=tuple(range(6)), started=True)}
+    holdings |= {f"n2:{k}": Holding(step=0) for k in (0, 1)}
     settled = resolve(plan, holdings, state)
-    assert {(c.src_node, c.dst_node) for c in settled.copies} == {("n1", "n0")}
-    assert sorted((c.dst_gpu, c.layer) for c in settled.copies) == [
-        (gpu, layer) for gpu in (0, 1) for layer in range(6)
-    ]
+    assert settled.restore_step is None
+    assert {(c.src_node, c.src_gpu, c.dst_node, c.dst_gpu, c.src_shard) for c in settled.copies} == {
+        ("n0", k, "n2", k, (2, k)) for k in (0, 1)
+    }
+    assert len(settled.copies) == 12
     only_tp = make_plan([Spec(stages=[(0, 6, 0, 2, 2)], microbatches=4)], node_names=[["n0"]], **common)
-    snapshots = {w: Holding(step=4, started=True, snapshots={2: tuple(range(6))}) for w in ("n0:0", "n0:1")}
-    assert resolve(only_tp, snapshots, state).restore_step == 2
+    half = {
+        "n0:0": Holding(step=4, started=True, shards={i: (2, 0) for i in range(6)}, snapshots={2: tuple(range(6))}),
+        "n0:1": Holding(step=0, snapshots={2: tuple(range(6))}),  # restarted: shard 1 is gone
+    }
+    assert resolve(only_tp, half, state).restore_step == 2

@@ -101,6 +101,13 @@ def layout_holdings(plan) -> dict[str, set[int]]:
     return {f"{a.node}:{a.gpu}": set(range(a.start, a.end)) for a in plan.ranks}
 
 
+def reported_layers(report: dict) -> set[int]:
+    """The layers a worker's report says it holds live: whole ones and tensor-parallel shards alike. The
+    planner places and prices layers, not shards; the generation's members then settle which shards are
+    copied, or roll back when no complete set survives (runtime/elastic/shard_sources.py, sources.py)."""
+    return set(report["layers"]) | {int(layer) for layer in report.get("shards", {})}
+
+
 class JobFailed(RuntimeError):
     pass
 
@@ -234,7 +241,7 @@ class PlanController:
         fallback = self._newest_holdings(previous, [w for w in survivors if w not in reports])
         layout = layout_holdings(previous)
         holdings = {
-            w: set(left[w]["layers"]) if w in left else layout.get(w, set()) if w in reports else fallback[w]
+            w: reported_layers(left[w]) if w in left else layout.get(w, set()) if w in reports else fallback[w]
             for w in survivors
         }
         steps = {reports[w]["step"] for w in reports if holdings[w]}
@@ -261,6 +268,6 @@ class PlanController:
         layout = layout_holdings(previous)
         untrained = not self.trained()
         return {
-            w: set(newest[w]["layers"]) if w in newest else (layout.get(w, set()) if untrained else set())
+            w: reported_layers(newest[w]) if w in newest else (layout.get(w, set()) if untrained else set())
             for w in workers
         }

@@ -37,6 +37,8 @@ from pydantic import (
 
 PLAN_API_VERSION: Final = "oobleck.dev/plan-v2"
 PLAN_V1 = "oobleck.dev/plan-v1"
+MAX_TENSOR_PARALLEL: Final = 16
+"""the largest tensor-parallel degree a stage may have (spec.maxTensorParallel's largest value)"""
 
 
 class _Strict(BaseModel):
@@ -184,6 +186,35 @@ class LayerCopy(_Strict):
         "restore_step (src == dst: the destination's own); checkpoint: read by the destination (src == dst) "
         "from the checkpoint directory at restore_step",
     )
+    src_tensor_parallel: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_TENSOR_PARALLEL,
+        description="the source holds the layer as shard src_tp_index of src_tensor_parallel (1: whole); the "
+        "copy's (t, k) header must say the same (runtime/train/shard_copy.py). Left out of the JSON when 1",
+    )
+    src_tp_index: int = Field(default=0, ge=0, description="k of the source's shard (0 <= k < src_tensor_parallel)")
+
+    @model_serializer(mode="wrap")
+    def _omit_whole_source(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("src_tensor_parallel") == 1 and data.get("src_tp_index") == 0:
+            del data["src_tensor_parallel"], data["src_tp_index"]
+        return data
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> LayerCopy:
+        t, k = self.src_tensor_parallel, self.src_tp_index
+        if t & (t - 1):
+            raise ValueError(f"src_tensor_parallel: must be a power of two <= {MAX_TENSOR_PARALLEL}, got {t}")
+        if k >= t:
+            raise ValueError(f"src_tp_index: must be below src_tensor_parallel ({t}), got {k}")
+        return self
+
+    @property
+    def src_shard(self) -> tuple[int, int]:
+        """(t, k) of the source's piece of the layer: (1, 0) for a whole layer."""
+        return self.src_tensor_parallel, self.src_tp_index
 
 
 _INDEX = "_rank_index"  # key in a Plan's __dict__: {(node, gpu): rank}, built by validation (not a field)
