@@ -227,6 +227,12 @@ class Plan(_Strict):
         description="straggler plans (mitigations and their undoing) up to this one since the layout was last "
         "planned from scratch (0: none): each stays twice as long as the one before",
     )
+    benched: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="nodes taken out of training for their slowness (stragglers.mitigation spare), with the "
+        "slowdown each was taken out at: in no pipeline, their pods wait as warm spares until a later generation "
+        "takes them back",
+    )
     # -- derived (cached in __dict__ beside the fields: equality, dumps and copies see only fields) --
 
     def _index(self) -> dict[tuple[str, int], int]:
@@ -353,6 +359,9 @@ class Plan(_Strict):
                     raise ValueError(f"{where}.stages[{s}]: GPU {shared} of {node!r} runs two ranks")
             if hosts != members:
                 raise ValueError(f"{where}: nodes {sorted(members - hosts)} host no stage")
+        training = sorted(seen & set(self.benched))
+        if training:
+            raise ValueError(f"benched: nodes {training} are in a pipeline (a benched node trains in none)")
         ranks = set(index.values())
         if len(ranks) != len(index) or max(ranks) != len(index) - 1:
             used = sorted(r for p in self.pipelines for st in p.stages for r in st.ranks)
