@@ -303,6 +303,13 @@ class Plan(_Strict):
         return super().model_validate(upgrade_v1(data), **kwargs)
 
     @model_validator(mode="after")
+    def _benched_train_nowhere(self) -> Plan:
+        training = sorted(set(self.nodes) & set(self.benched))
+        if training:
+            raise ValueError(f"benched: nodes {training} are in a pipeline (a benched node trains in none)")
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self) -> Plan:
         total = sum(p.microbatches for p in self.pipelines)
         if total != self.global_microbatches:
@@ -359,9 +366,6 @@ class Plan(_Strict):
                     raise ValueError(f"{where}.stages[{s}]: GPU {shared} of {node!r} runs two ranks")
             if hosts != members:
                 raise ValueError(f"{where}: nodes {sorted(members - hosts)} host no stage")
-        training = sorted(seen & set(self.benched))
-        if training:
-            raise ValueError(f"benched: nodes {training} are in a pipeline (a benched node trains in none)")
         ranks = set(index.values())
         if len(ranks) != len(index) or max(ranks) != len(index) - 1:
             used = sorted(r for p in self.pipelines for st in p.stages for r in st.ranks)
