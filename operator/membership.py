@@ -19,7 +19,7 @@ def next_indices(obs: JobObservation, plan: Plan | None, count: int) -> tuple[in
     used = [w.index for w in obs.workers]
     if plan is not None:
         job = plan.job
-        used += [i for n in (*plan.nodes, *plan.lost_nodes) if (i := worker_index(job, n)) is not None]
+        used += [i for n in (*plan.nodes, *plan.lost_nodes, *plan.benched) if (i := worker_index(job, n)) is not None]
     start = max(used, default=-1) + 1
     return tuple(range(start, start + count))
 
