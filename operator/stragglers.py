@@ -220,7 +220,7 @@ def _mitigation_plan(
     moves = mitigation in ("rebalance", "spare") and profile is not None
     confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed}
     # A benched node taken back that is still slow is benched again at once: taking it back was the probe.
-    probed = in_force.reason.startswith(READMIT_REASON) and bool(confirmed)
+    probed = in_force.reason.startswith(READMIT_REASON) and any(n in confirmed for n in in_force.added_nodes)
     if moves and in_force.mitigations and not probed and obs.step < dwell_until(in_force, ctx.spec.stragglers):
         return None  # a straggler plan in force too briefly to change again
     # A benched node whose pod waits as a spare (one that is gone is replaced like any pod: membership.py).

@@ -91,6 +91,7 @@ def test_a_bench_never_rolls_back_and_the_benched_node_is_taken_back_with_its_la
     assert bench(out, PROFILE, "a", {"a": 8.0}, bandwidth=BANDWIDTH, horizon=HORIZON) is None
     back = readmit(out, PROFILE, "c", bandwidth=BANDWIDTH, horizon=HORIZON)
     assert back.reason.startswith(READMIT_REASON) and "c" in back.nodes and not back.benched
+    assert back.added_nodes == ["c"]  # what the operator reads as the node on probation
     assert back.generation == out.generation + 1 and {x.dst_node for x in back.copies} >= {"c"}
     with pytest.raises(PlanningError, match="not benched"):
         readmit(back, PROFILE, "c", bandwidth=BANDWIDTH, horizon=HORIZON)
