@@ -17,7 +17,8 @@ current generation yet keeps its entry.
 With `mitigation: spare` a node may also be benched: taken out of training as a warm spare
 (planner_cy/bench.py, when the price says so). It is measured again by training: once its back-off is
 over it is taken back like a scale-up, and if it is still slow it is confirmed and benched again at
-once, for twice as long as the time before. Why not measure the spare where it waits: a node's speed is
+once, for twice as long as the time before (with a warm spare at hand the spare takes its place in the
+same generation, and the benched node is the spare until a loss). Why not measure the spare where it waits: a node's speed is
 its speed on its stage's work with its peers' traffic, and a synthetic run beside a job would be a new
 yardstick to calibrate (and a second code path to trust); a probe costs one reconfiguration and a
 window of slow steps, and the exponential back-off keeps that to about log2(steps / window) probes.
@@ -223,8 +224,11 @@ def _mitigation_plan(
     probed = in_force.reason.startswith(READMIT_REASON) and any(n in confirmed for n in in_force.added_nodes)
     if moves and in_force.mitigations and not probed and obs.step < dwell_until(in_force, ctx.spec.stragglers):
         return None  # a straggler plan in force too briefly to change again
-    # A benched node whose pod waits as a spare (one that is gone is replaced like any pod: membership.py).
-    back = [node for node in in_force.benched if node in ready_newcomers(obs, in_force, reported=True)]
+    waiting = ready_newcomers(obs, in_force, reported=True)
+    # A benched node whose pod waits as a spare (one that is gone is replaced like any pod: membership.py),
+    # taken back into the room it left (not while a warm spare took its place: then it is the spare).
+    back = [node for node in in_force.benched if node in waiting] if len(in_force.nodes) < ctx.spec.nodes.wanted else []
+    spare = next((node for node in waiting if node not in in_force.benched), None)
     if confirmed and moves:
         assert profile is not None
         confirmed = {node: found.typical.get(node, figure) for node, figure in confirmed.items()}
@@ -239,6 +243,7 @@ def _mitigation_plan(
             horizon=tuning.horizon,
             gpu_memory_bytes=cluster_shape(ctx.spec, tuning).gpu_memory_bytes,
             bench_min_nodes=ctx.spec.nodes.min if mitigation == "spare" else None,
+            bench_replacement=spare,
         )
     if back and profile is not None:
         # Its back-off is over: measured again the only honest way, by training (see the module docstring).

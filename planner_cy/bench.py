@@ -7,6 +7,8 @@ every usable node count) does not. Taking it out is the planner's own reconfigur
 (`next_generation`: the layers it held are copied from their replicas, losses exact), with the node
 recorded in `Plan.benched` instead of `Plan.lost_nodes`: its pod is kept and waits in no plan, as a
 spare does, until `readmit` folds it back in like a scale-up (copies from the holders, losses exact).
+With a warm spare at hand, the same generation folds the spare in (a loss's reconfiguration with a spare):
+the job keeps its node count and the benched node is the spare.
 
 A bench never rolls back: when some layer has no replica outside the slow node (f = 0, or a loss
 since), taking the node out would lose training state, and a slow node is better than a rollback.
@@ -35,14 +37,17 @@ def bench(
     bandwidth: float,
     horizon: int,
     min_nodes: int = 1,
+    replacement: str | None = None,
 ) -> Plan | None:
-    """Generation + 1 of `plan` without `node` (benched at its figure in `slowdowns`), the other slowdowns
-    recorded as the ones it was planned around; None when fewer than `min_nodes` nodes would remain, no
-    pipeline forms on them, or some layer has no replica outside `node`."""
-    if node not in plan.nodes or len(plan.nodes) - 1 < max(min_nodes, 1):
+    """Generation + 1 of `plan` without `node` (benched at its figure in `slowdowns`), with `replacement` (a
+    warm spare) in its place if given, the other slowdowns recorded as the ones it was planned around; None
+    when fewer than `min_nodes` nodes would remain, no pipeline forms on them, or some layer has no replica
+    outside `node`."""
+    added = [replacement] if replacement is not None else []
+    if node not in plan.nodes or len(plan.nodes) - 1 + len(added) < max(min_nodes, 1):
         return None
     try:
-        draft = next_generation(plan, profile, [node], bandwidth=bandwidth, horizon=horizon)
+        draft = next_generation(plan, profile, [node], added, bandwidth=bandwidth, horizon=horizon)
     except PlanningError:
         return None
     if draft.restore_step is not None or draft.reason == "rollback":
@@ -54,7 +59,9 @@ def bench(
             "lost_nodes": [],
             "benched": {**plan.benched, node: figure},
             "slowdowns": {n: s for n, s in slowdowns.items() if n != node and n in draft.nodes and s > 1.0},
-            "reason": f"{BENCH_REASON}: {node} at {figure}x; {len(draft.nodes)} nodes ({draft.reason})",
+            "reason": f"{BENCH_REASON}: {node} at {figure}x"
+            + (f", spare {replacement} in its place" if replacement is not None else "")
+            + f"; {len(draft.nodes)} nodes ({draft.reason})",
         }
     )
 

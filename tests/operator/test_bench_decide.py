@@ -115,7 +115,7 @@ def test_a_quarter_speed_node_waits_as_a_spare_and_comes_back_once_at_pace(h):
     assert set(world.pods) == pods and world.status.spares == 0
 
 
-def test_a_benched_node_is_never_folded_in_as_a_newcomer_and_a_spare_takes_its_place(h):
+def test_a_warm_spare_takes_the_benched_nodes_place_in_the_same_generation(h):
     spec = _spec(h)
     world = World(h, spec.model_copy(update={"nodes": spec.nodes.model_copy(update={"spares": 1})}), n_nodes=5)
     world.profile = PROFILE
@@ -126,10 +126,10 @@ def test_a_benched_node_is_never_folded_in_as_a_newcomer_and_a_spare_takes_its_p
     slow = first.pipelines[1].stages[0].node
     reports = BenchReports(world)
     reports.until(lambda plan: plan.generation > first.generation, {slow: 4.0})
-    benched = world.current.plan
-    assert benched.benched == {slow: 4.0}, benched.reason
-    # The warm spare fills the room at once, as on a loss; the benched node is the spare now.
-    reports.run(1, {})
     swapped = world.current.plan
-    assert spare in swapped.nodes and slow not in swapped.nodes and len(swapped.nodes) == 4, swapped.reason
+    assert swapped.benched == {slow: 4.0} and spare in swapped.added_nodes, swapped.reason
+    assert spare in swapped.nodes and slow not in swapped.nodes and len(swapped.nodes) == 4
+    # The benched node is the spare now: kept, never folded in, not taken back while the job is whole.
+    reports.run(8 * WINDOW, {})
+    assert world.current.plan.generation == swapped.generation, world.current.plan.reason
     assert world.status.spare_pods == [slow] and len(world.pods) == 5 + 1  # + the coordinator

@@ -101,3 +101,14 @@ def test_a_plan_refuses_a_benched_node_that_trains():
     plan = four_nodes()
     with pytest.raises(ValueError, match=r"benched: nodes \['c'\] are in a pipeline"):
         type(plan).model_validate(plan.model_dump() | {"benched": {"c": 4.0}})
+
+
+def test_with_a_warm_spare_at_hand_a_half_speed_node_is_swapped_for_it_in_one_generation():
+    """The spare at full speed: the unthrottled step again, for one copy of the layers the node held."""
+    plan = four_nodes()
+    chosen = _mitigate(plan, {"c": 2.0}, bench_replacement="e")  # "e": a warm spare, in no plan
+    assert chosen is not None and chosen.reason.startswith(BENCH_REASON), chosen.reason
+    assert "spare e in its place" in chosen.reason and chosen.benched == {"c": 2.0}
+    assert sorted(chosen.nodes) == ["a", "b", "d", "e"] and chosen.added_nodes == ["e"]
+    assert {x.dst_node for x in chosen.copies} == {"e"} and all(x.src_node != "c" for x in chosen.copies)
+    assert step_ms(chosen, PROFILE, {"c": 2.0}) == pytest.approx(plan.iteration_ms, rel=0.01)
