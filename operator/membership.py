@@ -19,7 +19,7 @@ def next_indices(obs: JobObservation, plan: Plan | None, count: int) -> tuple[in
     used = [w.index for w in obs.workers]
     if plan is not None:
         job = plan.job
-        used += [i for n in (*plan.nodes, *plan.lost_nodes) if (i := worker_index(job, n)) is not None]
+        used += [i for n in (*plan.nodes, *plan.lost_nodes, *plan.benched) if (i := worker_index(job, n)) is not None]
     start = max(used, default=-1) + 1
     return tuple(range(start, start + count))
 
@@ -92,10 +92,13 @@ def membership(ctx: JobContext, obs: JobObservation, plan: Plan) -> Membership:
     # it yet): otherwise the survivors would wait for the newcomer's start-up, or abandon an adoption.
     # A warm spare is such a newcomer kept waiting: a loss folds it in by the generation that drops the
     # lost node, as a scale-up does. Pods whose runtime reports nothing are folded in as soon as they run.
-    ready = ready_newcomers(obs, plan)
+    # A node benched for its slowness (stragglers.mitigation spare) waits as a spare too, but only the
+    # straggler logic takes it back (operator/stragglers.py), once its back-off is over.
+    ready = tuple(name for name in ready_newcomers(obs, plan) if name not in plan.benched)
     eligible = ready if obs.generation_trained is None or obs.generation_trained else ()
     added = list(eligible[:room])
-    added_set, warm = set(added), set(ready)
+    # A benched pod is kept first: it fills the room it left.
+    added_set, warm = set(added), set(ready) | set(plan.benched)
     # Pods kept on their way in: those filling the room left (pending or still starting), then the spares.
     keep = room - len(added) + spares
     delete: list[tuple[str, str]] = []

@@ -13,6 +13,15 @@ it has been slow (kept from the previous status while it stays slow); once it ha
 `spec.stragglers.window` steps it is confirmed and one `Straggler` event says so. A confirmed node that
 falls back under the threshold leaves the list with a `StragglerRecovered` event; one not measured in the
 current generation yet keeps its entry.
+
+With `mitigation: spare` a node may also be benched: taken out of training as a warm spare
+(planner_cy/bench.py, when the price says so). It is measured again by training: once its back-off is
+over it is taken back like a scale-up, and if it is still slow it is confirmed and benched again at
+once, for twice as long as the time before (with a warm spare at hand the spare takes its place in the
+same generation, and the benched node is the spare until a loss). Why not measure the spare where it waits: a node's speed is
+its speed on its stage's work with its peers' traffic, and a synthetic run beside a job would be a new
+yardstick to calibrate (and a second code path to trust); a probe costs one reconfiguration and a
+window of slow steps, and the exponential back-off keeps that to about log2(steps / window) probes.
 """
 
 from __future__ import annotations
@@ -27,8 +36,9 @@ from oobleck.api.reports import ProgressReport
 from oobleck.api.spec import StragglerPolicy
 from oobleck.api.status import Straggler
 from oobleck.operator.decision import CurrentPlan, Decision, Event, JobContext
-from oobleck.operator.observe import JobObservation
+from oobleck.operator.observe import JobObservation, ready_newcomers
 from oobleck.operator.planning import Tuning, cluster_shape
+from oobleck.planner.bench import BENCH_REASON, READMIT_REASON, readmit
 from oobleck.planner.rebalance import REBALANCE_REASON, mitigate, rebalance
 from oobleck.planner.resplit import RESPLIT_REASON, resplit
 
@@ -183,6 +193,69 @@ measurement makes no new generation per wobble (each costs a redone step)."""
 
 LAYERS_REBALANCED = "LayersRebalanced"
 BATCH_RESPLIT = "BatchResplit"
+STRAGGLER_BENCHED = "StragglerBenched"
+BENCHED_READMITTED = "BenchedNodeReadmitted"
+
+
+def _event_reason(plan: Plan) -> str:
+    for prefix, reason in (
+        (REBALANCE_REASON, LAYERS_REBALANCED),
+        (BENCH_REASON, STRAGGLER_BENCHED),
+        (READMIT_REASON, BENCHED_READMITTED),
+    ):
+        if plan.reason.startswith(prefix):
+            return reason
+    return BATCH_RESPLIT
+
+
+def _mitigation_plan(
+    ctx: JobContext,
+    obs: JobObservation,
+    in_force: Plan,
+    found: Assessment,
+    profile: ModelProfile | None,
+    tuning: Tuning,
+) -> Plan | None:
+    """The next straggler plan by `stragglers.mitigation` (see with_stragglers), or None: the plan in force stays."""
+    mitigation = ctx.spec.stragglers.mitigation
+    moves = mitigation in ("rebalance", "spare") and profile is not None
+    confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed}
+    # A benched node taken back that is still slow is benched again at once: taking it back was the probe.
+    probed = in_force.reason.startswith(READMIT_REASON) and any(n in confirmed for n in in_force.added_nodes)
+    if moves and in_force.mitigations and not probed and obs.step < dwell_until(in_force, ctx.spec.stragglers):
+        return None  # a straggler plan in force too briefly to change again
+    waiting = ready_newcomers(obs, in_force, reported=True)
+    # A benched node whose pod waits as a spare (one that is gone is replaced like any pod: membership.py),
+    # taken back into the room it left (not while a warm spare took its place: then it is the spare).
+    back = [node for node in in_force.benched if node in waiting] if len(in_force.nodes) < ctx.spec.nodes.wanted else []
+    spare = next((node for node in waiting if node not in in_force.benched), None)
+    if confirmed and moves:
+        assert profile is not None
+        confirmed = {node: found.typical.get(node, figure) for node, figure in confirmed.items()}
+        if not _replan(in_force.slowdowns, confirmed, found.steady):
+            return None
+        return mitigate(
+            in_force,
+            profile,
+            confirmed,
+            RESPLIT_MIN_GAIN,
+            bandwidth=tuning.inter_node_bandwidth,
+            horizon=tuning.horizon,
+            gpu_memory_bytes=cluster_shape(ctx.spec, tuning).gpu_memory_bytes,
+            bench_min_nodes=ctx.spec.nodes.min if mitigation == "spare" else None,
+            bench_replacement=spare,
+        )
+    if back and profile is not None:
+        # Its back-off is over: measured again the only honest way, by training (see the module docstring).
+        return readmit(in_force, profile, back[0], bandwidth=tuning.inter_node_bandwidth, horizon=tuning.horizon)
+    if confirmed:
+        return resplit(in_force, confirmed, RESPLIT_MIN_GAIN)
+    if found.steady >= set(in_force.nodes) and in_force.reason.startswith(REBALANCE_REASON):
+        assert profile is not None, "layers were moved with the job's profile"
+        return rebalance(in_force, profile, {})  # the template's layout, the layers copied back
+    if found.steady >= set(in_force.nodes) and in_force.reason.startswith(RESPLIT_REASON):
+        return resplit(in_force, {})  # the profile's split
+    return None
 
 
 def with_stragglers(
@@ -211,7 +284,9 @@ def with_stragglers(
     threshold. And a straggler plan in force stays for `dwell_until` (an exponential back-off over the
     straggler plans in a row, Plan.mitigations): a host whose load slows one node, then its peer, then the
     first again (measured on 2 shared cores) gets fewer and fewer generations, not one per window. The runtime carries each node's calibration across a stage
-    change (runtime/train/pace.py), so a node moved while slow still reads slow and keeps its mitigation."""
+    change (runtime/train/pace.py), so a node moved while slow still reads slow and keeps its mitigation.
+    `spare` prices benching the slowest confirmed node too (planner_cy/bench.py) and takes a benched node
+    back once its plan's back-off is over (see the module docstring)."""
     in_force = decision.plan or (current.plan if current is not None else None)
     if in_force is None or decision.status.get("phase") not in ("Running", "Reconfiguring"):
         return decision
@@ -225,40 +300,14 @@ def with_stragglers(
     mitigation = ctx.spec.stragglers.mitigation
     if mitigation == "none" or not found.measured >= set(current.plan.nodes):
         return decision  # nothing to do, or some member not measured long enough in this generation
-    moves = mitigation == "rebalance" and profile is not None
-    confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed}
-    tuning = tuning or Tuning()
-    if moves and current.plan.mitigations and obs.step < dwell_until(current.plan, ctx.spec.stragglers):
-        return decision  # a straggler plan in force too briefly to change again
-    if confirmed and moves:
-        assert profile is not None
-        confirmed = {node: found.typical.get(node, figure) for node, figure in confirmed.items()}
-        if not _replan(current.plan.slowdowns, confirmed, found.steady):
-            return decision
-        plan = mitigate(
-            current.plan,
-            profile,
-            confirmed,
-            RESPLIT_MIN_GAIN,
-            bandwidth=tuning.inter_node_bandwidth,
-            horizon=tuning.horizon,
-            gpu_memory_bytes=cluster_shape(ctx.spec, tuning).gpu_memory_bytes,
-        )
-    elif confirmed:
-        plan = resplit(current.plan, confirmed, RESPLIT_MIN_GAIN)
-    elif found.steady >= set(current.plan.nodes) and current.plan.reason.startswith(REBALANCE_REASON):
-        assert profile is not None, "layers were moved with the job's profile"
-        plan = rebalance(current.plan, profile, {})  # the template's layout, the layers copied back
-    elif found.steady >= set(current.plan.nodes) and current.plan.reason.startswith(RESPLIT_REASON):
-        plan = resplit(current.plan, {})  # the profile's split
-    else:
-        return decision
+    moves = mitigation in ("rebalance", "spare") and profile is not None
+    plan = _mitigation_plan(ctx, obs, current.plan, found, profile, tuning or Tuning())
     if plan is None:
         return decision
     if moves:
-        count = current.plan.mitigations + 1 if plan.slowdowns or current.plan.mitigations else 0
+        count = current.plan.mitigations + 1 if plan.slowdowns or plan.benched or current.plan.mitigations else 0
         plan = Plan.model_validate(plan.model_dump() | {"mitigation_step": obs.step, "mitigations": count})
-    reason = LAYERS_REBALANCED if plan.reason.startswith(REBALANCE_REASON) else BATCH_RESPLIT
+    reason = _event_reason(plan)
     return replace(
         decision,
         plan=plan,

@@ -28,6 +28,7 @@ from itertools import accumulate
 from oobleck.api.plan import Pipeline, Plan, Stage
 from oobleck.api.profile import ModelProfile
 
+from .bench import bench
 from .instantiate import Engine, TemplateCost, split_batch, template_cost
 from .reconfigure import layout_copies
 from .resplit import RESPLIT_REASON, pipeline_slowdowns, resplit, with_pipelines
@@ -223,18 +224,36 @@ def mitigate(
     horizon: int,
     gpu_memory_bytes: int | None = None,
     engine: Engine = "compiled",
+    bench_min_nodes: int | None = None,
+    bench_replacement: str | None = None,
 ) -> Plan | None:
-    """Around the nodes slowed by `slowdowns` (issue 22, mitigations a and b priced): the cheaper of
-    (a) re-splitting the batch (resplit.py) and (b) moving layers with the batch re-split (`rebalance`),
-    each priced as copy time + `horizon` x its step time at the measured speeds (ms, the same price as
-    reconfigure.py's); a tie goes to (a), which moves nothing. None when neither shortens the step in
-    force by `min_gain` (both judged by the same model, `step_ms`: resplit's own treats a pipeline whose
-    layers were moved as its template)."""
-    priced = []
-    for candidate in (
+    """Around the nodes slowed by `slowdowns` (issue 22, mitigations a, b and c priced): the cheapest of
+    (a) re-splitting the batch (resplit.py), (b) moving layers with the batch re-split (`rebalance`) and,
+    with `bench_min_nodes`, (c) taking the slowest node out as a spare (bench.py: the best plan on the
+    other nodes, at least that many, or with `bench_replacement`, a warm spare, in its place), each priced as copy time + `horizon` x its step time at the measured
+    speeds (ms, the same price as reconfigure.py's); a tie goes to the earlier, which moves less. None when
+    none shortens the step in force by `min_gain` (all judged by the same model, `step_ms`: resplit's own
+    treats a pipeline whose layers were moved as its template)."""
+    candidates = [
         resplit(plan, slowdowns, engine=engine),
         rebalance(plan, profile, slowdowns, gpu_memory_bytes=gpu_memory_bytes, engine=engine),
-    ):
+    ]
+    slowest = max(slowdowns, key=lambda n: slowdowns[n], default=None)
+    if bench_min_nodes is not None and slowest is not None and slowdowns[slowest] > 1.0:
+        candidates.append(
+            bench(
+                plan,
+                profile,
+                slowest,
+                slowdowns,
+                bandwidth=bandwidth,
+                horizon=horizon,
+                min_nodes=bench_min_nodes,
+                replacement=bench_replacement,
+            )
+        )
+    priced = []
+    for candidate in candidates:
         if candidate is None:
             continue
         step = step_ms(candidate, profile, slowdowns)

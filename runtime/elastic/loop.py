@@ -79,6 +79,14 @@ def run_elastic(
     plan = _wait_for_plan(source, -1, me, timeouts.first_plan_s, joined=False)
     try:
         while plan is not None:
+            if plan.rank_of(worker.node, worker.gpu) is None and worker.node in plan.benched:
+                # Benched for its slowness (stragglers.mitigation spare): a spare until a plan takes it back.
+                log.warning(json.dumps({"event": "benched", "worker": me, "generation": plan.generation}))
+                worker.bench()
+                detector.watch(-1, ())
+                _publish_held(control, me, worker, generation=plan.generation, phase="left")  # holds nothing now
+                plan = _wait_for_plan(source, plan.generation, me, timeouts.first_plan_s, joined=False)
+                continue
             if plan.rank_of(worker.node, worker.gpu) is None:
                 log.warning(json.dumps({"event": "dropped", "worker": me, "generation": plan.generation}))
                 result.exit_code = ExitCode.DROPPED

@@ -356,6 +356,19 @@ class Worker:
         if self.snapshots is not None:
             self.snapshots.store.freeze()  # what the next report lists must stay until the next plan
 
+    def bench(self) -> None:
+        """Left out of training for its slowness: hold nothing, as a warm spare, until a plan takes this worker
+        back (its layers then come from their holders and its step from their state, as a newcomer's). The pace
+        calibration stays, so that once back it reads slow if it still is (runtime/train/pace.py)."""
+        self.abandon()
+        for layer in list(self.layers):
+            del self.layers[layer]
+            self.optimizer.drop_layer(layer)
+        self.started = False
+        self.plan = self.rank = None
+        self._expected_compute = None
+        self.pace.on_stage(())
+
     # -- steps -------------------------------------------------------------------------------------
 
     def train_step(self) -> StepOutcome:

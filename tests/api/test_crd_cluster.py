@@ -181,7 +181,7 @@ def test_invalid_manifest_is_rejected_naming_the_field(
     assert cluster.kubectl("get", "-n", rejections, "oj", "-o", "name").stdout == ""
 
 
-@pytest.mark.parametrize("mitigation", ["none", "resplit", "rebalance"])
+@pytest.mark.parametrize("mitigation", ["none", "resplit", "rebalance", "spare"])
 def test_every_straggler_mitigation_is_accepted_and_stored(
     cluster: Any, example: dict[str, Any], mitigation: str
 ) -> None:

@@ -258,6 +258,12 @@ class Plan(_Strict):
         description="straggler plans (mitigations and their undoing) up to this one since the layout was last "
         "planned from scratch (0: none): each stays twice as long as the one before",
     )
+    benched: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="nodes taken out of training for their slowness (stragglers.mitigation spare), with the "
+        "slowdown each was taken out at: in no pipeline, their pods wait as warm spares until a later generation "
+        "takes them back",
+    )
     # -- derived (cached in __dict__ beside the fields: equality, dumps and copies see only fields) --
 
     def _index(self) -> dict[tuple[str, int], int]:
@@ -326,6 +332,13 @@ class Plan(_Strict):
             if not (isinstance(data, dict) and data.get("api_version") == PLAN_V1):
                 raise
         return super().model_validate(upgrade_v1(data), **kwargs)
+
+    @model_validator(mode="after")
+    def _benched_train_nowhere(self) -> Plan:
+        training = sorted(set(self.nodes) & set(self.benched))
+        if training:
+            raise ValueError(f"benched: nodes {training} are in a pipeline (a benched node trains in none)")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:

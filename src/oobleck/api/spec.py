@@ -283,13 +283,15 @@ class StragglerPolicy(CrdModel):
         le=100_000,
         description="Steps a node must stay slow before a Straggler event and status.stragglers confirm it.",
     )
-    mitigation: Literal["none", "resplit", "rebalance"] = Field(
+    mitigation: Literal["none", "resplit", "rebalance", "spare"] = Field(
         default="resplit",
         description="resplit: a new plan generation gives a confirmed straggler's pipeline fewer microbatches (no "
         "layer moves, losses exact), and the profile's split back once it recovers; rebalance: the cheaper by "
         "the planner's price (copy time + horizon x step time) of that and moving layers off the slow node within "
         "its pipeline (copied from their holders, losses exact), and the template's layout back once it recovers; "
-        "none: only report it.",
+        "spare: the cheapest of those two and taking the slow node out of training (the best plan on the other "
+        "nodes, above nodes.min): it waits as a warm spare and is taken back after a back-off of window x "
+        "2^(n-1) steps, to stay if it computes at pace again; none: only report it.",
     )
 
 
