@@ -22,8 +22,9 @@ separate medians would take it whole. The machine's load average is printed besi
 
 CPU per step: the CPU time (all threads) of that same logging process between consecutive step
 completions, per run its median, paired the same way. On a machine shared with other work, wall time
-also counts the waits for a core; CPU time counts the work each side does, and holds where the wall-time
-figure does not (the runtime's coordinator, in this script's process, is not in it).
+also counts the waits for a core; CPU time counts the work each side does, and moves less with the load
+(2026-11-26, load 5-16: four DDP runs 1.00x-1.15x where wall time gave 0.65x-2.19x). The runtime's coordinator,
+in this script's process, is not in it.
 
 usage: .venv/bin/python bench/vs_torch.py [--model bench-gpt|PRESET] [--which ddp,pipe,pipe4] [--repeats 9] [--quick]
 """
