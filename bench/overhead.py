@@ -96,6 +96,14 @@ def step_intervals(losses: Path, rank: int) -> list[float]:
     return [times[b] - times[a] for a, b in zip(steps, steps[1:]) if b == a + 1]
 
 
+def step_cpu(losses: Path, rank: int) -> list[float]:
+    """CPU seconds (the process's, all threads) that `rank` spent between consecutive step completions."""
+    records = [json.loads(line) for line in losses.read_text().splitlines()]
+    cpu = {r["step"]: r["cpu"] for r in records if r["rank"] == rank}
+    steps = sorted(cpu)
+    return [cpu[b] - cpu[a] for a, b in zip(steps, steps[1:]) if b == a + 1]
+
+
 def _communicate(processes: list[subprocess.Popen], timeout: float = 600) -> None:
     for process in processes:
         _, err = process.communicate(timeout=timeout)

@@ -20,6 +20,12 @@ and the pair gives one ratio runtime / torch. The figure is the median of the pa
 interquartile range: a load change between rounds moves both sides of a pair alike, where a ratio of
 separate medians would take it whole. The machine's load average is printed beside them.
 
+CPU per step: the CPU time (all threads) of that same logging process between consecutive step
+completions, per run its median, paired the same way. On a machine shared with other work, wall time
+also counts the waits for a core; CPU time counts the work each side does, and moves less with the load
+(2026-11-26, load 5-16: four DDP runs 1.00x-1.15x where wall time gave 0.65x-2.19x). The runtime's coordinator,
+in this script's process, is not in it.
+
 usage: .venv/bin/python bench/vs_torch.py [--model bench-gpt|PRESET] [--which ddp,pipe,pipe4] [--repeats 9] [--quick]
 """
 
@@ -140,7 +146,7 @@ def _ddp(argv: list[str]) -> int:
     mine = list(range(rank, microbatches, world))
     # DDP averages over ranks; the runtime divides the sum by the global sample count: same gradient.
     scale = world / (microbatches * config.microbatch_size)
-    times = []
+    times, cpus = [], []
     for step in range(config.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config.optim, step)
@@ -153,8 +159,9 @@ def _ddp(argv: list[str]) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.time())
+        cpus.append(time.process_time())
     if rank == 0:
-        out.write_text(json.dumps(times))
+        out.write_text(json.dumps({"time": times, "cpu": cpus}))
     dist.destroy_process_group()
     return 0
 
@@ -187,7 +194,7 @@ def _pipe(argv: list[str]) -> int:
     # Mean per microbatch, averaged over microbatches by the schedule (scale_grads): the global mean.
     schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda output, target: model.loss(output, target).mean())
     optimizer = torch_adamw(list(module.parameters()), config.optim)
-    times = []
+    times, cpus = [], []
     for step in range(config.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config.optim, step)
@@ -201,14 +208,16 @@ def _pipe(argv: list[str]) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.time())
+        cpus.append(time.process_time())
     if rank == world - 1:
-        out.write_text(json.dumps(times))
+        out.write_text(json.dumps({"time": times, "cpu": cpus}))
     dist.destroy_process_group()
     return 0
 
 
-def run_torch(kind: str, config, world: int, extra: list[str], folder: Path) -> list[float]:
-    """Step intervals of one run of a torch baseline (`_ddp` or `_pipe`) with `world` processes."""
+def run_torch(kind: str, config, world: int, extra: list[str], folder: Path) -> tuple[list[float], list[float]]:
+    """Step intervals and each step's CPU seconds (the logging process's) of one run of a torch baseline
+    (`_ddp` or `_pipe`) with `world` processes."""
     from torch.distributed import TCPStore
 
     (folder / "config.json").write_text(config.model_dump_json())
@@ -229,8 +238,16 @@ def run_torch(kind: str, config, world: int, extra: list[str], folder: Path) -> 
         for rank in range(world)
     ]
     overhead._communicate(processes)
-    times = json.loads(out.read_text())
-    return [b - a for a, b in zip(times, times[1:])]
+    recorded = json.loads(out.read_text())
+    times, cpus = recorded["time"], recorded["cpu"]
+    return [b - a for a, b in zip(times, times[1:])], [b - a for a, b in zip(cpus, cpus[1:])]
+
+
+def run_runtime(config, plan, folder: Path) -> tuple[list[float], list[float]]:
+    """The same two series for one run of the elastic runtime (the rank that logs the loss)."""
+    intervals = overhead.run_variant("on", config, plan, folder)
+    logger = plan.pipelines[0].stages[-1].ranks[0]
+    return intervals, overhead.step_cpu(folder / "losses.jsonl", logger)
 
 
 def _median_after(intervals: list[float], warmup: int) -> float:
@@ -297,7 +314,7 @@ def main() -> int:
         share = args.microbatches // args.ranks
         plan = plan_of(num_layers, [[(0, num_layers)]] * args.ranks, [share] * args.ranks, "vs-torch")
         comparisons["ddp"] = (
-            lambda folder, plan=plan: overhead.run_variant("on", config, plan, folder),
+            lambda folder, plan=plan: run_runtime(config, plan, folder),
             lambda folder: run_torch("_ddp", config, args.ranks, [str(args.microbatches)], folder),
         )
     for kind in ("pipe", "pipe4"):
@@ -311,25 +328,31 @@ def main() -> int:
         plan = plan_of(num_layers, [ranges], [args.microbatches], "vs-torch")
         extra = [str(args.microbatches), ",".join(map(str, bounds))]
         comparisons[kind] = (
-            lambda folder, plan=plan: overhead.run_variant("on", config, plan, folder),
+            lambda folder, plan=plan: run_runtime(config, plan, folder),
             lambda folder, stages=stages, extra=extra: run_torch("_pipe", config, stages, extra, folder),
         )
     pairs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in comparisons}
+    cpu_pairs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in comparisons}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.repeats):
             for kind, (ours, theirs) in comparisons.items():
-                measured = {}
+                measured, cpu = {}, {}
                 order = (("runtime", ours), ("torch", theirs))
                 for side, run in order if round_ % 2 == 0 else order[::-1]:
                     folder = Path(tmp) / f"{kind}-{side}-{round_}"
                     folder.mkdir()
                     loads.append(os.getloadavg()[0])
-                    measured[side] = _median_after(run(folder), args.warmup)
+                    intervals, cpus = run(folder)
+                    measured[side] = _median_after(intervals, args.warmup)
+                    cpu[side] = _median_after(cpus, args.warmup)
                 pairs[kind].append((measured["runtime"], measured["torch"]))
+                cpu_pairs[kind].append((cpu["runtime"], cpu["torch"]))
                 print(
                     f"round {round_}: {kind:5s} runtime {measured['runtime'] * 1e3:8.2f} ms, "
-                    f"{BASELINES[kind]} {measured['torch'] * 1e3:8.2f} ms: {measured['runtime'] / measured['torch']:.3f}x",
+                    f"{BASELINES[kind]} {measured['torch'] * 1e3:8.2f} ms: {measured['runtime'] / measured['torch']:.3f}x; "
+                    f"CPU/step {cpu['runtime'] * 1e3:.2f} vs {cpu['torch'] * 1e3:.2f} ms: "
+                    f"{cpu['runtime'] / cpu['torch']:.3f}x",
                     flush=True,
                 )
     print(
@@ -337,7 +360,16 @@ def main() -> int:
         f"runtime sums {args.gradient_sum_dtype}; load average during the runs: median {statistics.median(loads):.1f}, "
         f"range {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores"
     )
-    result: dict = {"model": args.model, "load": statistics.median(loads), "ratios": {}, "iqr": {}, "medians_ms": {}}
+    result: dict = {
+        "model": args.model,
+        "load": statistics.median(loads),
+        "ratios": {},
+        "iqr": {},
+        "medians_ms": {},
+        "cpu_ratios": {},
+        "cpu_iqr": {},
+        "cpu_ms": {},
+    }
     for kind, measured_pairs in pairs.items():
         ratio, q1, q3 = paired_ratio(measured_pairs)
         ours = statistics.median(p[0] for p in measured_pairs)
@@ -348,6 +380,15 @@ def main() -> int:
             f"{kind:5s}: runtime / {BASELINES[kind]}: median of {len(measured_pairs)} paired ratios {ratio:.3f}x "
             f"(IQR {q1:.3f}-{q3:.3f}); medians {ours * 1e3:.2f} vs {theirs * 1e3:.2f} ms/step "
             f"(target <= {TARGETS[kind]:.2f}x)"
+        )
+        ratio, q1, q3 = paired_ratio(cpu_pairs[kind])
+        ours = statistics.median(p[0] for p in cpu_pairs[kind])
+        theirs = statistics.median(p[1] for p in cpu_pairs[kind])
+        result["cpu_ratios"][kind], result["cpu_iqr"][kind] = ratio, [q1, q3]
+        result["cpu_ms"][kind] = {"runtime": ours * 1e3, "torch": theirs * 1e3}
+        print(
+            f"{kind:5s}: CPU per step of the logging process (all threads), runtime / {BASELINES[kind]}: "
+            f"median of paired ratios {ratio:.3f}x (IQR {q1:.3f}-{q3:.3f}); {ours * 1e3:.2f} vs {theirs * 1e3:.2f} ms"
         )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -33,6 +33,12 @@ def test_vs_torch_quick(tmp_path):
     for kind, (q1, q3) in figures["iqr"].items():
         assert q1 <= figures["ratios"][kind] <= q3, (kind, figures)
     assert all(set(sides) == {"runtime", "torch"} for sides in figures["medians_ms"].values())
+    # CPU per step: both sides measured their own process's CPU time, which a step always costs.
+    assert set(figures["cpu_ratios"]) == {"ddp", "pipe", "pipe4"}
+    for kind, sides in figures["cpu_ms"].items():
+        assert sides["runtime"] > 0 and sides["torch"] > 0, (kind, figures)
+        q1, q3 = figures["cpu_iqr"][kind]
+        assert q1 <= figures["cpu_ratios"][kind] <= q3, (kind, figures)
 
 
 def test_gpu_single_quick_on_cpu(tmp_path):

@@ -197,12 +197,25 @@ def propose_decision(store: dist.Store, generation: int, step: int, proposal: st
     raise RuntimeError(f"commit decision of step {step}: a stranger keeps overwriting it")
 
 
+_PEEK = b"\x00oobleck-peek\x00"
+"""A value no writer ever stores: `peek`'s compare-and-set expects it, so it never changes a key."""
+
+
+def peek(store: dist.Store, key: str) -> bytes | None:
+    """`key`'s value, or None when it is absent, in one round trip that never blocks.
+
+    `check` + `get` cost three round trips on a TCPStore (its `get` waits for the key first, then reads
+    it); a compare-and-set expecting a value nobody stores changes nothing and answers the value in
+    force, or (key absent) the expected value back. Every rank waiting for a step's commit decision
+    reads it this way on the step's critical path."""
+    value = bytes(store.compare_set(key, _PEEK, _PEEK))
+    return None if value == _PEEK else value
+
+
 def read_decision(store: dist.Store, generation: int, step: int, signer: Signer | None = None) -> str | None:
     """`step`'s commit decision, or None (not decided yet, or a value that does not verify)."""
     key = decision_key(generation, step)
-    if not store.check([key]):
-        return None
-    stored = store.get(key)
+    stored = peek(store, key)
     if not stored:
         return None
     decision = (signer or job_signer()).verified(key, stored, "commit_decision")

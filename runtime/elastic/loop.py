@@ -215,7 +215,13 @@ def _append_loss(worker, outcome) -> None:
     right after the step's commit); the launcher merges the records and checks they agree."""
     if worker.losses_path is None:
         return
-    record = {"job": worker.config.job, "rank": worker.rank, **asdict(outcome), "time": time.time()}
+    record = {
+        "job": worker.config.job,
+        "rank": worker.rank,
+        **asdict(outcome),
+        "time": time.time(),
+        "cpu": time.process_time(),  # as Worker._append_loss
+    }
     with open(worker.losses_path, "a") as handle:
         handle.write(json.dumps(record) + "\n")
 

@@ -424,7 +424,14 @@ class Worker:
     def _append_loss(self, outcome: StepOutcome) -> None:
         if self.losses_path is None:
             return
-        record = {"job": self.config.job, "rank": self.rank, **asdict(outcome), "time": time.time()}
+        # process_time: this process's CPU (all threads) so far; its growth per step holds on a loaded machine
+        record = {
+            "job": self.config.job,
+            "rank": self.rank,
+            **asdict(outcome),
+            "time": time.time(),
+            "cpu": time.process_time(),
+        }
         with self.losses_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
 

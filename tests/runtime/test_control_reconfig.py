@@ -51,6 +51,23 @@ def test_a_missing_rank_and_a_failure_abort_the_step_for_everyone():
     assert decisions == {0: False, 1: False, 3: False}
 
 
+def test_peek_reads_a_decision_in_one_round_trip_and_never_writes():
+    """The waiting ranks' read of a commit decision (keys.peek): absent, empty and present values, through the
+    coordinator's real store, and the key is left exactly as it was."""
+    from oobleck.runtime.elastic import keys
+
+    with Coordinator() as coordinator:
+        store = ControlStore(FixedEndpoint("127.0.0.1", coordinator.port), FAST).store
+        assert keys.peek(store, "k") is None and not store.check(["k"])  # absent: not created either
+        store.set("k", "")
+        assert keys.peek(store, "k") == b""
+        store.set("k", "commit")
+        assert keys.peek(store, "k") == b"commit" and store.get("k") == b"commit"
+        assert keys.read_decision(store, 1, 7) is None  # not decided yet
+        assert keys.propose_decision(store, 1, 7, "abort") == "abort"
+        assert keys.read_decision(store, 1, 7) == "abort"
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_commit_and_abort_racing_still_agree(seed):
     """The failure fires around the moment the last rank arrives: whatever wins, all ranks agree."""
