@@ -151,10 +151,7 @@ def test_bf16_with_tp_stages(tmp_path, plan_builder, workers):
 def test_a_tp_job_exports_whole_tensors_that_transformers_loads(tmp_path, plan_builder, workers):
     """Llama at t = 2 in every stage: the lowest holder of every layer holds a shard, yet the finished run's
     Hugging Face export holds whole tensors (the group glues them), which `from_pretrained` loads."""
-    from transformers import AutoModelForCausalLM
-
     from oobleck.runtime.models.hf import load_transformers
-    from oobleck.runtime.models.hf_checkpoint import is_complete
 
     make_plan, Spec = plan_builder
     plan = make_plan([Spec(stages=[(0, 3, 0, 2, 2), (3, 6, 1, 2, 2)], microbatches=3)], num_layers=6, gpus_per_node=2)
@@ -171,11 +168,24 @@ def test_a_tp_job_exports_whole_tensors_that_transformers_loads(tmp_path, plan_b
     # Llama's split matmuls change float32 sums more than the GPT's, and AdamW's normalisation amplifies
     # that on parameters with tiny gradients (runtime/train/engine.py): measured 1.2e-5 after 4 steps.
     result = run_and_check(tmp_path, workers, plan, config, param_atol=1e-4)
-    directory = tmp_path / "ckpt" / "huggingface"
+    assert_export_computes_the_runs_logits(
+        tmp_path / "ckpt" / "huggingface",
+        result,
+        plan,
+        load_transformers(None, preset="llama-tiny", sequence_length=16),
+    )
+
+
+def assert_export_computes_the_runs_logits(directory, result, plan: Plan, model: LayeredModel) -> None:
+    """The finished run's Hugging Face export is complete, and `from_pretrained` computes the logits the
+    run's own final layers (glued whole) compute."""
+    from transformers import AutoModelForCausalLM
+
+    from oobleck.runtime.models.hf_checkpoint import is_complete
+
     assert is_complete(directory)
-    model = load_transformers(None, preset="llama-tiny", sequence_length=16)
     wholes = whole_layers(result.per_rank, plan, model)
-    tokens = torch.randint(0, model.vocab_size, (2, 16))
+    tokens = torch.randint(0, model.vocab_size, (2, int(model.example_input(1).shape[1])))
     hidden = tokens
     for index in range(model.num_layers):
         layer = model.build_layer(index)

@@ -17,7 +17,7 @@ from oobleck.runtime.train.config import WorkerConfig, build_model
 from oobleck.runtime.train.reference import train_reference
 from tests.runtime.test_hf_training import TINY_GPT2
 from tests.runtime.test_hf_training import config as hf_config
-from tests.runtime.test_tp_engine import run_and_check, whole_layers
+from tests.runtime.test_tp_engine import assert_export_computes_the_runs_logits, run_and_check, whole_layers
 
 pytestmark = pytest.mark.slow  # real worker processes
 HEAD = 3  # TINY_GPT2: embedding, two blocks, head
@@ -59,10 +59,6 @@ def test_tied_copies_at_different_t(tmp_path, plan_builder, workers):
 def test_tied_copies_both_at_t2_export_whole(tmp_path, plan_builder, workers):
     """Both copies on t = 2 stages of one pipeline, beside a one-rank t = 1 pipeline holding both whole; the finished run's export holds the tied matrix once, whole, and
     `from_pretrained` computes the run's own logits from it."""
-    from transformers import AutoModelForCausalLM
-
-    from oobleck.runtime.models.hf_checkpoint import is_complete
-
     make_plan, Spec = plan_builder
     plan = make_plan(
         [Spec(stages=[(0, 2, 0, 2, 2), (2, 4, 1, 2, 2)], microbatches=3), Spec(stages=[(0, 4, 0, 1)], microbatches=2)],
@@ -72,15 +68,6 @@ def test_tied_copies_both_at_t2_export_whole(tmp_path, plan_builder, workers):
     config = tied_config(job="tp-tied-export", checkpoint={"path": str(tmp_path / "ckpt")})
     result = run_and_check(tmp_path, workers, plan, config)
     assert_copies_equal(result, plan, config)
-    directory = tmp_path / "ckpt" / "huggingface"
-    assert is_complete(directory)
-    model = load_transformers("gpt2", TINY_GPT2)
-    wholes = whole_layers(result.per_rank, plan, model)
-    tokens = torch.randint(0, model.vocab_size, (2, int(model.example_input(1).shape[1])))
-    hidden = tokens
-    for index in range(model.num_layers):
-        layer = model.build_layer(index)
-        layer.load_state_dict(wholes[index][0], strict=False)
-        hidden = layer(hidden)
-    loaded = AutoModelForCausalLM.from_pretrained(directory)
-    torch.testing.assert_close(loaded(input_ids=tokens).logits, hidden, rtol=1e-5, atol=1e-5)
+    assert_export_computes_the_runs_logits(
+        tmp_path / "ckpt" / "huggingface", result, plan, load_transformers("gpt2", TINY_GPT2)
+    )
