@@ -28,8 +28,9 @@ THRESHOLD = 1.5
 DETECTION_STEPS = 20
 """The issue's target: a node slowed at step s is a confirmed straggler by step s + 20."""
 CALM_STEPS = 30
-STEPS = 200
-"""Steps watched unthrottled, each status read free of stragglers."""
+STEPS = 300
+"""Room for the whole story on a loaded host: calm, throttled and confirmed, re-split, released and the
+profile's split again before the job ends (at 200 steps a run at load ~10 ended still re-split)."""
 
 
 def stragglers(run) -> list[dict[str, Any]]:
@@ -124,7 +125,10 @@ def test_a_worker_throttled_to_half_its_cpu_is_a_confirmed_straggler_within_20_s
     run.wait_for(lambda: run.events("StragglerRecovered"), "the StragglerRecovered event", timeout=240)
     back = run.wait_for(lambda: "(all at pace)" in (plan := run.plan()).reason and plan, "the profile's split again")
     assert sorted(p.microbatches for p in back.pipelines) == sorted(even.values())
-    assert len(naming(run.events("Straggler"), slow)) == 1
+    # A CPU quota caps a node's work, not its speed: with the smaller share of a re-split the held node may
+    # read under the threshold, leave the list and be confirmed again while still held (seen at load ~4:
+    # 3.79x, then 1.69x). One such second episode at most, never an event per wobble.
+    assert 1 <= len(naming(run.events("Straggler"), slow)) <= 2
     # The same losses as one process training the job without any of it.
     run.wait_succeeded()
     assert run.check_losses() >= STEPS
