@@ -166,6 +166,9 @@ def test_ctrl_c_and_a_killed_launcher_leave_no_process_behind(kit, tmp_path):
             stdout=(tmp_path / f"{how.name}.out").open("wb"),
             stderr=subprocess.STDOUT,
             env=kit.ENV,
+            # Ctrl-C at a terminal: SIGINT at its default even when this suite runs as a background job (a
+            # shell starts those with SIGINT ignored, and Python then never turns it into KeyboardInterrupt).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # until every worker has trained a step
