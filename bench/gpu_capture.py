@@ -86,7 +86,7 @@ def main() -> int:
         started = time.perf_counter()
         for index, module in layers:
             flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in _state(index, module, optimizer)])
-            buffers.take(index, flat.numel()).copy_(flat, non_blocking=True)
+            buffers.take(flat.numel()).copy_(flat, non_blocking=True)
         sync()
         figures["capture_staged_s"] = time.perf_counter() - started
         block = torch.empty(1 << 30, dtype=torch.uint8, device=device)

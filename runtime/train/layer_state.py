@@ -65,7 +65,7 @@ class PinnedBuffers:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._owned: Counter[int] = Counter()
 
-    def take(self, layer: int, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int) -> torch.Tensor:
         with self._lock:
             free = self._free.get(nbytes)
             if free:
@@ -132,9 +132,7 @@ def capture_layers(
         for layer, layer_tensors in tensors.items():
             nbytes = sum(t.numel() * t.element_size() for t in layer_tensors)
             host = (
-                buffers.take(layer, nbytes)
-                if buffers is not None
-                else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                buffers.take(nbytes) if buffers is not None else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             )
             offset = 0
             # The state tensors outlive these copies: whoever frees or replaces them (adopting a plan)
