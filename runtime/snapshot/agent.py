@@ -73,7 +73,7 @@ from oobleck.runtime.elastic.keys import snapshot_done_key as done_key
 from oobleck.runtime.elastic.signing import NO_KEY, Signer, job_signer
 from oobleck.runtime.elastic.store import is_store_loss
 from oobleck.runtime.snapshot.checkpoint_dir import newest_complete_step, prune_checkpoints, write_checkpoint_layer
-from oobleck.runtime.snapshot.holding import SnapshotStore
+from oobleck.runtime.snapshot.holding import DeferredRelease, SnapshotStore
 from oobleck.runtime.snapshot.transport import SnapshotServer, local_address, push
 from oobleck.runtime.train.layer_state import PinnedBuffers, capture_layers
 
@@ -161,7 +161,8 @@ class Snapshotter:
         self.num_layers = num_layers
         self.push_timeout_s = push_timeout_s
         self._pinned = PinnedBuffers()
-        self.store = SnapshotStore(on_drop=self._pinned.give)
+        self._release = DeferredRelease(self._pinned.give)
+        self.store = SnapshotStore(on_drop=self._release.drop)
         self.signer = signer
         # Bound to the advertised address (the pod IP), not every interface; a buddy's push is bounded by
         # each layer's state size and verified under the job key before it is stored.
@@ -270,6 +271,7 @@ class Snapshotter:
                     buffers=self._pinned,
                 )
                 self.stats["capture_s"] += time.perf_counter() - started
+                self._release.reading(captured.values())
                 for layer, data in captured.items():
                     self.store.put(job.step, layer, data)
             except Exception as error:
@@ -294,6 +296,8 @@ class Snapshotter:
             except Exception as error:
                 self._failed(job, error)
             finally:
+                if captured is not None:
+                    self._release.read(captured.values())
                 with self._quiet:
                     self._outstanding -= 1
                     self._quiet.notify_all()

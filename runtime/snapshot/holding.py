@@ -3,9 +3,46 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
+
+
+class DeferredRelease:
+    """Hands a dropped buffer to `release` (the pinned pool, to be captured into again) only once no shipment
+    still reads it: a step can be pruned, or a layer's snapshot replaced (a replay after a rollback), while
+    the ship thread is still pushing or writing those very buffers."""
+
+    def __init__(self, release: Callable[[torch.Tensor], None]) -> None:
+        self._release = release
+        self._lock = threading.Lock()
+        self._readers: dict[int, int] = {}  # id(buffer) -> shipments reading it
+        self._dropped: dict[int, torch.Tensor] = {}  # read buffers dropped meanwhile, released after the last read
+
+    def reading(self, buffers: Iterable[torch.Tensor]) -> None:
+        with self._lock:
+            for buffer in buffers:
+                self._readers[id(buffer)] = self._readers.get(id(buffer), 0) + 1
+
+    def read(self, buffers: Iterable[torch.Tensor]) -> None:
+        """The shipment that read these is done."""
+        released = []
+        with self._lock:
+            for buffer in buffers:
+                left = self._readers.pop(id(buffer)) - 1
+                if left:
+                    self._readers[id(buffer)] = left
+                elif id(buffer) in self._dropped:
+                    released.append(self._dropped.pop(id(buffer)))
+        for buffer in released:
+            self._release(buffer)
+
+    def drop(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if id(buffer) in self._readers:
+                self._dropped[id(buffer)] = buffer
+                return
+        self._release(buffer)
 
 
 class SnapshotStore:

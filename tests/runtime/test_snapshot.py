@@ -25,7 +25,7 @@ from oobleck.runtime.snapshot.checkpoint_dir import (
     read_checkpoint_layer,
     write_checkpoint_layer,
 )
-from oobleck.runtime.snapshot.holding import SnapshotStore
+from oobleck.runtime.snapshot.holding import DeferredRelease, SnapshotStore
 from oobleck.runtime.snapshot.transport import SnapshotServer, push
 from oobleck.runtime.train.config import WorkerConfig, build_model
 from oobleck.runtime.train.layer_state import capture, flatten, unflatten
@@ -181,6 +181,27 @@ def test_the_store_hands_back_every_buffer_it_lets_go_of_and_no_other():
     store.thaw()
     store.prune()
     assert dropped[-1] is buffers[4] and store.steps() == [8]
+
+
+def test_a_buffer_still_being_shipped_is_released_only_after_its_last_reader():
+    """A replay captures a step again while the older capture of it may still be pushed: the replaced buffer
+    must not go back to the pool (and be captured into) before that push is done."""
+    released: list[torch.Tensor] = []
+    guard = DeferredRelease(released.append)
+    store = SnapshotStore(on_drop=guard.drop)
+    first, second, replay = (torch.full((2,), v, dtype=torch.uint8) for v in (1, 2, 3))
+    guard.reading([first])  # shipment A reads `first`
+    guard.reading([first, second])  # shipment B reads both
+    store.put(8, 0, first)
+    store.put(8, 0, replay)  # the replay replaces `first` while A and B still read it
+    assert released == []
+    guard.read([first])
+    assert released == [], "B still reads it"
+    guard.read([first, second])
+    assert released == [first], "released once, after its last reader; `second` was never dropped"
+    store.put(8, 1, second)
+    store.put(8, 1, replay.clone())  # nobody reads `second` any more: released at once
+    assert released == [first, second]
 
 
 def test_a_push_lands_in_the_buddys_store_and_a_broken_one_does_not():
