@@ -38,6 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--write-concurrency", type=int, default=128, help="concurrent API writes per job")
     parser.add_argument("--batch-window", type=float, default=0.05, help="seconds to collect simultaneous events")
     parser.add_argument("--resync", type=float, default=10.0, help="seconds between reconciles without events")
+    parser.add_argument(
+        "--silent-node-grace",
+        type=float,
+        default=30.0,
+        help="seconds a member's node may stay silent (Ready Unknown) before its worker counts as lost",
+    )
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory the planner assumes")
     parser.add_argument(
         "--measure-timeout",
@@ -111,7 +117,11 @@ def run(args: argparse.Namespace) -> int:
     ):
         _positive(flag, value)
     _positive("--peering-lifetime", args.peering_lifetime)
-    for flag, value in (("--batch-window", args.batch_window), ("--measure-timeout", args.measure_timeout)):
+    for flag, value in (
+        ("--batch-window", args.batch_window),
+        ("--measure-timeout", args.measure_timeout),
+        ("--silent-node-grace", args.silent_node_grace),
+    ):
         if value < 0:
             print(f"oobleck operator: {flag} must be >= 0, got {value}", file=sys.stderr)
             return 2
@@ -131,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         write_concurrency=args.write_concurrency,
         batch_window_s=args.batch_window,
         resync_s=args.resync,
+        silent_node_grace_s=args.silent_node_grace,
         metrics_port=args.metrics_port,
         metrics_scrape_namespace=args.metrics_scrape_namespace,
         liveness_port=args.liveness_port,

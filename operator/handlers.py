@@ -83,6 +83,7 @@ class JobRunner:
     nodes: frozenset[str] = frozenset()
     failures_written: faults.Counted | None = None  # the worker-failure count of the last status patched
     oversized: tuple[str, ...] = ()  # the oversized reports last warned about
+    silent_held: tuple[str, ...] = ()  # the members last logged as kept although their nodes went silent
 
 
 def _memo_waker(memo: Any, key: JobKey) -> Waker:
@@ -385,6 +386,9 @@ async def reconcile(
         return
     _track_nodes(runner, memo, obs)
     _warn_oversized(runner, obs, body, logger)
+    if obs.silent_held != runner.silent_held and obs.silent_held:
+        logger.info(f"kept {', '.join(obs.silent_held)}: their nodes went silent (an outage, or within the grace)")
+    runner.silent_held = obs.silent_held
     status = parse_status(raw_status)
     generation = int((view.get("metadata") or {}).get("generation") or 0)
     ctx = JobContext(name, namespace, runner.uid, generation, spec, status)
@@ -490,6 +494,8 @@ def _observe(
         runner.current.plan if runner.current else None,
         gpu_resource=spec.gpu_resource_name if spec.device == "cuda" else None,
         gpu_conditions=config.tuning.gpu_failure_conditions,
+        now=time.time(),
+        silent_grace_s=config.silent_node_grace_s,
     )
 
 

@@ -10,8 +10,11 @@ pod being deleted; pod Failed (evicted included); worker container terminated wi
 code; pod marked as a disruption target; its node deleted, NotReady or unreachable (Ready
 condition or the node-lifecycle taints); the node's allocatable GPUs below its capacity; a node
 condition listed as a GPU failure reporting True; the worker reporting its own GPU unhealthy; a
-live peer of the current generation reporting it dead. Except: when every member's node goes silent at
-once (Ready Unknown: no lease renewed), the control plane was blind, not the nodes dead (`_blind`).
+live peer of the current generation reporting it dead. Except for a node that went silent (Ready Unknown:
+no lease renewed): that counts only once it stayed silent for the operator's grace (after a control-plane
+outage the kubelets come back one by one, up to a lease renewal apart, and the node lifecycle controller
+may mark one Unknown after the others are back), and never while every member's node is silent at once
+(the control plane was blind, not the nodes dead: `_blind`).
 
 Other reports of the current generation: "unrecoverable" (a layer's state is gone from every worker,
 snapshot and checkpoint: the job fails with the worker's words), "coordinator-restart" (the store was
@@ -46,7 +49,8 @@ from oobleck.api.reports import FailureKind, FailureReport, ProgressReport
 from oobleck.api.resource import COORDINATOR_ROLE, ROLE_LABEL, WORKER_ROLE
 from oobleck.operator.render import worker_index
 
-UNREACHABLE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+SILENT_TAINT = "node.kubernetes.io/unreachable"
+UNREACHABLE_TAINTS = (SILENT_TAINT, "node.kubernetes.io/not-ready")
 
 
 def _time(value: str | None) -> float | None:
@@ -97,6 +101,9 @@ class NodeSummary:
     true_conditions: tuple[str, ...] = ()  # condition types other than Ready whose status is True
     capacity: tuple[tuple[str, int], ...] = ()  # extended resources (names with a '/') only
     allocatable: tuple[tuple[str, int], ...] = ()
+    silent_since: float | None = None
+    """When the node went silent (wall time): Ready turned Unknown or an unreachable taint was added; None
+    when it is not silent or the time is not recorded."""
 
 
 def _capped(annotations: Mapping[str, Any], key: str, cap: int, oversized: list[str]) -> str | None:
@@ -171,21 +178,18 @@ def _extended(resources: Mapping[str, Any] | None) -> tuple[tuple[str, int], ...
 def summarize_node(body: Mapping[str, Any]) -> NodeSummary:
     """Reduce a Node to a NodeSummary."""
     status = body.get("status") or {}
-    ready, reason, true_conditions = "Unknown", "", []
+    ready, reason, true_conditions, went_silent = "Unknown", "", [], []
     for condition in status.get("conditions") or []:
         if condition.get("type") == "Ready":
             ready, reason = condition.get("status") or "Unknown", condition.get("reason") or ""
+            if ready == "Unknown":
+                went_silent.append(_time(condition.get("lastTransitionTime")))
         elif condition.get("status") == "True":
             true_conditions.append(condition.get("type") or "")
-    taints = tuple(
-        sorted(
-            {
-                t.get("key", "")
-                for t in (body.get("spec") or {}).get("taints") or []
-                if t.get("key") in UNREACHABLE_TAINTS
-            }
-        )
-    )
+    unreachable = [t for t in (body.get("spec") or {}).get("taints") or [] if t.get("key") in UNREACHABLE_TAINTS]
+    taints = tuple(sorted({t.get("key", "") for t in unreachable}))
+    went_silent += [_time(t.get("timeAdded")) for t in unreachable if t.get("key") == SILENT_TAINT]
+    known = [t for t in went_silent if t is not None]
     return NodeSummary(
         name=(body.get("metadata") or {}).get("name", ""),
         ready=ready,
@@ -194,6 +198,7 @@ def summarize_node(body: Mapping[str, Any]) -> NodeSummary:
         true_conditions=tuple(sorted(true_conditions)),
         capacity=_extended(status.get("capacity")),
         allocatable=_extended(status.get("allocatable")),
+        silent_since=min(known) if known else None,
     )
 
 
@@ -221,7 +226,7 @@ def node_problem(
 def _silent(node: NodeSummary | None) -> bool:
     """Whether the node is suspected only because its kubelet stopped posting status (Ready Unknown, the
     node lifecycle controller's verdict from an expired lease), not reported unwell by the node itself."""
-    return node is not None and (node.ready == "Unknown" or "node.kubernetes.io/unreachable" in node.taints)
+    return node is not None and (node.ready == "Unknown" or SILENT_TAINT in node.taints)
 
 
 def _blind(plan: Plan | None, workers: Mapping[str, Worker], silent: set[str]) -> tuple[str, ...]:
@@ -298,7 +303,8 @@ class JobObservation:
     stalled_since: float | None = None  # earliest report of a failure that names no dead worker (wall time)
     generation_trained: bool | None = None  # a member reported a step in the current generation (None: no reports)
     measured_profile: str | None = None  # the lowest-indexed live worker's measured profile JSON, if any
-    silent_held: tuple[str, ...] = ()  # members kept although every member's node went silent at once (`_blind`)
+    silent_held: tuple[str, ...] = ()
+    """members kept although their node went silent: not for the grace yet, or every member's at once (`_blind`)"""
     oversized: tuple[str, ...] = ()  # "<pod>: annotation ... over the cap" for reports left unread
 
     def __post_init__(self) -> None:
@@ -384,8 +390,11 @@ def observe(
     *,
     gpu_resource: str | None,
     gpu_conditions: Sequence[str] = (),
+    now: float | None = None,
+    silent_grace_s: float = 0.0,
 ) -> JobObservation:
-    """Classify a job's pods (see the module docstring). `gpu_resource` None disables the GPU checks (cpu jobs)."""
+    """Classify a job's pods (see the module docstring). `gpu_resource` None disables the GPU checks (cpu jobs).
+    A member whose node went silent less than `silent_grace_s` before `now` (wall time) is kept."""
     workers: dict[str, Worker] = {}
     coordinator = None
     foreign = []
@@ -393,6 +402,7 @@ def observe(
     newest = 0  # the highest step any pod claims: only for the loss and throughput shown
     latest: tuple[float | None, float | None] = (None, None)  # loss, samples/s of the newest step
     silent: set[str] = set()  # running workers lost only because their node's status went silent
+    recent: set[str] = set()  # those whose node went silent within the grace
     for pod in pods:
         if pod.owner_uid != uid:
             foreign.append(pod.name)
@@ -408,12 +418,18 @@ def observe(
         workers[pod.name] = worker
         if node_silent:
             silent.add(pod.name)
+            node = nodes.get(pod.node_name) if pod.node_name is not None else None
+            since = node.silent_since if node is not None else None
+            if now is not None and since is not None and now - since < silent_grace_s:
+                recent.add(pod.name)
         progress = worker.progress
         if progress is not None and progress.step >= newest:
             newest = progress.step
             latest = (progress.loss, progress.samples_per_second)
 
-    held = _blind(plan, workers, silent)
+    # Only members are kept: a newcomer on a silent node is not folded in.
+    recent &= set(plan.nodes) if plan is not None else set()
+    held = tuple(sorted(set(_blind(plan, workers, silent)) | recent, key=lambda n: workers[n].index))
     for name in held:
         workers[name] = replace(workers[name], status="running", reason="")
     reports = _failure_reports(plan, workers, summaries) if plan is not None else Reports()

@@ -42,6 +42,11 @@ class OperatorConfig:
     become one plan generation. Counts against the failure-to-patch latency."""
     resync_s: float = 10.0
     """Reconcile each job at least this often (timeouts, e.g. pods pending too long, need no event)."""
+    silent_node_grace_s: float = 30.0
+    """How long a member's node may stay silent (Ready Unknown: its kubelet renewed no lease) before its worker
+    counts as lost. After a control-plane outage the kubelets renew one by one, up to a renewal period (10 s)
+    apart, and the node lifecycle controller can mark one Unknown after the others are back. A worker that
+    really died is reported by its peers within a second whatever this is."""
     request_timeout_s: float = 15.0
     """Timeout of one API call (kopf's and ours)."""
     error_backoff_s: float = 1.0

@@ -20,6 +20,7 @@ import time
 import urllib.request
 import zlib
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -406,6 +407,38 @@ def test_each_failure_kind_is_one_generation_without_the_node(cluster, env, kind
         "status Running, 1 failure",
     )
     assert "oobleck_operator_failure_to_patch_seconds_count 1.0" in env["operator"].metrics()
+
+
+def test_a_silent_node_is_kept_for_the_grace_then_lost(cluster, env):
+    """After a control-plane outage the kubelets renew one by one, and the node lifecycle controller can mark
+    one node Unknown after the others are back (a CI run lost a node that way). A member whose node went
+    silent counts as lost only once it stayed silent for --silent-node-grace: back within it, it was never
+    lost; silent past it, it is, and not before."""
+    ns, grace = env["ns"], 10.0
+    plan = running_job(cluster, env, operator_args=("--silent-node-grace", str(grace), "--resync", "1"))
+    victim = plan.nodes[1]
+    node = cluster.kubectl_json("get", "pod", victim, "-n", ns)["spec"]["nodeName"]
+    _take_from_kwok(cluster, node)
+
+    def ready(status: str) -> float:
+        at = time.time()
+        stamp = datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        condition = {"type": "Ready", "status": status, "reason": "Injected", "lastTransitionTime": stamp}
+        _patch_node_status(cluster, node, {"conditions": [condition]})
+        return int(at)  # the time as the node records it, to the second
+
+    ready("Unknown")
+    time.sleep(3)
+    ready("True")
+    time.sleep(grace + 3)  # past the grace, with resyncs every second
+    assert current_plan(cluster, ns).generation == 0, "a node back within the grace was lost"
+
+    silent_at = ready("Unknown")
+    lost = wait_for(lambda: (p := current_plan(cluster, ns)).generation >= 1 and p, "the silent node lost")
+    assert time.time() - silent_at >= grace, "lost before the grace ended"
+    assert victim not in lost.nodes
+    with_losses = [e for e in reconfigured_events(cluster, ns) if "lost" in e]
+    assert len(with_losses) == 1 and f"lost ['{victim}']" in with_losses[0], with_losses
 
 
 def test_simultaneous_losses_make_one_generation(cluster, env):
