@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 
 from oobleck.runtime.models.layered import GPT, GPTSizes
 from oobleck.runtime.train.tensor_parallel import TensorParallelGroup, shard_bounds, split_layer
+from oobleck_dev import preforked
 
 pytestmark = pytest.mark.integration
 RANK = Path(__file__).with_name("tp_rank.py")
@@ -25,24 +24,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(world: int, cases: list[str]) -> dict[str, list[dict]]:
-    """Every case (MODEL:DTYPE) checked by `world` rank processes; the ranks' results per case."""
+def _run(world: int, cases: list[str], folder: Path) -> dict[str, list[dict]]:
+    """Every case (MODEL:DTYPE) checked by `world` rank processes; the ranks' results per case. The ranks are
+    tp_rank.py processes forked from one that imported torch already (oobleck_dev.preforked)."""
     port = _free_port()
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(RANK), str(rank), str(world), str(port), ",".join(cases)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        preforked.start(
+            [str(RANK), str(rank), str(world), str(port), ",".join(cases)],
+            folder / f"rank{rank}.out",
+            env,
+            stderr=folder / f"rank{rank}.err",
         )
         for rank in range(world)
     ]
     results: dict[str, list[dict]] = {case: [] for case in cases}
-    for proc in procs:
-        out, err = proc.communicate(timeout=400)
-        assert proc.returncode == 0, err[-3000:]
-        for line in out.strip().splitlines():
+    for rank, proc in enumerate(procs):
+        code = proc.wait(timeout=400)
+        assert code == 0, (folder / f"rank{rank}.err").read_text()[-3000:]
+        for line in (folder / f"rank{rank}.out").read_text().strip().splitlines():
             result = json.loads(line)
             results[result["case"]].append(result)
     return results
@@ -53,10 +53,10 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_split_layers_equal_the_unsplit_model(world):
+def test_split_layers_equal_the_unsplit_model(world, tmp_path):
     cases = [f"{model}:float32" for model in ("gpt", "llama", "gpt2", "qwen2")]
     cases += ["llama:bfloat16"] if world == 2 else []
-    for case, results in _run(world, cases).items():
+    for case, results in _run(world, cases, tmp_path).items():
         assert len(results) == world, case
         for result in results:
             worst = max(result["errors"].items(), key=lambda kv: kv[1])

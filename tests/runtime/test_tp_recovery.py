@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -21,6 +19,7 @@ from torch.distributed import TCPStore
 
 from oobleck.runtime.train.config import build_model
 from oobleck.runtime.train.reference import train_reference
+from oobleck_dev import preforked
 from tests.runtime.test_tp_engine import CONFIG, whole_layers
 from tests.runtime.test_transfer import DRIVER
 
@@ -81,35 +80,25 @@ def test_shards_move_and_reshard_across_a_change_of_t(tmp_path, plan_builder):
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     losses = tmp_path / "losses.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    # drive_worker.py processes forked from one that imported torch already (oobleck_dev.preforked).
     processes = {
-        (node, gpu): subprocess.Popen(
-            [
-                sys.executable,
-                str(DRIVER),
-                str(tmp_path / "config.json"),
-                str(store.port),
-                node,
-                str(gpu),
-                str(losses),
-                str(tmp_path / f"{node}-{gpu}.pt"),
-                *[f"{tmp_path}/{phase}" for phase in phase_list],
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            text=True,
+        (node, gpu): preforked.start(
+            [str(DRIVER), str(tmp_path / "config.json"), str(store.port), node, str(gpu), str(losses)]
+            + [str(tmp_path / f"{node}-{gpu}.pt"), *[f"{tmp_path}/{phase}" for phase in phase_list]],
+            tmp_path / f"{node}-{gpu}.log",
+            env,
         )
         for (node, gpu), phase_list in phases.items()
     }
     deadline = time.monotonic() + 400
     for key, process in processes.items():
         try:
-            output = process.communicate(timeout=max(1, deadline - time.monotonic()))[0]
-        except subprocess.TimeoutExpired:
+            code = process.wait(timeout=max(1, deadline - time.monotonic()))
+        except TimeoutError:
             for other in processes.values():
                 other.kill()
             pytest.fail(f"{key} timed out")
-        assert process.returncode == 0, f"{key} failed:\n{output[-3000:]}"
+        assert code == 0, f"{key} failed:\n{(tmp_path / f'{key[0]}-{key[1]}.log').read_text()[-3000:]}"
     records = [json.loads(line) for line in losses.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(STEPS))
     assert [r["generation"] for r in records] == [0] * SWITCH + [1] * (STEPS - SWITCH)

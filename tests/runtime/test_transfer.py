@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from torch.distributed import TCPStore
 
 from oobleck.runtime.train.config import OptimConfig, WorkerConfig
 from oobleck.runtime.train.reference import train_reference
+from oobleck_dev import preforked
 
 pytestmark = pytest.mark.slow  # real worker processes
 DRIVER = Path(__file__).with_name("drive_worker.py")
@@ -84,36 +83,25 @@ def test_relayout_and_joining_node_continue_exactly(tmp_path, plan_builder):
         "n3": [f"{tmp_path}/gen1.json:{STEPS}"],
     }
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    # drive_worker.py processes forked from one that imported torch already (oobleck_dev.preforked).
     processes = {
-        node: subprocess.Popen(
-            [
-                sys.executable,
-                str(DRIVER),
-                str(tmp_path / "config.json"),
-                str(store.port),
-                node,
-                "0",
-                str(losses),
-                str(tmp_path / f"{node}.pt"),
-                *phase,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            text=True,
+        node: preforked.start(
+            [str(DRIVER), str(tmp_path / "config.json"), str(store.port), node, "0", str(losses)]
+            + [str(tmp_path / f"{node}.pt"), *phase],
+            tmp_path / f"{node}.log",
+            env,
         )
         for node, phase in phases.items()
     }
     deadline = time.monotonic() + 120
-    outputs = {}
     for node, process in processes.items():
         try:
-            outputs[node] = process.communicate(timeout=max(1, deadline - time.monotonic()))[0]
-        except subprocess.TimeoutExpired:
+            code = process.wait(timeout=max(1, deadline - time.monotonic()))
+        except TimeoutError:
             for p in processes.values():
                 p.kill()
             pytest.fail(f"{node} timed out")
-        assert process.returncode == 0, f"{node} failed:\n{outputs[node][-3000:]}"
+        assert code == 0, f"{node} failed:\n{(tmp_path / f'{node}.log').read_text()[-3000:]}"
     records = [json.loads(line) for line in losses.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(STEPS))
     assert [r["generation"] for r in records] == [0] * SWITCH + [1] * (STEPS - SWITCH)
@@ -129,4 +117,4 @@ def test_relayout_and_joining_node_continue_exactly(tmp_path, plan_builder):
     # n2 now holds layers 2..5 (layer 2 received), n1 freed layer 2.
     assert sorted(torch.load(tmp_path / "n2.pt")) == [2, 3, 4, 5]
     assert sorted(torch.load(tmp_path / "n1.pt")) == [0, 1]
-    assert '"event": "adopted"' in outputs["n3"]
+    assert '"event": "adopted"' in (tmp_path / "n3.log").read_text()

@@ -1,0 +1,61 @@
+"""Processes forked from the preloaded forkserver (oobleck_dev.preforked) behave as `python *command` would:
+the argv, the whole environment given, one OpenMP thread, output to the files named, the exit code, and
+`python -m oobleck.runtime` exactly as the command line runs it."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from oobleck_dev import preforked
+
+pytestmark = pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
+
+SCRIPT = """
+import json, os, sys
+import torch
+print(json.dumps({"argv": sys.argv, "env": dict(os.environ), "threads": torch.get_num_threads(),
+                  "main": __name__, "path0": sys.path[0]}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_script_gets_its_argv_its_environment_one_thread_and_its_exit_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    out, err = tmp_path / "out", tmp_path / "err"
+    monkeypatch.setenv("OOBLECK_TEST_PARENT_ONLY", "1")  # not in the child's environment: it gets `env` only
+    process = preforked.start([str(script), "3", "x"], out, {"ONLY": "this", "OMP_NUM_THREADS": "1"}, stderr=err)
+    assert process.wait(timeout=120) == 3
+    seen = json.loads(out.read_text())
+    assert seen["argv"] == [str(script), "3", "x"] and seen["main"] == "__main__"
+    assert seen["env"] == {"ONLY": "this", "OMP_NUM_THREADS": "1"}
+    assert seen["threads"] == 1 and Path(seen["path0"]) == tmp_path.resolve()
+    assert err.read_text() == "to stderr\n"
+
+
+def test_the_runtime_module_runs_as_its_command_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "plan.json").write_text('{"job": "x"}')
+    log = tmp_path / "log"
+    argv = ["-m", "oobleck.runtime", "worker", "--config", str(tmp_path / "config.json")]
+    process = preforked.start([*argv, "--plan", str(tmp_path / "plan.json"), "--store", "nonsense"], log, {})
+    assert process.wait(timeout=120) == 2  # argparse's exit, as `python -m oobleck.runtime` gives it
+    assert "--store: expected HOST:PORT" in log.read_text()
+
+
+def test_a_process_still_running_times_out_and_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    process = preforked.start([str(script)], tmp_path / "out", {})
+    with pytest.raises(TimeoutError):
+        process.wait(timeout=0.5)
+    assert process.poll() is None
+    process.kill()
+    assert process.wait(timeout=10) == -signal.SIGKILL
