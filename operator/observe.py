@@ -229,6 +229,12 @@ def _silent(node: NodeSummary | None) -> bool:
     return node is not None and (node.ready == "Unknown" or SILENT_TAINT in node.taints)
 
 
+def _silent_within(node: NodeSummary | None, now: float | None, grace_s: float) -> bool:
+    """Whether the node went silent less than `grace_s` before `now` (an unknown time counts as long ago)."""
+    since = node.silent_since if node is not None else None
+    return now is not None and since is not None and now - since < grace_s
+
+
 def _blind(plan: Plan | None, workers: Mapping[str, Worker], silent: set[str]) -> tuple[str, ...]:
     """The members to keep although their nodes went silent: all members' nodes did at once (two or more;
     members that failed for a reason of their own aside).
@@ -418,9 +424,7 @@ def observe(
         workers[pod.name] = worker
         if node_silent:
             silent.add(pod.name)
-            node = nodes.get(pod.node_name) if pod.node_name is not None else None
-            since = node.silent_since if node is not None else None
-            if now is not None and since is not None and now - since < silent_grace_s:
+            if _silent_within(nodes.get(pod.node_name or ""), now, silent_grace_s):
                 recent.add(pod.name)
         progress = worker.progress
         if progress is not None and progress.step >= newest:
