@@ -7,10 +7,8 @@ under the cache (`~/.cache/oobleck/k8s-node/store`), and each node's containerd 
 hard-linked copy of it (`cp -al`): the files are shared, only containerd's two bolt databases are
 real copies (bolt writes in place). Layer blobs and lower snapshot folders are never written by a
 node (overlayfs writes a container's changes to a new upper folder), so sharing them is safe; a node
-deleting an image only drops its own links. A new build of the image reaches the template through an
-OCI layout beside it (ocilayout.py): buildah writes only the layers the layout lacks, and the archive
-imported leaves out the layers the template has unpacked, so a source edit moves megabytes, not the
-image. Older project images are removed from the template after the new one is in.
+deleting an image only drops its own links. A new build of the image adds only its changed layers
+to the template (content is deduplicated by digest) and older project images are removed from it.
 
 `pause_archive` makes the sandbox ("pause") image: a docker-archive with one static binary.
 """
@@ -31,7 +29,6 @@ from pathlib import Path
 from oobleck_dev.controlplane import ManagedProcess, stop_processes
 from oobleck_dev.hoststate import unmount_under
 from oobleck_dev.nodeconfig import NodeLayout, containerd_config
-from oobleck_dev.ocilayout import LayoutImage, keep_only, unpacked_prefix, write_archive
 
 NAMESPACE = "k8s.io"  # the CRI plugin's containerd namespace
 BOLT_FILES = ("io.containerd.metadata.v1.bolt/meta.db", "io.containerd.snapshotter.v1.overlayfs/metadata.db")
@@ -84,26 +81,17 @@ class TemplateStore:
         self.root = folder / "root"
         self.pause_image, self.pause_binary, self.buildah = pause_image, pause_binary, buildah
         self.import_s: float | None = None  # seconds the last ensure() spent importing (None: nothing to do)
-        self.imported: dict[str, float] = {}
-        """the last project image import: layers in the image, layers left out (unpacked already), GB streamed"""
 
     def _images_file(self) -> Path:
         return self.folder / "contents.json"
 
-    def _contents(self) -> dict:
-        try:
-            contents = json.loads(self._images_file().read_text())
-            return contents if isinstance(contents, dict) and contents.get("layer_blobs") == "pruned" else {}
-        except (OSError, ValueError):
-            return {}
-
     def images(self) -> list[str]:
         """The images the template holds (as recorded after its last complete import and prune)."""
-        return list(self._contents().get("images") or [])
-
-    def unpacked_layers(self) -> list[str]:
-        """The project image's layer digests, bottom first, whose snapshots the template holds."""
-        return list(self._contents().get("layers") or [])
+        try:
+            contents = json.loads(self._images_file().read_text())
+            return list(contents["images"]) if contents.get("layer_blobs") == "pruned" else []
+        except (OSError, ValueError, KeyError, AttributeError):
+            return []
 
     def ensure(self, image: str, timeout_s: float = 1800.0) -> None:
         """Make the template hold `image` and the pause image (and no other project image). Call it holding
@@ -135,9 +123,8 @@ class TemplateStore:
                     "import the pause image",
                     pause_archive(self.pause_binary, self.pause_image),
                 )
-            layers = self.unpacked_layers()
             if image not in present:
-                layers = self._import_project_image(ctr, image, timeout_s)
+                self._import_project_image(ctr, image, timeout_s)
             stale = [name for name in present if name.startswith(PROJECT_IMAGE_PREFIX) and name != image]
             if stale:
                 # containerd's garbage collector then drops the layers no image uses any more.
@@ -146,68 +133,37 @@ class TemplateStore:
             # once more. Dropping the manifests' references to them lets the garbage collector remove them; the
             # next import writes the blobs again, finds every unchanged layer already unpacked, and prunes again.
             self._run([*ctr, "content", "prune", "references"], "drop the unpacked layers' blobs")
-            contents = {"images": sorted(wanted), "layer_blobs": "pruned", "layers": layers}
-            self._images_file().write_text(json.dumps(contents))
+            self._images_file().write_text(json.dumps({"images": sorted(wanted), "layer_blobs": "pruned"}))
         finally:
             stop_processes([containerd], 30.0)
             shutil.rmtree(work, ignore_errors=True)
         self.import_s = round(time.monotonic() - began, 1)
 
-    def _import_project_image(self, ctr: list[str], image: str, timeout_s: float) -> list[str]:
-        """Bring `image` into the layout (only its new layers are written), then stream ctr an archive without the
-        layers the template has unpacked. Returns the image's layer digests."""
-        layout = self.folder / "layout"
-        tag = image.rpartition(":")[2]
-        push = subprocess.run(
-            [
-                str(self.buildah),
-                "push",
-                "--quiet",
-                "--disable-compression",
-                "--format",
-                "oci",
-                image,
-                f"oci:{layout}:{tag}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
+    def _import_project_image(self, ctr: list[str], image: str, timeout_s: float) -> None:
+        """buildah writes the docker-archive to a pipe that ctr reads: no 6 GB file in between."""
+        push = subprocess.Popen(
+            [str(self.buildah), "push", "--quiet", image, "docker-archive:/dev/stdout"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
-        if push.returncode != 0:
-            raise ImageStoreError(f"buildah push {image} into {layout} (exit {push.returncode}): {push.stderr[-2000:]}")
-        pushed = keep_only(layout, tag)
-        skip = unpacked_prefix(pushed.layers, self.unpacked_layers())
+        assert push.stdout is not None
         try:
-            self._import_archive(ctr, layout, pushed, image, skip, timeout_s)
-        except ImageStoreError:
-            if not skip:
-                raise
-            # The snapshots recorded as unpacked are gone (the store was changed by hand): send every layer.
-            self._import_archive(ctr, layout, pushed, image, 0, timeout_s)
-        return pushed.layers
-
-    def _import_archive(
-        self, ctr: list[str], layout: Path, pushed: LayoutImage, image: str, skip: int, timeout_s: float
-    ) -> None:
-        # ctr's output goes to a file: a pipe nobody reads while the archive is written could fill and stall it.
-        with tempfile.TemporaryFile() as output:
-            importing = subprocess.Popen(
-                [*ctr, "images", "import", "-"], stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT
+            imported = subprocess.run(
+                [*ctr, "images", "import", "-"],
+                stdin=push.stdout,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
             )
-            assert importing.stdin is not None
-            try:
-                written = write_archive(importing.stdin, layout, pushed, image, skip)
-                importing.stdin.close()
-            except BrokenPipeError:
-                written = -1  # ctr exited early: its output below says why
-            code = importing.wait(timeout=timeout_s)
-            output.seek(0)
-            said = output.read().decode(errors="replace")
-        if code != 0:
+        finally:
+            push.stdout.close()
+            push_err = push.communicate(timeout=60)[1].decode(errors="replace")
+        if push.returncode != 0 or imported.returncode != 0:
             raise ImageStoreError(
-                f"ctr import of {image} into the template store {self.root} (exit {code}): {said[-2000:]}"
+                f"importing {image} into the template store {self.root} failed:\n"
+                f"buildah push (exit {push.returncode}): {push_err[-2000:]}\n"
+                f"ctr import (exit {imported.returncode}): {(imported.stderr or imported.stdout)[-2000:]}"
             )
-        self.imported = {"layers": len(pushed.layers), "left_out": skip, "streamed_gb": round(written / 1e9, 3)}
 
     @staticmethod
     def _wait_socket(containerd: ManagedProcess, socket: Path, timeout_s: float = 60.0) -> None:
