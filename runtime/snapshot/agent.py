@@ -176,6 +176,8 @@ class Snapshotter:
         self.address = f"{advertise}:{self.server.port}"
         self._connect_store = connect_store
         self._control = None
+        self._buddy_addresses: dict[str, str] = {}
+        """buddy -> the snapshot address its last verified `held` report gave (ship thread only)"""
         # Two threads: captures (which the optimizer update waits for) never queue behind a slow
         # push or write (which only delays the next snapshot's completion).
         self._captures: queue.SimpleQueue = queue.SimpleQueue()
@@ -348,6 +350,7 @@ class Snapshotter:
                 push(address, job.step, captured, self.push_timeout_s, self.signer.key)
                 self.stats["pushed_bytes"] += sum(t.numel() for t in captured.values())
             except (OSError, ConnectionError, TimeoutError, RuntimeError) as error:
+                self._buddy_addresses.pop(job.buddy, None)  # a replaced buddy publishes a new one
                 pushed, began = False, time.perf_counter()
                 log.warning(
                     json.dumps(
@@ -390,13 +393,18 @@ class Snapshotter:
         )
 
     def _buddy_address(self, buddy: str, timeout_s: float = 30.0) -> str:
-        """The buddy's server address from its `held/{worker}` report (it may not have published it yet)."""
+        """The buddy's server address from its `held/{worker}` report (it may not have published it yet). While
+        that report is refused (a stranger overwrote it until the buddy's next snapshot), the address its last
+        verified one gave: a buddy's server keeps its address for its process's life."""
         deadline = time.monotonic() + timeout_s
         while True:
             held = self._store_call(lambda s: get_held(s, buddy, self.signer))
             address = held.get("snapshot_address") if held else None
             if address:
+                self._buddy_addresses[buddy] = address
                 return address
+            if buddy in self._buddy_addresses:
+                return self._buddy_addresses[buddy]
             if time.monotonic() > deadline:
                 raise TimeoutError(f"buddy {buddy} published no snapshot address within {timeout_s:.0f} s")
             time.sleep(0.05)
