@@ -50,6 +50,7 @@ def test_planner_commands_do_not_import_torch_or_kopf() -> None:
     [
         (["operator", "-n", "x", "--measure-timeout", "-1"], "--measure-timeout must be >= 0, got -1.0"),
         (["operator", "-n", "x", "--batch-window", "-0.5"], "--batch-window must be >= 0, got -0.5"),
+        (["operator", "-n", "x", "--silent-node-grace", "-5"], "--silent-node-grace must be >= 0, got -5.0"),
         (["launch", "--nodes", "2", "--controller", "guess"], "invalid choice: 'guess'"),
     ],
 )
