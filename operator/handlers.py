@@ -387,7 +387,8 @@ async def reconcile(
     _track_nodes(runner, memo, obs)
     _warn_oversized(runner, obs, body, logger)
     if obs.silent_held != runner.silent_held and obs.silent_held:
-        logger.info(f"kept {', '.join(obs.silent_held)}: their nodes went silent (an outage, or within the grace)")
+        held = ", ".join(obs.silent_held)
+        log.info(f"{namespace}/{name}: kept {held}: their nodes went silent (an outage, or within the grace)")
     runner.silent_held = obs.silent_held
     status = parse_status(raw_status)
     generation = int((view.get("metadata") or {}).get("generation") or 0)

@@ -102,7 +102,7 @@ class NodeSummary:
     capacity: tuple[tuple[str, int], ...] = ()  # extended resources (names with a '/') only
     allocatable: tuple[tuple[str, int], ...] = ()
     silent_since: float | None = None
-    """When the node went silent (wall time): Ready turned Unknown or an unreachable taint was added; None
+    """When the node went silent (wall time): Ready turned Unknown, else the unreachable taint was added; None
     when it is not silent or the time is not recorded."""
 
 
@@ -178,18 +178,20 @@ def _extended(resources: Mapping[str, Any] | None) -> tuple[tuple[str, int], ...
 def summarize_node(body: Mapping[str, Any]) -> NodeSummary:
     """Reduce a Node to a NodeSummary."""
     status = body.get("status") or {}
-    ready, reason, true_conditions, went_silent = "Unknown", "", [], []
+    ready, reason, true_conditions, changed = "Unknown", "", [], None
     for condition in status.get("conditions") or []:
         if condition.get("type") == "Ready":
             ready, reason = condition.get("status") or "Unknown", condition.get("reason") or ""
-            if ready == "Unknown":
-                went_silent.append(_time(condition.get("lastTransitionTime")))
+            changed = _time(condition.get("lastTransitionTime"))
         elif condition.get("status") == "True":
             true_conditions.append(condition.get("type") or "")
     unreachable = [t for t in (body.get("spec") or {}).get("taints") or [] if t.get("key") in UNREACHABLE_TAINTS]
     taints = tuple(sorted({t.get("key", "") for t in unreachable}))
-    went_silent += [_time(t.get("timeAdded")) for t in unreachable if t.get("key") == SILENT_TAINT]
-    known = [t for t in went_silent if t is not None]
+    # The current silence began when Ready turned Unknown; a taint can outlive an earlier one by a
+    # controller pass (it is removed a few seconds after Ready turns True), so it dates only a silence
+    # that Ready does not show.
+    added = [t for t in (_time(t.get("timeAdded")) for t in unreachable if t.get("key") == SILENT_TAINT) if t]
+    silent_since = changed if ready == "Unknown" else min(added, default=None)
     return NodeSummary(
         name=(body.get("metadata") or {}).get("name", ""),
         ready=ready,
@@ -198,7 +200,7 @@ def summarize_node(body: Mapping[str, Any]) -> NodeSummary:
         true_conditions=tuple(sorted(true_conditions)),
         capacity=_extended(status.get("capacity")),
         allocatable=_extended(status.get("allocatable")),
-        silent_since=min(known) if known else None,
+        silent_since=silent_since,
     )
 
 

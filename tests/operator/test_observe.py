@@ -68,7 +68,11 @@ def test_summaries_from_raw_objects():
     assert n.ready == "Unknown" and n.taints == ("node.kubernetes.io/unreachable",)
     assert n.true_conditions == ("GPUUnhealthy",)
     assert n.capacity == (("nvidia.com/gpu", 8),) and n.allocatable == (("nvidia.com/gpu", 7),)
-    assert n.silent_since == datetime(2026, 1, 1, 0, 0, 3, tzinfo=UTC).timestamp()  # the earlier of the two
+    assert n.silent_since == datetime(2026, 1, 1, 0, 0, 3, tzinfo=UTC).timestamp()  # Ready's, not the taint's
+    # Unknown again while an earlier silence's taint is still there: this silence began now.
+    node["spec"]["taints"][0]["timeAdded"] = "2025-12-31T23:00:00Z"
+    assert summarize_node(node).silent_since == datetime(2026, 1, 1, 0, 0, 3, tzinfo=UTC).timestamp()
+    node["spec"]["taints"][0]["timeAdded"] = "2026-01-01T00:00:05Z"
     # Ready again, the taint not removed yet: still silent since the taint was added.
     node["status"]["conditions"][0] = {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:09Z"}
     assert summarize_node(node).silent_since == datetime(2026, 1, 1, 0, 0, 5, tzinfo=UTC).timestamp()

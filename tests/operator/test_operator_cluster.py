@@ -437,7 +437,10 @@ def test_a_silent_node_is_kept_for_the_grace_then_lost(cluster, env):
     lost = wait_for(lambda: (p := current_plan(cluster, ns)).generation >= 1 and p, "the silent node lost")
     assert time.time() - silent_at >= grace, "lost before the grace ended"
     assert victim not in lost.nodes
-    with_losses = [e for e in reconfigured_events(cluster, ns) if "lost" in e]
+    # The event is posted after the plan is written.
+    with_losses = wait_for(
+        lambda: [e for e in reconfigured_events(cluster, ns) if "lost" in e], "the Reconfigured event of the loss"
+    )
     assert len(with_losses) == 1 and f"lost ['{victim}']" in with_losses[0], with_losses
 
 
