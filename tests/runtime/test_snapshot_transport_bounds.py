@@ -128,20 +128,22 @@ def test_a_corrupt_or_forged_payload_is_refused_and_not_stored():
 
 
 def test_a_silent_client_times_out_and_connections_are_bounded():
-    server = _server(timeout_s=1.5, max_connections=2)
+    # The bound must show before the timeout even on a loaded host (a full run at load ~10 missed 0.5 s once).
+    timeout_s = 3.0
+    server = _server(timeout_s=timeout_s, max_connections=2)
     try:
         started = time.monotonic()
         with socket.create_connection(("127.0.0.1", server.port)) as silent:
             silent.sendall(struct.pack("!I", 20) + b"{")  # half a header, then nothing
-            assert _closed_within(silent, 5.0)
-        assert time.monotonic() - started < 4.0
+            assert _closed_within(silent, 2 * timeout_s + 2)
+        assert time.monotonic() - started < 2 * timeout_s
         # Two silent clients hold both slots: a third connection is closed at once.
         holders = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
         time.sleep(0.1)
         with socket.create_connection(("127.0.0.1", server.port)) as third:
-            assert _closed_within(third, 0.5), "a connection over the bound must be closed before the timeout"
+            assert _closed_within(third, timeout_s - 1), "a connection over the bound must be closed before the timeout"
         for sock in holders:
-            assert _closed_within(sock, 5.0)
+            assert _closed_within(sock, 2 * timeout_s + 2)
             sock.close()
         # Slots freed: a real push goes through again.
         push(f"127.0.0.1:{server.port}", 8, {0: torch.zeros(64, dtype=torch.uint8)})
