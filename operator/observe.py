@@ -178,11 +178,11 @@ def _extended(resources: Mapping[str, Any] | None) -> tuple[tuple[str, int], ...
 def summarize_node(body: Mapping[str, Any]) -> NodeSummary:
     """Reduce a Node to a NodeSummary."""
     status = body.get("status") or {}
-    ready, reason, true_conditions, changed = "Unknown", "", [], None
+    ready, reason, true_conditions, ready_since = "Unknown", "", [], None
     for condition in status.get("conditions") or []:
         if condition.get("type") == "Ready":
             ready, reason = condition.get("status") or "Unknown", condition.get("reason") or ""
-            changed = _time(condition.get("lastTransitionTime"))
+            ready_since = _time(condition.get("lastTransitionTime"))
         elif condition.get("status") == "True":
             true_conditions.append(condition.get("type") or "")
     unreachable = [t for t in (body.get("spec") or {}).get("taints") or [] if t.get("key") in UNREACHABLE_TAINTS]
@@ -190,8 +190,8 @@ def summarize_node(body: Mapping[str, Any]) -> NodeSummary:
     # The current silence began when Ready turned Unknown; a taint can outlive an earlier one by a
     # controller pass (it is removed a few seconds after Ready turns True), so it dates only a silence
     # that Ready does not show.
-    added = [t for t in (_time(t.get("timeAdded")) for t in unreachable if t.get("key") == SILENT_TAINT) if t]
-    silent_since = changed if ready == "Unknown" else min(added, default=None)
+    tainted = [_time(taint.get("timeAdded")) for taint in unreachable if taint.get("key") == SILENT_TAINT]
+    silent_since = ready_since if ready == "Unknown" else min((t for t in tainted if t is not None), default=None)
     return NodeSummary(
         name=(body.get("metadata") or {}).get("name", ""),
         ready=ready,

@@ -36,19 +36,22 @@ THREADS = "1"
 """OMP_NUM_THREADS of the forkserver: OpenMP reads it once, when torch is loaded (the callers' workers run
 one thread each, as the fresh processes they replace did with OMP_NUM_THREADS=1)."""
 
-_started = threading.Lock()
+_starting = threading.Lock()
+_started = False
 
 
 def _context() -> multiprocessing.context.ForkServerContext:
     """The forkserver context, its server started (once per process) with the preloads and one thread."""
+    global _started
     context = multiprocessing.get_context("forkserver")
-    with _started:
-        if multiprocessing.forkserver._forkserver._forkserver_pid is None:  # type: ignore[attr-defined]
+    with _starting:
+        if not _started:
             context.set_forkserver_preload(PRELOAD)
             previous = os.environ.get("OMP_NUM_THREADS")
             os.environ["OMP_NUM_THREADS"] = THREADS  # the server inherits the environment it is started with
             try:
                 multiprocessing.forkserver.ensure_running()
+                _started = True
             finally:
                 if previous is None:
                     del os.environ["OMP_NUM_THREADS"]
