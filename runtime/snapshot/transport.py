@@ -146,21 +146,20 @@ class SnapshotServer:
     def _serve(self, sock: socket.socket) -> None:
         received = []
         try:
-            with sock:
-                while True:
-                    header = _receive_message(sock)
-                    if header.get("kind") == "end":
-                        for step, layer, data in received:
-                            self.store.put(step, layer, data)
-                        _send_message(sock, {"ok": True, "layers": len(received)})
-                        received = []
-                        return
-                    step, layer, nbytes, digest = _layer_header(header, self.layer_nbytes)
-                    data = _receive_exactly(sock, nbytes)
-                    if not hmac.compare_digest(digest, payload_digest(self.key, step, layer, data)):
-                        raise PushRefused(f"layer {layer} of step {step}: digest does not match its bytes")
-                    tensor = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-                    received.append((step, layer, tensor))
+            while True:
+                header = _receive_message(sock)
+                if header.get("kind") == "end":
+                    for step, layer, data in received:
+                        self.store.put(step, layer, data)
+                    _send_message(sock, {"ok": True, "layers": len(received)})
+                    received = []
+                    return
+                step, layer, nbytes, digest = _layer_header(header, self.layer_nbytes)
+                data = _receive_exactly(sock, nbytes)
+                if not hmac.compare_digest(digest, payload_digest(self.key, step, layer, data)):
+                    raise PushRefused(f"layer {layer} of step {step}: digest does not match its bytes")
+                tensor = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+                received.append((step, layer, tensor))
         except PushRefused as error:
             self.refused += 1
             log.warning(json.dumps({"event": "snapshot-push-refused", "error": str(error)[:200]}))
@@ -170,7 +169,9 @@ class SnapshotServer:
             # The owner died mid-push or went silent: what it sent is dropped (a half push is never reported).
             log.warning(json.dumps({"event": "snapshot-push-broken", "error": str(error)[:200]}))
         finally:
+            # The slot is free before the client sees its connection closed: it may connect again at once.
             self._slots.release()
+            sock.close()
 
 
 def push(
