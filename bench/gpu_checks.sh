@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on a CUDA machine whose python3 already holds PyTorch (and transformers):
 # installs this checkout (no dependencies; the planner is compiled) into a scratch folder, then runs
-# bench/gpu_capture.py (a snapshot capture's pieces) and bench/gpu_single.py (60 steps: five snapshot steps past the warm-up; and without snapshots) and the
+# bench/gpu_capture.py (a snapshot capture's pieces), bench/gpu_trace.py (where a step's time goes) and bench/gpu_single.py (60 steps: five snapshot steps past the warm-up; and without snapshots) and the
 # CUDA tests (tests/runtime, marked gpu).
 # Logs and figures go to $1 (default: a temporary folder). CI has no GPU: this is run by hand.
 #
-# usage: [GPU_WHEELS=build/gpu-wheels] [GPU_BENCHES='capture single'] bench/gpu_checks.sh [OUT_DIR]
+# usage: [GPU_WHEELS=build/gpu-wheels] [GPU_BENCHES='capture trace single'] bench/gpu_checks.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-$(mktemp -d)}
@@ -37,9 +37,12 @@ if [ -n "${GPU_WHEELS:-}" ]; then
 fi
 echo "installed in $(($(date +%s) - start)) s"
 status=0
-benches=${GPU_BENCHES:-capture single}
+benches=${GPU_BENCHES:-capture trace single}
 if [[ " $benches " == *" capture "* ]]; then
   timeout 120 python3 bench/gpu_capture.py --out "$out/gpu_capture.json" 2>&1 | tee "$out/gpu_capture.log" || status=1
+fi
+if [[ " $benches " == *" trace "* ]]; then
+  timeout 180 python3 bench/gpu_trace.py --out "$out/gpu_trace.json" 2>&1 | tee "$out/gpu_trace.log" || status=1
 fi
 if [[ " $benches " == *" single "* ]]; then
   timeout "${GPU_BENCH_TIMEOUT_S:-300}" python3 bench/gpu_single.py --repeats "${GPU_BENCH_REPEATS:-3}" --warmup "${GPU_BENCH_WARMUP:-15}" \

@@ -58,8 +58,9 @@ def flops_per_token(model) -> float | None:
     return 6 * parameters + 12 * sizes.blocks * sizes.hidden * sizes.seq_len
 
 
-def _plain(argv: list[str]) -> int:
-    """Plain PyTorch training of the config's model on its device; writes step completion times."""
+def _plain(argv: list[str], on_step=None) -> int:
+    """Plain PyTorch training of the config's model on its device; writes step completion times.
+    `on_step`: called after each step (bench/gpu_trace.py steps its profiler there)."""
     import torch
     from torch import nn
 
@@ -102,16 +103,19 @@ def _plain(argv: list[str]) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.time())
+        if on_step is not None:
+            on_step()
     out.write_text(json.dumps(times))
     return 0
 
 
-def run_plain(config, microbatches: int, folder: Path) -> list[float]:
+def run_plain(config, microbatches: int, folder: Path, entry: list[str] | None = None) -> list[float]:
+    """Step intervals of one plain run in its own process; `entry`: the command instead of this script's `_plain`."""
     (folder / "config.json").write_text(config.model_dump_json())
     out = folder / "plain.json"
     env = dict(os.environ, OMP_NUM_THREADS=str(config.threads))
     process = subprocess.Popen(
-        [sys.executable, __file__, "_plain", str(folder / "config.json"), str(microbatches), str(out)],
+        [*(entry or [sys.executable, __file__, "_plain"]), str(folder / "config.json"), str(microbatches), str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env=env,

@@ -113,8 +113,9 @@ def _communicate(processes: list[subprocess.Popen], timeout: float = 600) -> Non
             raise RuntimeError(f"worker failed ({process.returncode}):\n{err[-3000:]}")
 
 
-def run_variant(variant: str, config, plan, folder: Path) -> list[float]:
-    """Step intervals of one run of `variant` (see the module docstring) with real worker processes."""
+def run_variant(variant: str, config, plan, folder: Path, entry: list[str] | None = None) -> list[float]:
+    """Step intervals of one run of `variant` (see the module docstring) with real worker processes.
+    `entry`: the command that starts each elastic worker instead of the module (its arguments follow)."""
     from torch.distributed import TCPStore
 
     from oobleck.runtime.backends.local.plan_file import write_plan
@@ -164,11 +165,12 @@ def run_variant(variant: str, config, plan, folder: Path) -> list[float]:
     try:
         plan_path = folder / "plan.json"
         write_plan(plan_path, plan)
-        entry = (
-            [sys.executable, "-m", "oobleck.runtime.backends.local.worker"]
-            if without in (None, "snapshots")
-            else [sys.executable, __file__, "_worker", "--without", without]
-        )
+        if entry is None:
+            entry = (
+                [sys.executable, "-m", "oobleck.runtime.backends.local.worker"]
+                if without in (None, "snapshots")
+                else [sys.executable, __file__, "_worker", "--without", without]
+            )
         commands = [
             entry
             + [

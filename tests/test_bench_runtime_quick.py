@@ -54,6 +54,16 @@ def test_gpu_capture_quick_on_cpu(tmp_path):
     assert figures["capture_s"] > 0 and figures["work_s"] > 0
 
 
+def test_gpu_trace_quick_on_cpu(tmp_path):
+    figures = _run("gpu_trace.py", tmp_path)
+    for side in ("runtime", "plain"):
+        trace = figures[side]
+        assert trace["steps"] == 2, trace
+        assert 0 < trace["gpu_busy_ms_per_step"] <= trace["wall_ms_per_step"], trace
+        assert "aten::mm" in trace["kernel_ms_per_step"], sorted(trace["kernel_ms_per_step"])[:20]
+    assert figures["kernel_ms_runtime_minus_plain"]
+
+
 def test_tp_vs_torch_quick(tmp_path):
     figures = _run("tp_vs_torch.py", tmp_path)
     assert math.isfinite(figures["ratio"]) and figures["ratio"] > 0

@@ -121,3 +121,21 @@ def test_find_non_finite_names_the_loss_or_the_layer():
     )
     loss = torch.tensor([float("nan")], dtype=torch.float64)
     assert find_non_finite([grad, loss], loss, [], lambda p: (0, "")) == "the loss is nan"
+
+
+def test_find_non_finite_fast_sum_neither_misses_nor_invents():
+    """The fast path sums in float64: float32 values near their maximum do not overflow it, opposite
+    infinities still count, and a float64 buffer whose sum overflows on finite values is confirmed finite."""
+    param = torch.nn.Parameter(torch.zeros(3))
+    big = torch.full((3,), torch.finfo(torch.float32).max, dtype=torch.float32)
+    assert find_non_finite([big], None, [(big, param)], lambda p: (0, "w")) is None
+    huge = torch.full((3,), torch.finfo(torch.float64).max, dtype=torch.float64)
+    assert find_non_finite([huge], None, [(huge, param)], lambda p: (0, "w")) is None
+    opposite = torch.tensor([float("inf"), float("-inf"), 1.0])
+    assert find_non_finite([opposite], None, [(opposite, param)], lambda p: (1, "b")) == (
+        "the gradient of layer 1 (b) is not finite"
+    )
+    nan = torch.tensor([0.0, float("nan"), 0.0])
+    assert find_non_finite([big, nan], None, [(big, param), (nan, param)], lambda p: (2, "c")) == (
+        "the gradient of layer 2 (c) is not finite"
+    )
