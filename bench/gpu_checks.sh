@@ -49,6 +49,6 @@ if [[ " $benches " == *" single "* ]]; then
     --steps "${GPU_BENCH_STEPS:-60}" --pieces "${GPU_BENCH_PIECES-no-snapshots}" --out "$out/gpu_single.json" 2>&1 \
     | tee "$out/gpu_single.log" || status=1
 fi
-timeout "${GPU_TESTS_TIMEOUT_S:-240}" python3 -m pytest -p no:cacheprovider -q --timeout 200 -m gpu tests/runtime/test_gpu.py tests/runtime/test_causes.py tests/runtime/test_profiler_metrics_cli.py \
+PYTHONPATH="$PWD/devtools:$PYTHONPATH" timeout "${GPU_TESTS_TIMEOUT_S:-240}" python3 -m pytest -p no:cacheprovider -q --timeout 200 -m gpu tests/runtime/test_gpu.py tests/runtime/test_causes.py tests/runtime/test_profiler_metrics_cli.py \
   2>&1 | tee "$out/gpu_tests.log" || status=1
 exit $status

@@ -5,10 +5,11 @@ coordinator, snapshots on; plain: `nn.Sequential`, fused AdamW), with the profil
 training step. Steps `--wait` .. `--wait + 1` warm the profiler up and the next `--active` steps are
 recorded (clear of the snapshot steps, every 10). From each trace:
 
-- wall: CPU time per step (the ProfilerStep spans);
+- wall: from the first kernel to the end of the last, per recorded step (the CPU side is not recorded:
+  recording every operator slows the host enough to starve the GPU);
 - busy: the union of the GPU's kernel, copy and memset intervals per step; idle = wall - busy;
-- the largest idle gaps, each with the CPU operations under way at its midpoint (what the host was doing
-  while the GPU waited: a synchronisation, or Python between operations when none is);
+- the largest idle gaps, each with the kernels on either side (where in the step the GPU waited for the
+  host: e.g. between the last backward and the optimizer, or between the update and the next forward);
 - kernel time by kernel name, and the names whose time differs most between the two sides.
 
 usage: python3 bench/gpu_trace.py [--model gpt2-medium] [--out trace.json]   (needs a CUDA device)
@@ -18,6 +19,7 @@ usage: python3 bench/gpu_trace.py [--model gpt2-medium] [--out trace.json]   (ne
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import sys
@@ -38,7 +40,8 @@ def _profiler(trace: Path, wait: int, active: int):
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
+    # On a GPU the kernels alone: recording every CPU operator slows the host enough to starve the GPU.
+    activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
     return profile(
         activities=activities,
         schedule=schedule(wait=wait, warmup=2, active=active, repeat=1),
@@ -94,33 +97,45 @@ def _union_ms(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[f
     return covered / 1e3, gaps
 
 
-def summarize(trace: Path, work: tuple[str, ...] = GPU_CATEGORIES, gap_us: float = 100.0, top: int = 20) -> dict:
-    """The figures of one trace (see the module docstring); `work`: the event categories that count as busy."""
+def _short(name: str) -> str:
+    """A kernel's name without its template arguments and parameters."""
+    return name.split("(")[0].split("<")[0].removeprefix("void ").strip()[:60] or name[:60]
+
+
+def summarize(
+    trace: Path, steps: int, work: tuple[str, ...] = GPU_CATEGORIES, gap_us: float = 100.0, top: int = 20
+) -> dict:
+    """The figures of one trace of `steps` steps (see the module docstring); `work`: the event categories
+    that count as busy. The window runs from the first such event to the end of the last."""
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
-    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
-    begin = min(e["ts"] for e in steps)
-    end = max(e["ts"] + e["dur"] for e in steps)
-    gpu = [e for e in events if e.get("cat") in work and begin <= e["ts"] <= end]
-    cpu = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver") and begin <= e["ts"] <= end]
-    busy_ms, gaps = _union_ms([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
-    n = len(steps)
+    busy_events = sorted((e for e in events if e.get("cat") in work), key=lambda e: e["ts"])
+    begin = busy_events[0]["ts"]
+    end = max(e["ts"] + e["dur"] for e in busy_events)
+    busy_ms, gaps = _union_ms([(e["ts"], e["ts"] + e["dur"]) for e in busy_events])
     wall_ms = (end - begin) / 1e3
+    starts = [e["ts"] for e in busy_events]
     big = sorted((g for g in gaps if g[1] - g[0] >= gap_us), key=lambda g: g[0] - g[1])[:top]
     described = []
     for start, stop in big:
-        middle = (start + stop) / 2
-        doing = [e["name"] for e in cpu if e["ts"] <= middle <= e["ts"] + e["dur"]]
-        described.append({"ms": round((stop - start) / 1e3, 3), "cpu": doing[:6] or ["(python between operations)"]})
+        after = bisect.bisect_left(starts, stop)
+        before = [e for e in busy_events[max(0, after - 50) : after] if e["ts"] + e["dur"] <= start + 1]
+        described.append(
+            {
+                "ms": round((stop - start) / 1e3, 3),
+                "after": _short(str(before[-1]["name"])) if before else "?",
+                "before": _short(str(busy_events[after]["name"])) if after < len(busy_events) else "?",
+            }
+        )
     by_name: collections.Counter = collections.Counter()
-    for e in gpu:
-        by_name[str(e["name"])[:90]] += e["dur"] / 1e3 / n
+    for e in busy_events:
+        by_name[str(e["name"])[:90]] += e["dur"] / 1e3 / steps
     return {
-        "steps": n,
-        "wall_ms_per_step": round(wall_ms / n, 3),
-        "gpu_busy_ms_per_step": round(busy_ms / n, 3),
-        "gpu_idle_ms_per_step": round((wall_ms - busy_ms) / n, 3),
-        "gpu_events_per_step": round(len(gpu) / n, 1),
-        "idle_over_gap_ms_per_step": round(sum(b - a for a, b in gaps if b - a >= gap_us) / 1e3 / n, 3),
+        "steps": steps,
+        "wall_ms_per_step": round(wall_ms / steps, 3),
+        "busy_ms_per_step": round(busy_ms / steps, 3),
+        "idle_ms_per_step": round((wall_ms - busy_ms) / steps, 3),
+        "events_per_step": round(len(busy_events) / steps, 1),
+        "idle_in_gaps_over_0.1ms_per_step": round(sum(b - a for a, b in gaps if b - a >= gap_us) / 1e3 / steps, 3),
         "largest_gaps": described,
         "kernel_ms_per_step": {k: round(v, 3) for k, v in by_name.most_common()},
     }
@@ -174,7 +189,8 @@ def main() -> int:
             entry=[sys.executable, __file__, "_traced_plain", str(plain_trace), *window],
         )
         work = GPU_CATEGORIES if device == "cuda" else CPU_CATEGORIES
-        result["runtime"], result["plain"] = summarize(runtime_trace, work), summarize(plain_trace, work)
+        result["runtime"] = summarize(runtime_trace, args.active, work)
+        result["plain"] = summarize(plain_trace, args.active, work)
     kernels = {side: result[side]["kernel_ms_per_step"] for side in ("runtime", "plain")}
     names = set(kernels["runtime"]) | set(kernels["plain"])
     difference = {n: kernels["runtime"].get(n, 0.0) - kernels["plain"].get(n, 0.0) for n in names}
@@ -184,12 +200,12 @@ def main() -> int:
     for side in ("runtime", "plain"):
         figures = result[side]
         print(
-            f"{side:8s}: wall {figures['wall_ms_per_step']:8.2f} ms/step, GPU busy {figures['gpu_busy_ms_per_step']:8.2f},"
-            f" idle {figures['gpu_idle_ms_per_step']:7.2f} (in gaps >= 0.1 ms: {figures['idle_over_gap_ms_per_step']:.2f}),"
-            f" {figures['gpu_events_per_step']:.0f} GPU events/step"
+            f"{side:8s}: {figures['wall_ms_per_step']:8.2f} ms/step, busy {figures['busy_ms_per_step']:8.2f},"
+            f" idle {figures['idle_ms_per_step']:7.2f} (in gaps >= 0.1 ms: {figures['idle_in_gaps_over_0.1ms_per_step']:.2f}),"
+            f" {figures['events_per_step']:.0f} events/step"
         )
-        for gap in figures["largest_gaps"][:8]:
-            print(f"    gap {gap['ms']:7.3f} ms: {' > '.join(gap['cpu'])}")
+        for gap in figures["largest_gaps"][:10]:
+            print(f"    gap {gap['ms']:7.3f} ms after {gap['after']} before {gap['before']}")
     print("kernel time, runtime - plain (ms/step):")
     for name, d in list(result["kernel_ms_runtime_minus_plain"].items())[:15]:
         print(f"  {d:+8.3f}  {name}")

@@ -158,6 +158,8 @@ class Worker:
         rank = self._rank_in(plan)
         reconfiguring = self.plan is not None
         mine = layout(plan, rank)
+        if self.engine is not None:
+            self.engine.release()  # its gradient buffers are freed with it, not kept by the layers' `.grad`s
         if self.snapshots is not None:
             self.snapshots.fence()  # a capture in flight reads the layers this adoption replaces
         if plan.restore_step is not None:
@@ -352,6 +354,8 @@ class Worker:
         """Drop the current generation without waiting for anything in flight."""
         if self.groups is not None:
             self.groups.abandon()
+        if self.engine is not None:
+            self.engine.release()
         self.groups = self.engine = None
         if self.snapshots is not None:
             self.snapshots.store.freeze()  # what the next report lists must stay until the next plan

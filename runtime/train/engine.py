@@ -127,8 +127,10 @@ class _GradientBuffers:
     whole size, into which the shard's gradient is added at its place (never aliased).
     When the accumulator has the parameters' dtype (float32 sums of float32 master weights), each
     parameter's `.grad` *is* its view: autograd adds every microbatch's gradient into the buffer in
-    place (as DDP's buckets do), with no copy per microbatch, and the sum is divided in place. Float64
-    sums add each microbatch's float32 gradient into the view instead.
+    place (as DDP's buckets do), with no copy per microbatch, and the sum is divided in place. The views
+    stay the `.grad`s between steps (zeroing the buffer clears them), so a step spends no Python per
+    parameter on re-pointing them; a `.grad` something else replaced is folded in once, at the step's end.
+    Float64 sums add each microbatch's float32 gradient into the view instead.
     """
 
     def __init__(
@@ -169,20 +171,32 @@ class _GradientBuffers:
             self.sets.append((members, flat))
         self.aliased = not placed and all(p.dtype == dtype for _, p in self.views)
 
+    def release(self) -> None:
+        """Unhook the views from the parameters (a buffer outlived by its layers must not stay reachable)."""
+        for view, p in self.views:
+            if p.grad is view:
+                p.grad = None
+
     def zero(self) -> None:
-        """Clear the sums (and, aliased, point every `.grad` at its view); call after zero_grad."""
+        """Clear the sums: aliased, every `.grad` is (again) its zeroed view; else every `.grad` is None."""
         for _, flat in self.sets:
             flat.zero_()
-        if self.aliased:
-            for view, p in self.views:
-                p.grad = view
+        for view, p in self.views:
+            if self.aliased:
+                if p.grad is not view:
+                    p.grad = view
+            elif p.grad is not None:
+                p.grad = None
 
     def accumulate(self) -> None:
-        """Make sure the parameters' gradients (one microbatch) are in the sums."""
+        """Make sure the parameters' gradients (one microbatch, or since `zero` when aliased) are in the sums.
+
+        Aliased, autograd adds into the views in place, so only a `.grad` it replaced (none in practice)
+        is added: call it once after the step's last backward. Else call it after every backward."""
         for (view, p), place in zip(self.views, self.placed):
             grad = p.grad
-            if grad is None or (self.aliased and grad.data_ptr() == view.data_ptr()):
-                continue  # no gradient, or autograd accumulated into the view in place
+            if grad is None or grad is view:
+                continue
             if place is None:
                 view += grad
             else:
@@ -328,6 +342,10 @@ class Engine:
             layer for members, held in self.layout.holder_sets.items() if min(members) == rank for layer in held
         ]
 
+    def release(self) -> None:
+        """Unhook this engine's gradient buffers from the layers (before another engine replaces it)."""
+        self.buffers.release()
+
     # -- communication helpers -------------------------------------------------------------------
 
     def _wait(self, work, what: str) -> None:
@@ -389,8 +407,6 @@ class Engine:
         started = time.perf_counter()
         lay = self.layout
         pipeline = lay.pipeline
-        for _, module in self.held:
-            module.zero_grad(set_to_none=True)
         self.buffers.zero()
         self.tied.zero()
         lo, hi = self.rows
@@ -453,7 +469,8 @@ class Engine:
                     compute.stop()
                     if source is not None:
                         self._send(source.grad, -1, BACKWARD_TAG, pending)
-                    self.buffers.accumulate()
+                    if not self.buffers.aliased:
+                        self.buffers.accumulate()
                     self.tied.accumulate()
         except BaseException:
             for _, _, ticket in posted:  # receives posted ahead that this step will not take
@@ -469,6 +486,8 @@ class Engine:
         optimizer's step."""
         # One hand-off for every send of the step (most completed long ago).
         self._wait_all([(work, f"send to rank {peer}") for work, _, peer in pending])
+        if self.buffers.aliased:
+            self.buffers.accumulate()
         if self.buffers.loss_slot is not None:
             self.buffers.loss_slot += loss_sum
         self._reduce()
@@ -481,8 +500,9 @@ class Engine:
         if self.config.max_grad_norm is not None:
             self._clip(self.config.max_grad_norm)
         self.optimizer.step(self.held, learning_rate(self.config.optim, step))
-        for _, module in self.held:
-            module.zero_grad(set_to_none=True)
+        if not self.buffers.aliased:  # the float64 path's per-parameter gradients are copies: free them
+            for _, module in self.held:
+                module.zero_grad(set_to_none=True)
         loss = None
         if self.buffers.loss_slot is not None:
             loss = float(self.buffers.loss_slot.item()) / self.samples

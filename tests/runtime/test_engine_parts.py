@@ -297,3 +297,31 @@ def test_building_groups_is_interruptible(plan_builder):
     with pytest.raises(Interrupted, match="building the groups of generation 0"):
         GenerationGroups(store, plan, 0, 2, torch.device("cpu"), timeout=60, failed=failed, poll=0.01)
     assert time.monotonic() - started < 3.0
+
+
+def test_aliased_gradient_buffers_keep_their_views_fold_a_replaced_grad_and_unhook(plan_builder):
+    """float32 sums: the `.grad`s are views of one buffer across steps; zeroing clears them, autograd adds
+    into them in place; a `.grad` replaced by something else is added once; release unhooks them."""
+    from oobleck.runtime.train.engine import _GradientBuffers
+
+    make_plan, Spec = plan_builder
+    plan = make_plan([Spec(stages=[(0, 2, 0, 1)], microbatches=2)], num_layers=2)
+    layers = {0: torch.nn.Linear(3, 2), 1: torch.nn.Linear(2, 1)}
+    buffers = _GradientBuffers(layout(plan, 0), layers, 2, torch.device("cpu"), torch.float32)
+    assert buffers.aliased
+    params = [p for layer in layers.values() for p in layer.parameters()]
+    x = torch.ones(4, 3)
+    for _ in range(2):  # two steps: the views stay the .grads, zeroed in between
+        buffers.zero()
+        assert all(p.grad is view for view, p in buffers.views)
+        for _ in range(2):
+            layers[1](layers[0](x)).sum().backward()
+        assert all(p.grad is view for view, p in buffers.views)
+    expected = [p.grad.clone() for p in params]
+    replaced = params[0]
+    replaced.grad = torch.full_like(replaced, 0.5)  # a .grad something else put there
+    buffers.accumulate()
+    assert replaced.grad is buffers.views[0][0]
+    assert torch.equal(replaced.grad, expected[0] + 0.5)
+    buffers.release()
+    assert all(p.grad is None for p in params)
