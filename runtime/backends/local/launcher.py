@@ -294,7 +294,8 @@ class Launcher:
                     named = {d for d in report.dead if d in in_plan}
                     (suspects if report.kind == FailureKind.HEARTBEAT else dead).update(named)
             self.reports = []
-            self._reap()
+            if self._reap() and exit_seen is None:
+                exit_seen = time.time()  # a peer's report came first; the exit is a signal all the same
             if o.detect_exits:
                 dead.update(w for w in in_plan if self.children[w].code not in (None, 0))
             now = time.monotonic()
@@ -308,9 +309,10 @@ class Launcher:
         for worker in dead:  # fence: a worker declared dead must not come back
             self.children[worker].kill()
         kill_at = self.faults.first_kill(dead)
-        detected = min(
-            [r.detected_at for r in reports if set(r.dead) & dead] + ([exit_seen] if exit_seen else []), default=None
-        )
+        # When the failure was first known: a report naming the dead, else any report of the generation (a
+        # peer that saw its link break may not know whom it lost), or the process exit.
+        naming = [r.detected_at for r in reports if set(r.dead) & dead] or [r.detected_at for r in reports]
+        detected = min(naming + ([exit_seen] if exit_seen else []), default=None)
         lost_nodes = sorted({w.split(":")[0] for w in dead})
         self._reconfigure(
             lost=lost_nodes, added=[], reason="lost" if dead else "retry", kill_at=kill_at, detected_at=detected
