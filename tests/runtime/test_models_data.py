@@ -138,6 +138,30 @@ def test_synthetic_microbatches_are_pure_functions_of_seed_step_index():
     assert int(inputs.max()) < 64 and int(inputs.min()) >= 0
 
 
+def _synthetic_by_recurrence(data: SyntheticTokens, step: int, index: int) -> torch.Tensor:
+    """The language's definition, one position at a time (with the generator's draws in its order)."""
+    rng = np.random.default_rng(mix(data.seed, step, index))
+    tokens = np.empty((data.microbatch_size, data.seq_len + 1), dtype=np.int64)
+    tokens[:, 0] = rng.integers(0, data.vocab, data.microbatch_size)
+    noise = rng.random((data.microbatch_size, data.seq_len)) < data.noise
+    random_tokens = rng.integers(0, data.vocab, (data.microbatch_size, data.seq_len))
+    for t in range(data.seq_len):
+        following = (data._a * tokens[:, t] + data._c) % data.vocab
+        tokens[:, t + 1] = np.where(noise[:, t], random_tokens[:, t], following)
+    return torch.from_numpy(tokens)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "seq_len", "noise"), [(64, 16, 0.1), (50304, 1024, 0.1), (128256, 300, 0.0), (7, 50, 1.0)]
+)
+def test_synthetic_tokens_equal_their_recurrence_exactly(vocab, seq_len, noise):
+    data = SyntheticTokens(vocab, seq_len, microbatch_size=3, seed=5, noise=noise)
+    for step, index in [(0, 0), (7, 2), (123, 9)]:
+        whole = _synthetic_by_recurrence(data, step, index)
+        inputs, targets = data.microbatch(step, index)
+        assert torch.equal(inputs, whole[:, :-1]) and torch.equal(targets, whole[:, 1:])
+
+
 def test_mix_is_stable_across_processes():
     # Fixed values: a change of the hash would silently change every job's data order.
     assert mix(1, 2) != mix(2, 1)
