@@ -104,7 +104,36 @@ def step_cpu(losses: Path, rank: int) -> list[float]:
     return [cpu[b] - cpu[a] for a, b in zip(steps, steps[1:]) if b == a + 1]
 
 
-def _communicate(processes: list[subprocess.Popen], timeout: float = 600) -> None:
+class _ForkedWorker:
+    """`command` (`python ...`) as a fork of an interpreter that imported torch once (oobleck_dev.preforked),
+    with the `communicate`, `returncode` and `kill` of the `subprocess.Popen` it stands for; its output in `log`."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log: Path) -> None:
+        from oobleck_dev import preforked
+
+        assert command[0] == sys.executable, command
+        self.process, self.log, self.returncode = preforked.start(command[1:], log, env), log, None
+
+    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+        self.returncode = self.process.wait(timeout)
+        return None, self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+def start_workers(commands: list[list[str]], env: dict[str, str], folder: Path, fork: bool = False) -> list:
+    """Each command as a process: a fresh interpreter, or with `fork` the same entry point forked from one that
+    imported torch already (the --quick runs: those imports, seconds of CPU per process, were most of their time;
+    the full runs keep what `oobleck launch` does)."""
+    if fork:
+        return [_ForkedWorker(c, env, folder / f"worker{i}.log") for i, c in enumerate(commands)]
+    return [
+        subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True) for c in commands
+    ]
+
+
+def _communicate(processes: list, timeout: float = 600) -> None:
     for process in processes:
         _, err = process.communicate(timeout=timeout)
         if process.returncode != 0:
@@ -113,9 +142,12 @@ def _communicate(processes: list[subprocess.Popen], timeout: float = 600) -> Non
             raise RuntimeError(f"worker failed ({process.returncode}):\n{err[-3000:]}")
 
 
-def run_variant(variant: str, config, plan, folder: Path, entry: list[str] | None = None) -> list[float]:
+def run_variant(
+    variant: str, config, plan, folder: Path, entry: list[str] | None = None, fork: bool = False
+) -> list[float]:
     """Step intervals of one run of `variant` (see the module docstring) with real worker processes.
-    `entry`: the command that starts each elastic worker instead of the module (its arguments follow)."""
+    `entry`: the command that starts each elastic worker instead of the module (its arguments follow);
+    `fork`: the workers forked from a preloaded interpreter (start_workers)."""
     from torch.distributed import TCPStore
 
     from oobleck.runtime.backends.local.plan_file import write_plan
@@ -153,9 +185,7 @@ def run_variant(variant: str, config, plan, folder: Path, entry: list[str] | Non
             ]
             for a in plan.ranks
         ]
-        processes = [
-            subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True) for c in commands
-        ]
+        processes = start_workers(commands, env, folder, fork)
         _communicate(processes)
         return step_intervals(losses, logger)
     coordinator = Coordinator("127.0.0.1").start()
@@ -189,9 +219,7 @@ def run_variant(variant: str, config, plan, folder: Path, entry: list[str] | Non
             ]
             for a in plan.ranks
         ]
-        processes = [
-            subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True) for c in commands
-        ]
+        processes = start_workers(commands, env, folder, fork)
         _communicate(processes)
     finally:
         stop.set()
@@ -310,7 +338,9 @@ def main() -> int:
     parser.add_argument("--pieces", action="store_true", help="also run `on` with each piece taken out")
     parser.add_argument("--variants", default=None, help="comma-separated variants to run (default: on,off)")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true", help="a short run (8 steps, 1 repeat) that the tests use")
+    parser.add_argument(
+        "--quick", action="store_true", help="a short run (8 steps, 1 repeat, workers forked) that the tests use"
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.repeats = 8, 2, 1
@@ -342,7 +372,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.repeats):
             for variant in variants:
-                seconds = sorted(run_variant(variant, config, plan, Path(tmp))[args.warmup :])
+                seconds = sorted(run_variant(variant, config, plan, Path(tmp), fork=args.quick)[args.warmup :])
                 runs[variant]["median"].append(statistics.median(seconds) * 1e3)
                 runs[variant]["p10"].append(seconds[len(seconds) // 10] * 1e3)
                 runs[variant]["mean"].append(statistics.mean(seconds) * 1e3)

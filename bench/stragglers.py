@@ -1,7 +1,8 @@
 """Throughput with one slow node of 4, without mitigation, with the batch re-split and with layers moved,
 against the ideal (issue 22).
 
-Four real worker processes (tiny GPT, gloo, CPU) run a static plan of two 2-node pipelines from the
+Four real worker processes (tiny GPT, gloo, CPU; each the worker CLI forked from an interpreter that
+imported torch once: oobleck_dev.preforked) run a static plan of two 2-node pipelines from the
 real planner, in one run:
 
 1. unthrottled, the profile's split: the reference throughput;
@@ -29,8 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -61,7 +60,7 @@ def run(workdir: Path, config, plan, steps: int, throttle: float | None) -> dict
     """Every rank of `plan` as a worker process; `throttle`: CPUs for node SLOW's process."""
     from torch.distributed import TCPStore
 
-    from oobleck_dev import cpulimit
+    from oobleck_dev import cpulimit, preforked
 
     workdir.mkdir(parents=True)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -70,23 +69,22 @@ def run(workdir: Path, config, plan, steps: int, throttle: float | None) -> dict
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     processes, quota = {}, None
     for a in plan.ranks:
-        command = [sys.executable, "-m", "oobleck.runtime", "worker", "--config", str(workdir / "config.json")]
+        command = ["-m", "oobleck.runtime", "worker", "--config", str(workdir / "config.json")]
         command += ["--plan", str(workdir / "plan.json"), "--store", f"127.0.0.1:{store.port}"]
         command += ["--node", a.node, "--gpu", str(a.gpu), "--losses", str(workdir / "losses.jsonl")]
-        log = open(workdir / f"{a.node}.log", "w")
-        processes[a.node] = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        # The worker's own CLI entry in a fork of an interpreter that imported torch once (oobleck_dev.preforked):
+        # the figures are steady-state steps, and a fresh import per rank and round was most of the run's time
+        # (the throttled rank's import alone took seconds at its quota).
+        processes[a.node] = preforked.start(command, workdir / f"{a.node}.log", env, new_session=True)
     try:
         if throttle is not None:
             quota = cpulimit.CpuQuota.create(f"bench-{uuid.uuid4().hex[:8]}")
             assert quota is not None, cpulimit.available()
-            quota.throttle([processes[SLOW].pid], throttle)
+            slow_pid = processes[SLOW].pid
+            assert slow_pid is not None and quota.throttle([slow_pid], throttle), f"node {SLOW} not throttled"
         for node, process in processes.items():
-            if process.wait(timeout=900) != 0:
-                raise SystemExit(
-                    f"worker {node} exited {process.returncode}: {(workdir / f'{node}.log').read_text()[-2000:]}"
-                )
+            if (code := process.wait(timeout=900)) != 0:
+                raise SystemExit(f"worker {node} exited {code}: {(workdir / f'{node}.log').read_text()[-2000:]}")
     finally:
         for process in processes.values():
             if process.poll() is None:

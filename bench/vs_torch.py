@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -215,9 +214,12 @@ def _pipe(argv: list[str]) -> int:
     return 0
 
 
-def run_torch(kind: str, config, world: int, extra: list[str], folder: Path) -> tuple[list[float], list[float]]:
+def run_torch(
+    kind: str, config, world: int, extra: list[str], folder: Path, fork: bool = False
+) -> tuple[list[float], list[float]]:
     """Step intervals and each step's CPU seconds (the logging process's) of one run of a torch baseline
-    (`_ddp` or `_pipe`) with `world` processes."""
+    (`_ddp` or `_pipe`) with `world` processes (`fork`: forked from a preloaded interpreter, as
+    overhead.start_workers)."""
     from torch.distributed import TCPStore
 
     (folder / "config.json").write_text(config.model_dump_json())
@@ -225,27 +227,22 @@ def run_torch(kind: str, config, world: int, extra: list[str], folder: Path) -> 
     out.unlink(missing_ok=True)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, OMP_NUM_THREADS=str(config.threads), TORCH_CPP_LOG_LEVEL="ERROR")
-    processes = [
-        subprocess.Popen(
-            [sys.executable, __file__, kind, str(folder / "config.json"), str(rank), str(world), str(store.port)]
-            + [str(out)]
-            + extra,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
+    commands = [
+        [sys.executable, __file__, kind, str(folder / "config.json"), str(rank), str(world), str(store.port)]
+        + [str(out)]
+        + extra
         for rank in range(world)
     ]
+    processes = overhead.start_workers(commands, env, folder, fork)
     overhead._communicate(processes)
     recorded = json.loads(out.read_text())
     times, cpus = recorded["time"], recorded["cpu"]
     return [b - a for a, b in zip(times, times[1:])], [b - a for a, b in zip(cpus, cpus[1:])]
 
 
-def run_runtime(config, plan, folder: Path) -> tuple[list[float], list[float]]:
+def run_runtime(config, plan, folder: Path, fork: bool = False) -> tuple[list[float], list[float]]:
     """The same two series for one run of the elastic runtime (the rank that logs the loss)."""
-    intervals = overhead.run_variant("on", config, plan, folder)
+    intervals = overhead.run_variant("on", config, plan, folder, fork=fork)
     logger = plan.pipelines[0].stages[-1].ranks[0]
     return intervals, overhead.step_cpu(folder / "losses.jsonl", logger)
 
@@ -284,7 +281,11 @@ def main() -> int:
     parser.add_argument(
         "--gradient-sum-dtype", choices=["float32", "float64"], default="float32", help="the runtime's sums"
     )
-    parser.add_argument("--quick", action="store_true", help="a smoke run in seconds: llama-tiny, few steps, one round")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run in seconds: llama-tiny, few steps, one round, workers forked from a preloaded interpreter",
+    )
     parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
     args = parser.parse_args()
     if args.quick:
@@ -314,8 +315,8 @@ def main() -> int:
         share = args.microbatches // args.ranks
         plan = plan_of(num_layers, [[(0, num_layers)]] * args.ranks, [share] * args.ranks, "vs-torch")
         comparisons["ddp"] = (
-            lambda folder, plan=plan: run_runtime(config, plan, folder),
-            lambda folder: run_torch("_ddp", config, args.ranks, [str(args.microbatches)], folder),
+            lambda folder, plan=plan: run_runtime(config, plan, folder, args.quick),
+            lambda folder: run_torch("_ddp", config, args.ranks, [str(args.microbatches)], folder, args.quick),
         )
     for kind in ("pipe", "pipe4"):
         stages = COMPARISONS[kind]
@@ -328,8 +329,8 @@ def main() -> int:
         plan = plan_of(num_layers, [ranges], [args.microbatches], "vs-torch")
         extra = [str(args.microbatches), ",".join(map(str, bounds))]
         comparisons[kind] = (
-            lambda folder, plan=plan: run_runtime(config, plan, folder),
-            lambda folder, stages=stages, extra=extra: run_torch("_pipe", config, stages, extra, folder),
+            lambda folder, plan=plan: run_runtime(config, plan, folder, args.quick),
+            lambda folder, stages=stages, extra=extra: run_torch("_pipe", config, stages, extra, folder, args.quick),
         )
     pairs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in comparisons}
     cpu_pairs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in comparisons}

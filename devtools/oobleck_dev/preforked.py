@@ -16,6 +16,7 @@ import os
 import runpy
 import sys
 import threading
+import time
 from pathlib import Path
 
 PRELOAD = [
@@ -60,9 +61,13 @@ def _context() -> multiprocessing.context.ForkServerContext:
     return context  # type: ignore[return-value]
 
 
-def _child_main(command: list[str], stdout: str, stderr: str | None, env: dict[str, str]) -> None:
-    """In the forked child: the output to its files, `env` as the environment, then `python *command`'s
-    main module (`-m MODULE ARGS...` or `SCRIPT ARGS...`) as `__main__`."""
+def _child_main(
+    command: list[str], stdout: str, stderr: str | None, env: dict[str, str], new_session: bool = False
+) -> None:
+    """In the forked child: a session of its own if asked, the output to its files, `env` as the environment,
+    then `python *command`'s main module (`-m MODULE ARGS...` or `SCRIPT ARGS...`) as `__main__`."""
+    if new_session:
+        os.setsid()
     for fd, path in ((1, stdout), (2, stderr or stdout)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(opened, fd)
@@ -86,15 +91,40 @@ def _child_main(command: list[str], stdout: str, stderr: str | None, env: dict[s
 
 class PreforkedProcess:
     """`python *command` as a forked child of the preloaded server; `wait`, `poll` and `kill` as on a
-    `subprocess.Popen` (TimeoutError instead of TimeoutExpired)."""
+    `subprocess.Popen` (TimeoutError instead of TimeoutExpired). `new_session`: as Popen's
+    `start_new_session`, the child leads a session and process group of its own once this returns (what
+    process-group tools such as oobleck_dev.cpulimit act on)."""
 
-    def __init__(self, command: list[str], stdout: Path, env: dict[str, str], stderr: Path | None = None) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        stdout: Path,
+        env: dict[str, str],
+        stderr: Path | None = None,
+        new_session: bool = False,
+    ) -> None:
         for path in (stdout, stderr):
             if path is not None:
                 Path(path).write_bytes(b"")  # created (emptied) before the child runs, like a redirection
-        args = (list(command), str(stdout), None if stderr is None else str(stderr), dict(env))
+        args = (list(command), str(stdout), None if stderr is None else str(stderr), dict(env), new_session)
         self._process = _context().Process(target=_child_main, args=args, daemon=False)
         self._process.start()
+        if new_session:
+            self._wait_for_own_group()
+
+    def _wait_for_own_group(self, timeout: float = 30.0) -> None:
+        """Until the child's setsid has run (or it exited): Popen returns only after it, callers rely on it."""
+        assert self.pid is not None
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            try:
+                if os.getpgid(self.pid) == self.pid:
+                    return
+            except ProcessLookupError:
+                return  # exited meanwhile
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"process {self.pid} did not start a session of its own in {timeout} s")
+            time.sleep(0.001)
 
     @property
     def pid(self) -> int | None:
@@ -116,7 +146,10 @@ class PreforkedProcess:
             self._process.join(10)
 
 
-def start(command: list[str], stdout: Path, env: dict[str, str], stderr: Path | None = None) -> PreforkedProcess:
+def start(
+    command: list[str], stdout: Path, env: dict[str, str], stderr: Path | None = None, new_session: bool = False
+) -> PreforkedProcess:
     """`python *command` (`["-m", "oobleck.runtime", "worker", ...]` or `[script, *args]`) with `env` as
-    its whole environment, its output appended to `stdout` (and `stderr`, else `stdout` too)."""
-    return PreforkedProcess(command, stdout, env, stderr)
+    its whole environment, its output appended to `stdout` (and `stderr`, else `stdout` too); `new_session`:
+    in a session and process group of its own, as Popen's `start_new_session`."""
+    return PreforkedProcess(command, stdout, env, stderr, new_session)

@@ -5,6 +5,7 @@ the argv, the whole environment given, one OpenMP thread, output to the files na
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -59,3 +60,18 @@ def test_a_process_still_running_times_out_and_is_killed(tmp_path: Path) -> None
     assert process.poll() is None
     process.kill()
     assert process.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_new_session_is_the_childs_own_process_group_once_start_returns(tmp_path: Path) -> None:
+    script = tmp_path / "leader.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    alone = preforked.start([str(script)], tmp_path / "alone", {}, new_session=True)
+    shared = preforked.start([str(script)], tmp_path / "shared", {})
+    try:
+        assert alone.pid is not None and shared.pid is not None
+        # At once, as after Popen(start_new_session=True): what process-group tools (cpulimit) act on.
+        assert os.getpgid(alone.pid) == alone.pid and os.getsid(alone.pid) == alone.pid
+        assert os.getpgid(shared.pid) != shared.pid
+    finally:
+        alone.kill()
+        shared.kill()
