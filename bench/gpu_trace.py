@@ -214,9 +214,9 @@ def main() -> int:
     return 0
 
 
+CHILDREN = {"_traced_worker": _traced_worker, "_traced_plain": _traced_plain}
+"""the traced processes this script starts of itself"""
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_traced_worker":
-        sys.exit(_traced_worker(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] == "_traced_plain":
-        sys.exit(_traced_plain(sys.argv[2:]))
-    sys.exit(main())
+    child = CHILDREN.get(sys.argv[1]) if len(sys.argv) > 1 else None
+    sys.exit(child(sys.argv[2:]) if child is not None else main())
