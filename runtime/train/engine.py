@@ -253,8 +253,11 @@ class _TiedGradients:
         return {copy for tie in model.tied_parameters() for copy in tie}
 
     def zero(self) -> None:
-        for _, total, _ in self.ties:
+        """Clear the sums and the copies' `.grad`s (the last step installed them; autograd would add to them)."""
+        for _, total, copies in self.ties:
             total.zero_()
+            for p, _ in copies:
+                p.grad = None
 
     def accumulate(self) -> None:
         for _, total, copies in self.ties:

@@ -63,6 +63,26 @@ def test_tied_gpt2_trains_like_one_process(tmp_path, plan_builder, workers, layo
     print(f"tied gpt2: worst loss rel diff {worst:.2e}, param abs diff {worst_param:.2e}")
 
 
+def test_tied_gpt2_with_the_default_float32_sums_stays_close(tmp_path, plan_builder, workers):
+    """The default float32 sums, where the untied gradients live in the sum buffer across steps: the tied
+    copies' gradients must still start every step from nothing. Against float64 single-process training,
+    with test_precision.py's float32 tolerances (loss 1e-5 relative, parameters 1e-4)."""
+    from oobleck.runtime.train.reference import train_reference
+
+    from .test_precision import assert_matches
+
+    make_plan, Spec = plan_builder
+    plan = make_plan(
+        [Spec(stages=[(0, 2, 0, 1), (2, 4, 1, 1)], microbatches=3), Spec(stages=[(0, 4, 0, 1)], microbatches=2)],
+        num_layers=4,
+    )
+    cfg = config(family="gpt2", config=TINY_GPT2)
+    result = workers(tmp_path, cfg.model_copy(update={"gradient_sum_dtype": "float32"}), plan, timeout=600)
+    worst = assert_matches(result, train_reference(cfg, plan.global_microbatches), plan, rtol=1e-5, atol=1e-4)
+    assert torch.equal(result.layers[0]["wte.weight"], result.layers[3]["lm_head.weight"])
+    print(f"tied gpt2, float32 sums: worst loss rel diff {worst[0]:.2e}, param diff {worst[1]:.2e}")
+
+
 def test_llama_tiny_two_stage_pipelines_match_reference(tmp_path, plan_builder, workers):
     make_plan, Spec = plan_builder
     plan = make_plan(
