@@ -301,8 +301,33 @@ class JobRun:
             raise AssertionError(f"the job failed: {body['status']}")
         return body if body.get("status", {}).get("phase") == "Succeeded" else {}
 
-    def wait_succeeded(self) -> dict[str, Any]:
-        return wait_for(self.succeeded, "the job to succeed", TIMEOUT_S, 0.5)
+    def wait_succeeded(self, stall_s: float = TIMEOUT_S) -> dict[str, Any]:
+        """The job's body once Succeeded. Fails at once if it Failed, and once its step (status.progress)
+        has not moved for `stall_s` seconds: a hang, not a loaded host that trains slower (a fixed deadline
+        failed a 1500-step job at step 1462 under CI's load)."""
+        began = time.monotonic()
+        step, moved, last = None, began, None
+        while True:
+            try:
+                body = self.job()
+            except Exception as error:  # a read timeout under load: not yet
+                body, last = {}, error
+            status = body.get("status", {})
+            if status.get("phase") == "Failed":
+                raise AssertionError(f"the job failed: {status}")
+            if status.get("phase") == "Succeeded":
+                print(f"waited {time.monotonic() - began:.1f} s for the job to succeed")
+                return body
+            now = time.monotonic()
+            current = status.get("progress", {}).get("step", step)
+            if current != step:
+                step, moved = current, now
+            if now - moved > stall_s:
+                raise AssertionError(
+                    f"the job's step stayed {step} for {stall_s:.0f} s waiting for it to succeed; "
+                    f"last: {status or last!r}"
+                )
+            time.sleep(0.5)
 
     def events(self, reason: str) -> list[str]:
         """Messages of the namespace's events with `reason` (the operator's NodeLost, Reconfigured, ...)."""
