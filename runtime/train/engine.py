@@ -188,11 +188,25 @@ class _GradientBuffers:
             elif p.grad is not None:
                 p.grad = None
 
-    def accumulate(self) -> None:
-        """Make sure the parameters' gradients (one microbatch, or since `zero` when aliased) are in the sums.
+    def after_backward(self) -> None:
+        """After each microbatch's backward. Aliased, autograd already added into the views: nothing to do."""
+        if not self.aliased:
+            self._fold()
 
-        Aliased, autograd adds into the views in place, so only a `.grad` it replaced (none in practice)
-        is added: call it once after the step's last backward. Else call it after every backward."""
+    def settle(self) -> None:
+        """After the step's last backward, before the reduction: aliased, a `.grad` that something replaced
+        (none in practice) is folded into its view."""
+        if self.aliased:
+            self._fold()
+
+    def after_update(self) -> None:
+        """After the optimizer's step. Unaliased, the installed gradients are copies: free them."""
+        if not self.aliased:
+            for _, p in self.views:
+                p.grad = None
+
+    def _fold(self) -> None:
+        """Add every parameter's `.grad` that is not its view into the view."""
         for (view, p), place in zip(self.views, self.placed):
             grad = p.grad
             if grad is None or grad is view:
@@ -268,6 +282,12 @@ class _TiedGradients:
                     else:
                         place.add(total, p.grad)
                     p.grad = None
+
+    def after_update(self) -> None:
+        """After the optimizer's step: the installed gradients are copies; free them."""
+        for _, _, copies in self.ties:
+            for p, _ in copies:
+                p.grad = None
 
     def launch(self, groups: GenerationGroups) -> list[tuple[object, tuple[int, ...]]]:
         works = []
@@ -472,8 +492,7 @@ class Engine:
                     compute.stop()
                     if source is not None:
                         self._send(source.grad, -1, BACKWARD_TAG, pending)
-                    if not self.buffers.aliased:
-                        self.buffers.accumulate()
+                    self.buffers.after_backward()
                     self.tied.accumulate()
         except BaseException:
             for _, _, ticket in posted:  # receives posted ahead that this step will not take
@@ -489,8 +508,7 @@ class Engine:
         optimizer's step."""
         # One hand-off for every send of the step (most completed long ago).
         self._wait_all([(work, f"send to rank {peer}") for work, _, peer in pending])
-        if self.buffers.aliased:
-            self.buffers.accumulate()
+        self.buffers.settle()
         if self.buffers.loss_slot is not None:
             self.buffers.loss_slot += loss_sum
         self._reduce()
@@ -503,9 +521,8 @@ class Engine:
         if self.config.max_grad_norm is not None:
             self._clip(self.config.max_grad_norm)
         self.optimizer.step(self.held, learning_rate(self.config.optim, step))
-        if not self.buffers.aliased:  # the float64 path's per-parameter gradients are copies: free them
-            for _, module in self.held:
-                module.zero_grad(set_to_none=True)
+        self.buffers.after_update()
+        self.tied.after_update()
         loss = None
         if self.buffers.loss_slot is not None:
             loss = float(self.buffers.loss_slot.item()) / self.samples

@@ -320,8 +320,37 @@ def test_aliased_gradient_buffers_keep_their_views_fold_a_replaced_grad_and_unho
     expected = [p.grad.clone() for p in params]
     replaced = params[0]
     replaced.grad = torch.full_like(replaced, 0.5)  # a .grad something else put there
-    buffers.accumulate()
+    buffers.after_backward()  # aliased: nothing to fold yet
+    assert replaced.grad is not buffers.views[0][0]
+    buffers.settle()
     assert replaced.grad is buffers.views[0][0]
     assert torch.equal(replaced.grad, expected[0] + 0.5)
     buffers.release()
+    assert all(p.grad is None for p in params)
+
+
+def test_float64_gradient_buffers_fold_every_backward_and_free_the_installed_copies(plan_builder):
+    """float64 sums: each backward's float32 `.grad` is added into its view and dropped; the installed
+    gradients (sum / samples, in the parameters' dtype) are freed after the update."""
+    from oobleck.runtime.train.engine import _GradientBuffers
+
+    make_plan, Spec = plan_builder
+    plan = make_plan([Spec(stages=[(0, 2, 0, 1)], microbatches=2)], num_layers=2)
+    layers = {0: torch.nn.Linear(3, 2), 1: torch.nn.Linear(2, 1)}
+    buffers = _GradientBuffers(layout(plan, 0), layers, 2, torch.device("cpu"), torch.float64)
+    assert not buffers.aliased
+    params = [p for layer in layers.values() for p in layer.parameters()]
+    buffers.zero()
+    sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    for scale in (1.0, 2.0):
+        (layers[1](layers[0](torch.full((4, 3), scale)))).sum().backward()
+        for total, p in zip(sums, params):
+            total += p.grad
+        buffers.after_backward()
+        assert all(p.grad is None for p in params)
+    buffers.settle()
+    buffers.install(8)
+    for total, p in zip(sums, params):
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, (total / 8).float())
+    buffers.after_update()
     assert all(p.grad is None for p in params)
