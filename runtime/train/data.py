@@ -43,6 +43,10 @@ class Dataset(Protocol):
         ...
 
 
+MAX_SYNTHETIC_VOCAB = 2**31
+"""The closed form multiplies two tokens' worth of values in int64: vocab^2 must stay below 2^63."""
+
+
 class SyntheticTokens:
     """x[t+1] = (a * x[t] + c) mod vocab, replaced by a uniform token with probability `noise`.
 
@@ -52,8 +56,8 @@ class SyntheticTokens:
     spent idle."""
 
     def __init__(self, vocab: int, seq_len: int, microbatch_size: int, seed: int = 0, noise: float = 0.1) -> None:
-        if vocab < 2:
-            raise ValueError(f"data.vocab: must be >= 2, got {vocab}")
+        if not 2 <= vocab <= MAX_SYNTHETIC_VOCAB:
+            raise ValueError(f"data.vocab: must be within [2, {MAX_SYNTHETIC_VOCAB}], got {vocab}")
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"data.noise: must be within [0, 1], got {noise}")
         self.vocab, self.seq_len, self.microbatch_size = vocab, seq_len, microbatch_size
@@ -66,7 +70,7 @@ class SyntheticTokens:
         for _ in range(seq_len):
             scale.append(scale[-1] * self._a % vocab)
             shift.append((shift[-1] * self._a + self._c) % vocab)
-        # scale * token < vocab^2 must fit int64: true for any real vocabulary (< 3e9)
+        # scale * token < vocab^2 fits int64 (MAX_SYNTHETIC_VOCAB)
         self._scale = np.array(scale, dtype=np.int64)
         self._shift = np.array(shift, dtype=np.int64)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oobleck.runtime.models.layered import GPT, PRESETS, LayeredModel, load_model, output_spec
-from oobleck.runtime.train.data import SyntheticTokens, TokenFile, mix
+from oobleck.runtime.train.data import MAX_SYNTHETIC_VOCAB, SyntheticTokens, TokenFile, mix
 
 
 def test_layer_weights_are_a_function_of_seed_and_index_only():
@@ -152,9 +152,11 @@ def _synthetic_by_recurrence(data: SyntheticTokens, step: int, index: int) -> to
 
 
 @pytest.mark.parametrize(
-    ("vocab", "seq_len", "noise"), [(64, 16, 0.1), (50304, 1024, 0.1), (128256, 300, 0.0), (7, 50, 1.0)]
+    ("vocab", "seq_len", "noise"),
+    [(64, 16, 0.1), (50304, 1024, 0.1), (128256, 300, 0.0), (7, 50, 1.0), (MAX_SYNTHETIC_VOCAB, 40, 0.1)],
 )
 def test_synthetic_tokens_equal_their_recurrence_exactly(vocab, seq_len, noise):
+    """Bit for bit, up to the largest vocabulary whose products fit int64."""
     data = SyntheticTokens(vocab, seq_len, microbatch_size=3, seed=5, noise=noise)
     for step, index in [(0, 0), (7, 2), (123, 9)]:
         whole = _synthetic_by_recurrence(data, step, index)
@@ -195,3 +197,9 @@ def test_presets_are_valid():
     for name, sizes in PRESETS.items():
         model = load_model(name)
         assert isinstance(model, GPT) and model.num_layers == sizes.blocks + 2
+
+
+@pytest.mark.parametrize("vocab", [1, MAX_SYNTHETIC_VOCAB + 1])
+def test_synthetic_tokens_refuse_a_vocabulary_they_cannot_compute_exactly(vocab):
+    with pytest.raises(ValueError, match=rf"data.vocab: must be within \[2, {MAX_SYNTHETIC_VOCAB}\], got {vocab}"):
+        SyntheticTokens(vocab, 16, 4)
