@@ -123,9 +123,10 @@ def remove_cgroup_tree(name: str, timeout_s: float = 20.0) -> list[str]:
         if not top.is_dir():
             continue
         while True:
-            folders = sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
+            # Deepest first, `top` last; os.walk skips a folder removed meanwhile (runc removing its container's).
+            folders = [Path(root) for root, _, _ in os.walk(top, topdown=False)] or [top]
             busy = []
-            for folder in [*folders, top]:
+            for folder in folders:
                 try:
                     folder.rmdir()
                 except FileNotFoundError:

@@ -458,12 +458,15 @@ class RealNodes:
             subprocess.run(
                 [str(self._kube_proxy), "--cleanup", "--proxy-mode=iptables"], capture_output=True, timeout=60
             )
-        if self.folder is not None:
-            undo(self.folder, [p for p in self.processes if p not in kubelets], self.timeouts.stop_grace)
-        self.processes, self.nodes, self.folder = [], [], None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        try:
+            if self.folder is not None:
+                undo(self.folder, [p for p in self.processes if p not in kubelets], self.timeouts.stop_grace)
+        finally:
+            # Even if undoing failed: the next owner's `--reap` (or up) finishes it, and needs the lock.
+            self.processes, self.nodes, self.folder = [], [], None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
 
 
 def undo(folder: Path, containerds: Sequence[ManagedProcess], grace: float) -> None:
