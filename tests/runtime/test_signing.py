@@ -21,7 +21,28 @@ def stores():
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     job = TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)
     stranger = TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)
-    return master, job, stranger
+    return master, job, LandedWrites(stranger)
+
+
+class LandedWrites:
+    """A store connection whose writes have reached the server when they return. TCPStore's `set` and
+    `queue_push` send without waiting for a reply, and the job reads on its own connection, which can
+    overtake them (CI once read `held/node2:0` before the forged value existed, so nothing was refused):
+    a round trip on the same connection comes back only after the write was applied."""
+
+    def __init__(self, store: TCPStore) -> None:
+        self._store = store
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(key, value)
+        self._store.check([key])
+
+    def queue_push(self, key: str, value: str) -> None:
+        self._store.queue_push(key, value)
+        self._store.queue_len(key)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
 
 
 def test_a_key_file_is_private_and_read_back(tmp_path):
