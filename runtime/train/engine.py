@@ -267,8 +267,7 @@ class _TiedGradients:
         return {copy for tie in model.tied_parameters() for copy in tie}
 
     def zero(self) -> None:
-        """Clear the sums and the copies' `.grad`s: `after_update` frees the installed ones, but a step that
-        stopped before it (an aborted commit) left them, and autograd would add to them."""
+        """Clear the sums and the copies' `.grad`s (the last step installed them; autograd would add to them)."""
         for _, total, copies in self.ties:
             total.zero_()
             for p, _ in copies:
