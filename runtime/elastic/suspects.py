@@ -30,23 +30,27 @@ class PeerClocks:
         self.seen: set[str] = set()  # peers that have beaten at least once (in any incarnation)
         self.probed: dict[str, float] = {}  # suspects probed (monotonic time) since their last beat
         self.armed: set[str] = set()  # peers that adopted the generation: silence is death
+        self.resumed = float("-inf")  # silence counts from no earlier than this (a store reconnect's grace)
 
     def new_peers(self, peers: tuple[str, ...], now: float) -> None:
-        """A new peer set: every peer gets a full dead_after_s from now."""
-        self.last_change = dict.fromkeys(peers, now)
+        """A new peer set: every peer gets a full dead_after_s from now (or from the end of a reconnect's grace)."""
+        self.last_change = dict.fromkeys(peers, max(now, self.resumed))
         self.last_value = {p: self.last_value[p] for p in peers if p in self.last_value}
         self.armed = set()
 
     def new_store(self, peers: tuple[str, ...], resumed: float) -> None:
         """A (new) store connection: silence counts from `resumed`, and the counters of a new incarnation
-        must be checked for before multi_get waits on them."""
+        must be checked for before multi_get waits on them. The grace outlives a generation switch and an
+        arming inside it: after a coordinator restart the next generation can begin while a peer's heartbeat
+        thread still waits in c10d's connect backoff (seen in CI: two peers silent 1.5 s after arming)."""
+        self.resumed = resumed
         self.last_change = dict.fromkeys(peers, resumed)
         self.last_value = {}
         self.armed = set()
 
     def arm(self, peer: str, now: float) -> None:
         self.armed.add(peer)
-        self.last_change[peer] = now
+        self.last_change[peer] = max(now, self.resumed)
 
     def record(self, present: list[str], values: list[bytes], now: float) -> set[str]:
         """Note the present peers' counters read at `now`; the peers that beat since the last read."""

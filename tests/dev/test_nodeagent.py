@@ -1016,8 +1016,9 @@ def test_lease_heartbeats_keep_the_nodes_ready(cluster: Cluster, local_nodes: No
     def age_s(stamp: str) -> float:
         return (datetime.now(UTC) - datetime.fromisoformat(stamp.replace("Z", "+00:00"))).total_seconds()
 
-    node = cluster.kubectl_json("get", "node", local_nodes.node_names[0])
-    time.sleep(max(0.0, 60.0 - age_s(node["metadata"]["creationTimestamp"])))  # free when the module ran long
+    # Waits for the youngest node (each registers on its own; free when the module ran long).
+    nodes = [cluster.kubectl_json("get", "node", name) for name in local_nodes.node_names]
+    time.sleep(max(0.0, 60.0 - min(age_s(node["metadata"]["creationTimestamp"]) for node in nodes)))
     for name in local_nodes.node_names:
         node = cluster.kubectl_json("get", "node", name)
         assert age_s(node["metadata"]["creationTimestamp"]) >= 60
