@@ -121,6 +121,18 @@ def container_mounts(container: Mapping, volumes: Mapping[str, Path], read_only:
     return mounts
 
 
+class Container(Protocol):
+    """A running container's process, however it was started (exec'd here, or forked: podzygote.py)."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+    def signal_group(self, signum: int) -> bool: ...
+    async def wait(self) -> int: ...
+    def close(self) -> None: ...
+
+
 class ContainerProcess:
     """One running container: a process in its own session, logging to a file, reaped via a pidfd."""
 
@@ -216,9 +228,7 @@ class ContainerProcess:
             self.cgroup.remove()
 
 
-async def terminate(
-    processes: Sequence[ContainerProcess], grace_s: float, on_kill: Callable[[], None] | None = None
-) -> None:
+async def terminate(processes: Sequence[Container], grace_s: float, on_kill: Callable[[], None] | None = None) -> None:
     """SIGTERM every process group, wait up to `grace_s`, SIGKILL what is left; reap all.
 
     The groups are SIGKILLed at the end in any case: a child that left its parent behind dies too.
@@ -252,7 +262,7 @@ class ContainerRun:
 
     name: str
     image: str
-    process: ContainerProcess | None = None
+    process: Container | None = None
     started_at: str | None = None
     restart_count: int = 0
     terminated: dict | None = None  # the containerStatus `terminated` of the current/last run
@@ -321,6 +331,15 @@ class PodHost(Protocol):
     async def delete_pod(self, namespace: str, name: str, uid: str) -> None: ...
     def forget(self, worker: PodLifecycle) -> None: ...
     def write_status_file(self) -> None: ...
+    def start_container(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        filesystem: Filesystem,
+        log_path: Path,
+        net_cgroup: Path | None,
+        memory: MemoryCgroup | None,
+    ) -> Container: ...
 
 
 class PodLifecycle:
@@ -605,7 +624,7 @@ class PodLifecycle:
             cgroup = self._memory_cgroup(container.name)
             try:
                 filesystem = self.filesystems[container.name]
-                container.process = ContainerProcess(argv, env, filesystem, log_path, self.cgroup, cgroup)
+                container.process = self.agent.start_container(argv, env, filesystem, log_path, self.cgroup, cgroup)
             except OSError as error:  # the command is not on PATH, or its filesystem could not be made
                 if cgroup is not None:
                     cgroup.remove()

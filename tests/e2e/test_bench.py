@@ -27,7 +27,7 @@ from oobleck.operator import render
 from oobleck_dev import cpulimit
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-1")]
-LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
+LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi", "preforked": True}
 """Three members and, in the second test, a warm spare."""
 NODES = 3
 WINDOW = 8

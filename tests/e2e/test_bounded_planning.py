@@ -20,7 +20,7 @@ import yaml
 from oobleck.planner.synthetic import GPTShape, gpt_profile
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-1")]
-LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
+LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi", "preforked": True}
 
 
 def _huge_job() -> tuple[dict, dict]:

@@ -39,7 +39,7 @@ from oobleck.operator import render
 
 # One job at a time per xdist worker (test_training.py says why there are two groups).
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-1")]
-LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
+LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi", "preforked": True}
 
 CRASH_AFTER_PLAN_WRITE = Path(__file__).with_name("crash_after_plan_write.py")
 OUTLASTS_A_START_STEPS = 1200

@@ -25,7 +25,7 @@ import pytest
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-1")]
 # Memory limits held as a kubelet holds them (a cgroup per container): the OOM test needs the kill.
-LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi", "enforce_memory": True}
+LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi", "enforce_memory": True, "preforked": True}
 REPORT_BOUND_S = 60.0
 
 

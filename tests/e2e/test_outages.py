@@ -25,7 +25,7 @@ from oobleck.api import contract
 from oobleck_dev.operatorproc import OperatorExited
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-2")]
-LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
+LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi", "preforked": True}
 OUTAGE_S = 30.0
 STEPS = 3000
 """Long enough that training outlasts the 30 s outage, the operator's restart and an etcd restart on a loaded host

@@ -21,7 +21,7 @@ from collections import defaultdict
 import pytest
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-2")]
-LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
+LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi", "preforked": True}
 STEPS = 800
 """Long enough that training outlasts a partition, its detection and a replacement's start on a loaded host."""
 SURVIVORS_ON_S = 20.0

@@ -21,7 +21,7 @@ import pytest
 from oobleck_dev import cpulimit
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-2")]
-LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
+LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi", "preforked": True}
 NODES = 3
 WINDOW = 10
 THRESHOLD = 1.5

@@ -28,7 +28,7 @@ import pytest
 from oobleck.api import contract
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-1")]
-LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
+LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi", "preforked": True}
 
 
 def test_job_trains_in_pods_to_the_exact_step(job_run, local_nodes):
@@ -39,6 +39,9 @@ def test_job_trains_in_pods_to_the_exact_step(job_run, local_nodes):
     assert len(first.nodes) == 2 and first.generation == 0 and first.world_size == 4
     pod = first.nodes[1]
     run.wait_for(lambda: run.step(pod) >= 3, "3 steps trained")
+    # The agent forked the pod's process from the process that imported torch once (oobleck_dev.podzygote).
+    pid = local_nodes.pod_pids(run.ns, pod)["worker"]
+    assert f"PPid:\t{local_nodes.zygote_pid}\n" in open(f"/proc/{pid}/status").read()
     for gpu in (0, 1):  # each process serves its own registry at its pod IP
         metrics = run.scrape(pod, gpu)
         assert metrics["oobleck_worker_plan_generation"] == 0 and 3 <= metrics["oobleck_worker_step"] <= steps
