@@ -121,6 +121,15 @@ def container_mounts(container: Mapping, volumes: Mapping[str, Path], read_only:
     return mounts
 
 
+def signal_group(leader: int, signum: int) -> bool:
+    """Signal a container's whole process group (its process leads it); False if it is already gone."""
+    try:
+        os.killpg(leader, signum)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 class Container(Protocol):
     """A running container's process, however it was started (exec'd here, or forked: podzygote.py)."""
 
@@ -192,12 +201,7 @@ class ContainerProcess:
         return self.popen.poll()
 
     def signal_group(self, signum: int) -> bool:
-        """Signal the container's whole process group; False if it is already gone."""
-        try:
-            os.killpg(self.pid, signum)
-            return True
-        except ProcessLookupError:
-            return False
+        return signal_group(self.pid, signum)
 
     async def wait(self) -> int:
         """Wait for the process to exit (without blocking the loop); return its container exit code.

@@ -40,20 +40,10 @@ from oobleck.processes import die_with_parent
 from oobleck_dev import netfault
 from oobleck_dev.memlimit import MemoryCgroup
 from oobleck_dev.mountns import Filesystem, FilesystemError
-from oobleck_dev.podrunner import exit_code
+from oobleck_dev.podrunner import exit_code, signal_group
+from oobleck_dev.preforked import RUNTIME_PRELOAD
 
-PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "oobleck.runtime.backends.pod.main",
-    "oobleck.runtime.elastic.coordinator",
-    "oobleck.runtime.elastic.worker",
-    "oobleck.runtime.train.config",
-    "oobleck.runtime.models.hf",
-    "transformers",
-    "transformers.masking_utils",
-    "transformers.pytorch_utils",
-)
+PRELOAD = (*RUNTIME_PRELOAD, "oobleck.runtime.backends.pod.main", "oobleck.runtime.elastic.coordinator")
 """What the zygote imports before its first fork: what a worker and a coordinator pod import."""
 MODULE_PREFIX = "oobleck.runtime"
 """Commands `python -m <a module under this>` are forked; everything else is exec'd."""
@@ -120,11 +110,7 @@ class ForkedContainer:
         return self._zygote.exit_codes.get(self.pid)
 
     def signal_group(self, signum: int) -> bool:
-        try:
-            os.killpg(self.pid, signum)
-            return True
-        except ProcessLookupError:
-            return False
+        return signal_group(self.pid, signum)
 
     async def wait(self) -> int:
         """The container exit code (128 + N for signal N), without blocking the loop."""

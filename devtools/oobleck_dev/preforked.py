@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-PRELOAD = [
+RUNTIME_PRELOAD = (
     "torch",
     "torch.distributed",
     "oobleck.runtime.cli",
@@ -30,8 +30,9 @@ PRELOAD = [
     "transformers",
     "transformers.masking_utils",
     "transformers.pytorch_utils",
-    __name__,  # the children's entry point itself
-]
+)
+"""What a worker process imports (oobleck_dev.podzygote preloads these too)."""
+PRELOAD = [*RUNTIME_PRELOAD, __name__]  # and the children's entry point itself
 """Modules the forkserver imports before any fork."""
 THREADS = "1"
 """OMP_NUM_THREADS of the forkserver: OpenMP reads it once, when torch is loaded (the callers' workers run
