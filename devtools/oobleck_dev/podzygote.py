@@ -192,14 +192,17 @@ class PodZygote:
         )
         with self._answered:
             assert self._sock is not None
-            _send(self._sock, request)
-            if not self._answered.wait_for(lambda: self._answers, timeout=60):
+            try:
+                _send(self._sock, request)
+            except OSError as error:
+                raise OSError(f"the pod zygote ended (see {self.log}): {error}") from None
+            if not self._answered.wait_for(lambda: self._answers or self._gone.is_set(), timeout=60):
                 raise OSError(f"the pod zygote did not answer a start of {module}")
+            if not self._answers:
+                raise OSError(f"the pod zygote ended (see {self.log})")
             answer = self._answers.pop(0)
         if answer[0] == "failed":
             raise FilesystemError(0, answer[1])
-        with self._lock:
-            self._running.add(answer[1])
         return ForkedContainer(answer[1], self, log, memory)
 
     async def exited(self, pid: int) -> int:
@@ -236,7 +239,9 @@ class PodZygote:
             if message is None:
                 # The zygote is gone, and its children died with it (PR_SET_PDEATHSIG: SIGKILL).
                 self.ready.clear()
-                self._gone.set()
+                with self._answered:
+                    self._gone.set()
+                    self._answered.notify_all()
                 with self._lock:
                     running = list(self._running)
                 for pid in running:
@@ -248,6 +253,9 @@ class PodZygote:
             elif message[0] == "exited":
                 self._exited(message[1], message[2])
             else:
+                if message[0] == "started":  # before its exit, which the zygote sends after this
+                    with self._lock:
+                        self._running.add(message[1])
                 with self._answered:
                     self._answers.append(message)
                     self._answered.notify_all()

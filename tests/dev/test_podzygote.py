@@ -92,3 +92,21 @@ def test_only_runtime_modules_run_by_this_interpreter_are_forked():
     assert forkable_module([sys.executable, "-m", "json.tool"], {"PATH": path}) is None
     assert forkable_module(["/usr/bin/env", "-m", "oobleck.runtime"], {"PATH": path}) is None
     assert forkable_module(["sh", "-c", "true"], {"PATH": path}) is None
+
+
+def test_a_zygote_that_dies_takes_its_containers_with_it_and_refuses_more(tmp_path):
+    zygote = PodZygote(tmp_path / "zygote.log").start()
+    try:
+        assert zygote.wait_ready(180), zygote.log.read_text()
+        filesystem = Filesystem.build(tmp_path / "root", [])
+        server = zygote.spawn(
+            "oobleck.runtime.elastic.coordinator", ["--port", "0"], _env(), filesystem, tmp_path / "a.log", None, None
+        )
+        assert zygote.pid is not None
+        os.kill(zygote.pid, signal.SIGKILL)
+        assert asyncio.run(server.wait()) == 128 + signal.SIGKILL  # PR_SET_PDEATHSIG
+        assert not zygote.ready.is_set() and not zygote.wait_ready(1)
+        with pytest.raises(OSError, match="the pod zygote ended"):
+            zygote.spawn("json.tool", [], _env(), filesystem, tmp_path / "b.log", None, None)
+    finally:
+        zygote.close()
