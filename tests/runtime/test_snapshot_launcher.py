@@ -35,6 +35,7 @@ def test_losing_every_replica_of_a_layer_rolls_back_to_the_in_memory_snapshot(ki
     )
     assert code == 0, output
     assert summary["ok"] and summary["steps"] == 10
+    assert len(summary["reconfigurations"]) == 1, summary["reconfigurations"]  # both kills in one generation
     [rollback] = summary["reconfigurations"]
     print(f"rollback: {rollback}")
     assert rollback["lost"] == ["node0", "node2"] and rollback["restore_step"] == 4

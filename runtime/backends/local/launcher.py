@@ -296,8 +296,12 @@ class Launcher:
             self.reports = []
             if self._reap() and exit_seen is None:
                 exit_seen = time.time()  # a peer's report came first; the exit is a signal all the same
-            if o.detect_exits:
-                dead.update(w for w in in_plan if self.children[w].code not in (None, 0))
+            if o.detect_exits:  # an exited worker is dead, and so is one this launcher SIGKILLed (a fault)
+                dead.update(
+                    w
+                    for w in in_plan
+                    if self.children[w].code not in (None, 0) or self.children[w].killed_at is not None
+                )
             now = time.monotonic()
             if (dead or suspects) and now - first_signal >= o.settle_s:
                 break
