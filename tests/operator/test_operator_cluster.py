@@ -221,7 +221,12 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
     )
     assert waiting["reason"] == "WaitingForNodes"
     assert len(workers(cluster, ns)) == 3  # two running, one pending: nothing piled up
-    env["add_nodes"](1)
+    # Registered as a kubelet registers a node, with the not-ready taint that the node lifecycle controller lifts
+    # once it is Ready: a pending pod bound to it before kwok reports Ready would be lost and replaced (seen
+    # twice on a loaded host: 5 pods created, worker-2 replaced by worker-3 before generation 0).
+    env["nodes"] += cluster.add_kwok_nodes(
+        1, labels={POOL_LABEL: env["pool"]}, taints=[{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]
+    )
     plan = wait_for(lambda: settled(cluster, ns, 0), "generation 0 once the third node exists")
     assert len(plan.nodes) == 3
     body = job(cluster, ns)
