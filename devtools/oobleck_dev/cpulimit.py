@@ -10,6 +10,7 @@ it. Where this machine has no writable v1 cpu hierarchy at /sys/fs/cgroup/cpu, `
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -21,6 +22,20 @@ PERIOD_US = 10_000
 """Shorter than a kubelet's default 100 ms (its --cpu-cfs-quota-period can be set so too): a step of a
 tiny test model lasts milliseconds, and at 100 ms a half quota would leave most steps untouched and stall
 a few for 50 ms, where a slow node slows every step."""
+MIN_QUOTA_US = 1_000
+"""The kernel's floor for cpu.cfs_quota_us."""
+MAX_PERIOD_US = 1_000_000
+"""The kernel's ceiling for cpu.cfs_period_us."""
+
+
+def cfs_settings(cpus: float) -> tuple[int, int]:
+    """(period, quota) in microseconds that hold a cgroup to `cpus` CPUs: PERIOD_US, or a longer period where
+    `cpus` of it would be under the kernel's 1 ms floor (at 10 ms, anything under 0.1 CPU would silently be
+    0.1: a pod using 0.6 CPU held to a tenth would run at a sixth)."""
+    if cpus <= 0:
+        raise ValueError(f"cpus: must be positive, got {cpus}")
+    period = min(MAX_PERIOD_US, max(PERIOD_US, math.ceil(MIN_QUOTA_US / cpus)))
+    return period, max(MIN_QUOTA_US, round(cpus * period))
 
 
 def process_group(pgid: int, proc: Path = Path("/proc")) -> list[int]:
@@ -75,9 +90,12 @@ class CpuQuota:
 
     def set_cpus(self, cpus: float | None) -> None:
         """Hold the cgroup's processes to `cpus` CPUs together (None: unlimited)."""
-        if cpus is not None and cpus <= 0:
-            raise ValueError(f"cpus: must be positive, got {cpus}")
-        quota = -1 if cpus is None else max(1000, round(cpus * PERIOD_US))  # the kernel's floor is 1 ms
+        if cpus is None:
+            (self.path / "cpu.cfs_quota_us").write_text("-1")
+            return
+        period, quota = cfs_settings(cpus)
+        (self.path / "cpu.cfs_quota_us").write_text("-1")  # a period is checked against the quota in force
+        (self.path / "cpu.cfs_period_us").write_text(str(period))
         (self.path / "cpu.cfs_quota_us").write_text(str(quota))
 
     def throttle(self, pgids: list[int], cpus: float | None) -> list[int]:

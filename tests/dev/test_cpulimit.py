@@ -13,7 +13,6 @@ import pytest
 
 from oobleck_dev import cpulimit
 
-pytestmark = pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
 
 BUSY = "import os\nos.nice(19)\nos.fork()\nwhile True:\n    pass\n"
 """A spinning parent and a spinning child in one process group (a container's processes), niced: on a
@@ -26,6 +25,16 @@ def _rate(pgid: int, seconds: float) -> float:
     return (cpulimit.cpu_seconds([pgid]) - before) / (time.monotonic() - began)
 
 
+def test_a_quota_under_the_kernels_floor_gets_a_longer_period() -> None:
+    assert cpulimit.cfs_settings(0.5) == (10_000, 5_000)
+    assert cpulimit.cfs_settings(0.1) == (10_000, 1_000)
+    assert cpulimit.cfs_settings(0.04) == (25_000, 1_000)
+    assert cpulimit.cfs_settings(0.0001) == (1_000_000, 1_000)  # the longest period: the floor again
+    with pytest.raises(ValueError, match="cpus"):
+        cpulimit.cfs_settings(0)
+
+
+@pytest.mark.integration  # starts processes (see tests/conftest.py: make test-unit)
 def test_a_busy_process_group_is_held_to_its_quota_and_released() -> None:
     if (why := cpulimit.available()) is not None:
         pytest.skip(why)
@@ -40,6 +49,9 @@ def test_a_busy_process_group_is_held_to_its_quota_and_released() -> None:
         # Two spinning processes together: at most the quota (and a little for the measurement's edges).
         assert _rate(busy.pid, 2.0) <= 0.13
         assert quota.throttled_seconds() > 0
+        # Under a tenth of a CPU the 10 ms period's quota would be under the kernel's 1 ms floor.
+        quota.set_cpus(0.04)
+        assert _rate(busy.pid, 2.0) <= 0.055
         quota.set_cpus(None)
         assert (quota.path / "cpu.cfs_quota_us").read_text().strip() == "-1"  # unlimited again
         with pytest.raises(ValueError, match="cpus"):

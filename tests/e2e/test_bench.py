@@ -1,8 +1,8 @@
 """A very slow node benched as a spare and taken back (issue 22, mitigation c), end to end on local nodes.
 
 A job of three one-node pipelines (six microbatches: two each) with `stragglers.mitigation: spare` trains
-unthrottled; one worker pod's processes are then held by a CFS quota (oobleck_dev.cpulimit) to a tenth of
-the CPU they were using. At that speed the planner's price prefers the best plan on the other two nodes
+unthrottled; one worker pod's processes are then held by a CFS quota (oobleck_dev.cpulimit) to 0.06 CPUs,
+a tenth of what it computes with or less. At that speed the planner's price prefers the best plan on the other two nodes
 (three microbatches each) to a re-split (one microbatch still costs the slow node more than three cost the
 others from about 3x on), so the operator benches it: the plan no longer has it, its pod stays up and
 is counted a spare. Released, it is taken back once its back-off is over (or, if the host's load kept it
@@ -34,8 +34,11 @@ WINDOW = 8
 STEPS = 200
 """Enough for calibration, a throttled window, the bench, its back-off and a window at pace after the node is
 back, with room for a second bench (a back-off of 4 windows) if the release comes late."""
-HOLD = 0.1
-"""The throttled pod's share of the CPU it used: about 10x slow, well past the price's ~3x."""
+HELD_CPUS = 0.06
+"""The throttled pod's CPUs (a CFS quota). A computing worker here gets 0.5 to 1 CPU, so its compute runs 8 to 16x
+slower, and still 4x or more when the host's load on the other nodes grows 2.5-fold after their calibration
+(the figure is relative to them; a quota is immune to that load): past the price's ~3x. Much less starves the
+pod: held to 0.037, its peers called it dead within 10 s."""
 
 
 def _spares(run) -> list[str]:
@@ -63,18 +66,18 @@ def _start(run, spares: int = 0, threshold: float = 1.5):
 
 
 def _throttle(run, pod: str) -> float:
-    """Hold `pod`'s processes to HOLD of the CPU they were using; when (monotonic)."""
-    before, began = run.agent.pod_cpu_seconds(run.ns, pod), time.monotonic()
-    time.sleep(2)
-    rate = (run.agent.pod_cpu_seconds(run.ns, pod) - before) / (time.monotonic() - began)
-    assert rate > 0.01, f"{pod} used {rate:.3f} CPUs"
-    assert run.agent.throttle_cpu(run.ns, pod, rate * HOLD), f"no process of {pod} held"
+    """Hold `pod`'s processes to HELD_CPUS; when (monotonic)."""
+    assert run.agent.throttle_cpu(run.ns, pod, HELD_CPUS), f"no process of {pod} held"
     return time.monotonic()
 
 
 def _benched(run, pod: str, throttled_at: float):
-    """The first plan that benches `pod`, printed."""
-    benched = run.wait_for(lambda: pod in (plan := run.plan()).benched and plan, f"{pod} benched", timeout=240)
+    """The first plan that benches `pod`, printed; if none comes, what the operator measured."""
+    try:
+        benched = run.wait_for(lambda: pod in (plan := run.plan()).benched and plan, f"{pod} benched", timeout=240)
+    except AssertionError as error:
+        stragglers = (run.job().get("status") or {}).get("stragglers")
+        raise AssertionError(f"{error}; status.stragglers: {stragglers}; {pod}: {run.progress(pod)}") from None
     print(
         f"benched at step {benched.mitigation_step}, {time.monotonic() - throttled_at:.1f} s after the throttle: "
         f"{benched.reason}"
@@ -82,7 +85,7 @@ def _benched(run, pod: str, throttled_at: float):
     return benched
 
 
-def test_a_tenth_speed_node_waits_as_a_spare_and_comes_back_released(job_run) -> None:
+def test_a_very_slow_node_waits_as_a_spare_and_comes_back_released(job_run) -> None:
     if (why := cpulimit.available()) is not None:
         pytest.skip(why)
     run = job_run
@@ -110,13 +113,13 @@ def test_a_tenth_speed_node_waits_as_a_spare_and_comes_back_released(job_run) ->
     print(f"{run.check_losses()} logged losses match the reference; generations {run.generations_seen}")
 
 
-def test_with_a_warm_spare_a_tenth_speed_node_is_swapped_for_it_and_stays_the_spare(job_run) -> None:
+def test_with_a_warm_spare_a_very_slow_node_is_swapped_for_it_and_stays_the_spare(job_run) -> None:
     if (why := cpulimit.available()) is not None:
         pytest.skip(why)
     run = job_run
     # A swap for an idle spare is cheap at any confirmed slowdown: at the usual 1.5 the host's own load once
     # benched an untouched node at 1.69x (the spare in its place), before the throttle. 4x is clear of that
-    # noise and well under the throttled node's ~7x.
+    # noise and under the throttled node's figure (HELD_CPUS).
     first, pods = _start(run, spares=1, threshold=4.0)
     spare = render.worker_name("tiny", NODES)
     assert spare not in first.nodes
