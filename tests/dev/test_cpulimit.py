@@ -13,7 +13,6 @@ import pytest
 
 from oobleck_dev import cpulimit
 
-
 BUSY = "import os\nos.nice(19)\nos.fork()\nwhile True:\n    pass\n"
 """A spinning parent and a spinning child in one process group (a container's processes), niced: on a
 shared host they must not starve anyone while they run unlimited."""
