@@ -410,6 +410,14 @@ class JobRun:
                 )
         return sum(len(v) for v in seen.values())
 
+    def trained_through(self, pods: list[str], after: int) -> int:
+        """The lowest step `pods` report once each is past `after`: every step before it was logged (for
+        `check_losses(through=...)` on a job still training, whose story is over: its remaining steps would
+        only repeat that check)."""
+        return self.wait_for(
+            lambda: (low := min(self.step(p) for p in pods)) > after and low, f"{pods} past step {after}"
+        )
+
     def exits(self, workers: int) -> list[dict[str, Any]]:
         """The `exit` log records once `workers` worker processes wrote theirs (they end just after the
         final progress report, so a moment after the job turned Succeeded)."""

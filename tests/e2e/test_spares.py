@@ -4,7 +4,8 @@ it folds the spare in (the full node count in one reconfiguration), the replacem
 spare, and the job Succeeds at the exact step with every logged loss equal to the no-failure reference.
 
 The same job without a spare is run for comparison: there the full node count comes back one generation
-later, once the replacement pod started and its runtime imported torch. Both print the time from the kill
+later, once the replacement pod started and its runtime imported torch, and the test ends once it trains
+(every step so far exact; the job still training). Both print the time from the kill
 to the plan that restores the full node count, and to the newcomer's first report from training in it.
 """
 
@@ -78,16 +79,26 @@ def test_a_kill_folds_the_spare_in_at_once(job_run, local_nodes, spares):
         f"-> {newcomer} training in it {resumed_s:.2f} s"
     )
     assert newcomer in full.added_nodes and victim not in full.nodes
-    if spares:
-        # One reconfiguration: the generation that drops the victim is the one that folds the spare in.
-        assert full.generation == 1 and full.lost_nodes == [victim] and full.added_nodes == [spare]
-        assert restore_s <= SPARE_RESTORE_TARGET_S, f"{restore_s:.2f} s from the kill to the full node count"
-        replacement = render.worker_name("tiny", NODES + 1)
-        job = run.wait_for(
-            lambda: (j := run.job())["status"].get("sparePods") == [replacement] and j, "the replacement a spare"
-        )
-        assert job["status"]["spares"] == 1 and job["status"]["nodes"] == NODES
-        assert run.plan().generation == 1, "the replacement waits as the spare: no generation folds it in"
+    if not spares:
+        # The story ends with the replacement training (test_failures.py trains such a job to its end): every
+        # step so far exact, once. With a spare the job trains on to its end, which deletes the spare.
+        through = run.trained_through(full.nodes, after=min(at_kill + 1, STEPS - 1))
+        print(f"{run.check_losses(through=through)} logged losses of steps 0-{through - 1} match the reference")
+        assert run.plan().generation == full.generation
+        run.wait_for(lambda: run.job()["status"].get("failuresSurvived") == 1, "one failure survived in status")
+        run.check_generations(full.generation)
+        run.check_no_duplicate_pods(NODES + 1)
+        return
+
+    # One reconfiguration: the generation that drops the victim is the one that folds the spare in.
+    assert full.generation == 1 and full.lost_nodes == [victim] and full.added_nodes == [spare]
+    assert restore_s <= SPARE_RESTORE_TARGET_S, f"{restore_s:.2f} s from the kill to the full node count"
+    replacement = render.worker_name("tiny", NODES + 1)
+    job = run.wait_for(
+        lambda: (j := run.job())["status"].get("sparePods") == [replacement] and j, "the replacement a spare"
+    )
+    assert job["status"]["spares"] == 1 and job["status"]["nodes"] == NODES
+    assert run.plan().generation == 1, "the replacement waits as the spare: no generation folds it in"
 
     body = run.wait_succeeded()
     assert body["status"]["progress"]["step"] == run.STEPS and body["status"]["failuresSurvived"] == 1
@@ -96,17 +107,16 @@ def test_a_kill_folds_the_spare_in_at_once(job_run, local_nodes, spares):
     print(f"{run.check_losses()} logged losses match the no-failure reference within 1e-5")
     run.check_generations(final.generation)
     run.check_no_duplicate_pods(NODES + 1 + spares)
-    if spares:
-        # The job ended: the spare holds nothing and is deleted (cleanPodPolicy None keeps the members).
-        assert body["status"].get("spares", 0) == 0
-        selector = worker_selector("tiny")
-        run.wait_for(
-            lambda: (
-                replacement
-                not in {
-                    p["metadata"]["name"]
-                    for p in run.cluster.kubectl_json("get", "pods", "-n", run.ns, "-l", selector)["items"]
-                }
-            ),
-            "the spare deleted",
-        )
+    # The job ended: the spare holds nothing and is deleted (cleanPodPolicy None keeps the members).
+    assert body["status"].get("spares", 0) == 0
+    selector = worker_selector("tiny")
+    run.wait_for(
+        lambda: (
+            replacement
+            not in {
+                p["metadata"]["name"]
+                for p in run.cluster.kubectl_json("get", "pods", "-n", run.ns, "-l", selector)["items"]
+            }
+        ),
+        "the spare deleted",
+    )
