@@ -410,13 +410,15 @@ class JobRun:
                 )
         return sum(len(v) for v in seen.values())
 
-    def trained_through(self, pods: list[str], after: int) -> int:
-        """The lowest step `pods` report once each is past `after`: every step before it was logged (for
-        `check_losses(through=...)` on a job still training, whose story is over: its remaining steps would
-        only repeat that check)."""
-        return self.wait_for(
-            lambda: (low := min(self.step(p) for p in pods)) > after and low, f"{pods} past step {after}"
-        )
+    def trained_through(self, pods: list[str] | None, after: int) -> int:
+        """The lowest step `pods` (None: the current plan's nodes) report once each is past `after`: every
+        step before it was logged (for `check_losses(through=...)` on a job still training, whose story is
+        over: its remaining steps would only repeat that check)."""
+
+        def low() -> int:
+            return min(self.step(p) for p in (pods if pods is not None else self.plan().nodes))
+
+        return self.wait_for(lambda: (step := low()) > after and step, f"{pods or 'the members'} past step {after}")
 
     def exits(self, workers: int) -> list[dict[str, Any]]:
         """The `exit` log records once `workers` worker processes wrote theirs (they end just after the

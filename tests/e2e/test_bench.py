@@ -1,13 +1,14 @@
 """A very slow node benched as a spare and taken back (issue 22, mitigation c), end to end on local nodes.
 
 A job of three one-node pipelines (six microbatches: two each) with `stragglers.mitigation: spare` trains
-unthrottled; one worker pod's processes are then held by a CFS quota (oobleck_dev.cpulimit) to 0.06 CPUs,
-a tenth of what it computes with or less. At that speed the planner's price prefers the best plan on the other two nodes
-(three microbatches each) to a re-split (one microbatch still costs the slow node more than three cost the
-others from about 3x on), so the operator benches it: the plan no longer has it, its pod stays up and
-is counted a spare. Released, it is taken back once its back-off is over (or, if the host's load kept it
-throttled past the back-off, benched again and taken back later), and it stays in. Every step's loss
-equals the single-process reference through both changes.
+unthrottled; one worker pod's processes are then held by a CFS quota (oobleck_dev.cpulimit) to 0.06 CPUs, a
+tenth of what it computes with or less. At that speed the planner's price prefers the best plan on the other
+two nodes (three microbatches each) to a re-split (one microbatch still costs the slow node more than three
+cost the others from about 3x on), so the operator benches it: the plan no longer has it, its pod stays up
+and is counted a spare. Released, it is taken back once its back-off is over (or, if the host's load kept it
+throttled past the back-off, benched again and taken back later), and it stays in. Every step's loss equals
+the single-process reference through both changes and a window after (the test ends there, the job still
+training).
 
 What is asserted is what matters on a loaded 2-core host: which node is out, that it is a spare while out,
 that it comes back, and exact losses; not how fast any step ran.
@@ -106,11 +107,12 @@ def test_a_very_slow_node_waits_as_a_spare_and_comes_back_released(job_run) -> N
     print(f"taken back at generation {back.generation}, step {back.mitigation_step}: {back.reason}")
     assert back.reason.startswith("benched node taken back") and not back.benched
     assert [e for e in run.events("BenchedNodeReadmitted") if slow in e]
-    body = run.wait_succeeded()
+    # A window of steps back in, every loss so far exact (the job's remaining steps would only repeat the check).
     # (The host's own load may slow an untouched node past the price's ~3x for a window: measured once at
-    # load 10, 3.1x. It is then benched and taken back the same way; no assertion on the final plan.)
-    assert body["status"]["progress"]["step"] == STEPS and body["status"].get("failuresSurvived", 0) == 0
-    print(f"{run.check_losses()} logged losses match the reference; generations {run.generations_seen}")
+    # load 10, 3.1x. It is then benched and taken back the same way; no assertion on the plan after this.)
+    through = run.trained_through(None, after=min(run.step(slow) + WINDOW, STEPS - 1))
+    assert run.job()["status"].get("failuresSurvived", 0) == 0
+    print(f"{run.check_losses(through=through)} logged losses of steps 0-{through - 1} match the reference")
 
 
 def test_with_a_warm_spare_a_very_slow_node_is_swapped_for_it_and_stays_the_spare(job_run) -> None:
@@ -133,10 +135,11 @@ def test_with_a_warm_spare_a_very_slow_node_is_swapped_for_it_and_stays_the_spar
     run.agent.throttle_cpu(run.ns, slow, None)
     released = run.step(pods[0])
 
-    body = run.wait_succeeded()
-    assert body["status"]["progress"]["step"] == STEPS and body["status"].get("failuresSurvived", 0) == 0
-    # Not taken back while the job is whole, however long after its release and back-off it trained on.
+    # Not taken back while the job is whole, three windows after its release (twice its back-off) and on.
+    assert STEPS - released >= 3 * WINDOW, "too few steps after the release to show it stays out"
+    through = run.trained_through(None, after=released + 3 * WINDOW)
     print(f"released at step {released} of {STEPS}; generations {run.generations_seen}")
-    assert STEPS - released >= 2 * WINDOW, "too few steps after the release to show it stays out"
     assert not [e for e in run.events("BenchedNodeReadmitted") if slow in e]
-    print(f"{run.check_losses()} logged losses match the reference")
+    assert _spares(run) == [slow] and slow not in run.plan().nodes
+    assert run.job()["status"].get("failuresSurvived", 0) == 0
+    print(f"{run.check_losses(through=through)} logged losses of steps 0-{through - 1} match the reference")
