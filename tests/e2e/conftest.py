@@ -410,15 +410,19 @@ class JobRun:
                 )
         return sum(len(v) for v in seen.values())
 
-    def trained_through(self, pods: list[str] | None, after: int) -> int:
-        """The lowest step `pods` (None: the current plan's nodes) report once each is past `after`: every
-        step before it was logged (for `check_losses(through=...)` on a job still training, whose story is
-        over: its remaining steps would only repeat that check)."""
+    def check_losses_so_far(self, pods: list[str] | None, after: int) -> int:
+        """For a job still training whose story is over (its remaining steps would only repeat this check):
+        wait until `pods` (None: the current plan's nodes) all report past `after` (capped below the job's
+        steps), check every loss before the lowest step they report (`check_losses(through=...)`), print how
+        many; returns that step."""
+        after = min(after, self.spec["training"]["steps"] - 1) if self.spec is not None else after
 
         def low() -> int:
             return min(self.step(p) for p in (pods if pods is not None else self.plan().nodes))
 
-        return self.wait_for(lambda: (step := low()) > after and step, f"{pods or 'the members'} past step {after}")
+        through = self.wait_for(lambda: (step := low()) > after and step, f"{pods or 'the members'} past step {after}")
+        print(f"{self.check_losses(through=through)} logged losses of steps 0-{through - 1} match the reference")
+        return through
 
     def exits(self, workers: int) -> list[dict[str, Any]]:
         """The `exit` log records once `workers` worker processes wrote theirs (they end just after the

@@ -122,7 +122,6 @@ def test_a_huge_spec_beside_a_training_job_stalls_nothing(job_run, local_nodes):
     assert failed["reason"] == "InvalidSpec" and "--planner-" in failed["message"], failed
     assert probes and max(probes) < 5, f"liveness: slowest probe {max(probes):.1f} s"
     # Every step so far exact, the job training on in generation 1 (its remaining steps would only repeat this).
-    through = run.trained_through(second.nodes, after=min(at_kill, run.STEPS - 1))
+    run.check_losses_so_far(second.nodes, after=at_kill)
     assert run.plan().generation == 1, run.plan().reason
-    print(f"{run.check_losses(through=through)} logged losses of steps 0-{through - 1} match the reference")
     assert run.operator.starts == 2 and run.operator.process.poll() is None
