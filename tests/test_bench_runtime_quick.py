@@ -43,9 +43,10 @@ def test_vs_torch_quick(tmp_path):
 
 def test_gpu_single_quick_on_cpu(tmp_path):
     figures = _run("gpu_single.py", tmp_path)
-    for side in ("runtime", "plain"):
+    for side in ("runtime", "plain", "plain-pinned"):
         assert figures[side]["tokens_per_s"] > 0 and figures[side]["mfu"] is None  # no peak FLOP/s on a CPU
-    assert math.isfinite(figures["ratio"]) and figures["ratio"] > 0
+    for ratio in ("ratio", "ratio_pinned"):
+        assert math.isfinite(figures[ratio]) and figures[ratio] > 0
 
 
 def test_gpu_capture_quick_on_cpu(tmp_path):

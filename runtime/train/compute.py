@@ -34,6 +34,15 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host `tensor` on `device` without holding up the host. To a GPU it goes through page-locked memory,
+    asynchronously: a copy from pageable memory makes torch synchronize the stream, so the host would wait
+    for every kernel queued before it and the GPU would then idle while the next ones were launched."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def run_layer(module: nn.Module, x: torch.Tensor, recompute: bool) -> torch.Tensor:
     """`module(x)`, keeping only `x` for the backward when `recompute` (and gradients are being recorded)."""
     if recompute and torch.is_grad_enabled():

@@ -40,7 +40,7 @@ from torch import nn
 
 from oobleck.api.plan import Plan
 from oobleck.runtime.models.layered import LayeredModel, layer_seed, output_spec
-from oobleck.runtime.train.compute import autocast, run_layer
+from oobleck.runtime.train.compute import autocast, run_layer, to_device
 from oobleck.runtime.train.config import Timeouts, WorkerConfig
 from oobleck.runtime.train.data import Dataset
 from oobleck.runtime.train.groups import (
@@ -453,10 +453,12 @@ class Engine:
                     received = self._take(posted.popleft())
                     taken += 1
                 if kind == "F":
+                    # Both copies queued before the forward: the host then never waits for the GPU mid-step.
                     batch = self.data.microbatch(step, index) if lay.first or lay.last else None
+                    targets = to_device(batch[1][lo:hi], self.device) if batch is not None and lay.last else None
                     if lay.first:
                         assert batch is not None
-                        x = batch[0][lo:hi].to(self.device)
+                        x = to_device(batch[0][lo:hi], self.device)
                         source = None
                     else:
                         x = received
@@ -470,8 +472,7 @@ class Engine:
                                 torch.manual_seed(layer_seed(self.config.seed, step, index, layer))
                             out = run_layer(module, out, self.recompute)
                         if lay.last:
-                            assert batch is not None
-                            targets = batch[1][lo:hi].to(self.device)
+                            assert targets is not None
                             out = self.loss(out, targets).sum()
                             if self.counts_loss:
                                 loss_sum += out.detach().double()
@@ -518,14 +519,16 @@ class Engine:
         self.non_finite = find_non_finite(
             [flat for _, flat in self.buffers.sets], self.buffers.loss_slot, self.buffers.views, self._param_name
         )
+        # Read while the GPU is idle after the check's sync: read after the update, it would make the host
+        # wait for the update instead of launching the next step behind it.
+        loss = None
+        if self.buffers.loss_slot is not None:
+            loss = float(self.buffers.loss_slot.item()) / self.samples
         if self.config.max_grad_norm is not None:
             self._clip(self.config.max_grad_norm)
         self.optimizer.step(self.held, learning_rate(self.config.optim, step))
         self.buffers.after_update()
         self.tied.after_update()
-        loss = None
-        if self.buffers.loss_slot is not None:
-            loss = float(self.buffers.loss_slot.item()) / self.samples
         return StepOutcome(
             step=step,
             generation=self.plan.generation,
