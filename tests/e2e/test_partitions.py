@@ -10,7 +10,8 @@ receive nothing, no EOF, no refused connection; see oobleck_dev/netfault.py).
 - Cut from the API server only: training goes on with every worker in generation 0, and once healed its
   progress reaches the API server again.
 
-The first ends Succeeded at the exact step count; both with every step's loss equal to a no-failure run's.
+Both end with the job still training once their story is over (the replacement training in the scale-up
+generation; the healed worker's progress moving on), every step's loss so far equal to a no-failure run's.
 Skipped, with the reason, where pods cannot be cut off (no root, no writable cgroup2, no nft).
 """
 
@@ -35,10 +36,6 @@ def cuttable(local_nodes):
     if reason:
         pytest.skip(f"pods cannot be cut off here: {reason}")
     return local_nodes
-
-
-SUCCEED_S = 420.0
-"""Steps run at ~5/s on the loaded 2-core host."""
 
 
 def _start(run, warm_steps: int = 10):
@@ -86,11 +83,9 @@ def test_a_worker_cut_off_from_its_peers_fences_itself_and_its_node_returns(job_
     # The node comes back: the replacement pod (it runs once the old one is gone) is folded in.
     third = run.wait_for(lambda: (p := run.plan()).generation >= 2 and p, "the replacement folded in")
     assert len(third.nodes) == 3, third
-    body = run.wait_for(run.succeeded, "the job to succeed", timeout=SUCCEED_S)
-    assert body["status"]["progress"]["step"] == STEPS
+    # Every member of generation 2, the replacement included, trains past the step its survivors had reached.
+    run.check_losses_so_far(third.nodes, after=max(run.step(node) for node in third.nodes))
     assert run.plan().generation == 2, run.plan().reason
-    compared = run.check_losses()
-    print(f"{compared} logged losses match the no-failure reference within 1e-5")
     run.check_generations(2)
     twice = {step: g for step, g in _steps_by_generation(run).items() if len(g) > 1}
     assert not twice, f"steps committed in more than one generation: {dict(list(twice.items())[:5])}"
