@@ -24,6 +24,14 @@ from oobleck.runtime.train.config import WorkerConfig
 from oobleck_dev import preforked
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie lasts until something reaps it)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
 @dataclass
 class PipelineSpec:
     """A pipeline by hand: stages as (start, end, node index within the pipeline, gpus), optionally with a
@@ -238,17 +246,46 @@ class LaunchKit:
 
     @staticmethod
     def leftovers(workdir: Path, exclude: int | None = None) -> list[str]:
-        """Processes whose command line mentions `workdir` (every worker's does), but `exclude`."""
+        """Running processes (zombies aside) of the run in `workdir`, but `exclude`: a command line that
+        mentions it, or an output (fd 1) inside it. A worker forked from the launcher's server keeps the
+        server's command line; its output is its log in `workdir`."""
+        inside = str(workdir).rstrip("/") + "/"
         found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in (exclude, os.getpid()):
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                output = os.readlink(entry / "fd" / "1") if (entry / "fd" / "1").exists() else ""
+            except OSError:
+                continue
+            if _running(int(entry.name)) and (str(workdir) in cmdline or output.startswith(inside)):
+                found.append(f"{entry.name}: {cmdline[:200]} > {output}")
+        return found
+
+    @staticmethod
+    def descendants(pid: int) -> set[int]:
+        """Every running process below `pid` (the launcher's forkserver, resource tracker and workers)."""
+        children: dict[int, list[int]] = {}
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 try:
-                    cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                except OSError:
+                    parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
                     continue
-                if str(workdir) in cmdline and int(entry.name) not in (exclude, os.getpid()):
-                    found.append(f"{entry.name}: {cmdline[:200]}")
-        return found
+                children.setdefault(parent, []).append(int(entry.name))
+        found, frontier = set(), [pid]
+        while frontier:
+            for child in children.get(frontier.pop(), []):
+                if child not in found:
+                    found.add(child)
+                    frontier.append(child)
+        return {p for p in found if _running(p)}
+
+    @staticmethod
+    def descendants_left(pids: set[int]) -> set[int]:
+        """Those of `pids` still running."""
+        return {p for p in pids if _running(p)}
 
     @staticmethod
     def check_against_reference(workdir: Path, summary: dict, microbatches: int) -> float:

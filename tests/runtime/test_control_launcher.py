@@ -180,6 +180,8 @@ def test_ctrl_c_and_a_killed_launcher_leave_no_process_behind(kit, tmp_path):
             proc.kill()
             pytest.fail("workers never started training")
         assert len(kit.leftovers(workdir, exclude=proc.pid)) == 3
+        tree = kit.descendants(proc.pid)  # the workers, their forkserver and multiprocessing's resource tracker
+        assert len(tree) >= 3 + 1, tree
         proc.send_signal(how)
         try:
             proc.wait(90)  # the workers' orderly exit, on a loaded 2-core host
@@ -191,9 +193,10 @@ def test_ctrl_c_and_a_killed_launcher_leave_no_process_behind(kit, tmp_path):
         if how == signal.SIGINT:
             assert proc.returncode == 1
         deadline = time.monotonic() + 10
-        while kit.leftovers(workdir) and time.monotonic() < deadline:
+        while (kit.leftovers(workdir) or kit.descendants_left(tree)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert kit.leftovers(workdir) == [], how.name
+        assert kit.descendants_left(tree) == set(), how.name
 
 
 def test_bad_options_name_the_argument(kit, tmp_path):

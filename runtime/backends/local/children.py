@@ -1,6 +1,7 @@
 """`oobleck launch`'s worker processes: starting one per (node, GPU), killing its process group, its last error.
 
-Every child runs in a process group of its own with PR_SET_PDEATHSIG=SIGKILL: it dies with the launcher.
+Each worker is a fork of the launcher's preloaded server (forkserver.py), in a session and process group of
+its own with PR_SET_PDEATHSIG=SIGKILL: it dies with the server, which ends with the launcher.
 """
 
 from __future__ import annotations
@@ -8,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from oobleck.processes import die_with_parent
+from oobleck.runtime.backends.local.forkserver import WORKER_PRELOAD, ForkedProcess
 from oobleck.runtime.elastic.signing import KEY_FILE_ENV
+
+WORKER_MODULE = "oobleck.runtime.backends.local.worker"
 
 
 @dataclass
@@ -22,7 +24,7 @@ class Child:
     worker: str
     node: str
     gpu: int
-    process: subprocess.Popen
+    process: ForkedProcess
     log_path: Path
     losses_path: Path
     dump_path: Path
@@ -59,9 +61,11 @@ def spawn_worker(
     heartbeat_period_s: float,
     dead_after_s: float,
     key_path: Path | None = None,
+    preload: Sequence[str] = WORKER_PRELOAD,
 ) -> Child:
-    """Start the elastic worker of (`node`, `gpu`) (`python -m oobleck.runtime.backends.local.worker`), logging to `workdir`;
-    `key_path`: the job key's file, passed as $OOBLECK_JOB_KEY_FILE (signing.py)."""
+    """Start the elastic worker of (`node`, `gpu`) (`python -m oobleck.runtime.backends.local.worker`, forked from
+    the server that imported `preload`), logging to `workdir`; `key_path`: the job key's file, passed as
+    $OOBLECK_JOB_KEY_FILE (signing.py)."""
     worker = f"{node}:{gpu}"
     stem = workdir / f"{node}-gpu{gpu}"
     log_path, losses, dump = stem.with_suffix(".log"), stem.with_suffix(".losses.jsonl"), stem.with_suffix(".pt")
@@ -70,9 +74,8 @@ def spawn_worker(
     if key_path is not None:
         env[KEY_FILE_ENV] = str(key_path)
     command = [
-        sys.executable,
         "-m",
-        "oobleck.runtime.backends.local.worker",
+        WORKER_MODULE,
         "--config",
         str(workdir / "config.json"),
         "--plan-file",
@@ -92,13 +95,5 @@ def spawn_worker(
         "--dead-after",
         str(dead_after_s),
     ]
-    with open(log_path, "ab") as out:
-        process = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=die_with_parent(os.getpid()),
-            process_group=0,
-        )
+    process = ForkedProcess(command, log_path, env, new_session=True, die_with_server=True, preload=preload)
     return Child(worker, node, gpu, process, log_path, losses, dump)

@@ -11,8 +11,9 @@ The launcher plays the parts the operator and the cluster play in production:
   (their workers start with the job and wait outside every plan until then);
 - it sums the run up (runtime/backends/local/summary.py). Options: runtime/backends/local/config.py; the command
   line: runtime/backends/local/cli.py.
-Every child dies with the launcher: each runs in a process group of its own with
-PR_SET_PDEATHSIG=SIGKILL, and the launcher kills every group on exit, Ctrl-C included.
+Every child dies with the launcher: each is a fork of the launcher's preloaded server (forkserver.py) in a
+process group of its own with PR_SET_PDEATHSIG=SIGKILL, the server ends with the launcher, and the launcher
+kills every group on exit, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from oobleck.api.reports import FailureKind, FailureReport
 from oobleck.runtime.backends.local.children import Child, spawn_worker
 from oobleck.runtime.backends.local.config import Fault, LaunchOptions, config_from_options, initial_plan, load_profile
 from oobleck.runtime.backends.local.faults import FaultInjector
+from oobleck.runtime.backends.local.forkserver import TRANSFORMERS_PRELOAD, WORKER_PRELOAD, start_server
 from oobleck.runtime.backends.local.plan_control import JobFailed, PlanController
 from oobleck.runtime.backends.local.summary import Reconfiguration, Summary, reconfiguration, summarize
 from oobleck.runtime.elastic.signing import NO_KEY, Signer, write_key
@@ -57,6 +59,8 @@ class Launcher:
         self.key_path = self.workdir / "job.key"
         self.signer = NO_KEY
         """the job key's (set by run): what the launcher posts is sealed, what it reads verified"""
+        self.preload: tuple[str, ...] = WORKER_PRELOAD
+        """what the workers' forkserver imports (set by run: transformers too for such a model)"""
 
     def _spawn(self, node: str, gpu: int) -> Child:
         o = self.options
@@ -69,6 +73,7 @@ class Launcher:
             o.heartbeat_period_s,
             o.dead_after_s,
             key_path=self.key_path,
+            preload=self.preload,
         )
         self.children[child.worker] = child
         return child
@@ -128,6 +133,9 @@ class Launcher:
             stale.unlink()
         config = config_from_options(o)
         (self.workdir / "config.json").write_text(config.model_dump_json(indent=2))
+        # The workers' forkserver imports torch (and transformers for such a model) while this process plans.
+        self.preload = (*WORKER_PRELOAD, *(TRANSFORMERS_PRELOAD if config.model.transformers is not None else ()))
+        start_server(self.preload)
         profile = load_profile(o, config)
         from oobleck.runtime.train.config import build_model
 

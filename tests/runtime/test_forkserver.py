@@ -1,12 +1,16 @@
-"""Processes forked from the preloaded forkserver (oobleck_dev.preforked) behave as `python *command` would:
-the argv, the whole environment given, one OpenMP thread, output to the files named, the exit code, and
-`python -m oobleck.runtime` exactly as the command line runs it."""
+"""Processes forked from the preloaded forkserver (runtime/backends/local/forkserver.py: `oobleck launch`'s
+workers; oobleck_dev.preforked: the tests') behave as `python *command` would: the argv, the whole environment
+given, one OpenMP thread, output to the files named, the exit code, and `python -m oobleck.runtime` exactly as
+the command line runs it; a child that must die with the server does, when the server's owner is SIGKILLed."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +79,38 @@ def test_a_new_session_is_the_childs_own_process_group_once_start_returns(tmp_pa
     finally:
         alone.kill()
         shared.kill()
+
+
+OWNER = """
+import sys, time
+from pathlib import Path
+from oobleck.runtime.backends.local.forkserver import ForkedProcess
+child = ForkedProcess([sys.argv[1]], Path(sys.argv[2]), {}, new_session=True, die_with_server=True)
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_child_that_dies_with_the_server_ends_when_its_owner_is_sigkilled(kit, tmp_path: Path) -> None:
+    """The owner (a launcher) SIGKILLed: its server sees its pipe close and exits, and the child, in a session
+    of its own (no signal to its group reaches it), gets SIGKILL from PR_SET_PDEATHSIG."""
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(600)\n")
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(sleeper), str(tmp_path / "out")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert owner.stdout is not None
+        pid = int(owner.stdout.readline())
+        assert os.getsid(pid) == pid  # its own session: the owner's group is not its group
+        owner.kill()
+        owner.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not kit.descendants_left({pid}):
+                return
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"process {pid} outlived its server's owner by 30 s")
+    finally:
+        owner.kill()
