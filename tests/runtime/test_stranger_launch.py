@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import stat
 import subprocess
@@ -26,19 +25,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-processes")]
 STEPS = 30
 
 
-def _store_port(workdir: Path, deadline: float) -> int:
-    """The coordinator's port, as a stranger on the host sees it: a worker's command line."""
+def _store_port(launcher: int, deadline: float) -> int:
+    """The coordinator's port, as anyone on the host can see it: the TCP port the launcher (which hosts the
+    store) listens on, from /proc/net/tcp and its socket descriptors."""
     while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                except OSError:
-                    continue
-                if str(workdir) in cmdline and (found := re.search(r"--store 127\.0\.0\.1:(\d+)", cmdline)):
-                    return int(found.group(1))
+        sockets = set()
+        for fd in Path(f"/proc/{launcher}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                sockets.add(target[len("socket:[") : -1])
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in sockets:  # 0A: LISTEN
+                return int(fields[1].rsplit(":", 1)[1], 16)
         time.sleep(0.1)
-    raise TimeoutError("no worker started")
+    raise TimeoutError("the launcher listens on no TCP port")
 
 
 def _step_of(stranger: TCPStore, worker: str) -> int:
@@ -76,7 +80,7 @@ def test_a_strangers_store_writes_and_pushes_are_ignored_and_counted(tmp_path):
     trap.setblocking(False)
     try:
         deadline = time.monotonic() + 200
-        stranger = TCPStore("127.0.0.1", _store_port(workdir, deadline), is_master=False, wait_for_workers=False)
+        stranger = TCPStore("127.0.0.1", _store_port(launcher.pid, deadline), is_master=False, wait_for_workers=False)
         while _step_of(stranger, "node0:0") < 3:
             assert time.monotonic() < deadline and launcher.poll() is None, "the job did not start training"
             time.sleep(0.05)
