@@ -10,9 +10,10 @@ the operator reads the reports.
 
 A node at or over `spec.stragglers.threshold` is listed in `status.stragglers` with the step from which
 it has been slow (kept from the previous status while it stays slow); once it has been slow for
-`spec.stragglers.window` steps it is confirmed and one `Straggler` event says so. A confirmed node that
-falls back under the threshold leaves the list with a `StragglerRecovered` event; one not measured in the
-current generation yet keeps its entry.
+`spec.stragglers.window` steps it is confirmed and one `Straggler` event says so. A confirmed node is
+released as it was confirmed: once its last `window` figures are all under the threshold it leaves the list
+with a `StragglerRecovered` event (until then it stays listed and confirmed, with its figure); one not
+measured in the current generation yet keeps its entry.
 
 With `mitigation: spare` a node may also be benched: taken out of training as a warm spare
 (planner_cy/bench.py, when the price says so). It is measured again by training: once its back-off is
@@ -128,13 +129,13 @@ def assess(
         run = 0
         while run < len(series) and series[-1 - run][1] >= policy.threshold:
             run += 1
-        since = series[-run][0]
+        since = run_since = series[-run][0]
         known = before.get(node)
-        if known is not None and run == len(series) and known.since_step <= since:
-            since = known.since_step
+        if known is not None and (known.confirmed or run == len(series)) and known.since_step <= since:
+            since = known.since_step  # the same episode: a confirmed one lasts until it is released
         confirmed = step - since >= policy.window
         stragglers.append(Straggler(node=node, slowdown=round(slowdown, 3), since_step=since, confirmed=confirmed))
-        recent = [figure for at, figure in series[-steady_steps(policy) :] if at >= since]
+        recent = [figure for at, figure in series[-steady_steps(policy) :] if at >= run_since]
         typical[node] = round(statistics.median(recent), 3)
         if confirmed and not (known is not None and known.confirmed):
             events.append(
@@ -145,20 +146,28 @@ def assess(
                     f"(threshold {policy.threshold}) since step {since}",
                 )
             )
+    k = steady_steps(policy)
+    measured = frozenset(node for node, series in relative.items() if len(series) >= k)
+    steady = frozenset(node for node in measured if all(f < policy.threshold for _, f in relative[node][-k:]))
+    listed = {s.node for s in stragglers}
     for node, known in before.items():
-        # A member not measured in this generation yet (a new plan just went out) keeps its entry: no news
-        # is not a recovery, and it must not be confirmed (and announced) a second time.
-        if node in members and node not in relative:
+        if node in listed or node not in members:
+            continue
+        if node not in relative:
+            # A member not measured in this generation yet (a new plan just went out) keeps its entry: no
+            # news is not a recovery, and it must not be confirmed (and announced) a second time.
             stragglers.append(known)
+        elif known.confirmed and node not in steady:
+            # Under the threshold, not yet for `k` steps: still confirmed (released as it was confirmed, after
+            # a window), so a node that wobbles about the threshold raises no event per wobble. Seen: a node
+            # under a CPU quota read 4.15x, 1.63x then 2.17x as its re-split share settled.
+            stragglers.append(known.model_copy(update={"slowdown": round(slowdowns[node], 3)}))
     stragglers.sort(key=lambda s: s.node)
     listed = {s.node for s in stragglers}
     for node, known in before.items():
         # A node that stopped reporting (lost, replaced) is the failure path's business, not a recovery.
         if known.confirmed and node not in listed and node in slowdowns:
             events.append(("Normal", RECOVERED, f"{node} is back under {policy.threshold}x the other nodes' median"))
-    k = steady_steps(policy)
-    measured = frozenset(node for node, series in relative.items() if len(series) >= k)
-    steady = frozenset(node for node in measured if all(f < policy.threshold for _, f in relative[node][-k:]))
     return Assessment(slowdowns, stragglers, events, steady, measured, typical)
 
 
@@ -219,7 +228,9 @@ def _mitigation_plan(
     """The next straggler plan by `stragglers.mitigation` (see with_stragglers), or None: the plan in force stays."""
     mitigation = ctx.spec.stragglers.mitigation
     moves = mitigation in ("rebalance", "spare") and profile is not None
-    confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed}
+    # (A confirmed node back under the threshold but not yet steady is listed, not planned around.)
+    threshold = ctx.spec.stragglers.threshold
+    confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed and s.slowdown >= threshold}
     # A benched node taken back that is still slow is benched again at once: taking it back was the probe.
     probed = in_force.reason.startswith(READMIT_REASON) and any(n in confirmed for n in in_force.added_nodes)
     if moves and in_force.mitigations and not probed and obs.step < dwell_until(in_force, ctx.spec.stragglers):

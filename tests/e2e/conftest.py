@@ -349,9 +349,7 @@ class JobRun:
 
     def events(self, reason: str) -> list[str]:
         """Messages of the namespace's events with `reason` (the operator's NodeLost, Reconfigured, ...)."""
-        items = self.cluster.kubectl_json("get", "events", "-n", self.ns, "--field-selector", f"reason={reason}")[
-            "items"
-        ]
+        items = self._read(self._core.list_namespaced_event, self.ns, field_selector=f"reason={reason}")["items"]
         return [item.get("message", "") for item in items]
 
     def logs(self) -> list[Path]:

@@ -127,9 +127,12 @@ def test_a_worker_throttled_to_half_its_cpu_is_a_confirmed_straggler_within_20_s
     back = run.wait_for(lambda: "(all at pace)" in (plan := run.plan()).reason and plan, "the profile's split again")
     assert sorted(p.microbatches for p in back.pipelines) == sorted(even.values())
     # A CPU quota caps a node's work, not its speed: with the smaller share of a re-split the held node may
-    # read under the threshold, leave the list and be confirmed again while still held (seen at load ~4:
-    # 3.79x, then 1.69x). One such second episode at most, never an event per wobble.
-    assert 1 <= len(naming(run.events("Straggler"), slow)) <= 2
+    # read under the threshold for a while (seen: 4.15x, 1.63x, 2.17x). A node is released as it was
+    # confirmed, after a window of figures under the threshold, so episodes are at least two windows apart:
+    # never an event per wobble.
+    began = sorted(int(m.rsplit("since step ", 1)[1]) for m in naming(run.events("Straggler"), slow))
+    assert began and all(b - a >= 2 * WINDOW for a, b in zip(began, began[1:])), began
+    assert len(run.events("StragglerRecovered")) >= len(began) - 1
     # The same losses as one process training the job without any of it, through a few steps at the profile's
     # split (the job's remaining steps would only repeat the check).
     run.check_losses_so_far(pods, after=max(run.step(p) for p in pods) + 4)

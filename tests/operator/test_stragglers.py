@@ -21,6 +21,16 @@ def reports(step: int, paces: dict[str, float], generation: int = 0) -> dict[str
     }
 
 
+def histories(steps: range, paces: dict[str, float], generation: int = 0) -> dict[str, ProgressReport]:
+    """As `reports`, each node's figure the same at every one of `steps` (a report carries its last steps)."""
+    return {
+        node: ProgressReport.parse(  # type: ignore[misc]
+            f'{{"generation": {generation}, "step": {steps[-1]}, "pace": {[[s, pace] for s in steps]}}}'
+        )
+        for node, pace in paces.items()
+    }
+
+
 def test_a_host_slow_everywhere_makes_no_straggler_and_a_lone_node_is_never_compared() -> None:
     # Every node 3x its profile (a loaded machine): each is at the others' median.
     assert relative_slowdowns({n: 3.0 for n in NODES}) == {n: pytest.approx(1.0) for n in NODES}
@@ -45,10 +55,44 @@ def test_a_node_slow_for_the_window_is_confirmed_once_then_recovers() -> None:
     assert "w-2 computes 2.08x slower" in confirmed.events[0][2] and "since step 40" in confirmed.events[0][2]
     # No second event while it stays slow.
     assert assess(NODES, 0, reports(70, paces), confirmed.stragglers, POLICY).events == []
-    # Back to pace: off the list, one recovery event.
-    back = assess(NODES, 0, reports(80, {**paces, "w-2": 1.3}), confirmed.stragglers, POLICY)
+    # Back to pace: released as it was confirmed, after a window of figures under the threshold.
+    under = assess(NODES, 0, reports(80, {**paces, "w-2": 1.3}), confirmed.stragglers, POLICY)
+    assert [(s.slowdown, s.since_step, s.confirmed) for s in under.stragglers] == [(1.04, 40, True)]
+    assert under.events == []
+    back = assess(NODES, 0, histories(range(71, 81), {**paces, "w-2": 1.3}), under.stragglers, POLICY)
     assert back.stragglers == []
     assert [(kind, reason) for kind, reason, _ in back.events] == [("Normal", RECOVERED)]
+
+
+def test_a_confirmed_node_wobbling_about_the_threshold_is_one_episode() -> None:
+    # Seen under a CPU quota: 4.15x, then 1.63x under a re-split share, then 2.17x. One Straggler event.
+    trace = {step: 4.15 for step in range(31, 45)}
+    trace |= {step: 1.2 for step in range(45, 52)} | {step: 2.17 for step in range(52, 56)}
+    trace |= {step: 1.3 for step in range(56, 66)}  # from step 65: its last 10 figures under the threshold
+
+    def read(last: int) -> dict[str, ProgressReport]:
+        steps = [s for s in trace if last - 24 < s <= last]
+        figures = {"w-0": [[s, 1.0] for s in steps], "w-2": [[s, trace[s]] for s in steps]}
+        figures |= {"w-1": figures["w-0"], "w-3": figures["w-0"]}
+        return {
+            n: ProgressReport.parse(f'{{"generation": 0, "step": {last}, "pace": {p}}}') for n, p in figures.items()
+        }  # type: ignore[misc]
+
+    listed: list[Straggler] = []
+    events: list[str] = []
+    for last in range(31, 65):
+        found = assess(NODES, 0, read(last), listed, POLICY)
+        listed, events = found.stragglers, [*events, *(reason for _, reason, _ in found.events)]
+        episode = [(s.node, s.since_step, s.confirmed) for s in listed]
+        assert episode == [("w-2", 31, last >= 41)], (last, episode)
+        if last < 45 or 52 <= last < 56:
+            assert found.typical == {"w-2": pytest.approx(trace[last])}
+        else:  # listed under the threshold: not a figure any mitigation plans around
+            assert found.typical == {} and listed[0].slowdown == pytest.approx(trace[last], abs=1e-3)
+    assert events == [STRAGGLER]
+    # Ten steps all under the threshold: released, one recovery event.
+    released = assess(NODES, 0, read(65), listed, POLICY)
+    assert released.stragglers == [] and [reason for _, reason, _ in released.events] == [RECOVERED]
 
 
 def test_nodes_are_lined_up_step_by_step_however_late_the_reports_are_read() -> None:
