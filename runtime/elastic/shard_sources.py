@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 
-from oobleck.api.addresses import worker_id
+from oobleck.api.addresses import parse_worker_id, worker_id
 from oobleck.api.plan import LayerCopy, Plan
 
 Sharding = tuple[int, int]
@@ -94,12 +94,12 @@ class _Sources:
         self.state_bytes = state_bytes
         self.holders: dict[tuple[int, Sharding], list[tuple[int, str, int]]] = defaultdict(list)
         for worker, layers in held.items():
-            node, _, gpu = worker.rpartition(":")
-            rank = plan.rank_of(node, int(gpu))
+            node, gpu = parse_worker_id(worker)
+            rank = plan.rank_of(node, gpu)
             if rank is None:
                 continue  # not a member of the generation: it takes part in no copy
             for layer, sharding in layers.items():
-                self.holders[(layer, sharding)].append((rank, node, int(gpu)))
+                self.holders[(layer, sharding)].append((rank, node, gpu))
         self.sent: dict[int, int] = defaultdict(int)
 
     def _holder(self, layer: int, sharding: Sharding, dst: int) -> tuple[int, str, int] | None:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from oobleck.api.addresses import worker_id
+from oobleck.api.addresses import parse_worker_id, worker_id
 from oobleck.api.plan import Plan
 from oobleck.runtime.elastic import keys
 from oobleck.runtime.elastic.shard_sources import LostShards, shard_copies, sound, uses_shards
@@ -114,7 +114,7 @@ def resolve(plan: Plan, holdings: Mapping[str, Holding], state_bytes: list[int])
             if uses_shards(plan, held):  # tensor-parallel stages or shards held: copies that know shards
                 copies = shard_copies(plan, held, state_bytes)
             else:
-                keyed = {(w.rpartition(":")[0], int(w.rpartition(":")[2])): frozenset(ls) for w, ls in live.items()}
+                keyed = {parse_worker_id(w): frozenset(ls) for w, ls in live.items()}
                 copies = layout_copies(plan, keyed, state_bytes)
             return plan.model_copy(update={"copies": copies, "reason": f"{plan.reason}+resolved"})
         except (LostLayersError, LostShards):
@@ -122,7 +122,8 @@ def resolve(plan: Plan, holdings: Mapping[str, Holding], state_bytes: list[int])
     # Roll back: the newest step covered by the members' snapshots and the directory.
     memory = {w: h.snapshots for w, h in holdings.items()}
     first = min(plan.ranks, key=lambda a: a.rank)
-    checkpoint = holdings[f"{first.node}:{first.gpu}"].checkpoint if f"{first.node}:{first.gpu}" in holdings else {}
+    first_holding = holdings.get(worker_id(first.node, first.gpu))
+    checkpoint = first_holding.checkpoint if first_holding is not None else {}
     latest = max((h.step for h in trained.values()), default=None)
     step = restore_point(memory, checkpoint, plan.num_layers, latest)
     if step is None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from oobleck.api.addresses import parse_host_port
 from oobleck.runtime.snapshot.holding import SnapshotStore
 
 log = logging.getLogger("oobleck.runtime.snapshot.agent")
@@ -179,8 +180,7 @@ def push(
 ) -> None:
     """Send one step's snapshots to a buddy's server and wait for its acknowledgement (each layer with its
     `payload_digest` under the job's `key`)."""
-    host, _, port = address.rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+    with socket.create_connection(parse_host_port(address), timeout=timeout_s) as sock:
         for layer, data in sorted(layers.items()):
             digest = payload_digest(key, step, layer, memoryview(data.contiguous().numpy()))
             header = {"kind": "layer", "step": step, "layer": layer, "nbytes": data.numel(), "digest": digest}

@@ -42,7 +42,8 @@ def wait_failed(run, reason: str, timeout: float = 240.0) -> tuple[dict[str, Any
     condition = next(c for c in body["status"]["conditions"] if c["type"] == "Failed")
     assert condition["reason"] == reason, condition
     assert condition["status"] == "True" and body["status"]["completionTime"]
-    assert run.events(reason), f"no {reason} event"
+    # The operator posts the event after the status patch that failed the job.
+    run.wait_for(lambda: run.events(reason), f"a {reason} event", timeout=30)
     return body, condition
 
 

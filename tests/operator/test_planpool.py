@@ -126,6 +126,13 @@ def test_the_pool_plans_what_the_process_itself_would(pool, h):
         planner.run(first_plan, spec, profile, Tuning(), [], "tiny")
 
 
+def test_a_planner_process_imports_the_planner_and_not_the_operator(pool):
+    planner = pool(workers=1)
+    loaded = planner.run(eval, "sorted(__import__('sys').modules)")
+    assert "oobleck.operator.planning" in loaded
+    assert not {"kopf", "kubernetes", "torch", "oobleck.operator.decide"} & set(loaded)
+
+
 def _no_pods(h):
     from oobleck.operator.observe import observe
 

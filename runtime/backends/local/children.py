@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from oobleck.api.addresses import worker_id
 from oobleck.runtime.backends.local.forkserver import WORKER_PRELOAD, ForkedProcess
 from oobleck.runtime.elastic.signing import KEY_FILE_ENV
 
@@ -66,7 +67,7 @@ def spawn_worker(
     """Start the elastic worker of (`node`, `gpu`) (`python -m oobleck.runtime.backends.local.worker`, forked from
     the server that imported `preload`), logging to `workdir`; `key_path`: the job key's file, passed as
     $OOBLECK_JOB_KEY_FILE (signing.py)."""
-    worker = f"{node}:{gpu}"
+    worker = worker_id(node, gpu)
     stem = workdir / f"{node}-gpu{gpu}"
     log_path, losses, dump = stem.with_suffix(".log"), stem.with_suffix(".losses.jsonl"), stem.with_suffix(".pt")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")

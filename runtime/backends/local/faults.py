@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from oobleck.api.addresses import worker_id
 from oobleck.api.plan import Plan
 from oobleck.runtime.backends.local.children import Child
 from oobleck.runtime.backends.local.config import Fault
@@ -56,6 +57,6 @@ class FaultInjector:
 
     def _targets(self, plan: Plan, fault: Fault) -> list[str]:
         ranks = [plan.ranks[r] for r in fault.ranks if r < plan.world_size]
-        targets = [f"{a.node}:{a.gpu}" for a in ranks]
+        targets = [worker_id(a.node, a.gpu) for a in ranks]
         targets += [w for w, c in self.children.items() if c.node in fault.nodes and c.code is None]
         return targets

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oobleck.api.addresses import parse_worker_id, worker_id
 from oobleck.api.causes import KIND_OF_EXIT
 from oobleck.api.contract import ExitCode
 from oobleck.api.reports import FailureKind, FailureReport
@@ -198,7 +199,7 @@ class Launcher:
         while True:
             if time.monotonic() - started > o.timeout_s:
                 raise JobFailed(f"timeout: the job did not finish within {o.timeout_s:.0f} s")
-            in_plan = {f"{a.node}:{a.gpu}" for a in self.plan.ranks}
+            in_plan = {worker_id(a.node, a.gpu) for a in self.plan.ranks}
             exited = self._reap()
             progress = keys.get_progress(self.store, sorted(in_plan))
             finished = [
@@ -283,7 +284,7 @@ class Launcher:
 
         o = self.options
         generation = self.plan.generation
-        in_plan = {f"{a.node}:{a.gpu}" for a in self.plan.ranks}
+        in_plan = {worker_id(a.node, a.gpu) for a in self.plan.ranks}
         dead = set(exited)
         suspects: set[str] = set()  # named by a heartbeat verdict only: confirmed below
         exit_seen = time.time() if exited else None
@@ -325,7 +326,7 @@ class Launcher:
         # peer that saw its link break may not know whom it lost), or the process exit.
         naming = [r.detected_at for r in reports if set(r.dead) & dead] or [r.detected_at for r in reports]
         detected = min(naming + ([exit_seen] if exit_seen else []), default=None)
-        lost_nodes = sorted({w.split(":")[0] for w in dead})
+        lost_nodes = sorted({parse_worker_id(w)[0] for w in dead})
         self._reconfigure(
             lost=lost_nodes, added=[], reason="lost" if dead else "retry", kill_at=kill_at, detected_at=detected
         )

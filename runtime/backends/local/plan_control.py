@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from oobleck.api.addresses import parse_worker_id, worker_id
 from oobleck.planner.nextgen import lost_layers_message
 from oobleck.runtime.backends.local.config import DEFAULT_COPY_BANDWIDTH
 from oobleck.runtime.elastic.signing import NO_KEY, Signer
@@ -34,8 +35,7 @@ def _worker_holdings(holdings: dict[str, set[int]]) -> dict[tuple[str, int], fro
     """The launcher's `node:gpu` worker names as the planner's (node, gpu) keys."""
     out = {}
     for worker, layers in holdings.items():
-        node, _, gpu = worker.rpartition(":")
-        out[(node, int(gpu))] = frozenset(layers)
+        out[parse_worker_id(worker)] = frozenset(layers)
     return out
 
 
@@ -98,7 +98,7 @@ def replan(
 
 def layout_holdings(plan) -> dict[str, set[int]]:
     """What each worker holds once it has adopted `plan` (used when a worker has not reported)."""
-    return {f"{a.node}:{a.gpu}": set(range(a.start, a.end)) for a in plan.ranks}
+    return {worker_id(a.node, a.gpu): set(range(a.start, a.end)) for a in plan.ranks}
 
 
 def reported_layers(report: dict) -> set[int]:
@@ -146,7 +146,7 @@ class PlanController:
         from oobleck.planner.errors import PlanningError
         from oobleck.planner.nextgen import WORKERS_CHOOSE, NoRestorePoint, next_generation
 
-        survivors = [f"{a.node}:{a.gpu}" for a in previous.ranks if a.node not in lost]
+        survivors = [worker_id(a.node, a.gpu) for a in previous.ranks if a.node not in lost]
         plan_next = functools.partial(
             next_generation, previous, self.profile, lost, added, reason=reason, bandwidth=self.bandwidth
         )

@@ -7,6 +7,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from oobleck.api.addresses import worker_id
+
 
 @dataclass
 class Reconfiguration:
@@ -159,7 +161,7 @@ def summarize(
     for reconfig in reconfigurations:
         after = [r["time"] for r in records if r["generation"] == reconfig.generation]
         reconfig.first_step_at = min(after, default=None)
-    final = {f"{a.node}:{a.gpu}" for a in plan.ranks} if plan else set()
+    final = {worker_id(a.node, a.gpu) for a in plan.ranks} if plan else set()
     if not error and sorted(losses) != list(range(target_steps)):
         error = f"steps: logged {sorted(losses)}, expected 0..{target_steps - 1}"
     if not error and any(children[w].code != 0 for w in final if w in children):
