@@ -257,7 +257,7 @@ def main() -> int:
     parser.add_argument("--ckpt-every", type=int, default=5)
     parser.add_argument("--snapshot-every", type=int, default=5, help="in-memory snapshots (the rollback run)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
-    parser.add_argument("--quick", action="store_true", help="a short run (4 steps, kill at 2) that the tests use")
+    parser.add_argument("--quick", action="store_true", help="a short run (8 steps, kill at 2) that the tests use")
     parser.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -265,7 +265,9 @@ def main() -> int:
         baseline_worker(args)
         return 0
     if args.quick:
-        args.steps, args.kill_step, args.ckpt_every, args.snapshot_every = 4, 2, 1, 1
+        # Steps after the kill are the launcher's margin to see the kill's step reached: with 2, at load ~15
+        # the kill landed after the last step (the job over, nothing to recover).
+        args.steps, args.kill_step, args.ckpt_every, args.snapshot_every = 8, 2, 1, 1
     if not 0 < args.kill_step < args.steps:
         parser.error(f"--kill-step: must be in 1..{args.steps - 1}")
     root = Path(tempfile.mkdtemp(prefix="oobleck-recovery-"))

@@ -7,7 +7,7 @@ process, run as `--repeats` interleaved pairs:
   `python -m oobleck.runtime.backends.local.worker` workers against a coordinator, failure detector, interruptible
   waits, step commit, progress, snapshots every 10 steps; float32 gradient sums by default) against
   `torch.nn.parallel.DistributedDataParallel` over gloo: each rank runs its share of the global
-  microbatches under `no_sync()` but the last, then the stock `torch.optim.AdamW` (foreach=False, as
+  microbatches under `no_sync()` but the last, then the stock `torch.optim.AdamW` (fused, as
   the runtime's).
 - `pipe`: one pipeline of two single-rank stages (the elastic runtime) against
   `torch.distributed.pipelining`'s `Schedule1F1B` on the same layer split;
