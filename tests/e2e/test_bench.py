@@ -32,9 +32,11 @@ LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi", "pr
 """Three members and, in the second test, a warm spare."""
 NODES = 3
 WINDOW = 8
-STEPS = 200
+STEPS = 400
 """Enough for calibration, a throttled window, the bench, its back-off and a window at pace after the node is
-back, with room for a second bench (a back-off of 4 windows) if the release comes late."""
+back, with room for a second bench (a back-off of 4 windows) if the release comes late; and for the job to be
+still training when the warm-spare test's last checks read its spare (a job that ends deletes it). Both tests
+end with their story, so the steps past it cost nothing."""
 HELD_CPUS = 0.06
 """The throttled pod's CPUs (a CFS quota). A computing worker here gets 0.5 to 1 CPU, so its compute runs 8 to 16x
 slower, and still 4x or more when the host's load on the other nodes grows 2.5-fold after their calibration
