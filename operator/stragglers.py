@@ -60,6 +60,9 @@ class Assessment:
     long enough to undo a mitigation"""
     measured: frozenset[str] = frozenset()
     """the members with at least `steady_steps(policy)` figures: measured for long enough to act on"""
+    confirmed: dict[str, float] = field(default_factory=dict)
+    """the confirmed stragglers at or over the threshold, by their figure: what a mitigation plans around (a
+    confirmed node back under it, not yet released, is listed but not planned around)"""
     typical: dict[str, float] = field(default_factory=dict)
     """each straggler's median figure over its last `steady_steps(policy)` steps since it has been slow: what a
     mitigation plans around (one figure of a node under a CPU quota on a loaded host swung 3.4 to 18)"""
@@ -149,6 +152,7 @@ def assess(
     k = steady_steps(policy)
     measured = frozenset(node for node, series in relative.items() if len(series) >= k)
     steady = frozenset(node for node in measured if all(f < policy.threshold for _, f in relative[node][-k:]))
+    confirmed_over = {s.node: s.slowdown for s in stragglers if s.confirmed}  # before the under-threshold entries
     listed = {s.node for s in stragglers}
     for node, known in before.items():
         if node in listed or node not in members:
@@ -162,13 +166,15 @@ def assess(
             # a window), so a node that wobbles about the threshold raises no event per wobble. Seen: a node
             # under a CPU quota read 4.15x, 1.63x then 2.17x as its re-split share settled.
             stragglers.append(known.model_copy(update={"slowdown": round(slowdowns[node], 3)}))
+        else:
+            continue
+        listed.add(node)
     stragglers.sort(key=lambda s: s.node)
-    listed = {s.node for s in stragglers}
     for node, known in before.items():
         # A node that stopped reporting (lost, replaced) is the failure path's business, not a recovery.
         if known.confirmed and node not in listed and node in slowdowns:
             events.append(("Normal", RECOVERED, f"{node} is back under {policy.threshold}x the other nodes' median"))
-    return Assessment(slowdowns, stragglers, events, steady, measured, typical)
+    return Assessment(slowdowns, stragglers, events, steady, measured, confirmed_over, typical)
 
 
 REPLAN_FACTOR = 2.0
@@ -228,9 +234,7 @@ def _mitigation_plan(
     """The next straggler plan by `stragglers.mitigation` (see with_stragglers), or None: the plan in force stays."""
     mitigation = ctx.spec.stragglers.mitigation
     moves = mitigation in ("rebalance", "spare") and profile is not None
-    # (A confirmed node back under the threshold but not yet steady is listed, not planned around.)
-    threshold = ctx.spec.stragglers.threshold
-    confirmed = {s.node: s.slowdown for s in found.stragglers if s.confirmed and s.slowdown >= threshold}
+    confirmed = dict(found.confirmed)
     # A benched node taken back that is still slow is benched again at once: taking it back was the probe.
     probed = in_force.reason.startswith(READMIT_REASON) and any(n in confirmed for n in in_force.added_nodes)
     if moves and in_force.mitigations and not probed and obs.step < dwell_until(in_force, ctx.spec.stragglers):
