@@ -50,6 +50,8 @@ SERVICE_CIDR = "10.96.0.0/12"
 SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service: first address of SERVICE_CIDR
 # A port picked free can be taken by someone else before the child binds it; retry this often.
 PORT_ATTEMPTS = 3
+# free_port picks from here up to the ephemeral range: above the registered services most hosts run.
+PRIVATE_PORTS_FROM = 20000
 
 
 @dataclass(frozen=True)
@@ -163,10 +165,33 @@ def wait_for(
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
+    """A TCP port on 127.0.0.1 that nobody listens on right now, below the kernel's ephemeral range.
+
+    A port the kernel hands out for `bind(0)` comes from the same range as the local ports of outgoing
+    connections, so between picking it and the child binding it, any client on the machine can take it
+    (CI lost an operator's liveness port that way). Below that range only other pickers compete.
+    """
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = secrets.randbelow(low - PRIVATE_PORTS_FROM) + PRIVATE_PORTS_FROM
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when it cannot be read)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(low, PRIVATE_PORTS_FROM + 1024)
 
 
 def port_in_use(port: int) -> bool:

@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from oobleck.processes import die_with_parent
-from oobleck_dev.controlplane import free_port
+from oobleck_dev.controlplane import PORT_ATTEMPTS, free_port
 
 
 class OperatorExited(RuntimeError):
@@ -39,13 +39,28 @@ class OperatorProcess:
         self.extra = list(extra)
         self.process: subprocess.Popen | None = None
         self.metrics_port = self.liveness_port = 0
-        self.starts = 0
+        self.starts = 0  # the starts that answered their liveness probe
+        self._launches = 0  # every process started, a lost port's retry included: one log file each
 
-    def start(self, *extra: str, program: str | Path | None = None, timeout_s: float = 90.0) -> OperatorProcess:
+    def start(self, *extra: str, program: str | Path | None = None, timeout_s: float = 180.0) -> OperatorProcess:
         """Start the operator: `python -m oobleck.cli operator ...`, or with `program` (a script that
-        runs `oobleck.cli.main`, e.g. one wrapping an operator function to inject a fault) in its place."""
+        runs `oobleck.cli.main`, e.g. one wrapping an operator function to inject a fault) in its place.
+        A start whose port was taken between picking and binding it is retried on fresh ports."""
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                return self._start_once(extra, program, timeout_s)
+            except OperatorExited:
+                lost_port = "address already in use" in self._this_start_log()
+                if not lost_port or attempt + 1 == PORT_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _this_start_log(self) -> str:
+        return (self.log_dir / f"operator-{self._launches}.log").read_text(errors="replace")
+
+    def _start_once(self, extra: tuple[str, ...], program: str | Path | None, timeout_s: float) -> OperatorProcess:
         self.metrics_port, self.liveness_port = free_port(), free_port()
-        self.starts += 1
+        self._launches += 1
         self.log_dir.mkdir(parents=True, exist_ok=True)
         command = [
             sys.executable,
@@ -60,7 +75,7 @@ class OperatorProcess:
         ]
         for namespace in self.namespaces:
             command += ["-n", namespace]
-        with open(self.log_dir / f"operator-{self.starts}.log", "w") as log:
+        with open(self.log_dir / f"operator-{self._launches}.log", "w") as log:
             self.process = subprocess.Popen(
                 command + self.extra + list(extra),
                 stdout=log,
@@ -75,6 +90,7 @@ class OperatorProcess:
                     f"the operator's liveness probe did not answer within {timeout_s:.0f} s:\n{self.log()[-3000:]}"
                 )
             time.sleep(0.2)
+        self.starts += 1
         return self
 
     def healthy(self) -> bool:

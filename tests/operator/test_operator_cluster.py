@@ -12,12 +12,9 @@ from __future__ import annotations
 import base64
 import json
 import secrets
-import signal
-import subprocess
-import sys
+import socket
 import threading
 import time
-import urllib.request
 import zlib
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -30,8 +27,9 @@ import yaml
 from oobleck.api import contract, planmap, resource
 from oobleck.api.plan import Plan
 from oobleck.operator import render
-from oobleck_dev.controlplane import free_port
+from oobleck_dev import operatorproc
 from oobleck_dev.kwok import FAKE_NODE_LABEL
+from oobleck_dev.operatorproc import OperatorProcess
 from oobleck_dev.poll import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -43,71 +41,17 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S
     return wait_until(predicate, what, timeout, 0.2, tolerate=(Exception,))  # the object may not exist yet
 
 
-class Operator:
-    """`oobleck operator` in a subprocess, logging to a file."""
-
-    def __init__(self, cluster, namespace: str, log_dir: Path) -> None:
-        self.cluster, self.namespace, self.log_dir = cluster, namespace, log_dir
-        self.process: subprocess.Popen | None = None
-        self.metrics_port = self.liveness_port = 0
-        self.starts = 0
-
-    def start(self, *extra: str, program: Path | None = None) -> Operator:
-        """`program`: a script run instead of `python -m oobleck.cli` (a staged crash, tests/e2e)."""
-        self.metrics_port, self.liveness_port = free_port(), free_port()
-        self.starts += 1
-        log = open(self.log_dir / f"operator-{self.starts}.log", "w")
-        entry = [str(program)] if program is not None else ["-m", "oobleck.cli"]
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                *entry,
-                "operator",
-                "-n",
-                self.namespace,
-                "--kubeconfig",
-                self.cluster.kubeconfig,
-                "--metrics-port",
-                str(self.metrics_port),
-                "--liveness-port",
-                str(self.liveness_port),
-                "--resync",
-                "2",
-                "--measure-timeout",
-                "0",
-                *extra,
-            ],  # kwok pods run no runtime: plan with the estimate
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        # Generous: importing kopf and kubernetes_asyncio alone took 10 s at load ~18 on the 2-core host.
-        wait_for(self.healthy, "the operator's liveness probe", timeout=180)
-        return self
-
-    def healthy(self) -> bool:
-        if self.process is not None and self.process.poll() is not None:
-            raise AssertionError(f"operator exited with {self.process.returncode}:\n{self.log()[-3000:]}")
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=2) as response:
-            return response.status == 200
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
-            return response.read().decode()
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=30)
-
-    def log(self) -> str:
-        return "".join(p.read_text() for p in sorted(self.log_dir.glob("operator-*.log")))
+def new_operator(cluster, namespace: str, log_dir: Path) -> OperatorProcess:
+    """`oobleck operator` in a subprocess for `namespace`; kwok pods run no runtime, so it plans with the
+    estimate (`--measure-timeout 0`)."""
+    return OperatorProcess(cluster.kubeconfig, [namespace], log_dir, "--resync", "2", "--measure-timeout", "0")
 
 
 @pytest.fixture
 def env(cluster, tmp_path) -> Iterator[dict[str, Any]]:
     namespace = cluster.namespace("op")
     pool = f"p{secrets.token_hex(4)}"
-    operator = Operator(cluster, namespace, tmp_path)
+    operator = new_operator(cluster, namespace, tmp_path)
     state: dict[str, Any] = {"ns": namespace, "pool": pool, "operator": operator, "nodes": []}
 
     def add_nodes(n: int, gpus: int = 8) -> list[str]:
@@ -471,6 +415,26 @@ def test_simultaneous_losses_make_one_generation(cluster, env):
 # -- restart safety -------------------------------------------------------------------------------------
 
 
+def test_an_operator_start_whose_liveness_port_was_taken_is_retried_on_fresh_ports(env, monkeypatch):
+    # CI lost a start this way: another process bound the picked port before kopf did.
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    taken_port = taken.getsockname()[1]
+    picks = iter([operatorproc.free_port(), taken_port])  # metrics, then liveness
+    real_free_port = operatorproc.free_port
+    monkeypatch.setattr(operatorproc, "free_port", lambda: next(picks, None) or real_free_port())
+    operator = env["operator"]
+    try:
+        operator.start()
+    finally:
+        taken.close()
+    assert operator.starts == 1 and operator.healthy()
+    assert operator.liveness_port != taken_port
+    first, retried = sorted(operator.log_dir.glob("operator-*.log"))
+    assert "address already in use" in first.read_text() and "address already in use" not in retried.read_text()
+
+
 def test_killed_between_plan_write_and_patches_converges(cluster, env):
     ns = env["ns"]
     env["add_nodes"](4)
@@ -605,7 +569,7 @@ def test_two_replicas_with_peering_fail_over(cluster, env, tmp_path):
     env["add_nodes"](4)
     leader = env["operator"]
     (tmp_path / "standby").mkdir()
-    standby = Operator(cluster, ns, tmp_path / "standby")
+    standby = new_operator(cluster, ns, tmp_path / "standby")
     common = ("--peering", "oobleck-ha", "--peering-lifetime", "5")
     leader.start(*common, "--priority", "100")
     standby.start(*common, "--priority", "50")
