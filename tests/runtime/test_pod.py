@@ -238,18 +238,80 @@ def test_operator_default_command_is_the_pod_entry_point():
 
 @pytest.mark.integration
 def test_supervisor_takes_the_pod_down_with_its_first_failed_gpu_worker():
-    import sys
     import time
 
     from oobleck.runtime.backends.pod.supervise import supervise
 
     env = PodEnv.from_env(ENV)  # 2 GPUs per node
-    # Child `--gpu 0` fails at once with 7; `--gpu 1` would run for a minute unless terminated.
-    script = "import sys, time; gpu = int(sys.argv[2]); sys.exit(7) if gpu == 0 else time.sleep(60)"
+
+    def fail_fast_or_sleep(gpu: int) -> int:  # GPU 0 fails at once with 7; GPU 1 runs a minute unless terminated
+        if gpu == 0:
+            return 7
+        time.sleep(60)
+        return 0
+
     started = time.monotonic()
-    assert supervise(env, [sys.executable, "-c", script]) == 7
+    assert supervise(env, fail_fast_or_sleep, preload=()) == 7
     assert time.monotonic() - started < 30
-    assert supervise(env, [sys.executable, "-c", "import sys"]) == 0  # every child done: the pod is done
+    assert supervise(env, lambda gpu: 0, preload=()) == 0  # every child done: the pod is done
+
+    def crash(gpu: int) -> int:
+        raise RuntimeError(f"gpu {gpu}")
+
+    assert supervise(env, crash, preload=()) == ExitCode.ERROR  # an exception is the child's failure, not a return
+
+
+@pytest.mark.integration
+def test_supervisor_children_are_forks_that_inherit_the_preload_and_die_with_it(tmp_path):
+    """Each GPU's worker is a fork of the supervisor after it imported the preload (no second import of
+    torch per GPU), and a SIGKILLed supervisor takes its children with it (PR_SET_PDEATHSIG)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pids = tmp_path / "pids"
+    script = f"""
+import os, sys, time
+from pathlib import Path
+from oobleck.runtime.backends.pod.config import PodEnv
+from oobleck.runtime.backends.pod.supervise import supervise
+env = PodEnv.from_env({ENV!r})
+supervisor = os.getpid()
+
+def child(gpu):
+    assert os.getppid() == supervisor and "colorsys" in sys.modules  # forked after the preload
+    Path({str(pids)!r}, str(gpu)).write_text(str(os.getpid()))
+    time.sleep(120)
+    return 0
+
+sys.exit(supervise(env, child, preload=("colorsys",)))
+"""
+    pids.mkdir()
+    supervisor = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pids.iterdir())) < 2 and supervisor.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert supervisor.poll() is None and len(list(pids.iterdir())) == 2, "both children started"
+        children = [int(p.read_text()) for p in pids.iterdir()]
+        supervisor.send_signal(signal.SIGKILL)
+        supervisor.wait(30)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in children), "a child outlived its SIGKILLed supervisor"
+    finally:
+        supervisor.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan is reaped by init, a zombie reads state Z)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_gloo_groups_listen_on_the_bound_address():
@@ -325,27 +387,28 @@ def test_two_jobs_sharing_a_checkpoint_path_never_restore_or_prune_each_others_s
 def test_a_checkpoint_error_on_gpu_1_reaches_gpu_0s_report_through_the_supervisors_folder():
     """Only GPU 0 writes the pod's progress annotation: GPU 1's failed checkpoint write must reach it
     (runtime/backends/pod/siblings.py), across the supervisor's real child processes."""
-    import sys
+    import os
+    import time
 
+    from oobleck.runtime.backends.pod.siblings import PodSiblings
     from oobleck.runtime.backends.pod.supervise import supervise
 
     env = PodEnv.from_env(ENV)  # 2 GPUs per node
-    script = """
-import os, sys, time
-from oobleck.runtime.backends.pod.siblings import PodSiblings
-gpu = int(sys.argv[2])
-siblings = PodSiblings.from_env(os.environ, gpu, 2)
-assert siblings is not None and oct(os.stat(siblings.folder).st_mode & 0o777) == "0o700"
-if gpu == 1:
-    siblings.publish("step 4 in /checkpoints/job: OSError: [Errno 28] No space left on device")
-    sys.exit(0)
-deadline = time.monotonic() + 30
-while (error := siblings.pod_error(None)) is None and time.monotonic() < deadline:
-    time.sleep(0.1)
-assert error == "gpu 1: step 4 in /checkpoints/job: OSError: [Errno 28] No space left on device", error
-assert siblings.pod_error("own") == "own"  # GPU 0's own failure comes first
-"""
-    assert supervise(env, [sys.executable, "-c", script]) == 0
+
+    def worker(gpu: int) -> int:
+        siblings = PodSiblings.from_env(os.environ, gpu, 2)
+        assert siblings is not None and oct(os.stat(siblings.folder).st_mode & 0o777) == "0o700"
+        if gpu == 1:
+            siblings.publish("step 4 in /checkpoints/job: OSError: [Errno 28] No space left on device")
+            return 0
+        deadline = time.monotonic() + 30
+        while (error := siblings.pod_error(None)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert error == "gpu 1: step 4 in /checkpoints/job: OSError: [Errno 28] No space left on device", error
+        assert siblings.pod_error("own") == "own"  # GPU 0's own failure comes first
+        return 0
+
+    assert supervise(env, worker, preload=()) == 0
 
 
 def test_siblings_publish_only_changes_read_at_most_every_interval_and_cut_what_they_read(tmp_path):

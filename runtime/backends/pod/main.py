@@ -7,9 +7,9 @@ following the operator <-> pod contract, oobleck.api.contract:
       -> the plan ConfigMap (ConfigMapPlanSource): plans, and job.json -> WorkerConfig (config_from_spec)
       -> the coordinator: its pod's status.podIP read through the API (DNS names of the headless
          Service do not resolve on local nodes), else OOBLECK_STORE's host; re-read on reconnects
-      -> one elastic worker per local GPU (inline when OOBLECK_GPUS_PER_NODE is 1, else one child
-         process each, `--gpu G`; the pod fails as a whole when one of them fails: a node is the
-         unit of loss)
+      -> one elastic worker per local GPU (inline when OOBLECK_GPUS_PER_NODE is 1, else one forked
+         child process each, runtime/backends/pod/supervise.py; the pod fails as a whole when one of
+         them fails: a node is the unit of loss)
       -> reports on its own pod: FAILURE_ANNOTATION (PodFailureReporter) and PROGRESS_ANNOTATION
          (ProgressReporter: `{"generation", "step", "loss", "samplesPerSecond"}`, rate-limited, the
          final step always), from which the operator marks the job Succeeded
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m oobleck.runtime.backends.pod",
         description="the elastic training worker of an OobleckJob pod (configured by the operator's environment)",
     )
-    parser.add_argument("--gpu", type=int, default=None, help="run only this local GPU's worker (the pod's children)")
+    parser.add_argument("--gpu", type=int, default=None, help="run only this local GPU's worker")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     # c10d warns on every timed-out slice of the health threads' blocking waits (several lines a
@@ -261,8 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oobleck pod: {error}", file=sys.stderr)
         return ExitCode.CONFIG
     if args.gpu is None and env.gpus_per_node > 1:
-        return supervise(env, [sys.executable, "-m", "oobleck.runtime.backends.pod"])
-    gpu = args.gpu or 0
+        return supervise(env, lambda gpu: run_gpu(env, gpu))
+    return run_gpu(env, args.gpu or 0)
+
+
+def run_gpu(env: PodEnv, gpu: int) -> int:
+    """Local GPU `gpu`'s worker, its failures mapped to the exit code (and cause) the operator reads."""
     try:
         use_job_key(env)
     except ValueError as error:
