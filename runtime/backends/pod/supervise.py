@@ -34,6 +34,7 @@ log = logging.getLogger("oobleck.runtime.backends.pod.main")
 WORKER_PRELOAD = (
     "torch",
     "torch.distributed",
+    "torch._dynamo",  # imported by the worker's first meta-device build (runtime/backends/local/forkserver.py)
     "oobleck.runtime.elastic.worker",
     "oobleck.runtime.elastic.loop",
     "oobleck.runtime.backends.base",
