@@ -14,6 +14,18 @@ from typing import TYPE_CHECKING, Any
 from oobleck.api.addresses import worker_id
 from oobleck.api.contract import ExitCode
 
+WORKER_PRELOAD_BASE = (
+    "torch",
+    "torch.distributed",
+    # A worker's first meta-device build (its layers' sizes) initialises weights through torch's Python meta
+    # kernels, which import torch._dynamo (inductor, sympy, triton) on first use: 2.15 CPU-s per process.
+    "torch._dynamo",
+    "oobleck.runtime.elastic.worker",
+    "oobleck.runtime.train.config",
+)
+"""What a worker of either backend imports before its first step: the start of each backend's preload for the
+processes it forks (local/forkserver.py, pod/supervise.py)."""
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 

@@ -27,17 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from oobleck.processes import die_with_parent
+from oobleck.runtime.backends.base import WORKER_PRELOAD_BASE
 
-WORKER_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    # A worker's first meta-device build (its layers' sizes) initialises weights through torch's Python meta
-    # kernels, which import torch._dynamo (inductor, sympy, triton) on first use: 2.15 CPU-s per process.
-    "torch._dynamo",
-    "oobleck.runtime.elastic.worker",
-    "oobleck.runtime.train.config",
-    "oobleck.runtime.backends.local.worker",
-)
+WORKER_PRELOAD = (*WORKER_PRELOAD_BASE, "oobleck.runtime.backends.local.worker")
 """What a local worker imports before its first step."""
 TRANSFORMERS_PRELOAD = ("transformers", "transformers.masking_utils", "transformers.pytorch_utils")
 """What a transformers model's worker imports besides (runtime/models/hf.py): ~2.5 s of CPU more per process."""

@@ -26,18 +26,15 @@ from collections.abc import Callable, Sequence
 
 from oobleck.api.contract import ExitCode
 from oobleck.processes import die_with_parent
+from oobleck.runtime.backends.base import WORKER_PRELOAD_BASE
 from oobleck.runtime.backends.pod.config import PodEnv
 from oobleck.runtime.backends.pod.siblings import SHARED_DIR_ENV
 
 log = logging.getLogger("oobleck.runtime.backends.pod.main")
 
 WORKER_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",  # imported by the worker's first meta-device build (runtime/backends/local/forkserver.py)
-    "oobleck.runtime.elastic.worker",
+    *WORKER_PRELOAD_BASE,
     "oobleck.runtime.elastic.loop",
-    "oobleck.runtime.backends.base",
     "oobleck.runtime.backends.pod.pod_worker",
     "oobleck.runtime.backends.pod.plan_configmap",
 )
@@ -52,7 +49,6 @@ class ForkedChild:
     """One GPU's worker: a fork of the supervisor running `run_gpu(gpu)`, its return value the exit code."""
 
     def __init__(self, gpu: int, run_gpu: Callable[[int], int], shared: str) -> None:
-        self.gpu = gpu
         self.returncode: int | None = None
         parent = os.getpid()
         sys.stdout.flush()
