@@ -52,6 +52,8 @@ SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service: first address of SERVICE_C
 PORT_ATTEMPTS = 3
 # free_port picks from here up to the ephemeral range: above the registered services most hosts run.
 PRIVATE_PORTS_FROM = 20000
+NAMESPACE_TOKEN_ANNOTATION = "oobleck.dev/created-by-call"
+"""On a test namespace: the token of the `Cluster.namespace` call that created it."""
 
 
 @dataclass(frozen=True)
@@ -832,6 +834,12 @@ class Cluster:
         """`kubectl ARGS -o json`, parsed."""
         return json.loads(self.kubectl(*args, "-o", "json").stdout)
 
+    def _namespace_token(self, name: str) -> str | None:
+        got = self.kubectl("get", "namespace", name, "-o", "json", check=False)
+        if got.returncode != 0:
+            return None
+        return (json.loads(got.stdout)["metadata"].get("annotations") or {}).get(NAMESPACE_TOKEN_ANNOTATION)
+
     def namespace(self, name_prefix: str = "test") -> str:
         """Create a fresh namespace `<prefix>-<owner>-<random>` and wait until pods can be created in it."""
         if not _DNS_LABEL.match(name_prefix) or len(name_prefix) > 40:
@@ -839,7 +847,19 @@ class Cluster:
                 f"name_prefix: must be a lowercase DNS label of at most 40 characters, got {name_prefix!r}"
             )
         name = f"{name_prefix}-{self.owner}-{secrets.token_hex(3)}"
-        self.kubectl("create", "namespace", name)
+        # A create can answer AlreadyExists for the namespace it made itself: seen once at load in a full run,
+        # for a fresh random name (a request sent twice). The token of this call tells that from a name taken.
+        token = secrets.token_hex(8)
+        metadata = {"name": name, "annotations": {NAMESPACE_TOKEN_ANNOTATION: token}}
+        created = self.kubectl(
+            "create",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "Namespace", "metadata": metadata}),
+            check=False,
+        )
+        if created.returncode != 0 and not ("AlreadyExists" in created.stderr and self._namespace_token(name) == token):
+            raise KubectlError(created.returncode, created.args, created.stdout, created.stderr)
         self.namespaces.append(name)
         deadline = time.monotonic() + self.timeouts.namespace_ready
         while self.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode != 0:

@@ -66,6 +66,23 @@ def test_version_is_the_pinned_release(cluster: Cluster) -> None:
     assert control_plane.server.startswith("https://127.0.0.1:")
 
 
+def test_a_namespace_create_answered_already_exists_is_ours_only_with_our_token(cluster: Cluster, monkeypatch) -> None:
+    """`Cluster.namespace` takes AlreadyExists as its own create (a request sent twice) only when the namespace
+    carries this call's token; a name someone else took is an error."""
+    picks = iter(["c0ffee", "our-token", "bad5ee", "our-token"])
+    monkeypatch.setattr(controlplane.secrets, "token_hex", lambda n: next(picks))
+    for suffix, token in (("c0ffee", "our-token"), ("bad5ee", "someone-else")):
+        name = f"echo-{cluster.owner}-{suffix}"
+        metadata = {"name": name, "annotations": {controlplane.NAMESPACE_TOKEN_ANNOTATION: token}}
+        cluster.kubectl(
+            "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "Namespace", "metadata": metadata})
+        )
+    assert cluster.namespace("echo") == f"echo-{cluster.owner}-c0ffee"
+    with pytest.raises(controlplane.KubectlError, match="AlreadyExists"):
+        cluster.namespace("echo")
+    cluster.kubectl("delete", "namespace", f"echo-{cluster.owner}-bad5ee", "--wait=false")
+
+
 def test_crds_from_the_repository_are_established(cluster: Cluster) -> None:
     local_only(cluster)
     files = sorted((REPO / "crds").glob("*.yaml"))
