@@ -22,17 +22,37 @@ from oobleck.runtime.train.optim import learning_rate, torch_adamw
 
 
 @dataclass
+class ReferenceState:
+    """Where a reference run stopped, enough to go on from there exactly: the data and the learning rate are
+    functions of the step, so the model's parameters and the optimizer's state are all that is carried."""
+
+    step: int
+    """The first step not yet trained."""
+    parameters: list[torch.Tensor]
+    """Every parameter, each shared one once, in the model's order (on the CPU)."""
+    optimizer: dict
+    """The optimizer's state_dict."""
+
+
+@dataclass
 class ReferenceResult:
     losses: list[float]
-    """Mean loss over the global batch of every step (before that step's update)."""
+    """Mean loss over the global batch of every step trained by this call (before that step's update)."""
     layers: list[dict[str, torch.Tensor]]
     """Final parameters of every layer, by parameter name."""
+    state: ReferenceState
+    """The state after the last step: `resume` it to train the steps after them."""
 
 
 def train_reference(
-    config: WorkerConfig, global_microbatches: int, steps: int | None = None, device: torch.device | str = "cpu"
+    config: WorkerConfig,
+    global_microbatches: int,
+    steps: int | None = None,
+    device: torch.device | str = "cpu",
+    resume: ReferenceState | None = None,
 ) -> ReferenceResult:
-    """Train `steps` (default config.steps) global steps of `global_microbatches` microbatches each.
+    """Train the global steps before `steps` (default config.steps) of `global_microbatches` microbatches each,
+    from step 0 or from where `resume` stopped; the losses and the state match one run from step 0 exactly.
 
     Final parameters come back on the CPU whatever `device` ran the training."""
     torch.set_num_threads(config.threads)
@@ -46,11 +66,19 @@ def train_reference(
             setattr(layers[layer].get_submodule(module), attribute, layers[first].get_parameter(name))
     parameters = list(layers.parameters())  # each shared parameter once
     optimizer = torch_adamw(parameters, config.optim)
+    first = 0
+    if resume is not None:
+        with torch.no_grad():
+            for parameter, saved in zip(parameters, resume.parameters, strict=True):
+                parameter.copy_(saved)
+        optimizer.load_state_dict(resume.optimizer)
+        first = resume.step
     samples = global_microbatches * config.microbatch_size
     sum_dtype = getattr(torch, config.gradient_sum_dtype)
     recompute = config.recompute == "full"
     losses: list[float] = []
-    for step in range(config.steps if steps is None else steps):
+    last = config.steps if steps is None else steps
+    for step in range(first, last):
         sums = [torch.zeros_like(p, dtype=sum_dtype) for p in parameters]
         loss_sum = 0.0
         for index in range(global_microbatches):
@@ -77,4 +105,9 @@ def train_reference(
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss_sum / samples)
     final = [{name: p.detach().cpu().clone() for name, p in layer.named_parameters()} for layer in layers]
-    return ReferenceResult(losses=losses, layers=final)
+    state = ReferenceState(
+        step=max(first, last),
+        parameters=[p.detach().cpu().clone() for p in parameters],
+        optimizer=optimizer.state_dict(),
+    )
+    return ReferenceResult(losses=losses, layers=final, state=state)

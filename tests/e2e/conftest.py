@@ -157,25 +157,40 @@ def _sources_stamp() -> str:
 
 @functools.lru_cache(maxsize=8)
 def _reference(config_json: str, global_microbatches: int, steps: int) -> tuple[float, ...]:
-    """The first `steps` losses of the config's run: from the cache when at least that many losses of the same
-    config (the same job: its steps set the learning-rate schedule) are there, else trained and kept."""
+    """The first `steps` losses of the config's run (the same job: its steps set the learning-rate schedule):
+    from the cache when it holds that many, else trained on from the cached run's last state (or step 0) and
+    kept, the losses with the state after the last of them."""
+    import torch
+
     from oobleck.runtime.train.config import WorkerConfig
-    from oobleck.runtime.train.reference import train_reference
+    from oobleck.runtime.train.reference import ReferenceState, train_reference
 
     key = hashlib.sha256(f"{_sources_stamp()} {global_microbatches} {config_json}".encode()).hexdigest()
-    path = REFERENCE_CACHE / f"{key}.json"
+    losses_path, state_path = REFERENCE_CACHE / f"{key}.json", REFERENCE_CACHE / f"{key}.pt"
+    kept: list[float] = []
+    resume: ReferenceState | None = None
     try:
-        kept = json.loads(path.read_text())
+        kept = [float(loss) for loss in json.loads(losses_path.read_text())]
         if len(kept) >= steps:
-            return tuple(float(loss) for loss in kept[:steps])
-    except (OSError, ValueError):
-        pass
+            return tuple(kept[:steps])
+        resume = ReferenceState(**torch.load(state_path, weights_only=True))
+        if resume.step != len(kept):
+            kept, resume = [], None
+    except (OSError, ValueError, TypeError, RuntimeError):
+        kept, resume = [], None
     config = WorkerConfig.model_validate_json(config_json)
-    losses = tuple(train_reference(config, global_microbatches, steps).losses)
+    result = train_reference(config, global_microbatches, steps, resume=resume)
+    losses = (*kept, *result.losses)
     REFERENCE_CACHE.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(list(losses)))
-    partial.replace(path)  # whole or absent: parallel test processes may write the same key
+    # Whole or absent, and the state first: parallel test processes may write the same key, and losses without
+    # their state (a reader finds the step counts differ) only cost a run from step 0.
+    for path, write in (
+        (state_path, lambda to: torch.save(vars(result.state), to)),
+        (losses_path, lambda to: to.write_text(json.dumps(list(losses)))),
+    ):
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        write(partial)
+        partial.replace(path)
     return losses
 
 
@@ -183,19 +198,18 @@ def reference_losses(spec: dict[str, Any], through: int | None = None) -> tuple[
     """Per-step losses of the job trained in one process without failures: all its steps, or the first
     `through` (a step's loss depends on the steps before it only, so a prefix is the same run's). Cached by
     what the losses depend on (model, data, optimizer, steps, seed, global batch), not by the job's shape:
-    tests that share a training section share one reference run. For a job that ends early only a prefix is
-    trained (the job's steps still set its learning-rate schedule): twice `through`, so that a later run's
-    `through` (a test's own timing sets it) finds it on disk; a 3000-step job checked through step ~400 cost
-    minutes of one CPU for a reference it never read, more than the test itself on a cold cache."""
+    tests that share a training section share one reference run. For a job that ends early only that prefix is
+    trained (the job's steps still set its learning-rate schedule), and a later run that checks further (a
+    test's own timing sets `through`) trains on from the kept state: retrained from step 0, one outage test's
+    longer prefix cost 377 s, over the 3-minute rule."""
     from oobleck.api.spec import parse_spec
     from oobleck.runtime.backends.pod.config import config_from_spec
 
     parsed = parse_spec(spec)
     config = config_from_spec(parsed, JOB, compute_device="cpu")
     steps = parsed.training.steps
-    wanted = steps if through is None else min(steps, max(2 * through, through + 100))
-    losses = _reference(config.model_dump_json(), parsed.training.global_microbatches, wanted)
-    return losses if through is None else losses[:through]
+    wanted = steps if through is None else min(steps, through)
+    return _reference(config.model_dump_json(), parsed.training.global_microbatches, wanted)
 
 
 def logged(path: Path) -> Iterator[dict[str, Any]]:
@@ -497,3 +511,21 @@ def reference_keying() -> tuple[dict[str, Any], Path, tuple[str, ...]]:
     """For the check of the reference cache's key: a job spec of these tests, the repository, and the sources
     the key hashes (REFERENCE_SOURCES)."""
     return job_spec({}), REPO, REFERENCE_SOURCES
+
+
+@pytest.fixture
+def empty_reference_cache(tmp_path: Path) -> Iterator[Callable[..., tuple[float, ...]]]:
+    """reference_losses over an empty cache in tmp_path, each call reading the files as a later run would (for
+    the cache's own test)."""
+
+    def read_or_train(spec: dict[str, Any], through: int | None = None) -> tuple[float, ...]:
+        _reference.cache_clear()
+        return reference_losses(spec, through)
+
+    saved = globals()["REFERENCE_CACHE"]
+    globals()["REFERENCE_CACHE"] = tmp_path
+    try:
+        yield read_or_train
+    finally:
+        globals()["REFERENCE_CACHE"] = saved
+        _reference.cache_clear()

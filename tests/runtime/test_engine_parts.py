@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from datetime import timedelta
@@ -17,7 +18,7 @@ from oobleck.runtime.train.engine import one_f_one_b
 from oobleck.runtime.train.groups import Interrupted, exchanges, group_specs, hand_off, layout, rows, stage_rows, wait
 from oobleck.runtime.train.layer_state import flatten, state_nbytes, unflatten
 from oobleck.runtime.train.optim import LayerAdamW, learning_rate, torch_adamw
-from oobleck.runtime.train.reference import train_reference
+from oobleck.runtime.train.reference import ReferenceState, train_reference
 from oobleck.runtime.train.tensor_parallel import split_rules
 
 
@@ -193,6 +194,21 @@ def test_reference_trainer_learns_and_is_deterministic():
     assert first.losses[-1] < first.losses[0] - 0.05
     # the microbatch count changes the global batch, hence the curve
     assert train_reference(config, global_microbatches=2).losses != first.losses
+
+
+def test_a_reference_run_resumed_from_its_saved_state_equals_one_run():
+    """The e2e tests keep a reference's state with its losses and train on from it (tests/e2e/conftest.py)."""
+    config = WorkerConfig(steps=8, microbatch_size=2, optim=OptimConfig(lr=3e-3, warmup_steps=2))
+    whole = train_reference(config, global_microbatches=3)
+    head = train_reference(config, global_microbatches=3, steps=3)
+    saved = io.BytesIO()
+    torch.save(vars(head.state), saved)
+    saved.seek(0)
+    tail = train_reference(config, global_microbatches=3, resume=ReferenceState(**torch.load(saved, weights_only=True)))
+    assert head.state.step == 3 and tail.state.step == 8
+    assert head.losses + tail.losses == whole.losses
+    for ours, theirs in zip(tail.layers, whole.layers):
+        assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
 
 
 def _pair(store, rank, name):
