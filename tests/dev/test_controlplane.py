@@ -236,54 +236,46 @@ def test_a_thousand_kwok_nodes_register_with_gpus(cluster: Cluster) -> None:
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_stop_leaves_no_processes_ports_or_files(tmp_path: Path) -> None:
-    kubeconfig = tmp_path / "admin.kubeconfig"
-    control_plane = ControlPlane(find_tools(), kubeconfig=kubeconfig, crds_dir=TEST_CRDS)
-    with control_plane:
-        # The CRDs of crds_dir are installed and Established before start() returns.
-        crd = json.loads(control_plane.kubectl("get", "crd", "widgets.test.oobleck.dev", "-o", "json").stdout)
-        assert any(c["type"] == "Established" and c["status"] == "True" for c in crd["status"]["conditions"])
-        control_plane.start_kwok()
-        pids = control_plane.pids()
-        ports = dict(control_plane.ports)
-        workdir = control_plane.workdir
-        assert set(pids) == {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"}
-        assert all(pid_running(pid) for pid in pids.values())
-        assert all(port_in_use(port) for port in ports.values())
-        assert workdir.is_dir() and kubeconfig.is_file()
-        print(f"\ncold start {control_plane.started_in_s:.1f} s: {control_plane.phase_s}")
-    assert not [name for name, pid in pids.items() if pid_running(pid)]
-    assert not [name for name, port in ports.items() if port_in_use(port)]
-    assert not workdir.exists()
-    assert not kubeconfig.exists()
-
-
-@pytest.mark.cluster
-@pytest.mark.slow
-def test_two_control_planes_run_side_by_side() -> None:
-    tools = find_tools()
-    with ControlPlane(tools, crds_dir=None) as first, ControlPlane(tools, crds_dir=None) as second:
-        assert first.server != second.server and first.workdir != second.workdir
-        first.kubectl("create", "namespace", "only-in-first")
-        assert second.kubectl("get", "namespace", "only-in-first", check=False).returncode != 0
-
-
-@pytest.mark.cluster
-@pytest.mark.slow
-def test_a_port_taken_before_the_child_binds_it_is_retried(monkeypatch) -> None:
+def test_two_control_planes_side_by_side_one_past_a_taken_port_each_stop_leaving_nothing(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Two planes at once (two test processes on one machine); the first port handed out, the first plane's
+    etcd client port, is already in use as if someone took it between the pick and the bind; stopped, each
+    plane leaves no process, port, work folder or kubeconfig. (One test: every plane start costs seconds of CPU.)"""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     picks = iter([taken.getsockname()[1]])
     real_free_port = controlplane.free_port
-    # The first port handed out (etcd's client port) is already in use, as if someone took it.
     monkeypatch.setattr(controlplane, "free_port", lambda: next(picks, None) or real_free_port())
+    kubeconfig = tmp_path / "admin.kubeconfig"
+    tools = find_tools()
+    planes = [ControlPlane(tools, kubeconfig=kubeconfig, crds_dir=TEST_CRDS), ControlPlane(tools, crds_dir=None)]
     try:
-        with ControlPlane(find_tools(), crds_dir=None) as plane:
-            assert plane.ports["etcd"] != taken.getsockname()[1]
-            assert plane.kubectl("get", "--raw", "/readyz").stdout == "ok"
+        with planes[0] as first, planes[1] as second:
+            assert first.ports["etcd"] != taken.getsockname()[1]
+            assert first.server != second.server and first.workdir != second.workdir
+            first.kubectl("create", "namespace", "only-in-first")
+            assert second.kubectl("get", "namespace", "only-in-first", check=False).returncode != 0
+            # The CRDs of crds_dir are installed and Established before start() returns.
+            crd = json.loads(first.kubectl("get", "crd", "widgets.test.oobleck.dev", "-o", "json").stdout)
+            assert any(c["type"] == "Established" and c["status"] == "True" for c in crd["status"]["conditions"])
+            first.start_kwok()
+            assert set(first.pids()) == {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"}
+            running = [(plane.pids(), dict(plane.ports), plane.workdir) for plane in planes]
+            for pids, ports, workdir in running:
+                assert all(pid_running(pid) for pid in pids.values())
+                assert all(port_in_use(port) for port in ports.values())
+                assert workdir.is_dir()
+            assert kubeconfig.is_file()
+            print(f"\ncold start {first.started_in_s:.1f} s: {first.phase_s}")
     finally:
         taken.close()
+    for pids, ports, workdir in running:
+        assert not [name for name, pid in pids.items() if pid_running(pid)]
+        assert not [name for name, port in ports.items() if port_in_use(port)]
+        assert not workdir.exists()
+    assert not kubeconfig.exists()
 
 
 def own_children() -> set[str]:

@@ -380,6 +380,12 @@ class JobRun:
         self.cluster.kubectl("cordon", node)
         self.cordoned.add(node)
 
+    def uncordon_all(self) -> None:
+        """Let pods onto every node this run cordoned again (a Pending replacement is then scheduled)."""
+        for node in sorted(self.cordoned):
+            self.cluster.kubectl("uncordon", node)
+        self.cordoned.clear()
+
     def cordon_spare_nodes(self) -> list[str]:
         """Cordon the local nodes that hold none of this job's workers: a replacement has nowhere to go."""
         used = {
