@@ -20,7 +20,7 @@ from oobleck.runtime.train.compute import autocast, run_layer
 from oobleck.runtime.train.config import ModelConfig, OptimConfig, WorkerConfig, build_model
 from oobleck.runtime.train.groups import group_specs
 from oobleck.runtime.train.profiler import profile_model
-from oobleck.runtime.train.reference import ReferenceResult, train_reference
+from oobleck.runtime.train.reference import ReferenceResult, ReferenceState, train_reference
 
 CPU = torch.device("cpu")
 BASE = WorkerConfig(
@@ -165,7 +165,7 @@ def reference_in_a_fresh_process(config: WorkerConfig, microbatches: int, folder
         "from oobleck.runtime.train.config import load_config\n"
         "from oobleck.runtime.train.reference import train_reference\n"
         "r = train_reference(load_config(sys.argv[1]), int(sys.argv[2]))\n"
-        "torch.save({'losses': r.losses, 'layers': r.layers}, sys.argv[3])\n"
+        "torch.save({'losses': r.losses, 'layers': r.layers, 'state': vars(r.state)}, sys.argv[3])\n"
     )
     out = folder / "reference.pt"
     subprocess.run(
@@ -174,7 +174,7 @@ def reference_in_a_fresh_process(config: WorkerConfig, microbatches: int, folder
         timeout=600,
     )
     saved = torch.load(out)
-    return ReferenceResult(losses=saved["losses"], layers=saved["layers"])
+    return ReferenceResult(losses=saved["losses"], layers=saved["layers"], state=ReferenceState(**saved["state"]))
 
 
 @pytest.mark.slow
