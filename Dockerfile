@@ -3,13 +3,16 @@
 # One image runs the operator (`oobleck operator`), the training workers (`oobleck worker`) and each
 # job's coordinator (the `python -m oobleck.runtime...` command the operator renders).
 #
-#   CPU (the operator; workers with device: cpu):
+#   The operator, CPU and GPU workers (torch from pip's configured index: on Linux x86-64 its wheels
+#   bundle the CUDA libraries):
 #     docker build -t ghcr.io/oobleck-dev/oobleck:0.1.0 .
-#   GPU workers: a CUDA base image (Python >= 3.11 is installed from its distribution if missing:
-#   Ubuntu 24.04 bases ship 3.12) and the matching torch wheels:
+#   Other torch builds: TORCH_INDEX_URL names the wheel index to take torch from, e.g. PyTorch's own
+#   index for CPU-only wheels (a much smaller image for the operator and device: cpu workers) or for one
+#   CUDA version; with a CUDA base image (Python >= 3.11 is installed from its distribution if missing:
+#   Ubuntu 24.04 bases ship 3.12):
 #     docker build -t ghcr.io/oobleck-dev/oobleck-cuda:0.1.0 \
 #       --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
-#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#       --build-arg TORCH_INDEX_URL=<the index of torch's CUDA 12.8 wheels> .
 #   Without a Docker engine: `make image` (scripts/image/build) builds this same file with buildah,
 #   FROM a Debian base it makes itself.
 #
@@ -64,14 +67,18 @@ RUN python3 -m venv /opt/build \
     && /opt/build/bin/pip install --upgrade pip \
     && /opt/build/bin/pip install -r /requirements/build-system.txt
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+# The compiled planner first, in a layer of its own: an edit elsewhere reuses it (build/, up to date) and the
+# wheel takes seconds, not the half minute of compiling planner_cy/_*.pyx.
+COPY pyproject.toml setup.py ./
+COPY planner_cy/ planner_cy/
+RUN /opt/build/bin/python setup.py build_ext
 # The package-dir folders of pyproject.toml: oobleck, oobleck.operator, oobleck.runtime, oobleck.planner, oobleck.simulate.
+COPY README.md ./
 COPY src/ src/
 COPY operator/ operator/
 COPY runtime/ runtime/
-COPY planner_cy/ planner_cy/
 COPY simulator/ simulator/
-# The wheel (compiles planner_cy/_*.pyx); the runtime stage installs it.
+# The wheel; the runtime stage installs it.
 RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
 
 FROM base AS runtime
@@ -79,9 +86,9 @@ FROM base AS runtime
 RUN groupadd --gid 65532 oobleck \
     && useradd --uid 65532 --gid 65532 --home-dir /home/oobleck --create-home --shell /usr/sbin/nologin oobleck
 RUN python3 -m venv /opt/oobleck && /opt/oobleck/bin/pip install --upgrade pip
-# Where torch comes from: CPU-only wheels by default (the operator and CPU workers need no CUDA);
-# e.g. https://download.pytorch.org/whl/cu128 for CUDA 12.8 workers; empty: pip's configured index.
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Where torch comes from: empty (the default), pip's configured index; else the wheel index it names. The
+# repository names no index host: the builder's pip configuration or this argument does.
+ARG TORCH_INDEX_URL=
 # torch first, in a layer of its own (the largest, and the least often changed).
 COPY --from=requirements /requirements/torch.txt /requirements/
 RUN /opt/oobleck/bin/pip install ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"} -r /requirements/torch.txt

@@ -54,7 +54,8 @@ test-unit: venv
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy --config-file pyproject.toml "$$($(PY) -c 'import oobleck; print(oobleck.__path__[0])')"
+	MYPY_CACHE_DIR="$${OOBLECK_CACHE:-$$HOME/.cache/oobleck}/mypy" \
+	  $(PY) -m mypy --config-file pyproject.toml "$$($(PY) -c 'import oobleck; print(oobleck.__path__[0])')"
 
 demo: venv k8s-tools
 	$(PY) -m oobleck_dev demo

@@ -22,7 +22,11 @@ def planner_source_hash() -> str:
     return digest.hexdigest()
 
 
-(PLANNER / "_source_hash.pxi").write_text(f'SOURCE_HASH = "{planner_source_hash()}"\n')
+# Written only when it changes: a rewrite makes every compiled module stale, and the build recompiles them all.
+SOURCE_HASH_FILE = PLANNER / "_source_hash.pxi"
+SOURCE_HASH_LINE = f'SOURCE_HASH = "{planner_source_hash()}"\n'
+if not SOURCE_HASH_FILE.exists() or SOURCE_HASH_FILE.read_text() != SOURCE_HASH_LINE:
+    SOURCE_HASH_FILE.write_text(SOURCE_HASH_LINE)
 
 
 def pxd_include_dir() -> str:

@@ -158,7 +158,9 @@ class _Process:
 
 
 class PlannerPool:
-    """`limits.workers` planner processes (spawned, so they inherit none of the operator's threads)."""
+    """`limits.workers` planner processes (spawned, so they inherit none of the operator's threads). Not forked
+    from multiprocessing's forkserver: that server is one per process, whose first user's preload wins, and
+    `oobleck launch`'s workers (runtime/backends/local/forkserver.py) need it preloaded with torch."""
 
     def __init__(self, limits: PlannerLimits, preload: tuple[str, ...] = PRELOAD) -> None:
         if limits.workers < 1:

@@ -19,7 +19,7 @@ from oobleck_dev.demo import EXAMPLE, Observation, Timeline, observe, steps_per_
 @pytest.mark.xdist_group("local-node-jobs-2")  # one job at a time per xdist worker (tests/e2e/test_training.py)
 def test_demo_trains_survives_a_kill_and_cleans_up(tmp_path: Path) -> None:
     manifest = yaml.safe_load(EXAMPLE.read_text())
-    manifest["spec"]["training"]["steps"] = 120  # the example's shape, fewer steps: the suite stays fast
+    manifest["spec"]["training"]["steps"] = 80  # the example's shape, fewer steps: the suite stays fast
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(manifest))
     result = subprocess.run(
@@ -31,7 +31,7 @@ def test_demo_trains_survives_a_kill_and_cleans_up(tmp_path: Path) -> None:
             "--job",
             str(job),
             "--kill-at-step",
-            "40",
+            "30",
             "--workdir",
             str(tmp_path / "demo"),
         ],
@@ -42,7 +42,7 @@ def test_demo_trains_survives_a_kill_and_cleans_up(tmp_path: Path) -> None:
     out = result.stdout
     assert result.returncode == 0, out[-5000:] + result.stderr[-3000:]
     assert "oobleckjob.oobleck.dev/llama-tiny created" in out
-    assert re.search(r"job Succeeded: 120/120 steps, plan generation [1-9]", out), out[-3000:]
+    assert re.search(r"job Succeeded: 80/80 steps, plan generation [1-9]", out), out[-3000:]
     assert "killed llama-tiny-worker-1 at step" in out
     assert re.search(r"training resumed \(step \d+ completed\) [\d.]+ s after the kill", out), out[-3000:]
     assert "done: nothing left running" in out

@@ -36,6 +36,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -43,6 +44,9 @@ from oobleck.processes import die_with_parent
 from oobleck_dev import kwok
 from oobleck_dev.certs import CertificateAuthority, KeyPair, service_account_keys
 from oobleck_dev.tools import K8sTools, find_tools, repo_root
+
+if TYPE_CHECKING:
+    from oobleck_dev.reads import ClusterReads
 
 WORKDIR_PREFIX = "oobleck-cp-"
 CONTEXT = "oobleck-dev"
@@ -233,7 +237,10 @@ def reap_stale_workdirs(parent: Path | None = None, min_age_s: float = 60.0) -> 
             pid_text, started = (folder / "owner").read_text().split()
             owner_alive = process_start_time(int(pid_text)) == started
         except FileNotFoundError:  # being created right now, or its owner died during mkdtemp
-            owner_alive = time.time() - folder.stat().st_mtime < min_age_s
+            try:
+                owner_alive = time.time() - folder.stat().st_mtime < min_age_s
+            except FileNotFoundError:  # removed since the glob: its plane stopped
+                continue
         except (OSError, ValueError):
             continue
         if not owner_alive:
@@ -805,6 +812,16 @@ class Cluster:
     nodes: list[str] = field(default_factory=list)
     _kwok: ManagedProcess | None = None
     _kwok_logs: Path | None = None  # kwok's log folder when there is no local control plane
+    _reads: ClusterReads | None = None
+
+    @property
+    def reads(self) -> ClusterReads:
+        """Polled reads over one kept connection (`oobleck_dev.reads`), made at first use."""
+        if self._reads is None:
+            from oobleck_dev.reads import ClusterReads
+
+            self._reads = ClusterReads(self.kubeconfig)
+        return self._reads
 
     @classmethod
     def existing(cls, kubeconfig: str, tools: K8sTools, owner: str = "") -> Cluster:

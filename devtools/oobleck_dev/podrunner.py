@@ -462,6 +462,8 @@ class PodLifecycle:
             status = self.status()
             if status == self._last_status or self.gone:
                 return
+            # The pids first: whoever sees this status in the API server can then find its processes.
+            self.agent.write_status_file()
             sent = await self.agent.send_pod_status(self.namespace, self.name, self.uid, status)
             if sent is None:  # gone, or a newer pod of the same name
                 self.gone = True
@@ -470,7 +472,6 @@ class PodLifecycle:
                 self._last_status = status
             elif self._retry is None or self._retry.done():  # a failed report must not be the last word
                 self._retry = asyncio.ensure_future(self._report_later(self.agent.timeouts.retry))
-            self.agent.write_status_file()
 
     async def _report_later(self, delay: float) -> None:
         await asyncio.sleep(delay)

@@ -54,7 +54,7 @@ from oobleck_dev.nodeconfig import (
     kubelet_args,
     kubelet_config,
 )
-from oobleck_dev.tools import repo_root
+from oobleck_dev.tools import cache_root, repo_root
 
 STATE_ROOT = Path("/var/lib/oobleck-realnodes")
 """Node folders (containerd roots, kubelet roots): on the same filesystem as the image cache, so that
@@ -75,10 +75,6 @@ class NodeBinaries:
     kubelet: Path
     kube_proxy: Path
     pause: Path
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("OOBLECK_CACHE") or Path.home() / ".cache" / "oobleck")
 
 
 def host_problem() -> str | None:

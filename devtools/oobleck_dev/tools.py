@@ -63,6 +63,11 @@ def repo_root() -> Path | None:
     return None
 
 
+def cache_root() -> Path:
+    """The project's cache folder, where scripts/ keep their builds too: $OOBLECK_CACHE, else ~/.cache/oobleck."""
+    return Path(os.environ.get("OOBLECK_CACHE") or Path.home() / ".cache" / "oobleck")
+
+
 def cache_bin_dir(build: bool = False) -> Path | None:
     """The k8s-tools cache's bin folder; with `build`, build it first if incomplete.
 

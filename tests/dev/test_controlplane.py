@@ -220,7 +220,8 @@ def test_a_thousand_kwok_nodes_register_with_gpus(cluster: Cluster) -> None:
             ]
             return ready if len(ready) == n else []
 
-        nodes = wait_until(ready_nodes, f"{n} kwok nodes to be Ready", timeout=300)
+        # Each look lists a thousand nodes (megabytes of JSON, a CPU-second): look every 2 s.
+        nodes = poll.wait_until(ready_nodes, f"{n} kwok nodes to be Ready", 300, 2.0)
         ready_s = time.monotonic() - started
         assert sorted(node["metadata"]["name"] for node in nodes) == sorted(names)
         for node in nodes:
@@ -331,6 +332,16 @@ def test_sigkill_of_the_owner_leaves_no_orphans(tmp_path: Path) -> None:
     assert workdir.exists()
     assert workdir in reap_stale_workdirs(workdir.parent)
     assert not workdir.exists()
+
+
+def test_reaping_skips_a_folder_removed_while_it_looks(tmp_path: Path) -> None:
+    """Another plane stopping removes its work folder between the reaper's glob and its look (a CI run's
+    plane start failed so, 2026-11-27): the reaper passes it by. A dangling link stands for that folder."""
+    (tmp_path / f"{controlplane.WORKDIR_PREFIX}gone").symlink_to(tmp_path / "removed")
+    starting = tmp_path / f"{controlplane.WORKDIR_PREFIX}starting"  # no owner file yet, just made: kept
+    starting.mkdir()
+    assert reap_stale_workdirs(tmp_path) == []
+    assert starting.is_dir()
 
 
 # --- `oobleck dev` ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from datetime import UTC
 from pathlib import Path
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from oobleck_dev import podenv, poll
 from oobleck_dev.controlplane import Cluster
@@ -88,8 +89,13 @@ def apply(cluster: Cluster, *objects: dict) -> None:
 
 
 def get_pod(cluster: Cluster, namespace: str, name: str) -> dict | None:
-    result = cluster.kubectl("get", "pod", name, "-n", namespace, "-o", "json", "--ignore-not-found")
-    return json.loads(result.stdout) if result.stdout.strip() else None
+    """The pod, or None where there is none (polled every 0.1 s: over the cluster's kept connection)."""
+    try:
+        return cluster.reads.pod(namespace, name)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
 
 
 def wait_phase(cluster: Cluster, namespace: str, name: str, phases: tuple[str, ...], timeout: float = WAIT_S) -> dict:
@@ -929,14 +935,16 @@ def test_a_restarted_agent_takes_over_its_nodes_and_fails_lost_pods(cluster: Clu
         text=True,
         cwd=REPO,
     )
-    assert "local nodes ready" in first.stdout.readline()  # type: ignore[union-attr]
-    namespace = cluster.namespace("takeover")
-    apply(cluster, python_pod("orphan", namespace, "import time; time.sleep(600)", None, node=node))
-    wait_phase(cluster, namespace, "orphan", ("Running",))
-    record = json.loads((state / "nodeagent" / "agent.json").read_text())
-    pid = int(record["pods"][f"{namespace}/orphan"]["containers"]["main"].split()[0])
-    first.kill()  # the agent crashes; its pods' processes die with it
-    first.wait(10)
+    try:
+        assert "local nodes ready" in first.stdout.readline()  # type: ignore[union-attr]
+        namespace = cluster.namespace("takeover")
+        apply(cluster, python_pod("orphan", namespace, "import time; time.sleep(600)", None, node=node))
+        wait_phase(cluster, namespace, "orphan", ("Running",))
+        record = json.loads((state / "nodeagent" / "agent.json").read_text())
+        pid = int(record["pods"][f"{namespace}/orphan"]["containers"]["main"].split()[0])
+    finally:  # the agent crashes; its pods' processes die with it (and a failed test leaves no Ready node behind)
+        first.kill()
+        first.wait(10)
     wait_until(lambda: not pid_running(pid), "the pod process to die with its agent", timeout=10)
     assert get_pod(cluster, namespace, "orphan")["status"]["phase"] == "Running"  # nobody told the API
 

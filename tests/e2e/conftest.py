@@ -26,8 +26,6 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes.client import CoreV1Api, CustomObjectsApi
-from kubernetes.config import new_client_from_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from oobleck.api import contract
@@ -37,10 +35,10 @@ from oobleck.api.resource import GROUP, PLURAL, VERSION, worker_selector
 from oobleck.operator import render
 from oobleck_dev.operatorproc import OperatorProcess
 from oobleck_dev.poll import wait_until
+from oobleck_dev.tools import cache_root
 
 JOB = "tiny"
 TIMEOUT_S = 150.0
-READ_TIMEOUT_S = 10.0
 LOSS_RTOL = 1e-5
 """The runtime's documented tolerance: every layout's losses match single-process training to 1e-5 relative."""
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny-gpt.yaml"
@@ -56,6 +54,9 @@ replacement pod starts and is folded in (seconds of torch import on a loaded hos
 MODEL = {"layers": 4, "hiddenSize": 32, "heads": 2, "sequenceLength": 16, "vocabSize": 128}
 """Smaller than the example's GPT (a quarter of its hidden size, half its sequence): the reference run
 of STEPS steps takes seconds, not a minute, on a loaded host; the plan shapes stay the same."""
+RECORD_INTERVAL_S = 1.0
+"""How often the recorder lists the job's pods and reads its plan: every pod and plan generation of a story
+lives for seconds, and each look is a LIST and a GET to the API server the other tests share."""
 GLOBAL_BATCH = 4
 """Four microbatches of one sample per GPU of a node: enough for the four pipelines of f = 2 on four nodes."""
 
@@ -92,8 +93,9 @@ def job_spec(
     spec["training"]["steps"] = steps
     spec["training"]["gradientSumDtype"] = "float64"  # every layout matches the reference run to 1e-5
     spec["profile"] = {"source": "measure"}
-    # Report progress often (the tests wait on it) and keep heartbeat verdicts lenient on a loaded host.
-    variables = {"WORKER_PROGRESS_INTERVAL_S": "0.2", "WORKER_DEAD_AFTER_S": "5", **(env or {})}
+    # Progress at the product's default pace (1 s: tests that read a step count from it pass their own), and
+    # heartbeat verdicts lenient on a loaded host.
+    variables = {"WORKER_DEAD_AFTER_S": "5", **(env or {})}
     spec["pod"] = {"nodeSelector": node_selector, "env": [{"name": k, "value": v} for k, v in variables.items()]}
     spec["pendingTimeoutSeconds"] = 600
     # Stragglers reported but not re-planned around: on a loaded host a noisy node could earn a re-split
@@ -124,7 +126,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 REPO = Path(__file__).parents[2]
-REFERENCE_CACHE = Path(os.environ.get("OOBLECK_CACHE") or Path.home() / ".cache" / "oobleck") / "e2e-references"
+REFERENCE_CACHE = cache_root() / "e2e-references"
 """Reference losses kept across runs (a 1500-step reference takes 20-60 s on the 2-core host), keyed by
 everything they depend on: the worker config, the global batch, the reference trainer's sources and torch."""
 REFERENCE_SOURCES = (
@@ -247,11 +249,11 @@ class JobRun:
         self.failed_exits_seen: dict[str, float] = {}
         """pod uid -> when its worker container exited non-zero (the kubelet's finishedAt)"""
         self.generations_seen: list[int] = []
-        # Reads polled several times a second go through one kept connection of the official client:
+        # Reads polled several times a second go through the cluster's kept connection (oobleck_dev.reads):
         # a kubectl process per read cost about 0.13 s of CPU, a quarter of a core per job's test.
-        self._api = new_client_from_config(config_file=cluster.kubeconfig)
-        self._core, self._custom = CoreV1Api(self._api), CustomObjectsApi(self._api)
+        self._reads = cluster.reads
         self._stop = threading.Event()
+        self._looking = threading.Lock()  # the recorder's thread and a check's own look
         self._thread = threading.Thread(target=self._record, name="e2e-recorder", daemon=True)
 
     STEPS = STEPS
@@ -265,30 +267,32 @@ class JobRun:
         return job_spec(self.agent.node_selector, steps, **shape)
 
     def apply(self, spec: dict[str, Any]) -> None:
+        if self.operator.process is None:
+            self.operator.start()
         self.spec = spec
         self.cluster.kubectl("apply", "-n", self.ns, "-f", "-", input=manifest(spec))
         self._thread.start()
 
     def _record(self) -> None:
-        while not self._stop.wait(0.3):
+        while not self._stop.wait(RECORD_INTERVAL_S):
             try:
-                for pod in self._worker_pods():
-                    self.pods_seen.setdefault(pod["metadata"]["name"], set()).add(pod["metadata"]["uid"])
-                generation = self.plan().generation
-                if not self.generations_seen or self.generations_seen[-1] != generation:
-                    self.generations_seen.append(generation)
+                self._look()
             except Exception:
                 continue
 
+    def _look(self) -> None:
+        """One look of the recorder: the job's worker pods and its plan's generation now."""
+        with self._looking:
+            for pod in self._worker_pods():
+                self.pods_seen.setdefault(pod["metadata"]["name"], set()).add(pod["metadata"]["uid"])
+            generation = self.plan().generation
+            if not self.generations_seen or self.generations_seen[-1] != generation:
+                self.generations_seen.append(generation)
+
     # -- reads --
 
-    def _read(self, call: Callable[..., Any], *args: Any, **query: Any) -> dict[str, Any]:
-        """The object as the API server sends it (what `kubectl get -o json` prints)."""
-        response = call(*args, _preload_content=False, _request_timeout=READ_TIMEOUT_S, **query)
-        return json.loads(response.data)
-
     def _worker_pods(self) -> list[dict[str, Any]]:
-        pods = self._read(self._core.list_namespaced_pod, self.ns, label_selector=worker_selector(JOB))["items"]
+        pods = self._reads.pods(self.ns, worker_selector(JOB))
         for pod in pods:
             if (finished := failed_exit(pod)) is not None:
                 self.failed_exits_seen.setdefault(pod["metadata"]["uid"], finished)
@@ -301,13 +305,13 @@ class JobRun:
         return dict(self.failed_exits_seen)
 
     def job(self) -> dict[str, Any]:
-        return self._read(self._custom.get_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL, JOB)
+        return self._reads.custom(GROUP, VERSION, PLURAL, self.ns, JOB)
 
     def plan(self):
-        return read_plan(self._read(self._core.read_namespaced_config_map, render.plan_name(JOB), self.ns))
+        return read_plan(self._reads.config_map(self.ns, render.plan_name(JOB)))
 
     def pod(self, name: str) -> dict[str, Any]:
-        return self._read(self._core.read_namespaced_pod, name, self.ns)
+        return self._reads.pod(self.ns, name)
 
     def node_of(self, pod: str) -> str:
         return self.pod(pod)["spec"]["nodeName"]
@@ -363,7 +367,7 @@ class JobRun:
 
     def events(self, reason: str) -> list[str]:
         """Messages of the namespace's events with `reason` (the operator's NodeLost, Reconfigured, ...)."""
-        items = self._read(self._core.list_namespaced_event, self.ns, field_selector=f"reason={reason}")["items"]
+        items = self._reads.events(self.ns, f"reason={reason}")
         return [item.get("message", "") for item in items]
 
     def logs(self) -> list[Path]:
@@ -470,11 +474,13 @@ class JobRun:
         for worker, generations in adopted.items():
             assert generations == sorted(set(generations)), f"{worker} adopted {generations}"
         assert set().union(*adopted.values()) == set(range(final + 1)), f"adopted: {adopted}"
+        self._look()  # the plan now: the recorder's last look may be a second old
         assert self.generations_seen == sorted(set(self.generations_seen)), f"configmap: {self.generations_seen}"
         assert self.generations_seen[-1:] == [final], f"configmap: {self.generations_seen}"
 
     def check_no_duplicate_pods(self, expected: int) -> None:
         """Exactly `expected` worker pods existed (originals + replacements), each created once."""
+        self._look()
         assert all(len(uids) == 1 for uids in self.pods_seen.values()), (
             f"a pod name was created twice: {self.pods_seen}"
         )
@@ -484,14 +490,17 @@ class JobRun:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-        self._api.close()
 
 
 @pytest.fixture
 def job_run(cluster, local_nodes, tmp_path) -> Iterator[JobRun]:
     namespace = cluster.namespace("e2e")
-    # Resync every 2 s: a missed event costs seconds, not the default 10.
-    operator = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "operator", "--resync", "2").start()
+    # Resync every 2 s: a missed event costs seconds, not the default 10. One job at a time: one planner process
+    # (each costs 0.6 CPU-s to start; test_bounded_planning.py asks for two). Started by the job's apply, unless
+    # the test started it first with settings of its own.
+    operator = OperatorProcess(
+        cluster.kubeconfig, [namespace], tmp_path / "operator", "--resync", "2", "--planner-workers", "1"
+    )
     run = JobRun(cluster, local_nodes, namespace, operator)
     try:
         yield run

@@ -55,7 +55,8 @@ def test_a_worker_throttled_to_half_its_cpu_is_a_confirmed_straggler_within_20_s
     if (why := cpulimit.available()) is not None:
         pytest.skip(why)
     run = job_run
-    spec = run.job_spec(STEPS, nodes=NODES)
+    # Step counts read from the progress reports bound the detection: reported five times a second.
+    spec = run.job_spec(STEPS, nodes=NODES, env={"WORKER_PROGRESS_INTERVAL_S": "0.2"})
     spec["training"]["globalBatchSize"] = 12  # 4 microbatches per pipeline: room to re-split
     spec["nodes"]["min"] = NODES
     # Wider than the other e2e jobs' GPT: tens of milliseconds of compute per step, not a few, so that a

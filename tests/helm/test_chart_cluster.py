@@ -303,15 +303,12 @@ def test_operator_with_the_charts_identity_runs_a_job_lifecycle(release: Release
 
         def settled(at_least: int) -> list[str] | None:
             """The plan's nodes once its generation is `at_least` or newer and all of them run and carry their ranks."""
-            plan = planmap.read_plan(cluster.kubectl_json("get", "configmap", render.plan_name(name), "-n", served))
+            plan = planmap.read_plan(cluster.reads.config_map(served, render.plan_name(name)))  # polled: no kubectl
             generation = plan.generation
             if generation < at_least:
                 return None
             members = list(plan.nodes)
-            pods = {
-                p["metadata"]["name"]: p
-                for p in cluster.kubectl_json("get", "pods", "-n", served, "-l", f"{JOB_LABEL}={name}")["items"]
-            }
+            pods = {p["metadata"]["name"]: p for p in cluster.reads.pods(served, f"{JOB_LABEL}={name}")}
             for member in members:
                 pod = pods.get(member)
                 if pod is None or pod["status"].get("phase") != "Running":

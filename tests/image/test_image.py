@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from oobleck_dev.tools import cache_root
+
 REPO = Path(__file__).resolve().parents[2]
 BUILDAH = str(REPO / "scripts" / "image" / "buildah")
 USER = "65532:65532"
@@ -156,9 +158,7 @@ def test_a_source_edit_rebuilds_from_the_wheel_only(image: str, tmp_path: Path) 
     assert edited.returncode == 0, edited.stderr[-3000:]
     new_image = edited.stdout.split()[-1]
     assert new_image != image
-    log = (
-        Path(os.environ.get("OOBLECK_CACHE", Path.home() / ".cache" / "oobleck")) / "image" / "build.log"
-    ).read_text()
+    log = (cache_root() / "image" / "build.log").read_text()
     steps = [step for step in log.split("STEP ")[1:] if "pip install" in step.splitlines()[0]]
     for requirement in ("torch.txt", "dependencies.txt"):
         (step,) = [s for s in steps if requirement in s.splitlines()[0]]

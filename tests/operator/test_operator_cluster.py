@@ -43,8 +43,11 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S
 
 def new_operator(cluster, namespace: str, log_dir: Path) -> OperatorProcess:
     """`oobleck operator` in a subprocess for `namespace`; kwok pods run no runtime, so it plans with the
-    estimate (`--measure-timeout 0`)."""
-    return OperatorProcess(cluster.kubeconfig, [namespace], log_dir, "--resync", "2", "--measure-timeout", "0")
+    estimate (`--measure-timeout 0`). One planner process (each costs 0.6 CPU-s to start): a test whose jobs
+    must plan at the same time asks for more."""
+    return OperatorProcess(
+        cluster.kubeconfig, [namespace], log_dir, "--resync", "2", "--measure-timeout", "0", "--planner-workers", "1"
+    )
 
 
 @pytest.fixture
@@ -93,8 +96,10 @@ def apply_job(cluster, env: dict[str, Any], name: str = "tiny", **spec: Any) -> 
     cluster.kubectl("apply", "-n", env["ns"], "-f", "-", input=job_manifest(name, env["pool"], **spec))
 
 
+# The helpers below are polled every 0.2 s: they read over the cluster's kept connection (`cluster.reads`),
+# not a kubectl process per read.
 def job(cluster, ns: str, name: str = "tiny") -> dict[str, Any]:
-    return cluster.kubectl_json("get", "oobleckjob", name, "-n", ns)
+    return cluster.reads.custom(resource.GROUP, resource.VERSION, resource.PLURAL, ns, name)
 
 
 def condition(body: dict[str, Any], type_: str) -> dict[str, Any] | None:
@@ -102,19 +107,23 @@ def condition(body: dict[str, Any], type_: str) -> dict[str, Any] | None:
 
 
 def workers(cluster, ns: str, name: str = "tiny") -> dict[str, dict[str, Any]]:
-    pods = cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"oobleck.dev/job={name},{resource.ROLE_LABEL}=worker")[
-        "items"
-    ]
+    pods = cluster.reads.pods(ns, resource.worker_selector(name))
     return {p["metadata"]["name"]: p for p in pods}
 
 
 def current_plan(cluster, ns: str, name: str = "tiny") -> Plan:
-    return planmap.read_plan(cluster.kubectl_json("get", "configmap", render.plan_name(name), "-n", ns))
+    return planmap.read_plan(cluster.reads.config_map(ns, render.plan_name(name)))
 
 
 def reconfigured_events(cluster, ns: str) -> list[str]:
-    items = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", "reason=Reconfigured")["items"]
+    items = cluster.reads.events(ns, "reason=Reconfigured")
     return sorted(e["message"] for e in items)
+
+
+def report_progress(cluster, ns: str, pod: str, generation: int, step: int) -> None:
+    """Write `pod`'s progress annotation as its runtime would (kwok pods run none)."""
+    progress = json.dumps({"generation": generation, "step": step})
+    cluster.kubectl("annotate", "pod", pod, "-n", ns, "--overwrite", f"{contract.PROGRESS_ANNOTATION}={progress}")
 
 
 def settled(cluster, ns: str, generation: int, name: str = "tiny", *, or_later: bool = False) -> Plan | None:
@@ -202,7 +211,12 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
     metrics = env["operator"].metrics()
     assert 'oobleck_operator_jobs{phase="Running"} 1.0' in metrics
     created = [line for line in metrics.splitlines() if line.startswith("oobleck_operator_pods_created_total ")]
-    assert created == ["oobleck_operator_pods_created_total 4.0"], (created, workers(cluster, ns))  # 3 + coordinator
+    assert created == ["oobleck_operator_pods_created_total 4.0"], (  # 3 + coordinator
+        created,
+        {name: (p["spec"].get("nodeName"), p["status"].get("phase")) for name, p in workers(cluster, ns).items()},
+        reconfigured_events(cluster, ns),
+        cluster.kubectl("get", "events", "-n", ns).stdout[-3000:],
+    )
     spares_series = f'oobleck_operator_spares{{job="tiny",namespace="{ns}"}} 0.0'
     assert spares_series in metrics
     cluster.kubectl("delete", "oobleckjob", "tiny", "-n", ns, "--wait=true", timeout=90)
@@ -346,9 +360,11 @@ def test_each_failure_kind_is_one_generation_without_the_node(cluster, env, kind
     assert victim not in lost.nodes
     # Every survivor carries the generation that excludes the victim (or a later one adding a replacement).
     wait_for(lambda: settled(cluster, ns, current_plan(cluster, ns).generation), "survivors patched")
-    events = reconfigured_events(cluster, ns)
-    with_losses = [e for e in events if "lost" in e]
-    assert len(with_losses) == 1 and f"lost ['{victim}']" in with_losses[0], events
+    # The event is posted after the plan is written.
+    with_losses = wait_for(
+        lambda: [e for e in reconfigured_events(cluster, ns) if "lost" in e], "the Reconfigured event of the loss"
+    )
+    assert len(with_losses) == 1 and f"lost ['{victim}']" in with_losses[0], with_losses
     assert victim not in workers(cluster, ns) or workers(cluster, ns)[victim]["metadata"].get("deletionTimestamp")
     # The status is written after the patches (Reconfiguring -> Running). A timeout shows the status last read
     # (once, at load ~11, it was not Running with one failure 60 s after generation 2: what it was is unknown).
@@ -412,7 +428,9 @@ def test_simultaneous_losses_make_one_generation(cluster, env):
     cluster.kubectl("delete", "pod", *victims, "-n", ns, "--wait=false")
     wait_for(lambda: current_plan(cluster, ns).generation >= 1, "a new generation")
     wait_for(lambda: settled(cluster, ns, current_plan(cluster, ns).generation), "survivors patched")
-    with_losses = [e for e in reconfigured_events(cluster, ns) if "lost" in e]
+    with_losses = wait_for(
+        lambda: [e for e in reconfigured_events(cluster, ns) if "lost" in e], "the Reconfigured event of the loss"
+    )
     assert len(with_losses) == 1 and all(v in with_losses[0] for v in victims), with_losses
     wait_for(
         lambda: job(cluster, ns)["status"]["failuresSurvived"] == 2, "status.failuresSurvived == 2"
@@ -527,20 +545,42 @@ def test_final_step_succeeds_and_cleans_pods(cluster, env):
     plan = running_job(cluster, env, cleanPodPolicy="Running")
     first, *others = plan.nodes
     for pod, step in ((first, 10**9), *((pod, 12) for pod in others)):
-        progress = json.dumps({"generation": 0, "step": step})
-        cluster.kubectl("annotate", "pod", pod, "-n", ns, "--overwrite", f"{contract.PROGRESS_ANNOTATION}={progress}")
+        report_progress(cluster, ns, pod, 0, step)
     wait_for(lambda: (job(cluster, ns)["status"].get("progress") or {}).get("step") == 12, "status.progress.step 12")
     time.sleep(2)  # further passes of the operator over the same reports
     assert job(cluster, ns)["status"]["phase"] == "Running"
     for pod in plan.nodes:
-        progress = json.dumps({"generation": 0, "step": 40})
-        cluster.kubectl("annotate", "pod", pod, "-n", ns, "--overwrite", f"{contract.PROGRESS_ANNOTATION}={progress}")
+        report_progress(cluster, ns, pod, 0, 40)
     wait_for(lambda: job(cluster, ns)["status"]["phase"] == "Succeeded", "Succeeded")
     wait_for(
-        lambda: not cluster.kubectl_json("get", "pods", "-n", ns, "-l", "oobleck.dev/job=tiny")["items"],
+        lambda: not cluster.reads.pods(ns, "oobleck.dev/job=tiny"),
         "pods cleaned up",
     )
     assert job(cluster, ns)["status"]["progress"]["step"] == 40
+
+
+def test_an_ended_job_deletes_its_spare_and_keeps_its_members(cluster, env):
+    """cleanPodPolicy None keeps a Succeeded job's member pods; its warm spare, which holds nothing, is deleted and
+    the status counts no spare. (tests/e2e/test_spares.py shows a real spare's runtime counted ready.)"""
+    ns = env["ns"]
+    env["add_nodes"](4)
+    env["operator"].start()
+    apply_job(cluster, env, nodes={"min": 2, "max": 3, "spares": 1}, cleanPodPolicy="None")
+    plan = wait_for(lambda: settled(cluster, ns, 0), "generation 0 on every worker")
+    # Generation 0 takes the first three pods to run; which of the four that is, kwok's start order decides.
+    assert len(plan.nodes) == 3
+    (spare,) = {render.worker_name("tiny", i) for i in range(4)} - set(plan.nodes)
+    wait_for(lambda: workers(cluster, ns)[spare]["status"]["phase"] == "Running", "the spare pod running")
+    report_progress(cluster, ns, spare, -1, 0)  # its runtime is up, in no plan: what a spare reports
+    for pod in plan.nodes:
+        report_progress(cluster, ns, pod, 0, 12)
+    wait_for(lambda: job(cluster, ns)["status"].get("sparePods") == [spare], "the spare counted")
+    for pod in plan.nodes:
+        report_progress(cluster, ns, pod, 0, 40)
+    wait_for(lambda: job(cluster, ns)["status"]["phase"] == "Succeeded", "Succeeded")
+    wait_for(lambda: spare not in workers(cluster, ns), "the spare deleted")
+    assert set(plan.nodes) <= set(workers(cluster, ns)), "the members' pods stay (cleanPodPolicy None)"
+    assert job(cluster, ns)["status"].get("spares", 0) == 0
 
 
 # -- high availability ----------------------------------------------------------------------------------
@@ -611,7 +651,10 @@ def test_two_replicas_with_peering_fail_over(cluster, env, tmp_path):
             timeout=90,
         )
         assert "plan generation" in standby.log()
-        with_losses = [e for e in reconfigured_events(cluster, ns) if "lost" in e]
+        with_losses = wait_for(
+            lambda: len(events := [e for e in reconfigured_events(cluster, ns) if "lost" in e]) >= 2 and events,
+            "the Reconfigured events of both losses",
+        )
         assert len(with_losses) == 2, with_losses  # one per failure: never both replicas
         live = [n for n, p in workers(cluster, ns).items() if not p["metadata"].get("deletionTimestamp")]
         assert sorted(live) == sorted(final.nodes)
@@ -718,7 +761,7 @@ def test_a_huge_spec_is_planned_off_the_loop_while_another_job_recovers(cluster,
     plan = running_job(
         cluster,
         env,
-        operator_args=("--planner-timeout", "8"),
+        operator_args=("--planner-timeout", "8", "--planner-workers", "2"),  # the huge spec keeps one busy
         pod={"nodeSelector": {POOL_LABEL: env["pool"]}, "env": [env_from_secret]},
     )
     operator = env["operator"]

@@ -78,6 +78,8 @@ def world(cluster, tmp_path_factory):
         render.worker_pod(JOB, ns, uid, spec, 1, default_image="i", default_command=["c"]),
         render.coordinator_pod(JOB, ns, uid, spec, default_image="i"),
     ]
+    for pod in objects[-3:]:  # never scheduled: nodes of other tests on this plane must not run them
+        pod["spec"]["nodeSelector"] = {"oobleck.dev/test-unschedulable": ns}
     cluster.kubectl(
         "apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
     )

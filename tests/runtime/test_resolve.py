@@ -151,7 +151,10 @@ def test_workers_roll_back_on_their_own_when_the_controller_knows_only_layouts(k
     [reconfiguration] = summary["reconfigurations"]
     assert reconfiguration["restore_step"] is None  # the controller did not choose the rollback...
     restored = {e["restore_step"] for e in resolved_events(tmp_path)}
-    assert restored == {4}, restored  # ...the workers did, all the same one
+    # ...the workers did, all the same one: the newest snapshot when the kill landed. The launcher kills once it
+    # sees both victims at step 7, between the snapshots of steps 4 and 8; on a loaded host it saw that late
+    # and the kill landed after step 8's (ci20c, 2026-11-27). Every loss is exact either way (below).
+    assert len(restored) == 1 and restored <= {4, 8}, restored
     kit.check_against_reference(tmp_path, summary, 8)
 
 

@@ -2,8 +2,8 @@
 
 4 nodes, f = 1: pipelines node0-node1 and node2-node3 with stages [0, 3) [3, 6). Killing node0 and
 node2 takes every live replica of layers 0-2; the job rolls back to the newest snapshot step and
-replays. Losses (every step, replayed ones included: the launcher fails on a step logged twice with
-different losses) and final parameters are compared with the single-process reference.
+replays. Losses (every step, replayed ones included: the launcher fails on a step logged twice with losses
+more than 1e-5 apart) and final parameters are compared with the single-process reference.
 """
 
 from __future__ import annotations
