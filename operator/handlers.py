@@ -58,15 +58,30 @@ JobKey = tuple[str, str]  # (namespace, name)
 
 @dataclass
 class Waker:
-    """A job's wake-up signal, and when the first event since the last reconcile arrived."""
+    """A job's wake-up signal; when the first event since the last reconcile arrived, and the first that may
+    be a loss. The batch window counts from that one: workers' progress reports wake a job every second, so a
+    window counted from any wake-up would close at an arbitrary moment and split losses seen a moment apart."""
 
     event: asyncio.Event = field(default_factory=asyncio.Event)
     first_at: float | None = None
+    loss_at: float | None = None
 
-    def wake(self, at: float) -> None:
+    def wake(self, at: float, may_be_loss: bool = True) -> None:
         if self.first_at is None:
             self.first_at = at
+        if may_be_loss and self.loss_at is None:
+            self.loss_at = at
         self.event.set()
+
+    def batch_open_for(self, window_s: float, now: float) -> float:
+        """Seconds until the batch window of the first possible loss closes (0 when none waits)."""
+        return 0.0 if self.loss_at is None else max(0.0, self.loss_at + window_s - now)
+
+    def take(self) -> float | None:
+        """Start a reconcile: clear the signal and return when its first event arrived."""
+        self.event.clear()
+        first_at, self.first_at, self.loss_at = self.first_at, None, None
+        return first_at
 
 
 @dataclass
@@ -183,10 +198,17 @@ def job_pods(
     key = (namespace, labels[JOB_LABEL])
     seen: dict[tuple[str, str], observe.PodSummary] = memo.pod_seen
     health = _health(summary)
-    if seen.get((namespace, name)) != health:
+    before = seen.get((namespace, name))
+    if before != health:
         seen[(namespace, name)] = health  # type: ignore[assignment]
-        _memo_waker(memo, key).wake(time.monotonic())
+        _memo_waker(memo, key).wake(time.monotonic(), may_be_loss=not _only_progress_changed(before, health))
     return {key: summary}
+
+
+def _only_progress_changed(before: observe.PodSummary | None, after: observe.PodSummary | None) -> bool:
+    if before is None or after is None:
+        return False
+    return replace(before, progress=None) == replace(after, progress=None)
 
 
 @kopf.index("nodes")
@@ -219,7 +241,7 @@ def node_deleted(name: str, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 def job_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    _memo_waker(memo, (namespace, name)).wake(time.monotonic())
+    _memo_waker(memo, (namespace, name)).wake(time.monotonic(), may_be_loss=False)
 
 
 # -- the per-job daemon ------------------------------------------------------------------------------
@@ -244,7 +266,7 @@ async def job_daemon(
     runner = JobRunner(key, uid)
     memo.runners[key] = runner
     waker = _memo_waker(memo, key)
-    waker.wake(time.monotonic())
+    waker.wake(time.monotonic(), may_be_loss=False)
     failures = 0  # failed reconciles in a row: the retry backs off
     try:
         while not stopped:
@@ -252,12 +274,13 @@ async def job_daemon(
                 await asyncio.wait_for(waker.event.wait(), timeout=config.resync_s)
                 # Let the other losses of a simultaneous failure arrive, and the index settle.
                 await asyncio.sleep(config.batch_window_s)
+                while (wait := waker.batch_open_for(config.batch_window_s, time.monotonic())) > 0:
+                    await asyncio.sleep(wait)
             except TimeoutError:
                 pass
             if stopped:
                 break
-            waker.event.clear()
-            first_at, waker.first_at = waker.first_at, None
+            first_at = waker.take()
             began = time.perf_counter()
             try:
                 await reconcile(runner, body, memo, job_pods, node_health, first_at, logger)
@@ -272,7 +295,7 @@ async def job_daemon(
                 delay = retry_delay(failures, config.error_backoff_s, config.max_error_backoff_s)
                 logger.warning(f"reconcile failed ({failures} in a row), retrying in {delay:g} s: {error}")
                 runner.loaded = False  # re-read the truth (e.g. a plan written before a failed patch)
-                waker.wake(first_at or time.monotonic())
+                waker.wake(first_at or time.monotonic(), may_be_loss=False)
                 await stopped.wait(delay)
             memo.metrics.reconcile_seconds.observe(time.perf_counter() - began)
             memo.metrics.set_phases(r.phase for r in memo.runners.values())
