@@ -7,14 +7,21 @@ under the cache (`~/.cache/oobleck/k8s-node/store`), and each node's containerd 
 hard-linked copy of it (`cp -al`): the files are shared, only containerd's two bolt databases are
 real copies (bolt writes in place). Layer blobs and lower snapshot folders are never written by a
 node (overlayfs writes a container's changes to a new upper folder), so sharing them is safe; a node
-deleting an image only drops its own links. A new build of the image adds only its changed layers
-to the template (content is deduplicated by digest) and older project images are removed from it.
+deleting an image only drops its own links. Older project images are removed from the template.
+
+A new build imports only its changed layers. buildah pushes the image, uncompressed, into an OCI layout
+kept beside the template (`store/oci`): the push writes only the blobs the layout lacks. The archive
+streamed to `ctr images import` then holds the manifest, the config and the blobs of the layers from the
+first one the template has not unpacked yet (a layer's snapshot is named by its chain ID); containerd
+unpacks those onto the snapshots it has. A source edit moves the wheel's layer (megabytes), not the 6 GB
+of torch and CUDA wheels below it.
 
 `pause_archive` makes the sandbox ("pause") image: a docker-archive with one static binary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -24,6 +31,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from oobleck_dev.controlplane import ManagedProcess, stop_processes
@@ -32,7 +40,8 @@ from oobleck_dev.nodeconfig import NodeLayout, containerd_config
 
 NAMESPACE = "k8s.io"  # the CRI plugin's containerd namespace
 BOLT_FILES = ("io.containerd.metadata.v1.bolt/meta.db", "io.containerd.snapshotter.v1.overlayfs/metadata.db")
-PROJECT_IMAGE_PREFIX = "localhost/oobleck:"
+LAYOUT_REF = "current"  # the one image the OCI layout holds
+IMAGE_NAME_ANNOTATION = "io.containerd.image.name"  # names an index.json entry in `ctr images import`
 
 
 class ImageStoreError(RuntimeError):
@@ -67,20 +76,38 @@ def pause_archive(pause_binary: Path, name: str) -> bytes:
             (f"{layer_digest}/layer.tar", layer_bytes),
             ("manifest.json", json.dumps(manifest).encode()),
         ):
-            info = tarfile.TarInfo(path)
-            info.size, info.mode, info.mtime = len(content), 0o644, 0
-            tar.addfile(info, io.BytesIO(content))
+            _add_bytes(tar, path, content)
     return archive.getvalue()
+
+
+def chain_ids(diff_ids: Iterable[str]) -> list[str]:
+    """The OCI chain IDs of a layer stack (what containerd names each layer's unpacked snapshot): the first
+    layer's is its diff ID, each next one sha256 of "<chain below> <its diff ID>"."""
+    chains: list[str] = []
+    for diff_id in diff_ids:
+        below = chains[-1] if chains else None
+        chains.append(
+            diff_id if below is None else "sha256:" + hashlib.sha256(f"{below} {diff_id}".encode()).hexdigest()
+        )
+    return chains
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o644, 0
+    tar.addfile(info, io.BytesIO(data))
 
 
 class TemplateStore:
     """The template containerd root under `folder` (`folder/root`), holding the pause and project images."""
 
-    def __init__(self, folder: Path, pause_image: str, pause_binary: Path, buildah: Path) -> None:
+    def __init__(self, folder: Path, pause_image: str, pause_binary: Path, buildah: Sequence[str]) -> None:
         self.folder = folder
         self.root = folder / "root"
-        self.pause_image, self.pause_binary, self.buildah = pause_image, pause_binary, buildah
+        self.layout = folder / "oci"
+        self.pause_image, self.pause_binary, self.buildah = pause_image, pause_binary, list(buildah)
         self.import_s: float | None = None  # seconds the last ensure() spent importing (None: nothing to do)
+        self.imported_bytes = 0  # blob bytes the last ensure() streamed into containerd
 
     def _images_file(self) -> Path:
         return self.folder / "contents.json"
@@ -100,22 +127,9 @@ class TemplateStore:
         if wanted <= set(self.images()):
             return
         began = time.monotonic()
+        self.imported_bytes = 0
         self.folder.mkdir(parents=True, exist_ok=True)
-        # An import whose owner was killed: its folder, and any mount its containerd left in the store.
-        for stale in self.folder.glob("import-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        unmount_under(str(self.root))
-        work = Path(tempfile.mkdtemp(prefix="import-", dir=self.folder))
-        # A containerd on the template root alone (no kubelet: it only imports).
-        layout = NodeLayout(1, work)
-        config = work / "config.toml"
-        config.write_text(containerd_config(layout, self.pause_image, root=self.root))
-        containerd = ManagedProcess(
-            "containerd-import", ["containerd", "--config", str(config)], work / "containerd.log"
-        )
-        try:
-            self._wait_socket(containerd, layout.socket)
-            ctr = ["ctr", "--address", str(layout.socket), "--namespace", NAMESPACE]
+        with self.serving() as ctr:
             present = set(self._run([*ctr, "images", "list", "--quiet"], "list images").split())
             if self.pause_image not in present:
                 self._run(
@@ -125,45 +139,123 @@ class TemplateStore:
                 )
             if image not in present:
                 self._import_project_image(ctr, image, timeout_s)
-            stale = [name for name in present if name.startswith(PROJECT_IMAGE_PREFIX) and name != image]
-            if stale:
-                # containerd's garbage collector then drops the layers no image uses any more.
-                self._run([*ctr, "images", "remove", "--sync", *stale], "remove older project images")
+            self._remove_all_but(ctr, wanted)
             # A container runs on the unpacked snapshots; the layer blobs (as large again) only serve to unpack
-            # once more. Dropping the manifests' references to them lets the garbage collector remove them; the
-            # next import writes the blobs again, finds every unchanged layer already unpacked, and prunes again.
+            # once more. Dropping the manifests' references to them lets the garbage collector remove them; an
+            # import sends the blobs of the layers not unpacked yet only.
             self._run([*ctr, "content", "prune", "references"], "drop the unpacked layers' blobs")
             self._images_file().write_text(json.dumps({"images": sorted(wanted), "layer_blobs": "pruned"}))
+        self.import_s = round(time.monotonic() - began, 1)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[list[str]]:
+        """A containerd on the template root alone (no kubelet), for as long as the block runs: yields the `ctr`
+        command that talks to it."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        # An import whose owner was killed: its folder, and any mount its containerd left in the store.
+        for stale in self.folder.glob("import-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        unmount_under(str(self.root))
+        work = Path(tempfile.mkdtemp(prefix="import-", dir=self.folder))
+        layout = NodeLayout(1, work)
+        config = work / "config.toml"
+        config.write_text(containerd_config(layout, self.pause_image, root=self.root))
+        containerd = ManagedProcess(
+            "containerd-import", ["containerd", "--config", str(config)], work / "containerd.log"
+        )
+        try:
+            self._wait_socket(containerd, layout.socket)
+            yield ["ctr", "--address", str(layout.socket), "--namespace", NAMESPACE]
         finally:
             stop_processes([containerd], 30.0)
             shutil.rmtree(work, ignore_errors=True)
-        self.import_s = round(time.monotonic() - began, 1)
+
+    def _remove_all_but(self, ctr: list[str], wanted: set[str]) -> None:
+        """Remove every image record but `wanted` and the ID references the CRI plugin keeps for them
+        (`sha256:<config>`, same manifest); containerd's garbage collector then drops the layers no image
+        uses any more."""
+        records = [line.split() for line in self._run([*ctr, "images", "list"], "list images").splitlines()[1:]]
+        kept_manifests = {fields[2] for fields in records if len(fields) > 2 and fields[0] in wanted}
+        stale = [fields[0] for fields in records if len(fields) > 2 and fields[2] not in kept_manifests]
+        if stale:
+            self._run([*ctr, "images", "remove", "--sync", *stale], "remove older images")
 
     def _import_project_image(self, ctr: list[str], image: str, timeout_s: float) -> None:
-        """buildah writes the docker-archive to a pipe that ctr reads: no 6 GB file in between."""
-        push = subprocess.Popen(
-            [str(self.buildah), "push", "--quiet", image, "docker-archive:/dev/stdout"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+        self._run(
+            [*self.buildah, "push", "--quiet", "--disable-compression", image, f"oci:{self.layout}:{LAYOUT_REF}"],
+            f"push {image} into the OCI layout {self.layout}",
         )
-        assert push.stdout is not None
-        try:
-            imported = subprocess.run(
-                [*ctr, "images", "import", "-"],
-                stdin=push.stdout,
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
+        manifest_digest, manifest = self._layout_manifest()
+        config_digest = manifest["config"]["digest"]
+        diff_ids = json.loads(self._blob(config_digest).read_bytes())["rootfs"]["diff_ids"]
+        unpacked = self._committed_snapshots(ctr)
+        first_new = next((i for i, chain in enumerate(chain_ids(diff_ids)) if chain not in unpacked), len(diff_ids))
+        blobs = [manifest_digest, config_digest, *(layer["digest"] for layer in manifest["layers"][first_new:])]
+        index = {
+            "schemaVersion": 2,
+            "manifests": [
+                {
+                    "mediaType": manifest.get("mediaType", "application/vnd.oci.image.manifest.v1+json"),
+                    "digest": manifest_digest,
+                    "size": self._blob(manifest_digest).stat().st_size,
+                    "annotations": {IMAGE_NAME_ANNOTATION: image},
+                }
+            ],
+        }
+        with tempfile.TemporaryFile() as output:
+            importer = subprocess.Popen(
+                [*ctr, "images", "import", "-"], stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT
             )
-        finally:
-            push.stdout.close()
-            push_err = push.communicate(timeout=60)[1].decode(errors="replace")
-        if push.returncode != 0 or imported.returncode != 0:
+            assert importer.stdin is not None
+            try:
+                with importer.stdin, tarfile.open(fileobj=importer.stdin, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                    _add_bytes(tar, "oci-layout", (self.layout / "oci-layout").read_bytes())
+                    _add_bytes(tar, "index.json", json.dumps(index).encode())
+                    for digest in blobs:
+                        path = self._blob(digest)
+                        tar.add(path, arcname=f"blobs/sha256/{path.name}")
+                        self.imported_bytes += path.stat().st_size
+            except BrokenPipeError:
+                pass  # ctr quit early: its exit status and output say why
+            try:
+                importer.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                importer.kill()
+                raise ImageStoreError(f"importing {image} into {self.root} took over {timeout_s:g} s") from None
+            output.seek(0)
+            said = output.read().decode(errors="replace")
+        if importer.returncode != 0:
             raise ImageStoreError(
-                f"importing {image} into the template store {self.root} failed:\n"
-                f"buildah push (exit {push.returncode}): {push_err[-2000:]}\n"
-                f"ctr import (exit {imported.returncode}): {(imported.stderr or imported.stdout)[-2000:]}"
+                f"importing {image} into the template store {self.root} (layers {first_new}.. of "
+                f"{len(diff_ids)}) failed: ctr exited {importer.returncode}: {said[-2000:]}"
             )
+
+    def _blob(self, digest: str) -> Path:
+        algorithm, hexdigest = digest.split(":", 1)
+        return self.layout / "blobs" / algorithm / hexdigest
+
+    def _layout_manifest(self) -> tuple[str, dict]:
+        """The layout's current manifest (digest, body); the layout is pruned to it and its blobs."""
+        index = json.loads((self.layout / "index.json").read_text())
+        entries = [
+            e
+            for e in index["manifests"]
+            if e.get("annotations", {}).get("org.opencontainers.image.ref.name") == LAYOUT_REF
+        ]
+        if len(entries) != 1:
+            raise ImageStoreError(f"{self.layout}/index.json: expected one '{LAYOUT_REF}' entry, got {len(entries)}")
+        digest = entries[0]["digest"]
+        manifest = json.loads(self._blob(digest).read_bytes())
+        keep = {digest, manifest["config"]["digest"], *(layer["digest"] for layer in manifest["layers"])}
+        for blob in (self.layout / "blobs").glob("*/*"):
+            if f"{blob.parent.name}:{blob.name}" not in keep:
+                blob.unlink()
+        (self.layout / "index.json").write_text(json.dumps({**index, "manifests": entries}))
+        return digest, manifest
+
+    def _committed_snapshots(self, ctr: list[str]) -> set[str]:
+        lines = self._run([*ctr, "snapshots", "ls"], "list the unpacked layers").splitlines()[1:]
+        return {fields[0] for fields in (line.split() for line in lines) if fields and fields[-1] == "Committed"}
 
     @staticmethod
     def _wait_socket(containerd: ManagedProcess, socket: Path, timeout_s: float = 60.0) -> None:

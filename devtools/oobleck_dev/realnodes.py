@@ -197,9 +197,10 @@ class RealNodes:
                 cache_root() / "k8s-node" / "store",
                 pause_image,
                 binaries.pause,
-                _script(IMAGE_SCRIPT).parent / "buildah",
+                [str(_script(IMAGE_SCRIPT).parent / "buildah")],
             )
             store.ensure(image, self.timeouts.import_image)
+            self.figures["import_gb"] = round(store.imported_bytes / 1e9, 3)
             mark = self._phase("import", mark)
             self._start(binaries, store, pause_image)
             self._phase("nodes", mark)
