@@ -11,11 +11,7 @@ an operator, and cleans up after it (pods gone, nodes uncordoned, GPUs healthy a
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
-import os
-import sys
 import threading
 import time
 import urllib.request
@@ -35,7 +31,7 @@ from oobleck.api.resource import GROUP, PLURAL, VERSION, worker_selector
 from oobleck.operator import render
 from oobleck_dev.operatorproc import OperatorProcess
 from oobleck_dev.poll import wait_until
-from oobleck_dev.tools import cache_root
+from oobleck_dev.references import REFERENCE_SOURCES, ReferenceCache
 
 JOB = "tiny"
 TIMEOUT_S = 150.0
@@ -125,93 +121,17 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-REPO = Path(__file__).parents[2]
-REFERENCE_CACHE = cache_root() / "e2e-references"
-"""Reference losses kept across runs (a 1500-step reference takes 20-60 s on the 2-core host), keyed by
-everything they depend on: the worker config, the global batch, the reference trainer's sources and torch."""
-REFERENCE_SOURCES = (
-    "runtime/train",
-    "runtime/models",
-    "runtime/errors.py",
-    "runtime/__init__.py",
-    "runtime/backends/__init__.py",
-    "runtime/backends/pod/__init__.py",
-    "runtime/backends/pod/config.py",
-    "src/oobleck",
-)
-"""What the single-process reference run imports of the project (tests/e2e/test_reference_sources.py checks
-it): an edit elsewhere (the elastic loop, snapshots, the backends) cannot change its losses, so it keeps the
-cache, where recomputing every reference made a full run 11 minutes longer."""
-
-
-@functools.cache
-def _sources_stamp() -> str:
-    import torch
-
-    digest = hashlib.sha256(f"{torch.__version__} {sys.version}".encode())
-    for source in REFERENCE_SOURCES:
-        root = REPO / source
-        for path in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
-            digest.update(path.relative_to(REPO).as_posix().encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-@functools.lru_cache(maxsize=8)
-def _reference(config_json: str, global_microbatches: int, steps: int) -> tuple[float, ...]:
-    """The first `steps` losses of the config's run (the same job: its steps set the learning-rate schedule):
-    from the cache when it holds that many, else trained on from the cached run's last state (or step 0) and
-    kept, the losses with the state after the last of them."""
-    import torch
-
-    from oobleck.runtime.train.config import WorkerConfig
-    from oobleck.runtime.train.reference import ReferenceState, train_reference
-
-    key = hashlib.sha256(f"{_sources_stamp()} {global_microbatches} {config_json}".encode()).hexdigest()
-    losses_path, state_path = REFERENCE_CACHE / f"{key}.json", REFERENCE_CACHE / f"{key}.pt"
-    kept: list[float] = []
-    resume: ReferenceState | None = None
-    try:
-        kept = [float(loss) for loss in json.loads(losses_path.read_text())]
-        if len(kept) >= steps:
-            return tuple(kept[:steps])
-        resume = ReferenceState(**torch.load(state_path, weights_only=True))
-        if resume.step != len(kept):
-            kept, resume = [], None
-    except (OSError, ValueError, TypeError, RuntimeError):
-        kept, resume = [], None
-    config = WorkerConfig.model_validate_json(config_json)
-    result = train_reference(config, global_microbatches, steps, resume=resume)
-    losses = (*kept, *result.losses)
-    REFERENCE_CACHE.mkdir(parents=True, exist_ok=True)
-    # Whole or absent, and the state first: parallel test processes may write the same key, and losses without
-    # their state (a reader finds the step counts differ) only cost a run from step 0.
-    for path, write in (
-        (state_path, lambda to: torch.save(vars(result.state), to)),
-        (losses_path, lambda to: to.write_text(json.dumps(list(losses)))),
-    ):
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        write(partial)
-        partial.replace(path)
-    return losses
+REFERENCES = ReferenceCache()
+"""Reference losses kept across runs (a 1500-step reference takes 20-60 s on the 2-core host; recomputing
+every reference once made a full run 11 minutes longer)."""
 
 
 def reference_losses(spec: dict[str, Any], through: int | None = None) -> tuple[float, ...]:
     """Per-step losses of the job trained in one process without failures: all its steps, or the first
-    `through` (a step's loss depends on the steps before it only, so a prefix is the same run's). Cached by
-    what the losses depend on (model, data, optimizer, steps, seed, global batch), not by the job's shape:
-    tests that share a training section share one reference run. For a job that ends early only that prefix is
-    trained (the job's steps still set its learning-rate schedule), and a later run that checks further (a
-    test's own timing sets `through`) trains on from the kept state: retrained from step 0, one outage test's
-    longer prefix cost 377 s, over the 3-minute rule."""
-    from oobleck.api.spec import parse_spec
-    from oobleck.runtime.backends.pod.config import config_from_spec
-
-    parsed = parse_spec(spec)
-    config = config_from_spec(parsed, JOB, compute_device="cpu")
-    steps = parsed.training.steps
-    wanted = steps if through is None else min(steps, through)
-    return _reference(config.model_dump_json(), parsed.training.global_microbatches, wanted)
+    `through` (oobleck_dev.references). For a job that ends early only that prefix is trained, and a later run
+    that checks further (a test's own timing sets `through`) trains on from the kept state: retrained from
+    step 0, one outage test's longer prefix cost 377 s, over the 3-minute rule."""
+    return REFERENCES.for_spec(spec, JOB, through)
 
 
 def logged(path: Path) -> Iterator[dict[str, Any]]:
@@ -525,22 +445,15 @@ def job_run(cluster, local_nodes, tmp_path) -> Iterator[JobRun]:
 def reference_keying() -> tuple[dict[str, Any], Path, tuple[str, ...]]:
     """For the check of the reference cache's key: a job spec of these tests, the repository, and the sources
     the key hashes (REFERENCE_SOURCES)."""
-    return job_spec({}), REPO, REFERENCE_SOURCES
+    return job_spec({}), REFERENCES.repo, REFERENCE_SOURCES
 
 
 @pytest.fixture
-def empty_reference_cache(tmp_path: Path) -> Iterator[Callable[..., tuple[float, ...]]]:
-    """reference_losses over an empty cache in tmp_path, each call reading the files as a later run would (for
+def empty_reference_cache(tmp_path: Path) -> Callable[..., tuple[float, ...]]:
+    """Reference losses over an empty cache in tmp_path, each call reading the files as a later run would (for
     the cache's own test)."""
 
     def read_or_train(spec: dict[str, Any], through: int | None = None) -> tuple[float, ...]:
-        _reference.cache_clear()
-        return reference_losses(spec, through)
+        return ReferenceCache(tmp_path).for_spec(spec, JOB, through)
 
-    saved = globals()["REFERENCE_CACHE"]
-    globals()["REFERENCE_CACHE"] = tmp_path
-    try:
-        yield read_or_train
-    finally:
-        globals()["REFERENCE_CACHE"] = saved
-        _reference.cache_clear()
+    return read_or_train

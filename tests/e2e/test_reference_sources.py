@@ -1,4 +1,4 @@
-"""The e2e reference cache is keyed by the sources the reference run imports (conftest.REFERENCE_SOURCES): a
+"""The e2e reference cache is keyed by the sources the reference run imports (oobleck_dev.references.REFERENCE_SOURCES): a
 reference run in a fresh interpreter imports no module of the project outside them. Were one added (say the
 trainer came to import the elastic loop), an edit there could change the losses while a stale cached
 reference stood; this test names the module to add."""

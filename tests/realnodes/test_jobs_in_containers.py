@@ -8,7 +8,6 @@ examples/llama-tiny.yaml trains to Succeeded at the exact step, and every step's
 
 from __future__ import annotations
 
-import functools
 import json
 import secrets
 import subprocess
@@ -25,6 +24,7 @@ from oobleck.api.resource import worker_selector
 from oobleck_dev.chart import CHART_PATH
 from oobleck_dev.operatorproc import OperatorProcess
 from oobleck_dev.poll import wait_until
+from oobleck_dev.references import ReferenceCache
 
 pytestmark = [
     pytest.mark.realnodes,
@@ -66,21 +66,8 @@ def job_spec(image: str, steps: int, min_nodes: int, node_selector: dict[str, st
     return spec
 
 
-@functools.lru_cache(maxsize=4)
-def _reference(config_json: str, global_microbatches: int) -> tuple[float, ...]:
-    from oobleck.runtime.train.config import WorkerConfig
-    from oobleck.runtime.train.reference import train_reference
-
-    return tuple(train_reference(WorkerConfig.model_validate_json(config_json), global_microbatches).losses)
-
-
-def reference_losses(spec: dict[str, Any]) -> tuple[float, ...]:
-    from oobleck.api.spec import parse_spec
-    from oobleck.runtime.backends.pod.config import config_from_spec
-
-    parsed = parse_spec(spec)
-    config = config_from_spec(parsed, JOB, compute_device="cpu")
-    return _reference(config.model_dump_json(), parsed.training.global_microbatches)
+REFERENCES = ReferenceCache()
+"""Kept across runs with the e2e tests' (oobleck_dev.references)."""
 
 
 class RealJob:
@@ -149,7 +136,7 @@ class RealJob:
         """Every step's loss, as the remaining workers logged it, equals the no-failure reference within
         LOSS_RTOL; every step has one; returns how many values were compared."""
         assert self.spec is not None
-        reference = reference_losses(self.spec)
+        reference = REFERENCES.for_spec(self.spec, JOB)
         seen: dict[int, list[float]] = {}
         for pod in self.workers():
             for record in self.records(pod["metadata"]["name"]):
