@@ -34,9 +34,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the unit tier: pure tests only (no cluster, no processes, no GPU); a test that starts a process fails",
     )
     parser.addoption(
-        "--realnodes",
+        "--kube-router",
         action="store_true",
-        help="also run the tests on real kubelet + containerd nodes (make test-realnodes; root, minutes each)",
+        help="also run the real-node tests that need kube-router's firewall (make test-realnodes builds it)",
     )
 
 
@@ -45,9 +45,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
-    if not config.getoption("--realnodes"):
-        # Opt-in for now: beside the rest of the suite on 2 cores they have failed under load (README, Development).
-        kept = [item for item in items if not item.get_closest_marker("realnodes")]
+    if not config.getoption("--kube-router"):
+        # Opt-in: kube-router is built from its Go module (minutes cold), for the NetworkPolicy tests alone.
+        kept = [item for item in items if not item.get_closest_marker("kube_router")]
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
     if config.getoption("--unit"):

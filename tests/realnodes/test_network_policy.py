@@ -28,6 +28,7 @@ from oobleck_dev.poll import wait_until
 
 pytestmark = [
     pytest.mark.realnodes,
+    pytest.mark.kube_router,
     pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.image,
