@@ -45,6 +45,7 @@ from oobleck.api.contract import (
     STORE_PORT,
     WORKER_PORT,
     PodContract,
+    pod_ip_env,
 )
 from oobleck.api.plan import Plan
 from oobleck.api.planmap import (
@@ -273,6 +274,7 @@ def _worker_env(job: str, namespace: str, name: str, spec: OobleckJobSpec) -> li
     )
     return [
         *contract.to_env(),
+        pod_ip_env(),
         # A valueFrom stays a reference: the kubelet reads the Secret, the operator never does.
         *(e.to_kubernetes() for e in spec.pod.env),
     ]
@@ -325,6 +327,7 @@ def coordinator_pod(job: str, namespace: str, uid: str, spec: OobleckJobSpec, *,
                 "name": "coordinator",
                 "image": spec.image or default_image,
                 "command": ["python", "-m", "oobleck.runtime.elastic.coordinator", "--port", str(STORE_PORT)],
+                "env": [pod_ip_env()],
                 "ports": [{"name": "store", "containerPort": STORE_PORT}],
                 # The store's process imports torch: ~580 MB resident (a 512Mi limit OOM-kills it).
                 "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},

@@ -7,8 +7,8 @@ There is no container runtime, no kubelet API (`kubectl logs/exec` do not work) 
 
 What a pod sees (see podrunner.py for the folder layout):
 - its own loopback address (127.X.N.P; Linux routes all of 127/8 to lo) as status.podIP, the
-  node's 127.X.N.1 as hostIP; `OOBLECK_POD_IP` holds it too. Pods listen on it and reach each
-  other through it.
+  node's 127.X.N.1 as hostIP. Pods share the host's network, so each must listen on its own address
+  (the downward API's status.podIP, as the operator's pods read it) and reach the others there.
 - env as a kubelet resolves it (downward API, ConfigMap/Secret keys, resource fields, $(VAR)),
   plus KUBERNETES_SERVICE_HOST/PORT pointing at the API server, PATH with the project's venv
   first (so `python` and `oobleck` resolve), HOSTNAME, TMPDIR.
@@ -73,7 +73,6 @@ AGENT_LABEL = "oobleck.dev/local-agent"
 GPU_CONDITION = "GPUHealthy"
 LEASE_NAMESPACE = "kube-node-lease"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
-POD_IP_ENV = "OOBLECK_POD_IP"
 RUNTIME_VERSION = "oobleck-local://0.1"
 # The agent's environment variables a container inherits (they stand in for the image's).
 IMAGE_ENV = ("HOME", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH", "SSL_CERT_FILE", "CUDA_HOME")
@@ -478,7 +477,7 @@ class _AgentCore:
 
     # -- environment --
 
-    def base_env(self, pod: dict, ip: str, tmpdir: Path) -> dict[str, str]:
+    def base_env(self, pod: dict, tmpdir: Path) -> dict[str, str]:
         """The environment before the pod's own: the image's stand-in, service env, agent additions."""
         url = urlparse(self.server)
         port = str(url.port or 443)
@@ -493,7 +492,6 @@ class _AgentCore:
                 "KUBERNETES_SERVICE_PORT": port,
                 "KUBERNETES_SERVICE_PORT_HTTPS": port,
                 "KUBERNETES_PORT": f"tcp://{url.hostname}:{port}",
-                POD_IP_ENV: ip,
             }
         )
         env.update(self.config.extra_env)

@@ -328,7 +328,7 @@ class PodHost(Protocol):
     timeouts: Any  # nodeagent.AgentTimeouts
     cgroups: netfault.PodCgroups
 
-    def base_env(self, pod: dict, ip: str, tmpdir: Path) -> dict[str, str]: ...
+    def base_env(self, pod: dict, tmpdir: Path) -> dict[str, str]: ...
     def log_path(self, namespace: str, name: str, uid: str, container: str) -> Path: ...
     async def fetch_sources(self, pod: dict) -> podenv.Sources: ...  # MountError if the API fails
     async def send_pod_status(self, namespace: str, name: str, uid: str, status: dict) -> bool | None: ...
@@ -605,7 +605,7 @@ class PodLifecycle:
 
     def _container_config(self, name: str) -> tuple[list[str], dict[str, str]]:
         spec = self.specs[name]
-        base = self.agent.base_env(self.pod, self.ip, self.dir / "containers" / name / "tmp")
+        base = self.agent.base_env(self.pod, self.dir / "containers" / name / "tmp")
         visible = self.agent.gpus.visible(self.node_index, self.gpu_plan.get(name, []))
         if visible is not None:
             base["CUDA_VISIBLE_DEVICES"] = base["NVIDIA_VISIBLE_DEVICES"] = visible

@@ -395,12 +395,12 @@ request = urllib.request.Request(url, headers={"Authorization": "Bearer " + toke
 context = ssl.create_default_context(cafile=os.path.join(sa, "ca.crt"))
 me = json.load(urllib.request.urlopen(request, context=context, timeout=20))
 keys = ("POD_NAME", "POD_NAMESPACE", "POD_UID", "NODE_NAME", "POD_IP", "HOST_IP", "APP", "CPU_M", "GREETING",
-        "GREETING_TWICE", "OOBLECK_POD_IP", "HOSTNAME")
+        "GREETING_TWICE", "HOSTNAME")
 print(json.dumps({
     "env": {key: os.environ.get(key) for key in keys},
     "greeting_file": open("/etc/greeting/message").read(),
     "labels_file": open("/etc/podinfo/labels").read(),
-    "hooks": sorted(key for key in os.environ if key in ("OOBLECK_CONTAINER_ROOT", "OOBLECK_SERVICEACCOUNT_DIR")),
+    "hooks": sorted(key for key in os.environ if key.startswith("OOBLECK_")),
     "own_pod_uid": me["metadata"]["uid"],
     "cwd": os.getcwd(),
     "python": os.path.realpath(__import__("sys").executable),
@@ -487,7 +487,6 @@ def test_pod_runs_with_env_volumes_and_a_working_token(cluster: Cluster, local_n
         "CPU_M": "250",
         "GREETING": "hello",
         "GREETING_TWICE": "hello hello",
-        "OOBLECK_POD_IP": status["podIP"],
         "HOSTNAME": "probe",
     }
     # The volumes are where the pod spec mounts them, in the pod's own mount namespace (not on the host).
@@ -568,6 +567,10 @@ def test_a_mount_that_cannot_be_made_keeps_the_pod_creating_with_the_reason(
     cluster.kubectl("delete", "pod", "unmountable", "-n", namespace, "--wait=false")
 
 
+POD_IP = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+"""Pods on local nodes share the host's network: each listens on its own address, read as a kubelet gives it."""
+
+
 def test_pods_get_distinct_ips_and_talk_over_them(cluster: Cluster, local_nodes: NodeAgent) -> None:
     namespace = cluster.namespace("talk")
     server = python_pod(
@@ -575,7 +578,7 @@ def test_pods_get_distinct_ips_and_talk_over_them(cluster: Cluster, local_nodes:
         namespace,
         """
         import os, socket
-        ip = os.environ["OOBLECK_POD_IP"]
+        ip = os.environ["POD_IP"]
         with socket.create_server((ip, 7070)) as listener:
             print("listening", ip, flush=True)
             connection, peer = listener.accept()
@@ -586,6 +589,7 @@ def test_pods_get_distinct_ips_and_talk_over_them(cluster: Cluster, local_nodes:
     """,
         local_nodes,
         node=local_nodes.node_names[0],
+        env=[POD_IP],
     )
     apply(cluster, server)
     running = wait_phase(cluster, namespace, "server", ("Running",))
@@ -598,13 +602,13 @@ def test_pods_get_distinct_ips_and_talk_over_them(cluster: Cluster, local_nodes:
         namespace,
         """
         import os, socket
-        with socket.create_connection((os.environ["SERVER"], 7070), source_address=(os.environ["OOBLECK_POD_IP"], 0)) as sock:
+        with socket.create_connection((os.environ["SERVER"], 7070), source_address=(os.environ["POD_IP"], 0)) as sock:
             sock.sendall(b"ping")
             print(sock.recv(100).decode())
     """,
         local_nodes,
         node=local_nodes.node_names[1],
-        env=[{"name": "SERVER", "value": server_ip}],
+        env=[{"name": "SERVER", "value": server_ip}, POD_IP],
     )
     apply(cluster, client)
     client_done = wait_phase(cluster, namespace, "client", ("Succeeded", "Failed"))

@@ -31,13 +31,21 @@ def test_worker_pod_requests_gpus_and_is_owned(h):
     container = pod["spec"]["containers"][0]
     assert container["resources"]["requests"] == {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": "4"}
     assert container["resources"]["limits"] == {"memory": "8Gi", "nvidia.com/gpu": "4"}
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["OOBLECK_NODE"] == "tiny-worker-3"
     assert env["OOBLECK_PLAN_CONFIGMAP"] == "tiny-plan"
     assert env["OOBLECK_STORE"] == "tiny-coordinator.tiny-workers.ns.svc:29400"
     assert pod["spec"]["restartPolicy"] == "Never"
     anti = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_workers_and_the_coordinator_bind_to_their_pod_ip_from_the_downward_api(h):
+    worker = render.worker_pod(h.JOB, "ns", h.UID, h.spec(), 0, default_image="img", default_command=["x"])
+    coordinator = render.coordinator_pod(h.JOB, "ns", h.UID, h.spec(), default_image="img")
+    from_node = {"name": "OOBLECK_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    for pod in (worker, coordinator):
+        assert from_node in pod["spec"]["containers"][0]["env"]
 
 
 def test_every_worker_mounts_the_job_key_and_the_contract_names_its_file(h):

@@ -43,8 +43,9 @@ LOSS_RTOL = 1e-5
 START_TIMEOUT_S = 600.0
 """Pods pulled from the node's own store, torch imported and the model profiled, on a loaded 2-core host."""
 RUN_TIMEOUT_S = 900.0
-HOOKS = ("OOBLECK_CONTAINER_ROOT", "OOBLECK_SERVICEACCOUNT_DIR", "OOBLECK_POD_IP")
-"""The local node agent's variables: a real node sets none of them."""
+HOOKS = ("OOBLECK_CONTAINER_ROOT", "OOBLECK_SERVICEACCOUNT_DIR")
+"""Variables the local node agent once set for the product: a real node sets none of them (the pod's IP comes
+through the downward API, as OOBLECK_POD_IP)."""
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float) -> Any:
@@ -297,13 +298,15 @@ def test_llama_trains_to_succeeded_in_containers(helm_job):
     token = "/var/run/secrets/kubernetes.io/serviceaccount/token"
     probe = (
         "import os, json; print(json.dumps({'uid': os.getuid(), 'host': os.environ.get('KUBERNETES_SERVICE_HOST'), "
-        f"'hooks': [h for h in {HOOKS!r} if h in os.environ], 'token': os.path.exists({token!r})}}))"
+        f"'hooks': [h for h in {HOOKS!r} if h in os.environ], 'token': os.path.exists({token!r}), "
+        "'pod_ip': os.environ.get('OOBLECK_POD_IP')}))"
     )
     seen = json.loads(
         job.cluster.kubectl("exec", worker, "-n", job.ns, "-c", "worker", "--", "python", "-c", probe).stdout
     )
-    run_as = job.cluster.kubectl_json("get", "pod", worker, "-n", job.ns)["spec"]["securityContext"]["runAsUser"]
-    assert seen == {"uid": run_as, "host": "10.96.0.1", "hooks": [], "token": True}
+    pod = job.cluster.kubectl_json("get", "pod", worker, "-n", job.ns)
+    run_as, pod_ip = pod["spec"]["securityContext"]["runAsUser"], pod["status"]["podIP"]
+    assert seen == {"uid": run_as, "host": "10.96.0.1", "hooks": [], "token": True, "pod_ip": pod_ip}
 
     body = job.wait_succeeded()
     assert body["status"]["progress"]["step"] == steps

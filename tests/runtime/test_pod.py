@@ -173,8 +173,8 @@ def test_env_contract_parses_what_the_operator_renders():
 
     spec = parse({**example_spec().to_kubernetes(), "gpusPerNode": 2})
     pod = render.worker_pod("tiny", "ns", "uid", spec, 2, default_image="i", default_command=["c"])
-    rendered = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
-    env = PodEnv.from_env({**rendered, "OOBLECK_POD_IP": "127.16.0.5"})
+    rendered = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
+    env = PodEnv.from_env({**rendered, "OOBLECK_POD_IP": "127.16.0.5"})  # the kubelet's, from status.podIP
     assert (env.job, env.namespace, env.node, env.plan_config_map) == ("tiny", "ns", "tiny-worker-2", "tiny-plan")
     assert (env.store_port, env.gpus_per_node, env.device, env.pod_ip) == (contract.STORE_PORT, 2, "cpu", "127.16.0.5")
     assert env.coordinator_pod == render.coordinator_name("tiny")

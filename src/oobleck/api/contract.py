@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -89,11 +89,19 @@ MAX_MEASURED_PROFILE_BYTES = 192 * 1024
 the job InvalidSpec. The operator keeps every pod's reports in memory: these caps bound it."""
 
 
+POD_IP_ENV = "OOBLECK_POD_IP"
+
+
+def pod_ip_env() -> dict[str, Any]:
+    """The `env` entry that gives a container its pod's IP (the downward API's status.podIP)."""
+    return {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
 class PodContract(BaseModel):
     """The worker container's environment, set by the operator (field aliases are the variable names).
 
-    OOBLECK_POD_IP is the node's to set, not the operator's: the local nodes (devtools) set it, where
-    several pods share one host's network; a kubelet does not.
+    OOBLECK_POD_IP is the pod's own IP, which only the node knows: the operator renders it as a reference to
+    the pod's status.podIP (`pod_ip_env`), which the kubelet fills in. Every listener of the pod binds to it.
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="ignore")
@@ -123,7 +131,9 @@ class PodContract(BaseModel):
         "worker acts on is authenticated with HMAC-SHA256 under it (oobleck.runtime.elastic.signing); unset: "
         "nothing is authenticated",
     )
-    pod_ip: str | None = Field(None, alias="OOBLECK_POD_IP", description="set by the node: bind here")
+    pod_ip: str | None = Field(
+        None, alias=POD_IP_ENV, description="the pod's IP (status.podIP, through the downward API): bind here"
+    )
 
     @field_validator("store")
     @classmethod
