@@ -100,9 +100,12 @@ def kill_cgroup_tree(name: str) -> int:
         top = hierarchy / name.lstrip("/")
         if not top.is_dir():
             continue
-        for procs in top.rglob("cgroup.procs"):
+        # os.walk, not rglob: runc removes a container's cgroup folder while the walk goes on (rglob raises).
+        for root, _, files in os.walk(top):
+            if "cgroup.procs" not in files:
+                continue
             try:
-                pids = procs.read_text().split()
+                pids = (Path(root) / "cgroup.procs").read_text().split()
             except OSError:
                 continue
             for pid in pids:

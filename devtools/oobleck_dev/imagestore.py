@@ -152,11 +152,11 @@ class TemplateStore:
         """A containerd on the template root alone (no kubelet), for as long as the block runs: yields the `ctr`
         command that talks to it."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        # An import whose owner was killed: its folder, and any mount its containerd left in the store.
-        for stale in self.folder.glob("import-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        # Any mount the containerd of an import whose owner was killed left in the store.
         unmount_under(str(self.root))
-        work = Path(tempfile.mkdtemp(prefix="import-", dir=self.folder))
+        # The sockets live here: a unix socket's path has at most 104 bytes, which a folder under a test's
+        # temporary path or a long $OOBLECK_CACHE can exceed.
+        work = Path(tempfile.mkdtemp(prefix="oobleck-import-"))
         layout = NodeLayout(1, work)
         config = work / "config.toml"
         config.write_text(containerd_config(layout, self.pause_image, root=self.root))

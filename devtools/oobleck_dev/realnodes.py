@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import functools
 import json
 import os
 import shutil
 import subprocess
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -472,27 +473,36 @@ def undo(folder: Path, containerds: Sequence[ManagedProcess], grace: float) -> N
         record = hoststate.HostRecord.load(folder / "host.json")
     except (OSError, ValueError, TypeError):
         record = hoststate.HostRecord(folders=[str(folder)])
-    # The containers first (their cgroups), then the shims and containerds.
+    # The containers first (their cgroups), then the shims and containerds. Every step is tried even if one
+    # before it failed (a bridge left behind would fail the next `up`); the first failure is raised at the end.
+    steps: list[Callable[[], object]] = [functools.partial(hoststate.kill_cgroup_tree, c) for c in record.cgroups]
+    steps += [functools.partial(hoststate.kill_shims, socket) for socket in record.sockets]
+    steps.append(functools.partial(stop_processes, list(containerds), grace))
     for cgroup in record.cgroups:
-        hoststate.kill_cgroup_tree(cgroup)
-    for socket in record.sockets:
-        hoststate.kill_shims(socket)
-    stop_processes(list(containerds), grace)
-    for cgroup in record.cgroups:
-        hoststate.kill_cgroup_tree(cgroup)
-        hoststate.remove_cgroup_tree(cgroup)
+        steps += [
+            functools.partial(hoststate.kill_cgroup_tree, cgroup),
+            functools.partial(hoststate.remove_cgroup_tree, cgroup),
+        ]
     for path in record.folders:
-        hoststate.unmount_under(path)
-        hoststate.remove_container_log_links(path)
-    for bridge in record.bridges:
-        hoststate.delete_bridge(bridge)
-    hoststate.remove_iptables_chains()
-    hoststate.remove_ipsets(kuberouter.IPSET_PREFIXES)  # after the rules that match them
+        steps += [
+            functools.partial(hoststate.unmount_under, path),
+            functools.partial(hoststate.remove_container_log_links, path),
+        ]
+    steps += [functools.partial(hoststate.delete_bridge, bridge) for bridge in record.bridges]
+    steps.append(hoststate.remove_iptables_chains)
+    steps.append(functools.partial(hoststate.remove_ipsets, kuberouter.IPSET_PREFIXES))  # after the rules using them
     if record.sysctls:
-        hoststate.restore_sysctls(record.sysctls)
-    for path in record.folders:
-        shutil.rmtree(path, ignore_errors=True)
-    hoststate.remove_created(record.created)
+        steps.append(functools.partial(hoststate.restore_sysctls, record.sysctls))
+    steps += [functools.partial(shutil.rmtree, path, ignore_errors=True) for path in record.folders]
+    steps.append(functools.partial(hoststate.remove_created, record.created))
+    failures: list[BaseException] = []
+    for step in steps:
+        try:
+            step()
+        except Exception as error:
+            failures.append(error)
+    if failures:
+        raise failures[0]
 
 
 def _answers(url: str) -> bool:

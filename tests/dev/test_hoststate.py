@@ -54,3 +54,39 @@ def test_a_cgroup_tree_whose_folders_vanish_meanwhile_is_still_removed_whole() -
         remover.join()
         hoststate.remove_cgroup_tree(name)
     assert not any((h / name).exists() for h in hoststate.cgroup_hierarchies())
+
+
+def test_killing_a_cgroup_tree_whose_folders_vanish_meanwhile_is_not_an_error() -> None:
+    """The same race for the walk that signals the tree's processes (a full run failed on it in `down`)."""
+    hierarchy = _writable_hierarchy()
+    if hierarchy is None:
+        pytest.skip("no writable cgroup hierarchy (needs root)")
+    name = f"oobleck-test-{uuid.uuid4().hex[:8]}"
+    leaves = []
+    for pod in range(40):
+        for container in range(10):
+            leaf = hierarchy / name / "kubepods" / f"pod{pod}" / f"c{container}" / "inner"
+            leaf.mkdir(parents=True)
+            leaves.append(leaf)
+    done = threading.Event()
+
+    def runc_cleaning_up() -> None:
+        for leaf in reversed(leaves):
+            for folder in (leaf, leaf.parent):
+                try:
+                    folder.rmdir()
+                except OSError:
+                    pass
+        done.set()
+
+    remover = threading.Thread(target=runc_cleaning_up)
+    try:
+        remover.start()
+        walks = 0
+        while not done.is_set():
+            assert hoststate.kill_cgroup_tree(name) == 0  # no process in it: nothing signalled, nothing raised
+            walks += 1
+    finally:
+        remover.join()
+        hoststate.remove_cgroup_tree(name)
+    assert walks >= 1
