@@ -29,7 +29,9 @@ USER = "65532:65532"
 
 # One xdist worker runs them in order: the last one builds an edited copy of the tree, and the store
 # keeps only the latest build.
-pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(3600), pytest.mark.xdist_group("image")]
+# The real-node tests' group: both use buildah's one image store, and a build here (the edited tree's) prunes the
+# image a real-node import may be pushing at that moment.
+pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(3600), pytest.mark.xdist_group("realnodes")]
 
 
 @pytest.fixture(scope="module")
