@@ -5,7 +5,7 @@ PY := .venv/bin/python
 # Tests run in parallel; the slow ones share one control plane per worker process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: test test-unit test-realnodes lint demo build venv k8s-tools k8s-node kube-router real-nodes image crds dev-up dev-down bench bench-runtime bench-operator paper-figures
+.PHONY: test test-unit test-realnodes lint demo build venv k8s-tools k8s-node node-packages kube-router real-nodes image crds dev-up dev-down bench bench-runtime bench-operator paper-figures
 
 venv:
 	@scripts/venv >/dev/null
@@ -19,6 +19,10 @@ k8s-tools:
 # containerd, runc and the CNI plugins (Debian packages) when missing.
 k8s-node:
 	@scripts/k8s-node/build >/dev/null
+
+# The Debian packages a real node runs (containerd, runc, the CNI plugins, iptables), without the kubelet's build.
+node-packages:
+	@scripts/k8s-node/build --packages
 
 # The NetworkPolicy-enforcing plugin the real-node tests run on one node: kube-router's firewall, from its Go
 # module (own cache); installs ipset when missing.
@@ -39,13 +43,13 @@ crds: venv
 	$(PY) -m oobleck.cli crds --write crds/
 	$(PY) -m oobleck_dev.chart --write
 
-test: venv k8s-tools k8s-node image
+test: venv k8s-tools image node-packages
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-# Every real-node test (root; tests/realnodes), one at a time, with the NetworkPolicy ones that need kube-router
-# (make test runs the others).
+# Jobs in containers on real kubelet + containerd nodes (root; tests/realnodes), one at a time: not in make test
+# (beside the rest of the suite on 2 cores they take it past 25 minutes; README, Development).
 test-realnodes: venv k8s-tools k8s-node kube-router image
-	$(PY) -m pytest --kube-router -n 0 tests/realnodes $(PYTEST_ARGS)
+	$(PY) -m pytest --realnodes -n 0 tests/realnodes $(PYTEST_ARGS)
 
 # The fast tier: pure tests (no cluster, no processes, no GPU, no Kubernetes tools); see tests/conftest.py.
 test-unit: venv
@@ -58,8 +62,10 @@ lint: venv
 	MYPY_CACHE_DIR="$${OOBLECK_CACHE:-$$HOME/.cache/oobleck}/mypy" \
 	  $(PY) -m mypy --config-file pyproject.toml "$$($(PY) -c 'import oobleck; print(oobleck.__path__[0])')"
 
+# DEMO_ARGS=--real-nodes runs the same story in containers on kubelet + containerd nodes (root; builds the kubelet
+# and the image the first time).
 demo: venv k8s-tools
-	$(PY) -m oobleck_dev demo
+	$(PY) -m oobleck_dev demo $(DEMO_ARGS)
 
 dev-up: venv k8s-tools
 	$(PY) -m oobleck_dev up

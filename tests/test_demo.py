@@ -61,6 +61,7 @@ def test_demo_rejects_bad_arguments(tmp_path: Path) -> None:
         (["--job", str(tmp_path / "none.yaml")], "no such file"),
         (["--nodes", "0"], "--nodes: must be >= 1"),
         (["--kill-at-step", "999"], "--kill-at-step: must be in 1..299"),
+        (["--real-nodes", "--nodes", "9"], "--nodes: at most 8 real nodes, got 9"),
     ):
         result = subprocess.run([sys.executable, "-m", "oobleck_dev", "demo", *args], capture_output=True, text=True)
         assert result.returncode == 2 and message in result.stderr, result.stderr

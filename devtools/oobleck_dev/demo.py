@@ -6,21 +6,29 @@ example tiny-Llama job (a Hugging Face LlamaForCausalLM), and follows it the way
 generation and pipelines. Midway it kills one worker's process (a node failure as the job sees it);
 the job reconfigures in place and continues. It ends with a summary (steps, recovery seconds,
 throughput before and after, how to scrape the metrics) and tears everything down.
+
+With `--real-nodes` (root) the same story runs in containers: kubelet + containerd nodes
+(oobleck_dev.realnodes) run the project image, the job is pinned to them with the image set, and the
+worker's container is SIGKILLed through containerd.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from oobleck_dev.nodeconfig import MAX_NODES
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama-tiny.yaml"
 NAMESPACE = "oobleck-demo"
@@ -39,6 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="kill a worker's process when the job reaches this step (default: a third of the steps)",
     )
     parser.add_argument("--no-kill", action="store_true", help="train without the failure")
+    parser.add_argument(
+        "--real-nodes",
+        action="store_true",
+        help="run the pods in containers of the project image on kubelet + containerd nodes (root; builds what it needs)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     parser.add_argument("--workdir", type=Path, default=None, help="keep logs here (default: a temporary folder)")
     parser.set_defaults(func=run)
@@ -165,7 +178,6 @@ def _scrape(url: str) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     from oobleck_dev.controlplane import ControlPlane
-    from oobleck_dev.nodeagent import NodeAgent
     from oobleck_dev.operatorproc import OperatorProcess
 
     if not args.job.is_file():
@@ -173,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.nodes < 1:
         print(f"oobleck_dev demo: --nodes: must be >= 1, got {args.nodes}", file=sys.stderr)
+        return 2
+    if args.real_nodes and args.nodes > MAX_NODES:
+        print(f"oobleck_dev demo: --nodes: at most {MAX_NODES} real nodes, got {args.nodes}", file=sys.stderr)
         return 2
     manifest = yaml.safe_load(args.job.read_text())
     name = manifest["metadata"]["name"]
@@ -184,29 +199,31 @@ def run(args: argparse.Namespace) -> int:
     if kill_at_step is not None and not 0 < kill_at_step < steps:
         print(f"oobleck_dev demo: --kill-at-step: must be in 1..{steps - 1}, got {kill_at_step}", file=sys.stderr)
         return 2
+    if args.real_nodes:
+        from oobleck_dev import realnodes
+
+        problem = realnodes.host_problem()
+        if problem:
+            print(f"oobleck_dev demo: --real-nodes: {problem}", file=sys.stderr)
+            return 2
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="oobleck-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     say = _Steps()
     say("starting the local control plane (etcd, kube-apiserver, scheduler, controller-manager)")
-    with ControlPlane() as cluster:
+    advertise = realnodes.host_address() if args.real_nodes else None
+    with ControlPlane(advertise_address=advertise) as cluster:
         say(f"control plane up in {cluster.started_in_s:.1f} s at {cluster.server}")
-        say(f"starting {args.nodes} local nodes (pods run as processes of this machine)")
-        agent = NodeAgent(
-            cluster.kubeconfig,
-            nodes=args.nodes,
-            gpus_per_node=1,
-            cpu="4",
-            memory="16Gi",
-            name_prefix="demo-node-",
-            workdir=workdir / "nodes",
-        )
-        with agent:
+        start_nodes = _real_nodes if args.real_nodes else _local_nodes
+        with start_nodes(cluster, args.nodes, workdir, say) as nodes:
             cluster.kubectl("create", "namespace", NAMESPACE)
             say("starting the operator")
             with OperatorProcess(cluster.kubeconfig, [NAMESPACE], workdir / "operator") as operator:
-                say(f"kubectl apply -f {args.job}")
-                print(cluster.kubectl("apply", "-n", NAMESPACE, "-f", str(args.job)).stdout, end="")
-                timeline = _follow(cluster, agent, name, steps, kill_at_step, args.timeout)
+                say(f"kubectl apply -f {args.job}{nodes.adapted}")
+                applied = cluster.kubectl(
+                    "apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(nodes.adapt(manifest))
+                )
+                print(applied.stdout, end="")
+                timeline = _follow(cluster, nodes.kill, name, steps, kill_at_step, args.timeout)
                 say("kubectl get oj")
                 print(cluster.kubectl("get", "oj", "-n", NAMESPACE).stdout, end="")
                 say("summary")
@@ -221,7 +238,63 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _follow(cluster, agent, name: str, steps: int, kill_at_step: int | None, timeout_s: float) -> Timeline:
+@dataclass
+class DemoNodes:
+    """What the story needs of the nodes: how to fit the job to them, and how to kill a worker."""
+
+    adapted: str  # what adapt() changes, as the demo says it
+    adapt: Callable[[dict], dict]
+    kill: Callable[[str], str]  # kills a worker pod's process, returns how (for the timeline)
+
+
+@contextlib.contextmanager
+def _local_nodes(cluster, count: int, workdir: Path, say: Callable[[str], None]) -> Iterator[DemoNodes]:
+    from oobleck_dev.nodeagent import NodeAgent
+
+    say(f"starting {count} local nodes (pods run as processes of this machine)")
+    agent = NodeAgent(
+        cluster.kubeconfig,
+        nodes=count,
+        gpus_per_node=1,
+        cpu="4",
+        memory="16Gi",
+        name_prefix="demo-node-",
+        workdir=workdir / "nodes",
+    )
+
+    def kill(pod: str) -> str:
+        agent.kill_pod_process(NAMESPACE, pod)
+        return f"killed the process of {pod} (SIGKILL)"
+
+    with agent:
+        yield DemoNodes("", lambda manifest: manifest, kill)
+
+
+@contextlib.contextmanager
+def _real_nodes(cluster, count: int, workdir: Path, say: Callable[[str], None]) -> Iterator[DemoNodes]:
+    from oobleck_dev import realnodes
+
+    say(f"starting {count} kubelet + containerd nodes (builds the image and imports it the first time: minutes)")
+    nodes = realnodes.RealNodes(cluster, n=count)
+    with nodes:
+        say(f"real nodes up in {nodes.figures.get('up', 0):.1f} s, running {nodes.image}")
+
+        def adapt(manifest: dict) -> dict:
+            spec = {**manifest["spec"], "image": nodes.image}
+            spec["pod"] = {**spec.get("pod", {}), "nodeSelector": dict(nodes.node_selector)}
+            return {**manifest, "spec": spec}
+
+        def kill(pod: str) -> str:
+            status = _json(cluster, "get", "pod", pod, "-n", NAMESPACE)
+            nodes.kill_container(status["spec"]["nodeName"], status["status"]["containerStatuses"][0]["containerID"])
+            return f"killed {pod}'s container through containerd (SIGKILL)"
+
+        yield DemoNodes(" (spec.image: the project image; spec.pod.nodeSelector: the real nodes)", adapt, kill)
+
+
+def _follow(
+    cluster, kill: Callable[[str], str], name: str, steps: int, kill_at_step: int | None, timeout_s: float
+) -> Timeline:
     """Print a line per change of the job until it ends; kill a worker at `kill_at_step`."""
     timeline = Timeline()
     deadline = time.monotonic() + timeout_s
@@ -249,13 +322,9 @@ def _follow(cluster, agent, name: str, steps: int, kill_at_step: int | None, tim
             return timeline
         if kill_at_step is not None and timeline.kill_at is None and seen.step >= kill_at_step:
             pod = f"{name}-worker-1"
-            agent.kill_pod_process(NAMESPACE, pod)
+            how = kill(pod)
             timeline.kill_at, timeline.kill_step, timeline.killed_pod = time.monotonic(), seen.step, pod
-            print(
-                f"{timeline.kill_at - began:6.1f}s  >>> killed the process of {pod} (SIGKILL): a node failure "
-                "as the job sees it",
-                flush=True,
-            )
+            print(f"{timeline.kill_at - began:6.1f}s  >>> {how}: a node failure as the job sees it", flush=True)
         time.sleep(0.2)
     print(f"timeout: the job did not finish within {timeout_s:.0f} s")
     return timeline

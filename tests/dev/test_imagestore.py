@@ -2,7 +2,7 @@
 layers did not change is imported as its new layers only, and the image containerd unpacks from them holds
 every layer's files. Small images stand in for the project's 6 GB one; the code path is the same.
 
-Needs root, buildah (make image installs it) and containerd (make k8s-node; make test does both).
+Needs root, buildah (make image installs it) and containerd (make node-packages; make test does both).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ BIG = 4_000_000  # bytes of the lower layer: what an incremental import must not
 def buildah(tmp_path: Path) -> list[str]:
     missing = [tool for tool in ("buildah", "containerd", "ctr") if shutil.which(tool) is None]
     if os.geteuid() != 0 or missing:
-        pytest.fail(f"needs root and {missing} (make test installs them: the image and k8s-node targets)")
+        pytest.fail(f"needs root and {missing} (make test installs them: the image and node-packages targets)")
     storage = ["--root", str(tmp_path / "storage"), "--runroot", str(tmp_path / "run"), "--storage-driver", "vfs"]
     return ["buildah", *storage]
 

@@ -28,7 +28,6 @@ from oobleck_dev.poll import wait_until
 
 pytestmark = [
     pytest.mark.realnodes,
-    pytest.mark.kube_router,
     pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.image,

@@ -16,7 +16,6 @@ from .test_nodes import host_snapshot, sleeper_pod
 
 pytestmark = [
     pytest.mark.realnodes,
-    pytest.mark.kube_router,
     pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.image,
