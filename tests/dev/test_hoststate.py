@@ -21,19 +21,26 @@ def _writable_hierarchy() -> Path | None:
     return None
 
 
-def test_a_cgroup_tree_whose_folders_vanish_meanwhile_is_still_removed_whole() -> None:
-    """runc removes its container's cgroup while `down` walks the node's tree: a folder gone between the
-    listing and the visit is skipped, not an error (a full real-node run once failed on it)."""
+def _node_tree(pods: int, below: str = "") -> tuple[str, list[Path]]:
+    """A node's cgroup tree as a kubelet makes it (10 containers a pod) in a writable hierarchy: its name and
+    its deepest folders."""
     hierarchy = _writable_hierarchy()
     if hierarchy is None:
         pytest.skip("no writable cgroup hierarchy (needs root)")
     name = f"oobleck-test-{uuid.uuid4().hex[:8]}"
     leaves = []
-    for pod in range(20):
+    for pod in range(pods):
         for container in range(10):
-            leaf = hierarchy / name / "kubepods" / f"pod{pod}" / f"c{container}"
+            leaf = hierarchy / name / "kubepods" / f"pod{pod}" / f"c{container}" / below
             leaf.mkdir(parents=True)
             leaves.append(leaf)
+    return name, leaves
+
+
+def test_a_cgroup_tree_whose_folders_vanish_meanwhile_is_still_removed_whole() -> None:
+    """runc removes its container's cgroup while `down` walks the node's tree: a folder gone between the
+    listing and the visit is skipped, not an error (a full real-node run once failed on it)."""
+    name, leaves = _node_tree(pods=20)
     stop = threading.Event()
 
     def runc_cleaning_up() -> None:
@@ -58,16 +65,7 @@ def test_a_cgroup_tree_whose_folders_vanish_meanwhile_is_still_removed_whole() -
 
 def test_killing_a_cgroup_tree_whose_folders_vanish_meanwhile_is_not_an_error() -> None:
     """The same race for the walk that signals the tree's processes (a full run failed on it in `down`)."""
-    hierarchy = _writable_hierarchy()
-    if hierarchy is None:
-        pytest.skip("no writable cgroup hierarchy (needs root)")
-    name = f"oobleck-test-{uuid.uuid4().hex[:8]}"
-    leaves = []
-    for pod in range(40):
-        for container in range(10):
-            leaf = hierarchy / name / "kubepods" / f"pod{pod}" / f"c{container}" / "inner"
-            leaf.mkdir(parents=True)
-            leaves.append(leaf)
+    name, leaves = _node_tree(pods=40, below="inner")
     done = threading.Event()
 
     def runc_cleaning_up() -> None:
