@@ -43,11 +43,13 @@ crds: venv
 	$(PY) -m oobleck.cli crds --write crds/
 	$(PY) -m oobleck_dev.chart --write
 
-test: venv k8s-tools image node-packages
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+# Everything: the suite on local nodes with PYTEST_WORKERS workers and, beside it at nice 19, the jobs in
+# containers on real kubelet + containerd nodes (scripts/test; REALNODES=0 leaves those out).
+test: venv k8s-tools image node-packages k8s-node kube-router
+	@PYTEST_WORKERS=$(PYTEST_WORKERS) PYTEST_ARGS="$(PYTEST_ARGS)" REALNODES="$(REALNODES)" REALNODES_ARGS="$(REALNODES_ARGS)" \
+	  scripts/test
 
-# Jobs in containers on real kubelet + containerd nodes (root; tests/realnodes), one at a time: not in make test
-# (beside the rest of the suite on 2 cores they take it past 25 minutes; README, Development).
+# The real-node tests alone (root; tests/realnodes), one at a time.
 test-realnodes: venv k8s-tools k8s-node kube-router image
 	$(PY) -m pytest --realnodes -n 0 tests/realnodes $(PYTEST_ARGS)
 

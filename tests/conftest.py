@@ -36,7 +36,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--realnodes",
         action="store_true",
-        help="also run the tests on real kubelet + containerd nodes (make test-realnodes; root, minutes each)",
+        help="also run the tests on real kubelet + containerd nodes (scripts/test runs them in a pytest run of their own; root)",
     )
 
 
@@ -46,8 +46,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
     if not config.getoption("--realnodes"):
-        # Opt-in: beside the rest of the suite on 2 cores they took it to 26-30 minutes and made the local-node
-        # e2e tests' timing fail (a straggler confirmed falsely at load 11; README, Development).
+        # A run of their own (scripts/test starts it beside this one at nice 19): in the same xdist run they took
+        # a worker from the rest for minutes and their load failed local-node e2e tests on timing.
         kept = [item for item in items if not item.get_closest_marker("realnodes")]
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept

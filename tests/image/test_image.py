@@ -28,10 +28,9 @@ BUILDAH = str(REPO / "scripts" / "image" / "buildah")
 USER = "65532:65532"
 
 # One xdist worker runs them in order: the last one builds an edited copy of the tree, and the store
-# keeps only the latest build.
-# The real-node tests' group: both use buildah's one image store, and a build here (the edited tree's) prunes the
-# image a real-node import may be pushing at that moment.
-pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(3600), pytest.mark.xdist_group("realnodes")]
+# keeps only the latest build (and the images containers use: the real-node tests' import, run beside these by
+# scripts/test, holds its image with one).
+pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(3600), pytest.mark.xdist_group("image")]
 
 
 @pytest.fixture(scope="module")
