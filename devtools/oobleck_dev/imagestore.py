@@ -9,12 +9,11 @@ real copies (bolt writes in place). Layer blobs and lower snapshot folders are n
 node (overlayfs writes a container's changes to a new upper folder), so sharing them is safe; a node
 deleting an image only drops its own links. Older project images are removed from the template.
 
-A new build imports only its changed layers. buildah pushes the image, uncompressed, into an OCI layout
-kept beside the template (`store/oci`): the push writes only the blobs the layout lacks. The archive
-streamed to `ctr images import` then holds the manifest, the config and the blobs of the layers from the
-first one the template has not unpacked yet (a layer's snapshot is named by its chain ID); containerd
-unpacks those onto the snapshots it has. A source edit moves the wheel's layer (megabytes), not the 6 GB
-of torch and CUDA wheels below it.
+A new build imports only its changed layers. The archive streamed to `ctr images import` is an OCI layout
+holding a manifest, the image's config and the layers from the first one the template has not unpacked yet
+(a layer's snapshot is named by its chain ID), each rebuilt from buildah's store as it is sent
+(buildahstore.py); containerd unpacks those onto the snapshots it has. A source edit reads and moves the
+wheel's layer (megabytes), not the 6 GB of torch and CUDA wheels below it.
 
 `pause_archive` makes the sandbox ("pause") image: a docker-archive with one static binary.
 """
@@ -34,14 +33,18 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+from oobleck_dev.buildahstore import BuildahStore, BuildahStoreError
 from oobleck_dev.controlplane import ManagedProcess, stop_processes
 from oobleck_dev.hoststate import unmount_under
 from oobleck_dev.nodeconfig import NodeLayout, containerd_config
 
 NAMESPACE = "k8s.io"  # the CRI plugin's containerd namespace
 BOLT_FILES = ("io.containerd.metadata.v1.bolt/meta.db", "io.containerd.snapshotter.v1.overlayfs/metadata.db")
-LAYOUT_REF = "current"  # the one image the OCI layout holds
-IMAGE_NAME_ANNOTATION = "io.containerd.image.name"  # names an index.json entry in `ctr images import`
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+OCI_LAYER = "application/vnd.oci.image.layer.v1.tar"  # uncompressed: the store's own layers, as they are
+IMAGE_NAME_ANNOTATION = "io.containerd.image.name"
+COPY_CHUNK = 1 << 20  # names an index.json entry in `ctr images import`
 
 
 class ImageStoreError(RuntimeError):
@@ -92,6 +95,11 @@ def chain_ids(diff_ids: Iterable[str]) -> list[str]:
     return chains
 
 
+def _blob_name(digest: str) -> str:
+    algorithm, hexdigest = digest.split(":", 1)
+    return f"blobs/{algorithm}/{hexdigest}"
+
+
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime = len(data), 0o644, 0
@@ -104,7 +112,6 @@ class TemplateStore:
     def __init__(self, folder: Path, pause_image: str, pause_binary: Path, buildah: Sequence[str]) -> None:
         self.folder = folder
         self.root = folder / "root"
-        self.layout = folder / "oci"
         self.pause_image, self.pause_binary, self.buildah = pause_image, pause_binary, list(buildah)
         self.import_s: float | None = None  # seconds the last ensure() spent importing (None: nothing to do)
         self.imported_bytes = 0  # blob bytes the last ensure() streamed into containerd
@@ -181,23 +188,31 @@ class TemplateStore:
             self._run([*ctr, "images", "remove", "--sync", *stale], "remove older images")
 
     def _import_project_image(self, ctr: list[str], image: str, timeout_s: float) -> None:
-        self._run(
-            [*self.buildah, "push", "--quiet", "--disable-compression", image, f"oci:{self.layout}:{LAYOUT_REF}"],
-            f"push {image} into the OCI layout {self.layout}",
-        )
-        manifest_digest, manifest = self._layout_manifest()
-        config_digest = manifest["config"]["digest"]
-        diff_ids = json.loads(self._blob(config_digest).read_bytes())["rootfs"]["diff_ids"]
+        shutil.rmtree(self.folder / "oci", ignore_errors=True)  # the OCI layout earlier versions pushed into
+        buildah = BuildahStore(self.buildah)
+        stored = buildah.image(image)
         unpacked = self._committed_snapshots(ctr)
-        first_new = next((i for i, chain in enumerate(chain_ids(diff_ids)) if chain not in unpacked), len(diff_ids))
-        blobs = [manifest_digest, config_digest, *(layer["digest"] for layer in manifest["layers"][first_new:])]
+        first_new = next(
+            (i for i, chain in enumerate(chain_ids(stored.diff_ids)) if chain not in unpacked), len(stored.layers)
+        )
+        config_digest = "sha256:" + hashlib.sha256(stored.config).hexdigest()
+        layers = [{"mediaType": OCI_LAYER, "digest": layer.diff_id, "size": layer.size} for layer in stored.layers]
+        manifest = json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": OCI_MANIFEST,
+                "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(stored.config)},
+                "layers": layers,
+            }
+        ).encode()
+        manifest_digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
         index = {
             "schemaVersion": 2,
             "manifests": [
                 {
-                    "mediaType": manifest.get("mediaType", "application/vnd.oci.image.manifest.v1+json"),
+                    "mediaType": OCI_MANIFEST,
                     "digest": manifest_digest,
-                    "size": self._blob(manifest_digest).stat().st_size,
+                    "size": len(manifest),
                     "annotations": {IMAGE_NAME_ANNOTATION: image},
                 }
             ],
@@ -208,15 +223,28 @@ class TemplateStore:
             )
             assert importer.stdin is not None
             try:
-                with importer.stdin, tarfile.open(fileobj=importer.stdin, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                    _add_bytes(tar, "oci-layout", (self.layout / "oci-layout").read_bytes())
+                with (
+                    importer.stdin,
+                    tarfile.open(
+                        fileobj=importer.stdin, mode="w|", format=tarfile.PAX_FORMAT, copybufsize=COPY_CHUNK
+                    ) as tar,
+                ):
+                    _add_bytes(tar, "oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
                     _add_bytes(tar, "index.json", json.dumps(index).encode())
-                    for digest in blobs:
-                        path = self._blob(digest)
-                        tar.add(path, arcname=f"blobs/sha256/{path.name}")
-                        self.imported_bytes += path.stat().st_size
+                    _add_bytes(tar, _blob_name(manifest_digest), manifest)
+                    _add_bytes(tar, _blob_name(config_digest), stored.config)
+                    for layer in stored.layers[first_new:]:
+                        info = tarfile.TarInfo(_blob_name(layer.diff_id))
+                        info.size, info.mode = layer.size, 0o644
+                        stream = buildah.stream(layer)
+                        tar.addfile(info, stream)
+                        stream.verify()
+                        self.imported_bytes += layer.size
             except BrokenPipeError:
                 pass  # ctr quit early: its exit status and output say why
+            except BuildahStoreError as error:
+                importer.kill()
+                raise ImageStoreError(f"reading {image} from buildah's store: {error}") from None
             try:
                 importer.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -227,31 +255,8 @@ class TemplateStore:
         if importer.returncode != 0:
             raise ImageStoreError(
                 f"importing {image} into the template store {self.root} (layers {first_new}.. of "
-                f"{len(diff_ids)}) failed: ctr exited {importer.returncode}: {said[-2000:]}"
+                f"{len(stored.layers)}) failed: ctr exited {importer.returncode}: {said[-2000:]}"
             )
-
-    def _blob(self, digest: str) -> Path:
-        algorithm, hexdigest = digest.split(":", 1)
-        return self.layout / "blobs" / algorithm / hexdigest
-
-    def _layout_manifest(self) -> tuple[str, dict]:
-        """The layout's current manifest (digest, body); the layout is pruned to it and its blobs."""
-        index = json.loads((self.layout / "index.json").read_text())
-        entries = [
-            e
-            for e in index["manifests"]
-            if e.get("annotations", {}).get("org.opencontainers.image.ref.name") == LAYOUT_REF
-        ]
-        if len(entries) != 1:
-            raise ImageStoreError(f"{self.layout}/index.json: expected one '{LAYOUT_REF}' entry, got {len(entries)}")
-        digest = entries[0]["digest"]
-        manifest = json.loads(self._blob(digest).read_bytes())
-        keep = {digest, manifest["config"]["digest"], *(layer["digest"] for layer in manifest["layers"])}
-        for blob in (self.layout / "blobs").glob("*/*"):
-            if f"{blob.parent.name}:{blob.name}" not in keep:
-                blob.unlink()
-        (self.layout / "index.json").write_text(json.dumps({**index, "manifests": entries}))
-        return digest, manifest
 
     def _committed_snapshots(self, ctr: list[str]) -> set[str]:
         lines = self._run([*ctr, "snapshots", "ls"], "list the unpacked layers").splitlines()[1:]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_dev.imagestore import TemplateStore, chain_ids
+from oobleck_dev.buildahstore import BuildahStore, BuildahStoreError
+from oobleck_dev.imagestore import ImageStoreError, TemplateStore, chain_ids
 
 pytestmark = pytest.mark.integration  # starts containerd and buildah (see tests/conftest.py: make test-unit)
 
@@ -27,7 +28,7 @@ def buildah(tmp_path: Path) -> list[str]:
     missing = [tool for tool in ("buildah", "containerd", "ctr") if shutil.which(tool) is None]
     if os.geteuid() != 0 or missing:
         pytest.fail(f"needs root and {missing} (make test installs them: the image and node-packages targets)")
-    storage = ["--root", str(tmp_path / "storage"), "--runroot", str(tmp_path / "run"), "--storage-driver", "vfs"]
+    storage = ["--root", str(tmp_path / "storage"), "--runroot", str(tmp_path / "run"), "--storage-driver", "overlay"]
     return ["buildah", *storage]
 
 
@@ -76,15 +77,42 @@ def test_a_rebuild_imports_its_new_layers_only_and_unpacks_whole(buildah, tmp_pa
     with store.serving() as ctr:
         listed = subprocess.run([*ctr, "images", "list", "--quiet"], check=True, capture_output=True, text=True)
     assert "localhost/oobleck:one" not in listed.stdout.split()
-    # The layout beside the template keeps the current image's blobs only (one lower layer, one top layer,
-    # the manifest and the config).
-    assert len(list((store.layout / "blobs" / "sha256").iterdir())) == 4
 
     # A rebuild whose lowest layer changed shares nothing below: all of it is sent.
     build(buildah, "localhost/oobleck:three", "scratch", {"torch": big[::-1]}, context)
     store.ensure("localhost/oobleck:three")
     assert store.imported_bytes > BIG
     assert image_files(store, "localhost/oobleck:three", ["torch"], tmp_path / "mnt") == {"torch": big[::-1]}
+
+
+def test_a_layer_is_rebuilt_as_buildah_pushes_it_and_a_changed_file_is_refused(buildah, tmp_path):
+    context = tmp_path / "context"
+    context.mkdir()
+    files = {"torch": os.urandom(100_000), "empty": b"", "odd": b"x" * 513}
+    build(buildah, "localhost/oobleck:one", "scratch", files, context)
+    pushed = tmp_path / "pushed"
+    subprocess.run(
+        [*buildah, "push", "--quiet", "--disable-compression", "localhost/oobleck:one", f"dir:{pushed}"],
+        check=True,
+        capture_output=True,
+    )
+    store = BuildahStore(buildah)
+    (layer,) = store.image("localhost/oobleck:one").layers
+    stream = store.stream(layer)
+    rebuilt = stream.read()
+    stream.verify()
+    assert rebuilt == (pushed / layer.diff_id.split(":")[1]).read_bytes()
+
+    # The file as the layer holds it changed behind buildah's back: the rebuilt tar is not the layer's.
+    (store.root / "overlay" / layer.id / "diff" / "odd").write_bytes(b"y" * 513)
+    stream = store.stream(layer)
+    stream.read()
+    with pytest.raises(BuildahStoreError, match="not its"):
+        stream.verify()
+    template = TemplateStore(tmp_path / "store", "localhost/pause:test", tmp_path / "pause", buildah)
+    (tmp_path / "pause").write_bytes(b"\x7fELF stand-in")
+    with pytest.raises(ImageStoreError, match="reading localhost/oobleck:one from buildah's store"):
+        template.ensure("localhost/oobleck:one")
 
 
 def test_chain_ids_follow_the_oci_definition():
