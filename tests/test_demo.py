@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oobleck_dev.demo import EXAMPLE, Observation, Timeline, observe, steps_per_second, summarize
+from oobleck_dev.demo import EXAMPLE, Observation, Timeline, observe, steps_per_second, summarize, victim
 
 
 @pytest.mark.slow
@@ -43,7 +43,7 @@ def test_demo_trains_survives_a_kill_and_cleans_up(tmp_path: Path) -> None:
     assert result.returncode == 0, out[-5000:] + result.stderr[-3000:]
     assert "oobleckjob.oobleck.dev/llama-tiny created" in out
     assert re.search(r"job Succeeded: 80/80 steps, plan generation [1-9]", out), out[-3000:]
-    assert "killed llama-tiny-worker-1 at step" in out
+    assert re.search(r"killed llama-tiny-worker-\d+ at step", out), out[-3000:]
     assert re.search(r"training resumed \(step \d+ completed\) [\d.]+ s after the kill", out), out[-3000:]
     assert "done: nothing left running" in out
     # The API server's port is free again: its process is gone (SO_REUSEADDR: closed connections
@@ -126,3 +126,18 @@ def test_summary_measures_recovery_and_throughput_around_the_kill() -> None:
     assert "throughput before the failure: 2.00 steps/s = 32 samples/s" in lines[4]
     assert "throughput after the failure: 3.33 steps/s = 53 samples/s" in lines[5]
     assert steps_per_second({0: 1.0}, 0, 0) is None
+
+
+def test_the_victim_is_the_second_training_worker_by_index() -> None:
+    from oobleck.api.contract import PROGRESS_ANNOTATION
+
+    def pod(name: str, phase: str = "Running", reported: bool = True) -> dict:
+        annotations = {PROGRESS_ANNOTATION: '{"step": 3}'} if reported else {}
+        return {"metadata": {"name": name, "annotations": annotations}, "status": {"phase": phase}}
+
+    # worker-1 failed to start and was replaced by worker-4; worker-10 sorts by index, not by name.
+    pods = [pod("j-worker-10"), pod("j-worker-4"), pod("j-worker-0"), pod("j-worker-2", reported=False)]
+    assert victim(pods) == "j-worker-4"
+    assert victim([pod("j-worker-3"), pod("j-worker-1", phase="Pending")]) == "j-worker-3"
+    with pytest.raises(RuntimeError, match="no worker pod"):
+        victim([pod("j-worker-0", reported=False)])

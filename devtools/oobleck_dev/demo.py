@@ -321,13 +321,35 @@ def _follow(
                 print(f"reason: {seen.reason}")
             return timeline
         if kill_at_step is not None and timeline.kill_at is None and seen.step >= kill_at_step:
-            pod = f"{name}-worker-1"
+            pod = _a_training_worker(cluster, name)
             how = kill(pod)
             timeline.kill_at, timeline.kill_step, timeline.killed_pod = time.monotonic(), seen.step, pod
             print(f"{timeline.kill_at - began:6.1f}s  >>> {how}: a node failure as the job sees it", flush=True)
         time.sleep(0.2)
     print(f"timeout: the job did not finish within {timeout_s:.0f} s")
     return timeline
+
+
+def _a_training_worker(cluster, job: str) -> str:
+    from oobleck.api.resource import worker_selector
+
+    return victim(_json(cluster, "get", "pods", "-n", NAMESPACE, "-l", worker_selector(job))["items"])
+
+
+def victim(worker_pods: list[dict]) -> str:
+    """The pod the demo kills: the second by index (worker-1 when the job's first pods all started) among those
+    Running that have reported a step. A pod that failed to start was replaced under a new index."""
+    from oobleck.api.contract import PROGRESS_ANNOTATION
+
+    training = sorted(
+        (int(pod["metadata"]["name"].rsplit("-", 1)[1]), pod["metadata"]["name"])
+        for pod in worker_pods
+        if pod.get("status", {}).get("phase") == "Running"
+        and PROGRESS_ANNOTATION in (pod["metadata"].get("annotations") or {})
+    )
+    if not training:
+        raise RuntimeError("no worker pod is Running with a reported step")
+    return training[min(1, len(training) - 1)][1]
 
 
 def _json(cluster, *args: str) -> dict:
