@@ -43,6 +43,10 @@ LOSS_RTOL = 1e-5
 START_TIMEOUT_S = 600.0
 """Pods pulled from the node's own store, torch imported and the model profiled, on a loaded 2-core host."""
 RUN_TIMEOUT_S = 900.0
+LOST_WITHIN_S = 10.0
+"""A frozen node's workers, from the freeze to the operator's NodeLost event: the README's verdict (no probe
+answer within 0.25 s, 0.45 s after the last beat; up to 2 s more on an overloaded host), then the operator's
+batch window and this test's 1 s poll, on a run at nice 19 beside the suite (1.2 s measured alone)."""
 HOOKS = ("OOBLECK_CONTAINER_ROOT", "OOBLECK_SERVICEACCOUNT_DIR")
 """Variables the local node agent once set for the product: a real node sets none of them (the pod's IP comes
 through the downward API, as OOBLECK_POD_IP)."""
@@ -420,8 +424,10 @@ def test_a_node_that_hangs_is_lost_and_the_job_goes_on(real_job):
     job.nodes.freeze(node)
     try:
         lost = wait_for(lambda: job.events("NodeLost"), "a NodeLost event", 300)
-        print(f"{node} frozen: NodeLost after {time.monotonic() - frozen:.1f} s: {lost}")
+        elapsed = time.monotonic() - frozen
+        print(f"{node} frozen: NodeLost after {elapsed:.1f} s: {lost}")
         assert len(lost) == 1 and lost[0].startswith(f"{victim}: "), lost
+        assert elapsed <= LOST_WITHIN_S, f"NodeLost {elapsed:.1f} s after the freeze (at most {LOST_WITHIN_S} s)"
         body = job.wait_succeeded()
     finally:
         job.nodes.thaw(node)
