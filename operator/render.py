@@ -41,6 +41,7 @@ import kopf
 from oobleck.api.contract import (
     FAILURES_SURVIVED_ANNOTATION,
     GENERATION_ANNOTATION,
+    METRICS_PORTS,
     RANKS_ANNOTATION,
     STORE_PORT,
     WORKER_PORT,
@@ -107,8 +108,6 @@ def isolation_name(job: str) -> str:
 
 
 JOB_KEY_ITEM = "key"
-METRICS_PORTS = 64
-"""Worker metrics listen on WORKER_PORT + local GPU: the NetworkPolicy opens this many ports to scrapers."""
 
 
 def store_address(job: str, namespace: str) -> str:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from oobleck.api.contract import FIXED_PORTS
 from oobleck.processes import die_with_parent
 from oobleck_dev import kwok
 from oobleck_dev.certs import CertificateAuthority, KeyPair, service_account_keys
@@ -175,11 +176,16 @@ def free_port() -> int:
 
     A port the kernel hands out for `bind(0)` comes from the same range as the local ports of outgoing
     connections, so between picking it and the child binding it, any client on the machine can take it
-    (CI lost an operator's liveness port that way). Below that range only other pickers compete.
+    (CI lost an operator's liveness port that way). Below that range only other pickers compete, and the
+    job pods' fixed ports (oobleck.api.contract.FIXED_PORTS) are never picked.
     """
     low = _ephemeral_low()
     for _ in range(64):
         port = secrets.randbelow(low - PRIVATE_PORTS_FROM) + PRIVATE_PORTS_FROM
+        if port in FIXED_PORTS:
+            # A pod on local nodes shares the host's network: a test process on 0.0.0.0:29500 (an operator's
+            # metrics) made every e2e worker's /metrics bind on its pod IP fail with EADDRINUSE.
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))

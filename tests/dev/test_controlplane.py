@@ -430,3 +430,14 @@ def test_dev_up_without_tools_says_how_to_get_them(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "missing etcd" in result.stderr and "scripts/k8s-tools/build" in result.stderr
     assert not (tmp_path / "state").exists()
+
+
+def test_free_port_never_picks_a_port_the_jobs_pods_listen_on(monkeypatch) -> None:
+    # An operator's metrics on 0.0.0.0:29500 once made every local-node worker's /metrics bind fail.
+    from oobleck.api.contract import FIXED_PORTS, STORE_PORT, WORKER_PORT
+
+    draws = iter([WORKER_PORT, STORE_PORT, WORKER_PORT + 63, 25_000])
+    monkeypatch.setattr(controlplane.secrets, "randbelow", lambda _: next(draws) - controlplane.PRIVATE_PORTS_FROM)
+    # The fourth draw, or the kernel's ephemeral range if 25000 is taken on this host: never a fixed port.
+    assert controlplane.free_port() not in FIXED_PORTS
+    assert {STORE_PORT, WORKER_PORT, WORKER_PORT + 63} <= FIXED_PORTS and WORKER_PORT + 64 not in FIXED_PORTS

@@ -67,7 +67,7 @@ def test_the_network_policy_admits_the_job_s_pods_and_optionally_the_scrapers(h)
     assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {JOB_LABEL: h.JOB}}}]}]
     scraped = render.network_policy(h.JOB, "ns", h.UID, "monitoring")["spec"]["ingress"][1]
     assert scraped["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
-    assert scraped["ports"] == [{"protocol": "TCP", "port": 29500, "endPort": 29500 + render.METRICS_PORTS - 1}]
+    assert scraped["ports"] == [{"protocol": "TCP", "port": 29500, "endPort": 29500 + contract.METRICS_PORTS - 1}]
     assert [c["kind"] for c in render.static_children(h.JOB, "ns", h.UID)][-1] == "NetworkPolicy"
 
 

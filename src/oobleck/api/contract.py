@@ -30,6 +30,10 @@ STORE_PORT = 29400
 """The coordinator pod's TCPStore (`OOBLECK_STORE`'s port)"""
 WORKER_PORT = 29500
 """A worker pod's container port: /metrics of local GPU g on WORKER_PORT + g"""
+METRICS_PORTS = 64
+"""Local GPUs a worker pod's /metrics may serve (WORKER_PORT ..< WORKER_PORT + METRICS_PORTS)."""
+FIXED_PORTS = frozenset({STORE_PORT, *range(WORKER_PORT, WORKER_PORT + METRICS_PORTS)})
+"""Every port the job's pods listen on at a fixed number (the rest are ephemeral)."""
 
 
 class ExitCode(enum.IntEnum):
