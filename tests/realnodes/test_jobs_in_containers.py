@@ -325,13 +325,15 @@ def test_kubectl_delete_pod_recovers_in_place(real_job):
     no-failure run. (Folding the replacement back in is tests/e2e's matter: a job long enough for it here
     would cost the suite a minute.)"""
     job = real_job
-    steps = 120
+    # 120 steps once ended (in ~25 s) before this test, polling at nice 19 beside the suite, froze the node.
+    steps = 300
     job.apply(job_spec(job.nodes.image, steps, min_nodes=1, node_selector=job.nodes.node_selector))
     running = wait_for(
         lambda: len(s := job.running_worker_steps()) == 2 and min(s.values()) >= 20 and s,
         "two workers past step 20",
         START_TIMEOUT_S,
     )
+    assert max(running.values()) < steps - 50, f"too near the end to freeze a node: {running} of {steps} steps"
     survivor, victim = sorted(running)
     job.cluster.kubectl("delete", "pod", victim, "-n", job.ns, "--wait=false")
     at_delete = job.running_worker_steps().get(survivor, 0)
@@ -408,13 +410,15 @@ def test_a_node_that_hangs_is_lost_and_the_job_goes_on(real_job):
     finds the silent peer, the operator drops it in a new generation, and the survivor trains to the exact
     step with every loss equal to the no-failure run; thawed, the node is Ready again."""
     job = real_job
-    steps = 120
+    # 120 steps once ended (in ~25 s) before this test, polling at nice 19 beside the suite, froze the node.
+    steps = 300
     job.apply(job_spec(job.nodes.image, steps, min_nodes=1, node_selector=job.nodes.node_selector))
     running = wait_for(
         lambda: len(s := job.running_worker_steps()) == 2 and min(s.values()) >= 20 and s,
         "two workers past step 20",
         START_TIMEOUT_S,
     )
+    assert max(running.values()) < steps - 50, f"too near the end to freeze a node: {running} of {steps} steps"
     # The worker whose node does not hold the coordinator (whose loss is another test's matter).
     coordinator_node = job.cluster.kubectl_json("get", "pod", f"{JOB}-coordinator", "-n", job.ns)["spec"]["nodeName"]
     nodes = {name: job.cluster.kubectl_json("get", "pod", name, "-n", job.ns)["spec"]["nodeName"] for name in running}
