@@ -14,16 +14,10 @@ import yaml
 
 from oobleck_dev import realnodes
 from oobleck_dev.demo import EXAMPLE
+from tests.realnodes.marks import realnode_marks
 from tests.realnodes.test_nodes import host_snapshot
 
-pytestmark = [
-    pytest.mark.realnodes,
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.image,
-    pytest.mark.xdist_group("realnodes"),  # one set of real nodes per host at a time
-    pytest.mark.timeout(1800),
-]
+pytestmark = realnode_marks(1800)
 
 
 def test_the_demo_runs_in_containers_survives_a_container_kill_and_leaves_the_host_as_found(tmp_path: Path) -> None:

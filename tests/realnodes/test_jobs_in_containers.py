@@ -25,16 +25,9 @@ from oobleck_dev.chart import CHART_PATH
 from oobleck_dev.operatorproc import OperatorProcess
 from oobleck_dev.poll import wait_until
 from oobleck_dev.references import ReferenceCache
+from tests.realnodes.marks import realnode_marks
 
-pytestmark = [
-    pytest.mark.realnodes,
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.image,
-    pytest.mark.xdist_group("realnodes"),  # one set of real nodes per host at a time
-    # The first run on a machine builds the image and imports it (minutes); the job itself takes minutes on 2 cores.
-    pytest.mark.timeout(5400),
-]
+pytestmark = realnode_marks(5400)
 
 JOB = "llama"
 EXAMPLE = Path(__file__).parents[2] / "examples" / "llama-tiny.yaml"

@@ -25,15 +25,9 @@ from oobleck.api.contract import PROGRESS_ANNOTATION, STORE_PORT, WORKER_PORT
 from oobleck.api.resource import worker_selector
 from oobleck_dev.operatorproc import OperatorProcess
 from oobleck_dev.poll import wait_until
+from tests.realnodes.marks import realnode_marks
 
-pytestmark = [
-    pytest.mark.realnodes,
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.image,
-    pytest.mark.xdist_group("realnodes"),  # one set of real nodes per host at a time
-    pytest.mark.timeout(3600),
-]
+pytestmark = realnode_marks(3600)
 
 JOB = "fenced"
 EXAMPLE = Path(__file__).parents[2] / "examples" / "llama-tiny.yaml"

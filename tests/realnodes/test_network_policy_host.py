@@ -11,17 +11,11 @@ import pytest
 
 from oobleck_dev import kuberouter, realnodes
 from oobleck_dev.controlplane import ControlPlane
+from tests.realnodes.marks import realnode_marks
 
 from .test_nodes import host_snapshot, sleeper_pod
 
-pytestmark = [
-    pytest.mark.realnodes,
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.image,
-    pytest.mark.xdist_group("realnodes"),
-    pytest.mark.timeout(3600),
-]
+pytestmark = realnode_marks(3600)
 
 POLICY = {
     "apiVersion": "networking.k8s.io/v1",

@@ -13,15 +13,9 @@ import pytest
 from oobleck_dev import hoststate, realnodes
 from oobleck_dev.controlplane import ControlPlane
 from oobleck_dev.tools import find_tools
+from tests.realnodes.marks import realnode_marks
 
-pytestmark = [
-    pytest.mark.realnodes,
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.image,
-    pytest.mark.xdist_group("realnodes"),
-    pytest.mark.timeout(5400),
-]
+pytestmark = realnode_marks(5400)
 
 
 def host_snapshot() -> dict[str, object]:
