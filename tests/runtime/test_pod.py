@@ -432,3 +432,26 @@ def test_siblings_publish_only_changes_read_at_most_every_interval_and_cut_what_
     assert (
         PodSiblings.from_env({}, 0, 2) is None and PodSiblings.from_env({"OOBLECK_POD_SHARED_DIR": "/x"}, 0, 1) is None
     )
+
+
+def test_a_metrics_port_in_use_is_named_as_such_not_as_a_kubernetes_api_error():
+    """A worker whose /metrics port is taken ends with words that name the port and the variable that moves it
+    (before, main() reported the OSError as a 'Kubernetes API' transport error)."""
+    import socket
+    from types import SimpleNamespace
+
+    from oobleck.runtime.backends.pod.main import PodFailure, _announce
+    from oobleck.runtime.train.metrics import WorkerMetrics
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        env = PodEnv.from_env({**ENV, "OOBLECK_POD_IP": "127.0.0.1", "WORKER_METRICS_PORT": str(taken - 1)})
+        worker = SimpleNamespace(snapshots=None, metrics=WorkerMetrics("tiny", "tiny-worker-2", 1))
+        with pytest.raises(PodFailure) as failure:
+            _announce(env, 1, worker, config=None, progress=None)  # GPU 1 serves on WORKER_METRICS_PORT + 1
+    assert failure.value.code == ExitCode.ERROR
+    message = str(failure.value)
+    assert f"cannot serve /metrics on 127.0.0.1:{taken}" in message and "WORKER_METRICS_PORT" in message
+    assert "Kubernetes" not in message

@@ -161,8 +161,17 @@ def _announce(env: PodEnv, gpu: int, worker, config, progress: ProgressReporter 
             checkpoint=config.checkpoint.path,
         )
     if env.metrics_port >= 0:
-        port = worker.metrics.serve(env.metrics_port + gpu if env.metrics_port else 0, address=env.pod_ip or "0.0.0.0")
-        _log("metrics", env, gpu=gpu, url=f"http://{env.pod_ip or '0.0.0.0'}:{port}/metrics")
+        host, wanted = env.pod_ip or "0.0.0.0", env.metrics_port + gpu if env.metrics_port else 0
+        try:
+            port = worker.metrics.serve(wanted, address=host)
+        except OSError as error:
+            # Its own words: main() would otherwise name an OSError a Kubernetes API transport error.
+            raise PodFailure(
+                ExitCode.ERROR,
+                f"{worker_id(env.node, gpu)}: cannot serve /metrics on {host}:{wanted} ({error.strerror or error}); "
+                "WORKER_METRICS_PORT picks the port (0: any free one, -1: off)",
+            ) from error
+        _log("metrics", env, gpu=gpu, url=f"http://{host}:{port}/metrics")
     if progress is not None:
         # "Up and waiting for a plan": the operator folds a replacement in only after this, so the
         # survivors never wait for a newcomer that is still importing torch (operator/decide.py).
