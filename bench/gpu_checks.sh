@@ -8,7 +8,8 @@
 # a 60-step run ~36 s, the CUDA tests 17 s: the defaults fit one 600 s call of the device tool.
 # Logs and figures go to $1 (default: a temporary folder). CI has no GPU: this is run by hand.
 #
-# usage: [GPU_WHEELS=build/gpu-wheels] [GPU_BENCHES='single capture trace'] [GPU_BENCH_PIECES=no-snapshots,off] bench/gpu_checks.sh [OUT_DIR]
+# usage: [GPU_WHEELS=build/gpu-wheels] [GPU_BENCHES='single capture trace'] [GPU_BENCH_PIECES=no-snapshots,off]
+#        [GPU_BENCH_MODEL=gpt3-350m] bench/gpu_checks.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-$(mktemp -d)}
@@ -48,7 +49,7 @@ if [[ " $benches " == *" trace "* ]]; then
   timeout 180 python3 bench/gpu_trace.py --out "$out/gpu_trace.json" 2>&1 | tee "$out/gpu_trace.log" || status=1
 fi
 if [[ " $benches " == *" single "* ]]; then
-  timeout "${GPU_BENCH_TIMEOUT_S:-400}" python3 bench/gpu_single.py --repeats "${GPU_BENCH_REPEATS:-3}" --warmup "${GPU_BENCH_WARMUP:-10}" \
+  timeout "${GPU_BENCH_TIMEOUT_S:-400}" python3 bench/gpu_single.py --model "${GPU_BENCH_MODEL:-gpt2-medium}" --repeats "${GPU_BENCH_REPEATS:-3}" --warmup "${GPU_BENCH_WARMUP:-10}" \
     --steps "${GPU_BENCH_STEPS:-40}" --pieces "${GPU_BENCH_PIECES-}" --out "$out/gpu_single.json" 2>&1 \
     | tee "$out/gpu_single.log" || status=1
 fi

@@ -19,7 +19,8 @@ parameters, L blocks, H hidden, S sequence: PaLM's appendix B); peak from `--pea
 name (H100/H200 SXM: 989 TFLOP/s dense bf16; A100: 312).
 
 usage: .venv/bin/python bench/gpu_single.py [--model gpt2-medium] [--steps 30] [--repeats 3]
-       .venv/bin/python bench/gpu_single.py --quick     (CPU smoke run: tiny-gpt, bf16 autocast on CPU)
+       .venv/bin/python bench/gpu_single.py --model gpt3-350m   (the same shape through Hugging Face's GPT-2)
+       .venv/bin/python bench/gpu_single.py --quick [--model llama-tiny]   (CPU smoke run: tiny-gpt, bf16 autocast on CPU)
 """
 
 from __future__ import annotations
@@ -43,22 +44,42 @@ GPT2_MEDIUM = {"name": "gpt", "sizes": {"blocks": 24, "hidden": 1024, "heads": 1
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 
 
+HF_SEQUENCE = 1024
+"""Tokens per sample of a `transformers` preset here (at most its positions): gpt2-medium's, so that the two
+shapes compare."""
+
+
 def model_config(name: str) -> dict:
-    return dict(GPT2_MEDIUM) if name == "gpt2-medium" else {"name": name}
+    """`--model`: gpt2-medium (the built-in GPT), a `transformers` preset (gpt3-350m: the same shape through
+    Hugging Face's GPT-2, at HF_SEQUENCE tokens), or another model name the runtime knows."""
+    from oobleck.api.hfpresets import PRESETS, sizes
+
+    if name == "gpt2-medium":
+        return dict(GPT2_MEDIUM)
+    if name in PRESETS:
+        positions = sizes(PRESETS[name], PRESETS[name]["model_type"]).positions
+        return {"transformers": {"preset": name, "sequence_length": min(HF_SEQUENCE, positions)}}
+    return {"name": name}
 
 
 def flops_per_token(model) -> float | None:
     """6 N + 12 L H S, or None when the model does not say its blocks, hidden size and sequence length."""
     import torch
 
-    sizes = getattr(model, "sizes", None)
+    from oobleck.api.hfpresets import sizes as hf_sizes
+
     parameters = 0
     with torch.device("meta"):
         for index in range(model.num_layers):
             parameters += sum(p.numel() for p in model.build_layer(index).parameters())
-    if sizes is None or not all(hasattr(sizes, k) for k in ("blocks", "hidden", "seq_len")):
-        return None
-    return 6 * parameters + 12 * sizes.blocks * sizes.hidden * sizes.seq_len
+    sizes = getattr(model, "sizes", None)
+    if sizes is not None and all(hasattr(sizes, k) for k in ("blocks", "hidden", "seq_len")):
+        return 6 * parameters + 12 * sizes.blocks * sizes.hidden * sizes.seq_len
+    config = getattr(model, "config", None)  # a transformers model: its config.json's sizes
+    if config is not None and hasattr(model, "seq_len"):
+        found = hf_sizes(config.to_dict(), config.model_type)
+        return 6 * parameters + 12 * found.blocks * found.hidden * model.seq_len
+    return None
 
 
 def _plain(argv: list[str], on_step=None) -> int:
@@ -148,7 +169,9 @@ def main() -> int:
     from oobleck.runtime.train.profiler import profile_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2-medium", help="gpt2-medium or a model preset name")
+    parser.add_argument(
+        "--model", default=None, help="gpt2-medium (default; --quick: tiny-gpt), a transformers preset or a model name"
+    )
     parser.add_argument("--microbatch-size", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches accumulated per step")
     parser.add_argument("--steps", type=int, default=30)
@@ -166,7 +189,7 @@ def main() -> int:
     device = "cpu" if args.quick else "cuda"
     if args.quick:
         args.model, args.microbatch_size, args.microbatches, args.steps, args.warmup, args.repeats = (
-            "tiny-gpt",
+            args.model or "tiny-gpt",
             2,
             2,
             5,
@@ -175,6 +198,7 @@ def main() -> int:
         )
     elif not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark measures a GPU (use --quick for the CPU smoke run)")
+    args.model = args.model or "gpt2-medium"
     config = WorkerConfig(
         job="gpu-single",
         model=model_config(args.model),

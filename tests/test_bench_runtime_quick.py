@@ -77,3 +77,22 @@ def test_vs_torch_names_an_unknown_model():
         [sys.executable, str(BENCH / "vs_torch.py"), "--model", "nope"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2 and "--model" in proc.stderr and "'nope'" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_gpu_single_counts_a_transformers_presets_flops_as_the_built_in_gpts():
+    """`--model gpt3-350m` runs Hugging Face's GPT-2 at gpt2-medium's shape, its MFU from the same 6 N + 12 L H S
+    per token. N differs only where the configs do: the preset's 2048 positions against 1024, and the vocabulary
+    of the embedding and of the head (each layer holds its copy), 50257 rows against 50304."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_single
+    finally:
+        sys.path.remove(str(BENCH))
+    from oobleck.runtime.train.config import WorkerConfig, build_model
+
+    built_in = build_model(WorkerConfig(job="f", model=gpu_single.model_config("gpt2-medium")))
+    hf = build_model(WorkerConfig(job="f", model=gpu_single.model_config("gpt3-350m")))
+    assert hf.seq_len == 1024
+    hidden = 1024
+    difference = (gpu_single.flops_per_token(hf) - gpu_single.flops_per_token(built_in)) / 6
+    assert difference == (2048 - 1024) * hidden - 2 * (50304 - 50257) * hidden
