@@ -182,8 +182,11 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
     )
     plan = wait_for(lambda: settled(cluster, ns, 0), "generation 0 once the third node exists")
     assert len(plan.nodes) == 3
-    body = job(cluster, ns)
-    assert body["status"]["phase"] == "Running" and body["status"]["plan"]["generation"] == 0
+    # The status is patched after the plan and the pods' ranks (one run here read it Pending in between).
+    body = wait_for(
+        lambda: (b := job(cluster, ns))["status"].get("phase") == "Running" and b, "the status Running after the plan"
+    )
+    assert body["status"]["plan"]["generation"] == 0
     # Children: owned, deterministic names.
     uid = body["metadata"]["uid"]
     for kind, name in [

@@ -12,179 +12,18 @@ import json
 import secrets
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from oobleck.api.planmap import read_plan
-from oobleck.api.resource import worker_selector
 from oobleck_dev.chart import CHART_PATH
-from oobleck_dev.operatorproc import OperatorProcess
-from oobleck_dev.poll import wait_until
-from oobleck_dev.references import ReferenceCache
+from tests.realnodes.jobs import HOOKS, JOB, LOST_WITHIN_S, START_TIMEOUT_S, RealJob, job_spec, wait_for
 from tests.realnodes.marks import realnode_marks
 
 pytestmark = realnode_marks(5400)
-
-JOB = "llama"
-EXAMPLE = Path(__file__).parents[2] / "examples" / "llama-tiny.yaml"
-LOSS_RTOL = 1e-5
-"""The runtime's documented tolerance: every layout's losses match single-process training to 1e-5 relative."""
-START_TIMEOUT_S = 600.0
-"""Pods pulled from the node's own store, torch imported and the model profiled, on a loaded 2-core host."""
-RUN_TIMEOUT_S = 900.0
-LOST_WITHIN_S = 10.0
-"""A frozen node's workers, from the freeze to the operator's NodeLost event: the README's verdict (no probe
-answer within 0.25 s, 0.45 s after the last beat; up to 2 s more on an overloaded host), then the operator's
-batch window and this test's 1 s poll, on a run at nice 19 beside the suite (1.2 s measured alone)."""
-HOOKS = ("OOBLECK_CONTAINER_ROOT", "OOBLECK_SERVICEACCOUNT_DIR")
-"""Variables the local node agent once set for the product: a real node sets none of them (the pod's IP comes
-through the downward API, as OOBLECK_POD_IP)."""
-
-
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float) -> Any:
-    return wait_until(predicate, what, timeout, 1.0, tolerate=(Exception,))
-
-
-def job_spec(image: str, steps: int, min_nodes: int, node_selector: dict[str, str]) -> dict[str, Any]:
-    """examples/llama-tiny.yaml on the real nodes (two workers at most: one per node), float64 gradient sums
-    so that any layout's losses match the reference run to LOSS_RTOL."""
-    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
-    spec["image"] = image
-    spec["nodes"] = {"min": min_nodes, "max": 2}
-    spec["training"]["steps"] = steps
-    spec["training"]["gradientSumDtype"] = "float64"
-    variables = {"WORKER_PROGRESS_INTERVAL_S": "0.5", "WORKER_DEAD_AFTER_S": "10"}
-    spec["pod"] = {"nodeSelector": node_selector, "env": [{"name": k, "value": v} for k, v in variables.items()]}
-    spec["pendingTimeoutSeconds"] = 900
-    spec["cleanPodPolicy"] = "None"  # keep the pods: their logs are read afterwards
-    return spec
-
-
-REFERENCES = ReferenceCache()
-"""Kept across runs with the e2e tests' (oobleck_dev.references)."""
-
-
-class RealJob:
-    """One job on the real nodes: its namespace, the operator serving it, and reads through kubectl."""
-
-    def __init__(self, cluster, nodes, namespace: str, operator: OperatorProcess) -> None:
-        self.cluster, self.nodes, self.ns, self.operator = cluster, nodes, namespace, operator
-        self.spec: dict[str, Any] | None = None
-
-    def apply(self, spec: dict[str, Any]) -> None:
-        self.spec = spec
-        manifest = {"apiVersion": "oobleck.dev/v1alpha1", "kind": "OobleckJob", "metadata": {"name": JOB}, "spec": spec}
-        self.cluster.kubectl("apply", "-n", self.ns, "-f", "-", input=yaml.safe_dump(manifest))
-
-    def job(self) -> dict[str, Any]:
-        return self.cluster.kubectl_json("get", "oobleckjob", JOB, "-n", self.ns)
-
-    def pods(self, selector: str = "") -> list[dict[str, Any]]:
-        args = ["get", "pods", "-n", self.ns] + (["-l", selector] if selector else [])
-        return self.cluster.kubectl_json(*args)["items"]
-
-    def workers(self) -> list[dict[str, Any]]:
-        return self.pods(worker_selector(JOB))
-
-    def running_worker_steps(self) -> dict[str, int]:
-        """worker pod -> the step its progress annotation reports (Running workers that reported one)."""
-        from oobleck.api.contract import PROGRESS_ANNOTATION
-
-        steps = {}
-        for pod in self.workers():
-            report = (pod["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
-            if pod.get("status", {}).get("phase") == "Running" and report:
-                steps[pod["metadata"]["name"]] = int(json.loads(report)["step"])
-        return steps
-
-    def succeeded(self) -> dict[str, Any]:
-        body = self.job()
-        phase = body.get("status", {}).get("phase")
-        if phase == "Failed":
-            raise AssertionError(f"the job failed: {json.dumps(body['status'])[:3000]}")
-        return body if phase == "Succeeded" else {}
-
-    def wait_succeeded(self) -> dict[str, Any]:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while time.monotonic() < deadline:
-            body = self.succeeded()
-            if body:
-                return body
-            time.sleep(2)
-        raise AssertionError(
-            f"not Succeeded after {RUN_TIMEOUT_S:.0f} s: {json.dumps(self.job().get('status'))[:3000]}"
-        )
-
-    def records(self, pod: str) -> Iterator[dict[str, Any]]:
-        """The JSON-lines records of a pod's worker log, as `kubectl logs` returns it."""
-        # A pod whose node lost its kubelet has no logs to give: the survivors' logs must cover every step.
-        text = self.cluster.kubectl("logs", pod, "-n", self.ns, "-c", "worker", timeout=120, check=False).stdout
-        for line in text.splitlines():
-            if line.startswith("{"):
-                try:
-                    yield json.loads(line)
-                except ValueError:
-                    continue
-
-    def check_losses(self) -> int:
-        """Every step's loss, as the remaining workers logged it, equals the no-failure reference within
-        LOSS_RTOL; every step has one; returns how many values were compared."""
-        assert self.spec is not None
-        reference = REFERENCES.for_spec(self.spec, JOB)
-        seen: dict[int, list[float]] = {}
-        for pod in self.workers():
-            for record in self.records(pod["metadata"]["name"]):
-                if record.get("event") == "step" and record.get("loss") is not None:
-                    seen.setdefault(int(record["step"]), []).append(float(record["loss"]))
-        missing = sorted(set(range(len(reference))) - set(seen))
-        assert not missing, f"steps without a logged loss: {missing[:20]} ({len(missing)} of {len(reference)})"
-        for step, values in seen.items():
-            for value in values:
-                assert abs(value - reference[step]) <= LOSS_RTOL * abs(reference[step]), (
-                    f"step {step}: loss {value} vs reference {reference[step]}"
-                )
-        return sum(len(v) for v in seen.values())
-
-    def events(self, reason: str) -> list[str]:
-        """Messages of the namespace's events with `reason` (the operator's NodeLost, Reconfigured, ...)."""
-        listing = self.cluster.kubectl_json("get", "events", "-n", self.ns, "--field-selector", f"reason={reason}")
-        return [item.get("message", "") for item in listing["items"]]
-
-    def dump(self) -> None:
-        """What a failing test needs to see: pods, events, the operator's log tail."""
-        print(self.cluster.kubectl("get", "pods", "-n", self.ns, "-o", "wide", check=False).stdout)
-        print(
-            self.cluster.kubectl("get", "events", "-n", self.ns, "--sort-by=.lastTimestamp", check=False).stdout[-5000:]
-        )
-        for pod in self.pods():
-            name = pod["metadata"]["name"]
-            print(
-                f"--- {name}\n{self.cluster.kubectl('logs', name, '-n', self.ns, '--all-containers', check=False).stdout[-3000:]}"
-            )
-        print(f"--- operator\n{self.operator.log()[-5000:]}")
-
-
-@pytest.fixture
-def real_job(real_cluster, tmp_path) -> Iterator[RealJob]:
-    cluster, nodes = real_cluster
-    namespace = cluster.namespace("real")
-    operator = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "operator", "--resync", "2").start()
-    job = RealJob(cluster, nodes, namespace, operator)
-    try:
-        yield job
-    finally:
-        job.dump()
-        cluster.kubectl("delete", "oobleckjob", JOB, "-n", namespace, "--ignore-not-found", "--wait=false", check=False)
-        operator.kill()
-        # The job's pods must be gone before the next test's job starts (they compete for the CPU). Not the
-        # namespace: the job's finalizer would hold it, with no operator left to remove it.
-        cluster.kubectl(
-            "delete", "pods", "--all", "-n", namespace, "--grace-period=0", "--wait=true", check=False, timeout=120
-        )
 
 
 class HelmOperator:
@@ -331,10 +170,7 @@ def test_kubectl_delete_pod_recovers_in_place(real_job):
     at_delete = job.running_worker_steps().get(survivor, 0)
     assert at_delete < steps, "the job finished before the delete: raise steps"
 
-    def plan_generation() -> int:
-        return read_plan(job.cluster.kubectl_json("get", "configmap", f"{JOB}-plan", "-n", job.ns)).generation
-
-    wait_for(lambda: plan_generation() >= 1, "a new plan generation", 120)
+    wait_for(lambda: job.plan().generation >= 1, "a new plan generation", 120)
     assert wait_for(lambda: job.events("NodeLost"), "a NodeLost event", 120) == [f"{victim}: pod {victim} deleted"]
     body = job.wait_succeeded()
     assert body["status"]["progress"]["step"] == steps
@@ -368,11 +204,7 @@ def test_worker_container_killed_through_the_runtime_recovers_in_place(real_job)
     assert len(lost) == 1 and lost[0].startswith(f"{victim}: "), lost
     reports = ("exited with code 137", f"pod {victim} failed", "the process is gone")
     assert any(report in lost[0] for report in reports), lost
-    wait_for(
-        lambda: read_plan(job.cluster.kubectl_json("get", "configmap", f"{JOB}-plan", "-n", job.ns)).generation >= 1,
-        "a new plan generation",
-        120,
-    )
+    wait_for(lambda: job.plan().generation >= 1, "a new plan generation", 120)
     body = job.wait_succeeded()
     assert body["status"]["progress"]["step"] == steps
     assert body["status"]["failuresSurvived"] >= 1
