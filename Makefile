@@ -43,10 +43,9 @@ crds: venv
 	$(PY) -m oobleck.cli crds --write crds/
 	$(PY) -m oobleck_dev.chart --write
 
-# The suite on local nodes with PYTEST_WORKERS workers; REALNODES=1 adds, beside it at nice 19, the jobs in
-# containers on real kubelet + containerd nodes (scripts/test). Off by default until the pair runs green
-# reliably on 2 cores (README, Development).
-REALNODES ?= 0
+# The suite on local nodes with PYTEST_WORKERS workers and, beside it at nice 19, the jobs in containers on real
+# kubelet + containerd nodes (scripts/test); REALNODES=0 leaves the real nodes out.
+REALNODES ?= 1
 test: venv k8s-tools image node-packages k8s-node kube-router
 	@PYTEST_WORKERS=$(PYTEST_WORKERS) PYTEST_ARGS="$(PYTEST_ARGS)" REALNODES="$(REALNODES)" REALNODES_ARGS="$(REALNODES_ARGS)" \
 	  scripts/test

@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
     if not config.getoption("--realnodes"):
-        # A run of their own (`make test REALNODES=1` starts it beside this one at nice 19): in the same xdist run
+        # A run of their own (`make test` starts it beside this one at nice 19): in the same xdist run
         # they took a worker from the rest for minutes and their load failed local-node e2e tests on timing.
         kept = [item for item in items if not item.get_closest_marker("realnodes")]
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from oobleck.operator import render
+from oobleck_dev.poll import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("local-node-jobs-2")]
 LOCAL_NODES = {"nodes": 4, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi"}
@@ -29,18 +30,6 @@ at 800 steps a run at load ~10 finished before the replacement was counted a spa
 job trains."""
 SPARE_RESTORE_TARGET_S = 5.0
 """Issue #22's target from a kill to the full node count restored with a spare."""
-
-
-def _restored(run, nodes: int, after: int, killed_at: float) -> tuple[float, object]:
-    """Seconds from `killed_at` to the first plan after generation `after` with `nodes` nodes, and that plan
-    (the ConfigMap polled every 20 ms)."""
-    deadline = killed_at + 120
-    while time.monotonic() < deadline:
-        plan = run.plan()
-        if plan.generation > after and len(plan.nodes) == nodes:
-            return time.monotonic() - killed_at, plan
-        time.sleep(0.02)
-    raise AssertionError(f"no plan with {nodes} nodes within 120 s of the kill: {run.plan()}")
 
 
 def _trains_in(run, pod: str, generation: int, killed_at: float) -> float:
@@ -74,7 +63,11 @@ def test_a_kill_folds_the_spare_in_at_once(job_run, local_nodes, spares):
     at_kill = run.step(survivor)
     assert at_kill < run.STEPS, "the job finished before the kill: raise STEPS"
 
-    restore_s, full = _restored(run, NODES, 0, killed_at)
+    # The plan ConfigMap polled every 20 ms.
+    full = wait_until(
+        lambda: len((p := run.plan()).nodes) == NODES and p.generation > 0 and p, "3 nodes again", 120, 0.02
+    )
+    restore_s = time.monotonic() - killed_at
     newcomer = spare or render.worker_name("tiny", NODES)
     resumed_s = _trains_in(run, newcomer, full.generation, killed_at)
     print(

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from oobleck.api.contract import PROGRESS_ANNOTATION
-from oobleck.api.plan import Plan
+from oobleck_dev.poll import wait_until
 from tests.realnodes.jobs import START_TIMEOUT_S, RealJob, job_spec, wait_for
 from tests.realnodes.marks import realnode_marks
 
@@ -33,18 +33,6 @@ SPARE_RESTORE_TARGET_S = 5.0
 def _progress(job: RealJob, pod: str) -> dict:
     report = (job.cluster.reads.pod(job.ns, pod)["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
     return json.loads(report) if report else {}
-
-
-def _restored(job: RealJob, after: int, killed_at: float) -> tuple[float, Plan]:
-    """Seconds from `killed_at` to the first plan after generation `after` with MEMBERS nodes, and that plan
-    (the ConfigMap read every 20 ms over one connection)."""
-    deadline = killed_at + 180
-    while time.monotonic() < deadline:
-        plan = job.plan()
-        if plan.generation > after and len(plan.nodes) == MEMBERS:
-            return time.monotonic() - killed_at, plan
-        time.sleep(0.02)
-    raise AssertionError(f"no plan with {MEMBERS} nodes within 180 s of the kill: {job.plan()}")
 
 
 @pytest.mark.parametrize("spares", [1, 0])
@@ -67,7 +55,10 @@ def test_a_killed_member_is_replaced_by_the_warm_spare_at_once(real_job, spares)
     job.nodes.kill_container(pod["spec"]["nodeName"], pod["status"]["containerStatuses"][0]["containerID"])
     at_kill = _progress(job, survivor)["step"]
 
-    restore_s, full = _restored(job, 0, killed_at)
+    full = wait_until(
+        lambda: len((p := job.plan()).nodes) == MEMBERS and p.generation > 0 and p, "the full node count", 180, 0.02
+    )
+    restore_s = time.monotonic() - killed_at
     (newcomer,) = full.added_nodes
     wait_for(lambda: _progress(job, newcomer).get("generation") == full.generation, f"{newcomer} training", 180)
     resumed_s = time.monotonic() - killed_at
