@@ -347,7 +347,10 @@ def agreed_step(plan: Plan | None, workers: Mapping[str, Worker], summaries: Map
     Members train in lockstep (every step's gradients are all-reduced across pipelines, and each runtime
     always reports its final step), so they agree within a report interval; a pod claiming a step its
     peers have not reached (a bug, or code writing its own annotation) moves nothing, and cannot end
-    the job Succeeded. 0 before the first plan."""
+    the job Succeeded. A member still up and waiting for its first plan (generation -1) has trained no step and
+    has no say: a newcomer folded in as the others finish the last step would otherwise hold the job below
+    its end forever, the finished members gone (seen on real nodes: a replacement added in the generation
+    after which the lone survivor trained the last step). 0 before the first plan."""
     if plan is None:
         return 0
     steps = []
@@ -356,6 +359,8 @@ def agreed_step(plan: Plan | None, workers: Mapping[str, Worker], summaries: Map
         if worker is None or worker.status not in ("running", "succeeded"):
             continue
         progress = ProgressReport.parse(summaries[name].progress)
+        if progress is not None and progress.generation < 0:
+            continue
         steps.append(progress.step if progress is not None else 0)
     return max(min(steps, default=0), 0)
 

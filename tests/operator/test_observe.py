@@ -233,3 +233,25 @@ def test_the_checkpoint_step_is_the_smallest_any_live_member_reports(h):
     assert observe("tiny", h.UID, pods, h.nodes(4), plan, gpu_resource="nvidia.com/gpu").checkpoint_step == 30
     quiet = [h.worker(i, progress=progress(40)) for i in range(4)]
     assert observe("tiny", h.UID, quiet, h.nodes(4), plan, gpu_resource="nvidia.com/gpu").checkpoint_step is None
+
+
+def test_a_newcomer_that_never_trained_does_not_hold_the_agreed_step_below_the_end(h):
+    """The lone survivor trains the last step while the operator folds a replacement in: the survivor's pod
+    Succeeded with the final step, the newcomer (up, waiting for its first plan) reports generation -1. The job
+    is at its end; before, the newcomer's 0 held the agreed step at 0 and the job never succeeded."""
+    plan = _plan(h)
+    waiting = json.dumps({"generation": -1, "step": 0})
+
+    def done(i):
+        return h.worker(
+            i, phase="Succeeded", terminated=(0, "Completed"), progress=json.dumps({"generation": 1, "step": 300})
+        )
+
+    pods = [done(0), done(1), done(2), h.worker(3, progress=waiting)]
+    assert observe("tiny", h.UID, pods, h.nodes(4), plan, gpu_resource="nvidia.com/gpu").step == 300
+    # A member that has reported nothing yet still counts 0, and trained members still agree on their lowest.
+    pods[3] = h.worker(3)
+    assert observe("tiny", h.UID, pods, h.nodes(4), plan, gpu_resource="nvidia.com/gpu").step == 0
+    training = [h.worker(i, progress=json.dumps({"generation": 2, "step": 40 + i})) for i in range(3)]
+    pods = [*training, h.worker(3, progress=waiting)]
+    assert observe("tiny", h.UID, pods, h.nodes(4), plan, gpu_resource="nvidia.com/gpu").step == 40
