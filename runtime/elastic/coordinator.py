@@ -117,7 +117,16 @@ class Coordinator:
         """A new client connection (one per thread: a client serialises its operations)."""
         if self._server is None:
             raise RuntimeError("coordinator: not started")
-        return self._server.clone()
+        deadline = time.monotonic() + 20.0
+        while True:
+            try:
+                return self._server.clone()
+            except dist.DistNetworkError:
+                # On a loaded machine a client occasionally times out connecting to its own server
+                # (the op timeout also bounds the connect): retry briefly, as start() does.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def stop(self) -> None:
         """Stop the server: every client sees a network error at its next operation."""
