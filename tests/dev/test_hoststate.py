@@ -88,3 +88,43 @@ def test_killing_a_cgroup_tree_whose_folders_vanish_meanwhile_is_not_an_error() 
         remover.join()
         hoststate.remove_cgroup_tree(name)
     assert walks >= 1
+
+
+def test_a_cgroup_root_made_with_cpu_shares_weighs_its_tree_so() -> None:
+    """scripts/test lowers the real nodes' CPU weight: every node's cgroup root carries it (v1 cpu.shares, or
+    v2 cpu.weight's equivalent), so that every pod below it shares that weight against the host's other work."""
+    if _writable_hierarchy() is None:
+        pytest.skip("no writable cgroup hierarchy (needs root)")
+    name = f"oobleck-test-{uuid.uuid4().hex[:8]}"
+    hoststate.make_cgroup_root(name, cpu_shares=64)
+    try:
+        weights = {
+            item.name: item.read_text().strip()
+            for hierarchy in hoststate.cgroup_hierarchies()
+            for item in (hierarchy / name / "cpu.shares", hierarchy / name / "cpu.weight")
+            if item.exists()
+        }
+        assert weights in ({"cpu.shares": "64"}, {"cpu.weight": str(hoststate.cpu_weight(64))}), weights
+    finally:
+        hoststate.remove_cgroup_tree(name)
+
+
+def test_cpu_weight_maps_cpu_shares_end_to_end() -> None:
+    assert [hoststate.cpu_weight(shares) for shares in (2, 1024, 262144)] == [1, 39, 10000]
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", None), ("16", 16), (" 262144 ", 262144)])
+def test_the_nodes_cpu_shares_come_from_the_environment(monkeypatch, value, expected) -> None:
+    from oobleck_dev import realnodes
+
+    monkeypatch.setenv(realnodes.CPU_SHARES_VARIABLE, value)
+    assert realnodes.cpu_shares_from_environment() == expected
+
+
+@pytest.mark.parametrize("value", ["1", "262145", "-4", "low"])
+def test_cpu_shares_out_of_range_are_refused_naming_the_variable(monkeypatch, value) -> None:
+    from oobleck_dev import realnodes
+
+    monkeypatch.setenv(realnodes.CPU_SHARES_VARIABLE, value)
+    with pytest.raises(realnodes.RealNodesError, match=realnodes.CPU_SHARES_VARIABLE):
+        realnodes.cpu_shares_from_environment()

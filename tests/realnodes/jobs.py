@@ -33,6 +33,10 @@ LOST_WITHIN_S = 10.0
 """A frozen node's workers, from the freeze to the operator's NodeLost event: the README's verdict (no probe
 answer within 0.25 s, 0.45 s after the last beat; up to 2 s more on an overloaded host), then the operator's
 batch window and this test's 1 s poll, on a run at nice 19 beside the suite (1.2 s measured alone)."""
+OPEN_ENDED_STEPS = 3000
+"""A job's steps where the test ends it while it trains (about 0.2 s a step here): the test checks what it is
+about (the failure handled, the survivors trained past it, every loss so far exact); ending at the exact step
+after a failure is test_worker_container_killed_through_the_runtime_recovers_in_place's check."""
 HOOKS = ("OOBLECK_CONTAINER_ROOT", "OOBLECK_SERVICEACCOUNT_DIR")
 """Variables the local node agent once set for the product: a real node sets none of them (the pod's IP comes
 through the downward API, as OOBLECK_POD_IP)."""
@@ -150,6 +154,14 @@ class RealJob:
                     f"step {step}: loss {value} vs reference {reference[step]}"
                 )
         return sum(len(v) for v in seen.values())
+
+    def check_trains_past(self, pod: str, step: int) -> int:
+        """Wait until worker `pod` has trained two steps past `step` (the step cut short, redone, and one more),
+        then check every loss logged before then (check_losses); returns how many were compared."""
+        through = wait_for(
+            lambda: (s := self.running_worker_steps().get(pod, -1)) > step + 1 and s, f"{pod} past step {step}", 180
+        )
+        return self.check_losses(through=through)
 
     def events(self, reason: str) -> list[str]:
         """Messages of the namespace's events with `reason` (the operator's NodeLost, Reconfigured, ...)."""

@@ -20,7 +20,16 @@ import pytest
 import yaml
 
 from oobleck_dev.chart import CHART_PATH
-from tests.realnodes.jobs import HOOKS, JOB, LOST_WITHIN_S, START_TIMEOUT_S, RealJob, job_spec, wait_for
+from tests.realnodes.jobs import (
+    HOOKS,
+    JOB,
+    LOST_WITHIN_S,
+    OPEN_ENDED_STEPS,
+    START_TIMEOUT_S,
+    RealJob,
+    job_spec,
+    wait_for,
+)
 from tests.realnodes.marks import realnode_marks
 
 pytestmark = realnode_marks(5400)
@@ -153,29 +162,23 @@ def test_llama_trains_to_succeeded_in_containers(helm_job):
 
 def test_kubectl_delete_pod_recovers_in_place(real_job):
     """`kubectl delete pod` of a worker: the kubelet stops its container, the survivor reconfigures in place
-    (a new plan generation without it) and the job ends at the exact step with every loss equal to the
-    no-failure run. (Folding the replacement back in is tests/e2e's matter: a job long enough for it here
-    would cost the suite a minute.)"""
+    (a new plan generation without it) and trains on, every loss equal to the no-failure run. (Folding the
+    replacement back in is tests/e2e's matter.)"""
     job = real_job
-    steps = 300  # beside the suite this test polls at nice 19: 120 steps (~25 s) could end before the delete
-    job.apply(job_spec(job.nodes.image, steps, min_nodes=1, node_selector=job.nodes.node_selector))
+    job.apply(job_spec(job.nodes.image, OPEN_ENDED_STEPS, min_nodes=1, node_selector=job.nodes.node_selector))
     running = wait_for(
         lambda: len(s := job.running_worker_steps()) == 2 and min(s.values()) >= 20 and s,
         "two workers past step 20",
         START_TIMEOUT_S,
     )
-    assert max(running.values()) < steps - 50, f"too near the end to delete a pod: {running} of {steps} steps"
     survivor, victim = sorted(running)
     job.cluster.kubectl("delete", "pod", victim, "-n", job.ns, "--wait=false")
     at_delete = job.running_worker_steps().get(survivor, 0)
-    assert at_delete < steps, "the job finished before the delete: raise steps"
 
     wait_for(lambda: job.plan().generation >= 1, "a new plan generation", 120)
     assert wait_for(lambda: job.events("NodeLost"), "a NodeLost event", 120) == [f"{victim}: pod {victim} deleted"]
-    body = job.wait_succeeded()
-    assert body["status"]["progress"]["step"] == steps
-    assert body["status"]["failuresSurvived"] >= 1
-    compared = job.check_losses()
+    compared = job.check_trains_past(survivor, at_delete)
+    assert job.job()["status"]["failuresSurvived"] >= 1
     print(f"deleted {victim} at step {at_delete}; {compared} losses match the no-failure run")
 
 
@@ -233,35 +236,32 @@ def test_a_worker_over_its_memory_limit_is_oom_killed_and_the_job_ends_out_of_me
 @pytest.mark.skipif(not Path("/sys/fs/cgroup/freezer").is_dir(), reason="needs the cgroup v1 freezer to hang a node")
 def test_a_node_that_hangs_is_lost_and_the_job_goes_on(real_job):
     """A node hangs (its kubelet stopped and its pods' processes frozen): the survivor's failure detector
-    finds the silent peer, the operator drops it in a new generation, and the survivor trains to the exact
-    step with every loss equal to the no-failure run; thawed, the node is Ready again."""
+    finds the silent peer, the operator drops it in a new generation, and the survivor trains on, every loss
+    equal to the no-failure run."""
     job = real_job
-    # 120 steps once ended (in ~25 s) before this test, polling at nice 19 beside the suite, froze the node.
-    steps = 300
-    job.apply(job_spec(job.nodes.image, steps, min_nodes=1, node_selector=job.nodes.node_selector))
+    job.apply(job_spec(job.nodes.image, OPEN_ENDED_STEPS, min_nodes=1, node_selector=job.nodes.node_selector))
     running = wait_for(
         lambda: len(s := job.running_worker_steps()) == 2 and min(s.values()) >= 20 and s,
         "two workers past step 20",
         START_TIMEOUT_S,
     )
-    assert max(running.values()) < steps - 50, f"too near the end to freeze a node: {running} of {steps} steps"
     # The worker whose node does not hold the coordinator (whose loss is another test's matter).
     coordinator_node = job.cluster.kubectl_json("get", "pod", f"{JOB}-coordinator", "-n", job.ns)["spec"]["nodeName"]
     nodes = {name: job.cluster.kubectl_json("get", "pod", name, "-n", job.ns)["spec"]["nodeName"] for name in running}
     victim = next(name for name, node in nodes.items() if node != coordinator_node)
+    survivor = next(name for name in running if name != victim)
     node = nodes[victim]
     frozen = time.monotonic()
     job.nodes.freeze(node)
     try:
+        at_freeze = job.running_worker_steps().get(survivor, 0)
         lost = wait_for(lambda: job.events("NodeLost"), "a NodeLost event", 300)
         elapsed = time.monotonic() - frozen
-        print(f"{node} frozen: NodeLost after {elapsed:.1f} s: {lost}")
+        print(f"{node} frozen at step {at_freeze}: NodeLost after {elapsed:.1f} s: {lost}")
         assert len(lost) == 1 and lost[0].startswith(f"{victim}: "), lost
         assert elapsed <= LOST_WITHIN_S, f"NodeLost {elapsed:.1f} s after the freeze (at most {LOST_WITHIN_S} s)"
-        body = job.wait_succeeded()
+        compared = job.check_trains_past(survivor, at_freeze)
     finally:
         job.nodes.thaw(node)
-    assert body["status"]["progress"]["step"] == steps
-    assert body["status"]["failuresSurvived"] >= 1
-    compared = job.check_losses()
+    assert job.job()["status"]["failuresSurvived"] >= 1
     print(f"{compared} losses match the no-failure run")

@@ -17,15 +17,13 @@ import pytest
 
 from oobleck.api.contract import PROGRESS_ANNOTATION
 from oobleck_dev.poll import wait_until
-from tests.realnodes.jobs import START_TIMEOUT_S, RealJob, job_spec, wait_for
+from tests.realnodes.jobs import OPEN_ENDED_STEPS, START_TIMEOUT_S, RealJob, job_spec, wait_for
 from tests.realnodes.marks import realnode_marks
 
 pytestmark = realnode_marks(1800)
 
 REAL_NODES = 3
 MEMBERS = 2
-STEPS = 3000
-"""Longer than any run of this test: each ends while its job trains (about 0.2 s a step here)."""
 SPARE_RESTORE_TARGET_S = 5.0
 """Issue #22's target from a kill to the full node count restored with a spare."""
 
@@ -38,7 +36,9 @@ def _progress(job: RealJob, pod: str) -> dict:
 @pytest.mark.parametrize("spares", [1, 0])
 def test_a_killed_member_is_replaced_by_the_warm_spare_at_once(real_job, spares):
     job = real_job
-    job.apply(job_spec(job.nodes.image, STEPS, min_nodes=1, node_selector=job.nodes.node_selector, spares=spares))
+    job.apply(
+        job_spec(job.nodes.image, OPEN_ENDED_STEPS, min_nodes=1, node_selector=job.nodes.node_selector, spares=spares)
+    )
     first = wait_for(
         lambda: len((p := job.plan()).nodes) == MEMBERS and p, "generation 0 on two nodes", START_TIMEOUT_S
     )
