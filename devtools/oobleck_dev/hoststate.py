@@ -82,25 +82,15 @@ def cgroup_hierarchies() -> list[Path]:
     return found
 
 
-def make_cgroup_root(name: str, cpu_shares: int | None = None) -> None:
+def make_cgroup_root(name: str) -> None:
     """Create `/<name>` in every hierarchy, before the kubelet (it refuses a cgroupRoot that does not exist);
-    cpuset needs its cpus and mems filled in before a task may join. `cpu_shares` (v1 cpu.shares; v2's cpu.weight
-    takes its equivalent) weighs everything below against the host's other work."""
+    cpuset needs its cpus and mems filled in before a task may join."""
     for hierarchy in cgroup_hierarchies():
         folder = hierarchy / name.lstrip("/")
         folder.mkdir(exist_ok=True)
         for item in ("cpuset.cpus", "cpuset.mems"):
             if (folder / item).exists() and not (folder / item).read_text().strip():
                 (folder / item).write_text((hierarchy / item).read_text())
-        if cpu_shares is not None and (folder / "cpu.shares").exists():
-            (folder / "cpu.shares").write_text(str(cpu_shares))
-        elif cpu_shares is not None and (folder / "cpu.weight").exists():
-            (folder / "cpu.weight").write_text(str(cpu_weight(cpu_shares)))
-
-
-def cpu_weight(cpu_shares: int) -> int:
-    """cgroup v2's cpu.weight (1..10000, default 100) for v1's cpu.shares (2..262144, default 1024), as runc maps it."""
-    return 1 + ((cpu_shares - 2) * 9999) // 262142
 
 
 def kill_cgroup_tree(name: str) -> int:

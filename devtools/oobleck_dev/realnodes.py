@@ -140,21 +140,6 @@ class Timeouts:
     stop_grace: float = 15.0
 
 
-CPU_SHARES_VARIABLE = "OOBLECK_DEV_NODE_CPU_SHARES"
-"""Where scripts/test sets the nodes' CPU weight (cgroup v1 cpu.shares, 2..262144; the default, 1024, is one nice-0
-process's weight). A pod's processes live in its node's cgroup, where nice counts only among themselves: run beside
-the suite at nice 19, the nodes' pods would still take a nice-0 process's share each unless their cgroups ask less."""
-
-
-def cpu_shares_from_environment() -> int | None:
-    value = os.environ.get(CPU_SHARES_VARIABLE, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or not 2 <= int(value) <= 262144:
-        raise RealNodesError(f"{CPU_SHARES_VARIABLE}: an integer in 2..262144 (cgroup v1 cpu.shares), got {value!r}")
-    return int(value)
-
-
 @dataclass
 class RealNodes:
     """n real nodes of `control_plane` running `image` (default: `make image`'s)."""
@@ -163,8 +148,6 @@ class RealNodes:
     n: int = 2
     image: str | None = None
     timeouts: Timeouts = Timeouts()
-    cpu_shares: int | None = field(default_factory=cpu_shares_from_environment)
-    """each node's CPU weight against the host's other work (None: the hierarchy's default)"""
     nodes: list[NodeLayout] = field(default_factory=list)
     processes: list[ManagedProcess] = field(default_factory=list)
     folder: Path | None = None
@@ -266,7 +249,7 @@ class RealNodes:
 
         for node in self.nodes:
             self._network(node)
-            hoststate.make_cgroup_root(node.cgroup_root, self.cpu_shares)
+            hoststate.make_cgroup_root(node.cgroup_root)
             config = node.folder / "containerd.toml"
             config.write_text(containerd_config(node, pause_image))
             self.processes.append(
