@@ -122,16 +122,19 @@ def test_llama_trains_to_succeeded_in_containers(helm_job):
     name = pod["metadata"]["name"]
     seen = json.loads(job.cluster.kubectl("exec", name, "-n", operator.namespace, "--", "python", "-c", check).stdout)
     assert seen == {"uid": 65532, "root_writable": False}, seen
-    steps = 40
+    steps = 60
     job.apply(job_spec(job.nodes.image, steps, min_nodes=2, node_selector=job.nodes.node_selector))
 
-    # While training: the workers run in containers on the real nodes, as uid 65532, with the cluster's
-    # own in-cluster configuration and none of the local node agent's variables.
-    running = wait_for(
-        lambda: len(job.running_worker_steps()) == 2 and job.running_worker_steps(),
-        "two workers training",
-        START_TIMEOUT_S,
-    )
+    # While they run: the workers run in containers on the real nodes, as uid 65532, with the cluster's own
+    # in-cluster configuration and none of the local node agent's variables. Checked from the containers'
+    # start, not from the first step: `kubectl exec` needs a running container, and beside the suite a
+    # 40-step job once ended before this test, polling at nice 19, reached the exec.
+    def started() -> list[str]:
+        pods = job.workers()
+        states = [(p["status"].get("containerStatuses") or [{}])[0].get("state", {}) for p in pods]
+        return len(pods) == 2 and all("running" in state for state in states) and [p["metadata"]["name"] for p in pods]
+
+    running = wait_for(started, "two worker containers running", START_TIMEOUT_S)
     for pod in job.workers():
         assert pod["spec"]["nodeName"] in job.nodes.names
         status = pod["status"]["containerStatuses"][0]
