@@ -285,10 +285,13 @@ def test_operator_sigkilled_with_a_worker_is_caught_up_by_its_restart(job_run, l
     restarted operator plans exactly one generation for it, and nothing is created twice. The survivors stall
     without the killed worker until that generation, so the default STEPS outlast the restart."""
     run = job_run
-    first = start(run, run.job_spec(nodes=3))
+    first = start(run, run.job_spec(nodes=3), warm_steps=0)
     survivor, victim = first.nodes[0], first.nodes[1]
+    # Cordoned before the training gets going: beside the real nodes the cordons once took longer than the
+    # job's steps, and the kill found the job done.
     run.cordon_spare_nodes()
     run.cordon(run.node_of(victim))
+    run.wait_for(lambda: run.step(survivor) >= 10, "10 steps trained")
     assert local_nodes.kill_pod_process(run.ns, victim)
     run.operator.kill()
     at_kill = run.step(survivor)

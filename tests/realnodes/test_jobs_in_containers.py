@@ -192,7 +192,7 @@ def test_worker_container_killed_through_the_runtime_recovers_in_place(real_job)
     job = real_job
     # The kill as soon as both train, and steps to spare: beside the suite, polling at nice 19, a 100-step job
     # killed past step 20 once ended before the kill landed.
-    steps = 200
+    steps = 150
     job.apply(job_spec(job.nodes.image, steps, min_nodes=1, node_selector=job.nodes.node_selector))
     running = wait_for(
         lambda: len(s := job.running_worker_steps()) == 2 and min(s.values()) >= 2 and s,
