@@ -1,6 +1,9 @@
-"""Real nodes for the tests in this folder: a control plane that advertises this host's address, and two
-kubelet + containerd nodes (a module's REAL_NODES, if it sets one) running the project image
-(oobleck_dev.realnodes), once per test module (a module that starts its own waits for the host lock).
+"""Real nodes for the tests in this folder: a control plane that advertises this host's address, and three
+kubelet + containerd nodes running the project image (oobleck_dev.realnodes), started once for the run and
+shared by every test that takes `real_cluster` (each job in a namespace of its own, torn down after it).
+
+A host runs one set of real nodes at a time (its host lock), so the tests that start nodes of their own run
+first, and the shared nodes stay up from the first test that needs them to the end of the run.
 
 Skipped, with the reason, only where the host cannot run nodes at all (not root, no cgroups); anything
 else that goes wrong (a build, the import, a node that never turns Ready) is a failure.
@@ -17,17 +20,31 @@ from oobleck_dev import realnodes
 from oobleck_dev.controlplane import Cluster, ControlPlane
 from tests.realnodes.jobs import RealJob, job_served
 
-NODES = 2
+NODES = 3
+"""Two members of a job and a third node for a warm spare or a replacement pod (test_spares_in_containers)."""
 
 
-@pytest.fixture(scope="module")
-def real_cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, realnodes.RealNodes]]:
-    """The module's nodes: NODES, or the module's own REAL_NODES."""
+def _order(item: pytest.Item) -> int:
+    """Own nodes first (0), then the shared nodes (1); last (2), a module that leaves kube-router enforcing
+    NetworkPolicies on a shared node (LEAVES_POLICY_ENFORCED), so that no other job's story runs under it."""
+    if "real_cluster" not in getattr(item, "fixturenames", ()):
+        return 0
+    return 2 if getattr(getattr(item, "module", None), "LEAVES_POLICY_ENFORCED", False) else 1
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--realnodes"):
+        items.sort(key=lambda item: _order(item) if item.get_closest_marker("realnodes") else 0)
+
+
+@pytest.fixture(scope="session")
+def real_cluster() -> Iterator[tuple[Cluster, realnodes.RealNodes]]:
+    """The run's shared nodes."""
     problem = realnodes.host_problem()
     if problem:
         pytest.skip(problem)
     control_plane = ControlPlane(advertise_address=realnodes.host_address()).start()
-    nodes = realnodes.RealNodes(control_plane, n=getattr(request.module, "REAL_NODES", NODES))
+    nodes = realnodes.RealNodes(control_plane, n=NODES)
     try:
         nodes.up()
         print(f"real nodes up: {nodes.figures}; disk: {nodes.disk_used()}")
@@ -39,6 +56,6 @@ def real_cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, real
 
 @pytest.fixture
 def real_job(real_cluster, tmp_path: Path) -> Iterator[RealJob]:
-    """One job on the module's real nodes, served by an operator of its own (tests/realnodes/jobs.py)."""
+    """One job on the shared real nodes, served by an operator of its own (tests/realnodes/jobs.py)."""
     with job_served(*real_cluster, tmp_path) as job:
         yield job

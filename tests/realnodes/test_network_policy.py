@@ -28,6 +28,8 @@ from oobleck_dev.poll import wait_until
 from tests.realnodes.marks import realnode_marks
 
 pytestmark = realnode_marks(3600)
+LEAVES_POLICY_ENFORCED = True
+"""kube-router enforces on the shared node until the run's nodes go down: this module runs last (conftest)."""
 
 JOB = "fenced"
 EXAMPLE = Path(__file__).parents[2] / "examples" / "llama-tiny.yaml"

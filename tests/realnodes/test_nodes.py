@@ -1,8 +1,11 @@
-"""Real nodes themselves: `down` puts the host back as `up` found it, with a container still running."""
+"""Real nodes themselves: `down` puts the host back as `up` found it, with a container still running and
+kube-router enforcing a NetworkPolicy (its iptables chains and ipsets removed too); `--reap` does the same for
+the nodes of an owner that was SIGKILLed."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -10,18 +13,30 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_dev import hoststate, realnodes
+from oobleck_dev import hoststate, kuberouter, realnodes
 from oobleck_dev.controlplane import ControlPlane
 from oobleck_dev.tools import find_tools
 from tests.realnodes.marks import realnode_marks
 
 pytestmark = realnode_marks(5400)
 
+POLICY = {
+    "apiVersion": "networking.k8s.io/v1",
+    "kind": "NetworkPolicy",
+    "metadata": {"name": "sleeper-from-peers"},
+    "spec": {"podSelector": {}, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": {}}]}]},
+}
+
 
 def host_snapshot() -> dict[str, object]:
     """What real nodes change on the host, as comparable values."""
     rules = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout.splitlines()
     mounts = Path("/proc/self/mountinfo").read_text()
+    ipsets = (
+        subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True).stdout.split()
+        if shutil.which("ipset")
+        else []
+    )
     return {
         "sysctls": hoststate.read_sysctls(),
         "kube_rules": [line for line in rules if "KUBE-" in line or "CNI-" in line],
@@ -34,6 +49,8 @@ def host_snapshot() -> dict[str, object]:
         "mounts": [line for line in mounts.splitlines() if str(realnodes.STATE_ROOT) in line],
         "node_folders": sorted(p.name for p in realnodes.STATE_ROOT.glob("*")) if realnodes.STATE_ROOT.is_dir() else [],
         "fixed_paths": [p for p in hoststate.FIXED_PATHS if Path(p).exists()],
+        "router_chains": sorted({line.split()[0] for line in rules if line.startswith(":KUBE-ROUTER-")}),
+        "ipsets": sorted(name for name in ipsets if name.startswith(kuberouter.IPSET_PREFIXES)),
     }
 
 
@@ -54,17 +71,20 @@ def test_down_leaves_the_host_as_up_found_it():
     problem = realnodes.host_problem()
     if problem:
         pytest.skip(problem)
+    kuberouter.binary()  # ipset installed before `before` is read
     before = host_snapshot()
     control_plane = ControlPlane(advertise_address=realnodes.host_address()).start()
     nodes = realnodes.RealNodes(control_plane, n=1)
     try:
         nodes.up()
+        control_plane.kubectl("apply", "-f", "-", input=json.dumps(POLICY))
         control_plane.kubectl("apply", "-f", "-", input=json.dumps(sleeper_pod(nodes.image)))
-        deadline = time.monotonic() + 300
-        while control_plane.kubectl("get", "pod", "sleeper", "-o", "jsonpath={.status.phase}").stdout != "Running":
-            assert time.monotonic() < deadline, control_plane.kubectl("describe", "pod", "sleeper").stdout
+        control_plane.kubectl("wait", "pod/sleeper", "--for=jsonpath={.status.phase}=Running", "--timeout=300s")
+        nodes.enforce_network_policy(nodes.names[0])
+        deadline = time.monotonic() + 120
+        while not ((during := host_snapshot())["ipsets"] and during["router_chains"]):
+            assert time.monotonic() < deadline, f"kube-router wrote no chains or ipsets: {during}"
             time.sleep(1)
-        during = host_snapshot()
         assert during["bridges"] == ["oobk1"] and during["mounts"] and during["kube_rules"], during
         # The pod's processes, from the node's cgroups (the sandbox's pause and the container's python).
         pids = {

@@ -1,7 +1,7 @@
 """Warm spares on real nodes (issue #22, item 4): the time from a member's container SIGKILLed through containerd
 to the full node count back in the plan, with `spec.nodes.spares: 1` and without.
 
-Three nodes, one pod of the job per node: two members and, with a spare, the spare on the third; without one,
+The shared nodes (three), one pod of the job per node: two members and, with a spare, the spare on the third; without one,
 the third node takes the replacement pod, which starts its container, imports torch and reaches the store
 before the operator folds it in. Each test prints both times (kill -> plan with two nodes, kill -> the newcomer
 training in it), checks the target with a spare, and ends once the newcomer trains, every logged loss before
@@ -22,7 +22,6 @@ from tests.realnodes.marks import realnode_marks
 
 pytestmark = realnode_marks(1800)
 
-REAL_NODES = 3
 MEMBERS = 2
 SPARE_RESTORE_TARGET_S = 5.0
 """Issue #22's target from a kill to the full node count restored with a spare."""
