@@ -270,6 +270,10 @@ def _local_nodes(cluster, count: int, workdir: Path, say: Callable[[str], None])
         yield DemoNodes("", lambda manifest: manifest, kill)
 
 
+class VictimGone(RuntimeError):
+    """The worker picked to be killed ended before the kill (its status lagged): the demo picks another."""
+
+
 @contextlib.contextmanager
 def _real_nodes(cluster, count: int, workdir: Path, say: Callable[[str], None]) -> Iterator[DemoNodes]:
     from oobleck_dev import realnodes
@@ -286,7 +290,13 @@ def _real_nodes(cluster, count: int, workdir: Path, say: Callable[[str], None]) 
 
         def kill(pod: str) -> str:
             status = _json(cluster, "get", "pod", pod, "-n", NAMESPACE)
-            nodes.kill_container(status["spec"]["nodeName"], status["status"]["containerStatuses"][0]["containerID"])
+            container = status["status"]["containerStatuses"][0]
+            if "running" not in container.get("state", {}):
+                raise VictimGone(f"{pod}'s container is not running")
+            try:
+                nodes.kill_container(status["spec"]["nodeName"], container["containerID"])
+            except realnodes.RealNodesError as error:
+                raise VictimGone(str(error)) from error
             return f"killed {pod}'s container through containerd (SIGKILL)"
 
         yield DemoNodes(" (spec.image: the project image; spec.pod.nodeSelector: the real nodes)", adapt, kill)
@@ -322,7 +332,12 @@ def _follow(
             return timeline
         if kill_at_step is not None and timeline.kill_at is None and seen.step >= kill_at_step:
             pod = _a_training_worker(cluster, name)
-            how = kill(pod)
+            try:
+                how = kill(pod)
+            except VictimGone as gone:
+                print(f"{time.monotonic() - began:6.1f}s  ({gone}: picking a worker again)", flush=True)
+                time.sleep(0.2)
+                continue
             timeline.kill_at, timeline.kill_step, timeline.killed_pod = time.monotonic(), seen.step, pod
             print(f"{timeline.kill_at - began:6.1f}s  >>> {how}: a node failure as the job sees it", flush=True)
         time.sleep(0.2)

@@ -387,6 +387,8 @@ class FailureDetector:
                 return
             now = time.monotonic()
             dead = clocks.dead(peers, unanswered, now, self.timeouts)
+            if dead and generation >= 0 and store is not None:
+                dead = self._not_done(store, dead, generation)
             if dead and generation >= 0:
                 silent = ", ".join(f"{p} {clocks.silence(p, now):.2f}s{self._why(unanswered, p)}" for p in dead)
                 self.trigger(FailureKind.HEARTBEAT, dead, f"no heartbeat: {silent}", generation)
@@ -411,6 +413,17 @@ class FailureDetector:
         if bad and generation >= 0:
             detail = "; ".join(f"gpu {g.index}: {g.detail}" for g in bad)
             self.trigger(FailureKind.GPU, (self.worker,), detail, generation)
+
+    @staticmethod
+    def _not_done(store: dist.Store, dead: tuple[str, ...], generation: int) -> tuple[str, ...]:
+        """`dead` without the peers that reported their last step done in `generation`: those exit on purpose
+        when training ends, and a peer a moment behind them must not report them (it failed a finished job)."""
+        try:
+            progress = keys.get_progress(store, list(dead))
+        except RuntimeError:  # the store went away: the report's own push decides what happens
+            return dead
+        finished = {p for p, r in progress.items() if r.get("phase") == "done" and r.get("generation") == generation}
+        return tuple(p for p in dead if p not in finished)
 
     @staticmethod
     def _why(unanswered: dict[str, str], peer: str) -> str:

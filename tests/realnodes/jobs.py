@@ -29,10 +29,12 @@ LOSS_RTOL = 1e-5
 START_TIMEOUT_S = 600.0
 """Pods pulled from the node's own store, torch imported and the model profiled, on a loaded 2-core host."""
 RUN_TIMEOUT_S = 900.0
-LOST_WITHIN_S = 10.0
-"""A frozen node's workers, from the freeze to the operator's NodeLost event: the README's verdict (no probe
-answer within 0.25 s, 0.45 s after the last beat; up to 2 s more on an overloaded host), then the operator's
-batch window and this test's 1 s poll, on a run at nice 19 beside the suite (1.2 s measured alone)."""
+LOST_WITHIN_S = 30.0
+"""A frozen node's workers, from the freeze to the operator's NodeLost event as this test sees it: the README's
+verdict (no probe answer within 0.25 s, 0.45 s after the last beat: 1.2-1.6 s alone), then the operator's batch
+window and this test's 1 s poll. Beside the local suite everything here runs at nice 19: at load 12-19 it took
+21.3 s (2026-11-29). Still under the node lifecycle controller's grace (50 s): the peers' verdict found the node,
+not its NotReady."""
 OPEN_ENDED_STEPS = 3000
 """A job's steps where the test ends it while it trains (about 0.2 s a step here): the test checks what it is
 about (the failure handled, the survivors trained past it, every loss so far exact); ending at the exact step

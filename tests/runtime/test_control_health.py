@@ -119,6 +119,31 @@ def test_kill_9_is_detected_by_every_survivor_within_2_s():
 
 @GROUP
 @pytest.mark.slow
+def test_a_peer_that_reported_its_last_step_done_exits_without_a_report():
+    """At a job's end each worker reports its last step done, then exits: a peer a moment behind it (in a TP
+    group, the last collective's partner) must not call it dead, or the finished job fails (seen in an e2e run,
+    2026-11-29: both pods reported lost after step 30 of 30, the job Failed TooFewNodes). A peer that did not
+    report done is still called dead."""
+    workers = [f"node{i}:0" for i in range(3)]
+    with Coordinator() as coordinator:
+        store = coordinator.store()
+        procs = [_spawn(coordinator.port, w, workers) for w in workers]
+        try:
+            wait_alive(store, workers, 60)
+            _watching(store, workers)
+            co.set_progress(store, workers[2], 0, 30, "done")
+            os.kill(procs[2].pid, signal.SIGKILL)
+            time.sleep(2.0)  # past dead_after_s and the probe's refusal
+            assert co.pop_failures(store) == []
+            os.kill(procs[1].pid, signal.SIGKILL)
+            reports = _collect(store, {workers[1]}, 10)
+        finally:
+            _stop(procs)
+    assert reports and all(set(r["dead"]) == {workers[1]} for r in reports), reports
+
+
+@GROUP
+@pytest.mark.slow
 def test_coordinator_restart_then_two_simultaneous_kills():
     """A coordinator outage longer than dead_after_s is no worker death; kills after it are detected.
 
