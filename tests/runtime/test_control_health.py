@@ -7,6 +7,7 @@ against a real coordinator and records, in the store, when its failure Event fir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -86,27 +88,35 @@ def _watching(store: dist.Store, workers: list[str], generation: int = 0) -> Non
     store.wait([f"watching/{w}/{generation}" for w in workers], datetime.timedelta(seconds=60))
 
 
-@GROUP
-@pytest.mark.slow
-def test_kill_9_is_detected_by_every_survivor_within_2_s():
-    workers = [f"node{i}:0" for i in range(4)]
+@contextlib.contextmanager
+def _watching_workers(workers: list[str]) -> Iterator[tuple[dist.Store, list[subprocess.Popen]]]:
+    """A coordinator and a detector process per worker, every one alive and watching generation 0; the
+    processes SIGKILLed at the end."""
     with Coordinator() as coordinator:
         store = coordinator.store()
         procs = [_spawn(coordinator.port, w, workers) for w in workers]
         try:
             wait_alive(store, workers, 60)
             _watching(store, workers)
-            time.sleep(1.5)  # longer than dead_after_s: no false positive while everyone is alive
-            assert co.pop_failures(store) == []
-            victim = workers[2]
-            killed_at = time.time()
-            os.kill(procs[2].pid, signal.SIGKILL)
-            reports = _collect(store, {victim}, 10)
-            survivors = [w for w in workers if w != victim]
-            detected = _detections(store, survivors, 10)
-            abort = json.loads(store.get(co.abort_key(0)))
+            yield store, procs
         finally:
             _stop(procs)
+
+
+@GROUP
+@pytest.mark.slow
+def test_kill_9_is_detected_by_every_survivor_within_2_s():
+    workers = [f"node{i}:0" for i in range(4)]
+    with _watching_workers(workers) as (store, procs):
+        time.sleep(1.5)  # longer than dead_after_s: no false positive while everyone is alive
+        assert co.pop_failures(store) == []
+        victim = workers[2]
+        killed_at = time.time()
+        os.kill(procs[2].pid, signal.SIGKILL)
+        reports = _collect(store, {victim}, 10)
+        survivors = [w for w in workers if w != victim]
+        detected = _detections(store, survivors, 10)
+        abort = json.loads(store.get(co.abort_key(0)))
     first = min(r["detected_at"] for r in reports if victim in r["dead"])
     latencies = {w: t - killed_at for w, t in detected.items()}
     print(f"kill -> first report {first - killed_at:.3f} s; per survivor {latencies}")
@@ -125,20 +135,13 @@ def test_a_peer_that_reported_its_last_step_done_exits_without_a_report():
     2026-11-29: both pods reported lost after step 30 of 30, the job Failed TooFewNodes). A peer that did not
     report done is still called dead."""
     workers = [f"node{i}:0" for i in range(3)]
-    with Coordinator() as coordinator:
-        store = coordinator.store()
-        procs = [_spawn(coordinator.port, w, workers) for w in workers]
-        try:
-            wait_alive(store, workers, 60)
-            _watching(store, workers)
-            co.set_progress(store, workers[2], 0, 30, "done")
-            os.kill(procs[2].pid, signal.SIGKILL)
-            time.sleep(2.0)  # past dead_after_s and the probe's refusal
-            assert co.pop_failures(store) == []
-            os.kill(procs[1].pid, signal.SIGKILL)
-            reports = _collect(store, {workers[1]}, 10)
-        finally:
-            _stop(procs)
+    with _watching_workers(workers) as (store, procs):
+        co.set_progress(store, workers[2], 0, 30, "done")
+        os.kill(procs[2].pid, signal.SIGKILL)
+        time.sleep(2.0)  # past dead_after_s and the probe's refusal
+        assert co.pop_failures(store) == []
+        os.kill(procs[1].pid, signal.SIGKILL)
+        reports = _collect(store, {workers[1]}, 10)
     assert reports and all(set(r["dead"]) == {workers[1]} for r in reports), reports
 
 
