@@ -329,6 +329,12 @@ def _follow(
         if seen.phase in ("Succeeded", "Failed"):
             if seen.reason:
                 print(f"reason: {seen.reason}")
+            if kill_at_step is not None and timeline.kill_at is None:
+                print(
+                    f"no worker was killed: the job ended before its status showed step {kill_at_step} with a "
+                    "worker still running (the status trails the workers by seconds on a busy host; give the "
+                    "job more steps or an earlier --kill-at-step)"
+                )
             return timeline
         if kill_at_step is not None and timeline.kill_at is None and seen.step >= kill_at_step:
             pod = _a_training_worker(cluster, name)
