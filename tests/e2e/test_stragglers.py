@@ -24,7 +24,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("lo
 LOCAL_NODES = {"nodes": 3, "gpus_per_node": 1, "cpu": "4", "memory": "16Gi", "preforked": True}
 NODES = 3
 WINDOW = 10
-THRESHOLD = 1.5
+THRESHOLD = 2.0
+"""Over the default 1.5, for the shared host: in the calm phase an untouched node once read 1.55x the others'
+median for a window (the other xdist worker's job took its CPU), while the node held to half its CPU read 2.4x-4.1x at
+confirmation (four runs alone)."""
 DETECTION_STEPS = 20
 """The issue's target: a node slowed at step s is a confirmed straggler by step s + 20."""
 CALM_STEPS = 30
@@ -103,7 +106,8 @@ def test_a_worker_throttled_to_half_its_cpu_is_a_confirmed_straggler_within_20_s
     )
     assert found["slowdown"] >= THRESHOLD
     # On the shared 2-core CI host, a neighbour test's load once held an untouched node at 1.66x for a window
-    # too (a slow node, truly): the others may be listed, but never slower than the throttled one.
+    # too (a slow node, truly; THRESHOLD is over that now): the others may be listed, but never slower than the
+    # throttled one.
     listed = {s["node"]: s["slowdown"] for s in stragglers(run)}
     assert listed[slow] == max(listed.values()), listed
     messages = run.wait_for(lambda: naming(run.events("Straggler"), slow), "the Straggler event")
