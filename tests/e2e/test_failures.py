@@ -103,17 +103,24 @@ BATCH_WINDOW_S = 3.0
 def test_two_workers_killed_at_once_are_one_generation(job_run, local_nodes):
     run = job_run
     run.operator.start("--batch-window", str(BATCH_WINDOW_S))
-    first = start(run, run.job_spec(nodes=4, f=2))
+    # The job trains on through the cordons' batch window below (an idle host trains 80 steps a second).
+    run.STEPS = run.FAULT_TRAINS_ON_STEPS
+    run.apply(run.job_spec(run.STEPS, nodes=4, f=2))
+    first = run.wait_for(run.plan, "generation 0")
+    assert first.generation == 0 and len(first.nodes) == 4
     assert len(first.pipelines) >= 3, "f = 2 needs three pipelines"
     survivor, victims = first.nodes[0], first.nodes[2:]
+    # The victims' nodes cordoned while the workers start, so that their replacements stay Pending. A cordon
+    # may be a loss to the operator, so it opens a batch window; let that one close first, so that the window
+    # the kills see counts from the first exit. (After 10 trained steps the sleep outlasted a 200-step job on
+    # an idle host.)
+    for victim in victims:
+        run.cordon(run.node_of(victim))
+    time.sleep(BATCH_WINDOW_S + 0.5)
+    run.wait_for(lambda: run.step(survivor) >= 10, "10 steps trained")
     before = run.scrape(survivor)
     assert before["oobleck_worker_plan_generation"] == 0 and before["oobleck_worker_step"] >= 10
     assert before["oobleck_worker_pipelines"] == len(first.pipelines)
-    for victim in victims:
-        run.cordon(run.node_of(victim))
-    # A cordon may be a loss to the operator, so it opens a batch window; let that one close first, so that
-    # the window the kills see counts from the first exit.
-    time.sleep(BATCH_WINDOW_S + 0.5)
     for victim in victims:  # back to back: the operator's batch window makes them one loss
         assert local_nodes.kill_pod_process(run.ns, victim)
     at_kill = run.step(survivor)

@@ -1,6 +1,6 @@
 """A slow node found for real (issue 22, detection): a job of three local nodes trains unthrottled (no
 straggler, no event), then one worker pod's processes are held by a CFS quota of the cgroup v1 cpu
-controller to half the CPU they were using (oobleck_dev.cpulimit, a node turned slow mid-job), and
+controller to a quarter of the CPU they were using (oobleck_dev.cpulimit, a node turned slow mid-job), and
 then released.
 
 Checked: while nothing is throttled nothing is listed and no Straggler event is raised; once throttled,
@@ -26,8 +26,11 @@ NODES = 3
 WINDOW = 10
 THRESHOLD = 2.0
 """Over the default 1.5, for the shared host: in the calm phase an untouched node once read 1.55x the others'
-median for a window (the other xdist worker's job took its CPU), while the node held to half its CPU read 2.4x-4.1x at
-confirmation (four runs alone)."""
+median for a window (the other xdist worker's job took its CPU)."""
+SHARE = 4
+"""The held node gets 1/SHARE of the CPU it was using. A quota is absolute, so when the host's load rises the
+others slow down and the held node does not: held to half, it read 2.4x-4.1x at confirmation alone, but beside
+the suite it stayed between 1.5x and 2x for 60 steps."""
 DETECTION_STEPS = 20
 """The issue's target: a node slowed at step s is a confirmed straggler by step s + 20."""
 CALM_STEPS = 30
@@ -54,7 +57,7 @@ def paced_steps(run, pods: list[str]) -> int:
     return min(steps)
 
 
-def test_a_worker_throttled_to_half_its_cpu_is_a_confirmed_straggler_within_20_steps(job_run) -> None:
+def test_a_worker_throttled_to_a_quarter_of_its_cpu_is_a_confirmed_straggler_within_20_steps(job_run) -> None:
     if (why := cpulimit.available()) is not None:
         pytest.skip(why)
     run = job_run
@@ -82,13 +85,13 @@ def test_a_worker_throttled_to_half_its_cpu_is_a_confirmed_straggler_within_20_s
     assert run.events("Straggler") == []
 
     even = {p.nodes[0]: p.microbatches for p in run.plan().pipelines}  # the profile's split
-    # One node to half its own pace: half the CPU its processes used over the last seconds.
+    # One node to a fraction of its own pace: of the CPU its processes used over the last seconds.
     slow = pods[-1]
     before, began = run.agent.pod_cpu_seconds(run.ns, slow), time.monotonic()
     time.sleep(3)
     rate = (run.agent.pod_cpu_seconds(run.ns, slow) - before) / (time.monotonic() - began)
     assert rate > 0.01, f"{slow} used {rate:.3f} CPUs"
-    held = run.agent.throttle_cpu(run.ns, slow, rate / 2)
+    held = run.agent.throttle_cpu(run.ns, slow, rate / SHARE)
     assert held, f"no process of {slow} held"
     throttled_at = max(run.progress(p).get("step", 0) for p in pods)
 
@@ -98,7 +101,7 @@ def test_a_worker_throttled_to_half_its_cpu_is_a_confirmed_straggler_within_20_s
     found = run.wait_for(confirmed, f"{slow} confirmed a straggler", timeout=240)
     seen_at = max(run.progress(p).get("step", 0) for p in pods)
     print(
-        f"throttled {slow} to {rate / 2:.3f} CPUs at step {throttled_at}: slow since step {found['sinceStep']}, "
+        f"throttled {slow} to {rate / SHARE:.3f} CPUs at step {throttled_at}: slow since step {found['sinceStep']}, "
         f"confirmed by step {found['sinceStep'] + WINDOW}, in status by step {seen_at}, slowdown {found['slowdown']}"
     )
     assert found["sinceStep"] + WINDOW <= throttled_at + DETECTION_STEPS, (
