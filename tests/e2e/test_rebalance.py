@@ -84,7 +84,7 @@ def test_a_straggler_s_layers_move_to_its_pipeline_peer_with_exact_losses(job_ru
     assert moved.copies and not moved.lost_nodes, (moved.copies, moved.lost_nodes)
     assert {c.dst_node for c in moved.copies} <= set(pipeline.nodes), moved.copies
     assert sorted(moved.nodes) == sorted(first.nodes)
-    assert run.events("LayersRebalanced")
+    run.wait_for(lambda: run.events("LayersRebalanced"), "the LayersRebalanced event")  # posted after the plan
     assert not run.events("NodeLost"), run.events("NodeLost")
 
     # Trained on in the moved layout: every pod reports that generation, and the losses stay exact.
