@@ -656,9 +656,11 @@ def test_restart_policy_on_failure_restarts_until_success(
     apply(cluster, python_pod("flaky", namespace, code, local_nodes, restart="OnFailure"))
     pod = wait_phase(cluster, namespace, "flaky", ("Succeeded", "Failed"))
     container = pod["status"]["containerStatuses"][0]
-    assert pod["status"]["phase"] == "Succeeded"
-    assert container["restartCount"] == 2
-    assert container["lastState"]["terminated"]["exitCode"] == 5
+    # (A fresh clone's run once saw restartCount 6, beside the suite at load ~10: what ran is printed if again.)
+    seen = f"{pod['status']}; runs counted: {counter.read_text() if counter.exists() else None}"
+    assert pod["status"]["phase"] == "Succeeded", seen
+    assert container["restartCount"] == 2, seen
+    assert container["lastState"]["terminated"]["exitCode"] == 5, seen
     assert counter.read_text() == "3"
 
 
