@@ -84,17 +84,17 @@ class HostTree:
         return sorted(os.listdir(path))
 
 
-ACTIONS = ("dir", "file", "symlink", "makedirs", "bind", "readonly")
+ACTIONS = ("dir", "file", "symlink", "makedirs", "bind", "host", "readonly")
 
 
 @dataclass(frozen=True)
 class Step:
     """One action of `Filesystem.enter`, on a container path (below the new root)."""
 
-    action: Literal["dir", "file", "symlink", "makedirs", "bind", "readonly"]
+    action: Literal["dir", "file", "symlink", "makedirs", "bind", "host", "readonly"]
     path: str
     source: str = ""
-    """bind: the host path; symlink: the link's target"""
+    """bind, host: the host path; symlink: the link's target"""
 
 
 def canonical(path: str, host: HostTree, stop_at: Sequence[str] = ()) -> str:
@@ -160,7 +160,7 @@ def _rebuild(path: str, host_dir: str | None, mounts: list[VolumeMount], host: H
         if kind == "symlink":
             steps.append(Step("symlink", child, host.readlink(source)))
         elif kind is not None:
-            steps += [Step(kind, child), Step("bind", child, source)]
+            steps += [Step(kind, child), Step("host", child, source)]
     for name, group in sorted(groups.items()):
         child = posixpath.join(path, name)
         exact = next((m for m in group if m.path == child), None)
@@ -201,7 +201,7 @@ class Filesystem:
         # Bind the host folder that holds `root` first, while the new root is still empty: every mount made
         # before it would be copied into it (and detached again after the chroot).
         top = "/" + root.resolve().parts[1]
-        holder = [Step("dir", top), Step("bind", top, top)]
+        holder = [Step("dir", top), Step("host", top, top)]
         if all(step in steps for step in holder):
             steps = holder + [step for step in steps if step not in holder]
         return cls(root, tuple(steps), cwd)
@@ -270,6 +270,12 @@ def _apply(action: str, path: bytes, source: bytes) -> None:
         os.makedirs(path, exist_ok=True)
     elif action == "bind":
         _check(_mount(source, path, None, MS_BIND | MS_REC, None))
+    elif action == "host":
+        # A host entry at its own path. One removed since the plan (another tool's /run/containerd, taken
+        # down between a pod's restarts) is left out, as it would be from a fresh plan; a volume (bind) is not.
+        if _mount(source, path, None, MS_BIND | MS_REC, None) != 0 and ctypes.get_errno() != errno.ENOENT:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
     elif action == "readonly":
         _check(_mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None))
     else:

@@ -56,19 +56,19 @@ def test_the_host_tree_is_bound_and_folders_on_the_way_to_a_mount_are_rebuilt():
         HOST,
     )
     # /var/run is the host's symlink to /run: the mount lands under /run, /var stays the host's folder.
-    assert Step("bind", "/var", "/var") in steps and Step("symlink", "/bin", "usr/bin") in steps
+    assert Step("host", "/var", "/var") in steps and Step("symlink", "/bin", "usr/bin") in steps
     # /etc and /run are rebuilt entry by entry; the mount points are made in the tmpfs, never on the host.
     assert [s for s in steps if s.path.startswith("/etc")] == [
         Step("dir", "/etc"),
         Step("file", "/etc/hosts"),
-        Step("bind", "/etc/hosts", "/etc/hosts"),
+        Step("host", "/etc/hosts", "/etc/hosts"),
         Step("file", "/etc/key"),
         Step("bind", "/etc/key", "/vol/key"),
     ]
-    assert Step("bind", "/run/lock", "/run/lock") in steps
+    assert Step("host", "/run/lock", "/run/lock") in steps
     assert steps[-1] == Step("readonly", "/run/secrets/sa")  # read-only after every mount is made
     assert Step("bind", "/run/secrets/sa", "/vol/config") in steps and Step("dir", "/run/secrets") in steps
-    assert not [s for s in steps if s.action == "bind" and s.path in ("/etc", "/run")]
+    assert not [s for s in steps if s.action in ("bind", "host") and s.path in ("/etc", "/run")]
 
 
 def test_a_mount_inside_a_volume_makes_its_folder_in_the_volume():
@@ -123,3 +123,26 @@ def test_a_process_sees_its_mounts_and_a_step_that_fails_is_a_start_error(tmp_pa
     with pytest.raises(FilesystemError) as error:
         ContainerProcess(["true"], dict(os.environ), filesystem, tmp_path / "log")
     assert str(error.value) == "container filesystem: bind /etc/greeting: No such file or directory"
+
+
+@pytest.mark.integration  # starts a process
+def test_a_host_entry_removed_since_the_plan_is_left_out(tmp_path):
+    """A host entry (not a volume) gone between the plan and a start, as another tool's /run/containerd between
+    a pod's restarts: the process starts without it (it once failed 6 restarts in a row with StartError)."""
+    from oobleck_dev.podrunner import ContainerProcess
+
+    entry = Path(f"/run/oobleck-test-{os.getpid()}")
+    entry.mkdir()
+    try:
+        volume = tmp_path / "volume"
+        volume.mkdir()
+        # A volume below /run, as a pod's service-account token is (/var/run/secrets/...): /run is rebuilt
+        # entry by entry, each host entry bound at its own path.
+        mounts = [VolumeMount(f"/run/oobleck-volume-{os.getpid()}", volume, where="m")]
+        filesystem = Filesystem.build(tmp_path / "root", mounts)
+        assert Step("host", str(entry), str(entry)) in filesystem.steps
+    finally:
+        entry.rmdir()
+    process = ContainerProcess(["ls", "/run"], dict(os.environ), filesystem, tmp_path / "log")
+    assert process.popen.wait(30) == 0, (tmp_path / "log").read_text()
+    assert entry.name in (tmp_path / "log").read_text()  # its (empty) mount point, made in the tmpfs
