@@ -237,18 +237,19 @@ def _mitigation_plan(
     confirmed = dict(found.confirmed)
     # A benched node taken back that is still slow is benched again at once: taking it back was the probe.
     probed = in_force.reason.startswith(READMIT_REASON) and any(n in confirmed for n in in_force.added_nodes)
-    if moves and in_force.mitigations and not probed and obs.step < dwell_until(in_force, ctx.spec.stragglers):
+    if in_force.mitigations and not probed and obs.step < dwell_until(in_force, ctx.spec.stragglers):
         return None  # a straggler plan in force too briefly to change again
     waiting = ready_newcomers(obs, in_force, reported=True)
     # A benched node whose pod waits as a spare (one that is gone is replaced like any pod: membership.py),
     # taken back into the room it left (not while a warm spare took its place: then it is the spare).
     back = [node for node in in_force.benched if node in waiting] if len(in_force.nodes) < ctx.spec.nodes.wanted else []
     spare = next((node for node in waiting if node not in in_force.benched), None)
-    if confirmed and moves:
-        assert profile is not None
+    if confirmed:
         confirmed = {node: found.typical.get(node, figure) for node, figure in confirmed.items()}
         if not _replan(in_force.slowdowns, confirmed, found.steady):
             return None
+    if confirmed and moves:
+        assert profile is not None
         return mitigate(
             in_force,
             profile,
@@ -292,7 +293,7 @@ def with_stragglers(
     Hysteresis, so that a mitigation cannot oscillate: nothing changes until every member has reported
     `steady_steps` figures in the plan in force (a moved node's figures start afresh after its warm-up);
     a change for a confirmed straggler (slow for `window` steps) must shorten the step by
-    RESPLIT_MIN_GAIN at the measured speeds; with `rebalance`, a straggler's figure is its median over
+    RESPLIT_MIN_GAIN at the measured speeds; whatever the mitigation, a straggler's figure is its median over
     those steps (`Assessment.typical`), a plan made around it (Plan.slowdowns) is made again only once that figure moved by REPLAN_FACTOR, another node is
     confirmed, or a planned node is steady at pace again (`_replan`), so a wobbling figure cannot flip the
     plan; the mitigation is undone only once every member's last `steady_steps` figures are all under the
@@ -315,13 +316,11 @@ def with_stragglers(
     mitigation = ctx.spec.stragglers.mitigation
     if mitigation == "none" or not found.measured >= set(current.plan.nodes):
         return decision  # nothing to do, or some member not measured long enough in this generation
-    moves = mitigation in ("rebalance", "spare") and profile is not None
     plan = _mitigation_plan(ctx, obs, current.plan, found, profile, tuning or Tuning())
     if plan is None:
         return decision
-    if moves:
-        count = current.plan.mitigations + 1 if plan.slowdowns or plan.benched or current.plan.mitigations else 0
-        plan = Plan.model_validate(plan.model_dump() | {"mitigation_step": obs.step, "mitigations": count})
+    count = current.plan.mitigations + 1 if plan.slowdowns or plan.benched or current.plan.mitigations else 0
+    plan = Plan.model_validate(plan.model_dump() | {"mitigation_step": obs.step, "mitigations": count})
     reason = _event_reason(plan)
     return replace(
         decision,
