@@ -106,14 +106,19 @@ def test_layers_move_off_a_slow_node_stay_through_its_wobbles_and_come_back_once
     assert world.current.plan.generation == back.generation
 
 
-def test_the_resplit_mitigation_never_moves_layers(h):
+def _resplit_world(h):
+    """A settled job with `mitigation: resplit`, its first plan and a node of a 2-node pipeline to slow."""
     spec = _spec(h)
     world = World(
         h, spec.model_copy(update={"stragglers": spec.stragglers.model_copy(update={"mitigation": "resplit"})})
     )
     world.settle()
     first = world.current.plan
-    slow = next(p for p in first.pipelines if len(p.stages) > 1).stages[0].node
+    return world, first, next(p for p in first.pipelines if len(p.stages) > 1).stages[0].node
+
+
+def test_the_resplit_mitigation_never_moves_layers(h):
+    world, first, slow = _resplit_world(h)
     reports = Reports(world)
     reports.run(3 * WINDOW, {slow: 2.0})
     split = world.current.plan
@@ -121,18 +126,12 @@ def test_the_resplit_mitigation_never_moves_layers(h):
     assert not split.copies and all(s.forward_ms is None for p in split.pipelines for s in p.stages)
 
 
-def test_a_resplit_stays_while_the_figure_wobbles_across_the_point_where_both_splits_cost_the_same(h):
+def test_a_resplit_stays_while_the_figure_wobbles_across_the_split_points(h):
     """As a real-node run showed with the default `resplit`: a node about 2x slower read 1.6x to 2.6x window
     by window, and each figure alone called for the other of [3, 5] and [2, 6] (8 generations in 20 s). Here
     [2, 6] is best from 1.7x to 2.5x, [3, 5] under and [1, 7] over: without the hysteresis each window
     below made a generation."""
-    spec = _spec(h)
-    world = World(
-        h, spec.model_copy(update={"stragglers": spec.stragglers.model_copy(update={"mitigation": "resplit"})})
-    )
-    world.settle()
-    first = world.current.plan
-    slow = next(p for p in first.pipelines if len(p.stages) > 1).stages[0].node
+    world, first, slow = _resplit_world(h)
     reports = Reports(world)
     reports.run(2 * WINDOW + 1, {slow: 2.0})
     split = world.current.plan
