@@ -1,12 +1,17 @@
 """Which nodes are stragglers: a pure function of the workers' pace reports and the previous status.
 
 Each worker reports the (step, slowdown) of its last steps (oobleck.runtime.train.pace: its compute per
-profiled cost, a median of its last steps, over the same figure when it started on its stage). A node's
-slowdown at a step is its figure over the median of the *other* nodes' figures at that step: a host that
-slows every node down (other jobs, a burst of imports) makes no one a straggler, and with two nodes the
-slow one is measured against the fast one rather than against a median it pulls up itself. Lining the
-nodes up step by step (not report by report) gives the step a node fell behind exactly, however late
-the operator reads the reports.
+profiled cost, a median of its last steps, over the same figure when it started on its stage) and that
+calibrated figure. A node's slowdown at a step is its figure over the median of its peers' figures at
+that step: a host that slows every node down (other jobs, a burst of imports) makes no one a straggler,
+and with two nodes the slow one is measured against the fast one rather than against a median it pulls
+up itself. Its peers are the nodes running the same layers (in f+1 replicated pipelines of one template,
+every stage has f+1 of them), whose compute per profiled cost compares directly: so a node slow from the
+start (a degraded GPU at launch) or one that calibrated at another time (a spare folded in while a
+replacement imported torch) is measured right. A node with no such peer is compared with all the others
+by its figure against its own calibrated pace (the profile alone misjudges stages against each other: on
+a busy host, untouched nodes read 1.5-2.8x). Lining the nodes up step by step (not report by report) gives
+the step a node fell behind exactly, however late the operator reads the reports.
 
 A node at or over `spec.stragglers.threshold` is listed in `status.stragglers` with the step from which
 it has been slow (kept from the previous status while it stays slow); once it has been slow for
@@ -87,14 +92,47 @@ def _at(series: Sequence[tuple[int, float]], step: int) -> float:
     return value
 
 
-def relative_series(paces: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
-    """Each node's (step, its figure over the median of the other nodes' figures at that step); a lone node
-    has nothing to compare with and is left out."""
+Work = tuple[int, int, int, int]
+"""A stage's layers [start, end), GPU count and tensor-parallel degree: what it computes per microbatch."""
+
+
+def same_work(plan: Plan) -> dict[str, Work]:
+    """Each node's work in `plan`: nodes with equal work run the same layers on as many GPUs, so their
+    compute per profiled cost compares directly (the profile's error on those layers is common to them)."""
+    return {
+        stage.node: (stage.start, stage.end, len(stage.gpus), stage.tensor_parallel)
+        for pipeline in plan.pipelines
+        for stage in pipeline.stages
+    }
+
+
+def _relative(
+    series: Sequence[tuple[int, float]], peers: Sequence[Sequence[tuple[int, float]]]
+) -> list[tuple[int, float]]:
+    return [(step, figure / statistics.median(_at(p, step) for p in peers)) for step, figure in series]
+
+
+def relative_series(
+    paces: Mapping[str, Sequence[tuple[int, float]]],
+    raw: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+    work: Mapping[str, Work] | None = None,
+) -> dict[str, list[tuple[int, float]]]:
+    """Each node's (step, figure over its peers' median figure at that step). A node whose `raw` series
+    (compute per profiled cost) is known is compared with the nodes of the same `work` that report one:
+    that compares what each computes at the same steps, however and whenever each calibrated (a node slow
+    since it started reads 1 against its own pace; a newcomer that calibrated while the host was busier
+    makes its peers look slow). Any other node is compared by its `paces` (against its own calibrated pace)
+    with all the other nodes'. A lone node has nothing to compare with and is left out."""
+    raw, work = raw or {}, work or {}
     result = {}
     for node, series in paces.items():
+        mates = [s for n, s in raw.items() if n != node and s and n in work and work[n] == work.get(node)]
+        if raw.get(node) and mates:
+            result[node] = _relative(raw[node], mates)
+            continue
         others = [s for n, s in paces.items() if n != node and s]
         if series and others:
-            result[node] = [(step, figure / statistics.median(_at(o, step) for o in others)) for step, figure in series]
+            result[node] = _relative(series, others)
     return result
 
 
@@ -109,15 +147,23 @@ def assess(
     reports: Mapping[str, ProgressReport],
     previous: Sequence[Straggler],
     policy: StragglerPolicy,
+    work: Mapping[str, Work] | None = None,
 ) -> Assessment:
     """The stragglers among the plan's `members`, from their `reports` of plan generation `generation`
-    (a report of another generation, or without a pace, is left out) and the `previous` status."""
-    paces = {
-        node: report.pace
+    (a report of another generation, or without a pace, is left out) and the `previous` status; nodes of
+    the same `work` (same_work) are compared with each other (relative_series)."""
+    reported = {
+        node: report
         for node in members
         if (report := reports.get(node)) is not None and report.generation == generation and report.pace
     }
-    relative = relative_series(paces)
+    paces = {node: report.pace for node, report in reported.items()}
+    raw = {
+        node: [(step, figure * baseline) for step, figure in report.pace]
+        for node, report in reported.items()
+        if (baseline := report.pace_baseline) is not None
+    }
+    relative = relative_series(paces, raw, work)
     slowdowns = {node: series[-1][1] for node, series in relative.items()}
     before = {s.node: s for s in previous}
     stragglers, events = [], []
@@ -307,7 +353,9 @@ def with_stragglers(
     if in_force is None or decision.status.get("phase") not in ("Running", "Reconfiguring"):
         return decision
     reports = {w.name: w.progress for w in obs.workers if w.progress is not None and w.status == "running"}
-    found = assess(in_force.nodes, in_force.generation, reports, ctx.status.stragglers, ctx.spec.stragglers)
+    found = assess(
+        in_force.nodes, in_force.generation, reports, ctx.status.stragglers, ctx.spec.stragglers, same_work(in_force)
+    )
     status = {**decision.status, "stragglers": [s.to_kubernetes() for s in found.stragglers]}
     events = tuple(Event(*event) for event in found.events)
     decision = replace(decision, status=status, events=(*decision.events, *events), slowdowns=found.slowdowns)

@@ -9,6 +9,10 @@ throttle (window 10); the operator's and the worker's slowdown metrics show it; 
 the batch so that its pipeline runs fewer microbatches, moving no layer; released, it leaves the list with
 a StragglerRecovered event and the profile's split comes back; every step's loss up to a few steps after that
 equals the single-process reference (the test ends there, the job still training).
+
+And a node slow from its very start (a degraded GPU at launch): held before its first step, it calibrates at
+its slow pace and reads 1x against itself, yet it is confirmed, measured against the nodes that run the same
+layers, and the batch is re-split around it.
 """
 
 from __future__ import annotations
@@ -143,4 +147,53 @@ def test_a_worker_throttled_to_a_quarter_of_its_cpu_is_a_confirmed_straggler_wit
     assert len(run.events("StragglerRecovered")) >= len(began) - 1
     # The same losses as one process training the job without any of it, through a few steps at the profile's
     # split (the job's remaining steps would only repeat the check).
+    run.check_losses_so_far(pods, after=max(run.step(p) for p in pods) + 4)
+
+
+FROM_START_CPUS = 0.08
+"""The node slow from its start gets this many CPUs (a quota is absolute: each of three unheld workers gets
+0.3-0.7 of the 2 shared cores, so it computes 4-8x slower than they do)."""
+
+
+def test_a_worker_slow_from_its_first_step_is_found_against_the_nodes_running_the_same_layers(job_run) -> None:
+    if (why := cpulimit.available()) is not None:
+        pytest.skip(why)
+    run = job_run
+    spec = run.job_spec(STEPS, nodes=NODES, env={"WORKER_PROGRESS_INTERVAL_S": "0.2"})
+    spec["training"]["globalBatchSize"] = 12  # 4 microbatches per pipeline: room to re-split
+    spec["nodes"]["min"] = NODES
+    spec["model"]["gpt"].update({"hiddenSize": 128, "sequenceLength": 64})
+    spec["stragglers"] = {"threshold": THRESHOLD, "window": WINDOW, "mitigation": "resplit"}
+    run.apply(spec)
+    pods = run.wait_for(
+        lambda: len(p := [w["metadata"]["name"] for w in run._worker_pods()]) == NODES and sorted(p),
+        "three worker pods",
+    )
+    slow = pods[-1]
+    # Held as soon as its worker process runs: before the job's first plan, so before its first step.
+    run.wait_for(lambda: run.agent.throttle_cpu(run.ns, slow, FROM_START_CPUS), f"{slow}'s worker process")
+    assert run.step(slow) == 0 and run.progress(slow).get("generation", -1) <= 0 and not run.progress(slow).get("pace")
+    first = run.wait_for(run.plan, "the first plan")
+    assert {len(p.nodes) for p in first.pipelines} == {1}, "three one-node pipelines: every node runs the same layers"
+
+    def confirmed() -> dict[str, Any] | None:
+        return next((s for s in stragglers(run) if s["node"] == slow and s.get("confirmed")), None)
+
+    found = run.wait_for(confirmed, f"{slow} confirmed a straggler", timeout=240)
+    own = run.scrape(slow)["oobleck_worker_slowdown"]  # against the pace it calibrated at: held all along
+    print(
+        f"{slow} held to {FROM_START_CPUS} CPUs from its start: slow since step {found['sinceStep']}, "
+        f"{found['slowdown']}x the nodes on its layers, {own:.2f}x its own calibrated pace"
+    )
+    assert found["slowdown"] >= THRESHOLD and own < THRESHOLD
+    assert found["sinceStep"] <= 2 * WINDOW + 14, "slow from its first calibrated steps"  # warm-up 5 + 9 steps
+    assert run.agent.cpu_throttled_seconds(run.ns, slow) > 0, "the kernel never held the pod back"
+    listed = {s["node"]: s["slowdown"] for s in stragglers(run)}
+    assert listed[slow] == max(listed.values()), listed
+    assert len(run.wait_for(lambda: naming(run.events("Straggler"), slow), "the Straggler event")) == 1
+
+    resplit = run.wait_for(lambda: (plan := run.plan()).reason.startswith("batch re-split") and plan, "a re-split")
+    split = {p.nodes[0]: p.microbatches for p in resplit.pipelines}
+    assert split[slow] < min(m for node, m in split.items() if node != slow), split
+    print(f"re-split at generation {resplit.generation}: {split}")
     run.check_losses_so_far(pods, after=max(run.step(p) for p in pods) + 4)

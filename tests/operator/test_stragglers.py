@@ -134,3 +134,51 @@ def test_reports_of_another_generation_or_without_a_pace_are_left_out() -> None:
         POLICY,
     )
     assert gone.stragglers == [] and gone.events == []
+
+
+def calibrated(steps: range, paces: dict[str, tuple[float, float]]) -> dict[str, ProgressReport]:
+    """As `histories`, each node's (figure against its own pace, the calibrated pace it is over)."""
+    return {
+        node: ProgressReport.parse(  # type: ignore[misc]
+            f'{{"generation": 0, "step": {steps[-1]}, "pace": {[[s, pace] for s in steps]}, "paceBaseline": {base}}}'
+        )
+        for node, (pace, base) in paces.items()
+    }
+
+
+# Two 2-stage pipelines of one template: w-0 and w-2 run layers 0-3, w-1 and w-3 layers 4-7.
+WORK = {"w-0": (0, 4, 1, 1), "w-1": (4, 8, 1, 1), "w-2": (0, 4, 1, 1), "w-3": (4, 8, 1, 1)}
+
+
+def test_a_node_slow_from_its_start_is_found_against_the_node_running_the_same_layers() -> None:
+    # w-2 computed twice as long as w-0 for the same layers from its first step: against its own pace it
+    # reads 1, as every node does.
+    paces = {"w-0": (1.0, 1.1), "w-1": (1.0, 0.8), "w-2": (1.0, 2.2), "w-3": (1.0, 0.85)}
+    found = assess(NODES, 0, calibrated(range(41, 51), paces), [], POLICY, WORK)
+    assert found.slowdowns == {"w-0": 0.5, "w-1": pytest.approx(0.941, abs=1e-3), "w-2": 2.0, "w-3": 1.0625}
+    assert [(s.node, s.confirmed) for s in found.stragglers] == [("w-2", False)]
+    # Without the layers each runs, each node is measured against its own pace: no one is slow.
+    assert assess(NODES, 0, calibrated(range(41, 51), paces), [], POLICY).stragglers == []
+
+
+def test_a_node_that_calibrated_while_the_host_was_busier_makes_no_straggler_of_its_peer() -> None:
+    # Two single-stage pipelines. w-2, folded in while the host was twice as busy, calibrated at 2.2; now it
+    # computes as fast as w-0, which reads 1 against its own pace: by their own paces w-0 is 2x slower.
+    nodes, work = ["w-0", "w-2"], {"w-0": (0, 8, 1, 1), "w-2": (0, 8, 1, 1)}
+    paces = {"w-0": (1.0, 1.1), "w-2": (0.5, 2.2)}
+    found = assess(nodes, 0, calibrated(range(41, 51), paces), [], POLICY, work)
+    assert found.stragglers == [] and found.slowdowns == {"w-0": 1.0, "w-2": 1.0}
+    assert [s.node for s in assess(nodes, 0, calibrated(range(41, 51), paces), [], POLICY).stragglers] == ["w-0"]
+
+
+def test_a_node_without_a_peer_on_its_layers_is_compared_by_its_own_pace_with_all_the_others() -> None:
+    # Layers moved off w-2 to w-3: no two nodes run the same layers any more. w-3 reads 2x its own pace.
+    work = {**WORK, "w-2": (0, 2, 1, 1), "w-3": (2, 8, 1, 1)}
+    paces = {"w-0": (1.0, 1.1), "w-1": (1.0, 0.8), "w-2": (1.0, 2.2), "w-3": (2.0, 0.85)}
+    found = assess(NODES, 0, calibrated(range(41, 51), paces), [], POLICY, work)
+    assert found.slowdowns == {"w-0": 1.0, "w-1": 1.0, "w-2": 1.0, "w-3": 2.0}
+    # A report without its calibrated pace (an older worker) is compared the same way.
+    paces = {"w-0": (1.0, 1.1), "w-1": (1.0, 0.8), "w-2": (1.0, 2.2), "w-3": (1.0, 0.85)}
+    legacy = histories(range(41, 51), {"w-2": 3.0})
+    found = assess(NODES, 0, {**calibrated(range(41, 51), paces), **legacy}, [], POLICY, WORK)
+    assert found.slowdowns["w-2"] == 3.0 and found.slowdowns["w-0"] == pytest.approx(1 / 1.0)

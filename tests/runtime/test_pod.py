@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from oobleck.api.contract import WORKER_PORT, ExitCode, PodContract
-from oobleck.api.reports import FailureReport
+from oobleck.api.reports import FailureReport, ProgressReport
 from oobleck.api.spec import parse_spec
 from oobleck.runtime.backends.pod.config import PodEnv, config_from_spec
 from oobleck.runtime.backends.pod.coordinator_link import coordinator_ip
@@ -133,6 +133,14 @@ def test_progress_annotation_carries_loss_and_throughput_when_known():
     # A NaN loss is not JSON (json.dumps would write NaN, which the operator's parser rejects): left out.
     assert "loss" not in json.loads(progress_annotation(0, 1, float("nan"), None))
     assert json.loads(progress_annotation(3, 30, checkpoint_step=30))["checkpointStep"] == 30
+    # The pace and the calibrated pace it is over (the operator compares nodes running the same layers by both).
+    body = json.loads(progress_annotation(3, 30, pace=((29, 1.02), (30, 1.04)), pace_baseline=2.123456789))
+    assert body["pace"] == [[29, 1.02], [30, 1.04]] and body["paceBaseline"] == 2.12346
+    for odd in (float("nan"), float("inf"), 0.0, -1.0):
+        assert "paceBaseline" not in json.loads(progress_annotation(3, 30, pace=((30, 1.0),), pace_baseline=odd))
+    for odd in ('"x"', "true", "[1]", "1e999"):
+        report = ProgressReport.parse(f'{{"generation": 0, "step": 1, "paceBaseline": {odd}}}')
+        assert report is not None and report.step == 1 and report.pace_baseline is None
 
 
 def test_entry_point_and_unsupported_mlp_width():

@@ -56,5 +56,6 @@ class PodWorker(Worker):
                 checkpoint_step=self.checkpoint_step,
                 checkpoint_error=self.checkpoint_error,
                 pace=pace,
+                pace_baseline=self.pace.baseline,
             )
         return outcome

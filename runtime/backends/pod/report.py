@@ -64,6 +64,7 @@ def progress_annotation(
     checkpoint_step: int | None = None,
     checkpoint_error: str | None = None,
     pace: tuple[tuple[int, float], ...] | None = None,
+    pace_baseline: float | None = None,
 ) -> str:
     """PROGRESS_ANNOTATION's value (oobleck.api.reports.ProgressReport)."""
     report = ProgressReport(
@@ -74,11 +75,12 @@ def progress_annotation(
         checkpoint_step=checkpoint_step,
         checkpoint_error=checkpoint_error,
         pace=pace or (),
+        pace_baseline=pace_baseline,
     )
     return report.to_json()
 
 
-_Extra = tuple[float | None, float | None, int | None, str | None, tuple[tuple[int, float], ...] | None]
+_Extra = tuple[float | None, float | None, int | None, str | None, tuple[tuple[int, float], ...] | None, float | None]
 """What rides along with a progress value, in `progress_annotation`'s order after the step."""
 
 
@@ -97,8 +99,8 @@ class ProgressReporter:
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
         self._latest: tuple[int, int] | None = None
-        # loss, samples/s, checkpoint step, checkpoint error, pace history (see update).
-        self._extra: _Extra = (None, None, None, None, None)
+        # loss, samples/s, checkpoint step, checkpoint error, pace history, pace baseline (see update).
+        self._extra: _Extra = (None, None, None, None, None, None)
         self._written: tuple[int, int] | None = None
         self._last_write = 0.0
         self._stop = False
@@ -116,10 +118,11 @@ class ProgressReporter:
         checkpoint_step: int | None = None,
         checkpoint_error: str | None = None,
         pace: tuple[tuple[int, float], ...] | None = None,
+        pace_baseline: float | None = None,
     ) -> None:
         """The newest progress; a None loss, throughput, checkpoint step or pace ((step, slowdown) of the
-        last steps) keeps the last known one. `checkpoint_error` is the current state (None: the last write
-        succeeded)."""
+        last steps, over `pace_baseline`) keeps the last known one. `checkpoint_error` is the current state
+        (None: the last write succeeded)."""
         with self._cond:
             self._latest = (generation, step)
             known = self._extra
@@ -129,6 +132,7 @@ class ProgressReporter:
                 known[2] if checkpoint_step is None else checkpoint_step,
                 checkpoint_error,
                 known[4] if pace is None else pace,
+                known[5] if pace is None else pace_baseline,
             )
             self._cond.notify_all()
 

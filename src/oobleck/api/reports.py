@@ -86,6 +86,10 @@ class ProgressReport(BaseModel):
     """(step, slowdown) of this worker's last steps, oldest first: its compute against its own calibrated
     pace on its stage, a median over its last steps (oobleck.runtime.train.pace); the operator lines the
     nodes' up step by step (oobleck.operator.stragglers)"""
+    pace_baseline: float | None = Field(default=None, alias="paceBaseline")
+    """the calibrated pace those figures are over (its compute per profiled cost when it calibrated): `pace`'s
+    figures times this are its compute per profiled cost at those steps, which nodes running the same layers
+    compare directly, whenever each calibrated"""
 
     @field_validator("checkpoint_error")
     @classmethod
@@ -96,6 +100,14 @@ class ProgressReport(BaseModel):
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         return value if value is None or math.isfinite(value) else None
+
+    @field_validator("pace_baseline", mode="before")
+    @classmethod
+    def _positive(cls, value: object) -> float | None:
+        # Anything but a finite positive number is no baseline; the rest of the report still counts.
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        return float(value) if math.isfinite(value) and value > 0 else None
 
     @field_validator("pace")
     @classmethod
@@ -121,6 +133,8 @@ class ProgressReport(BaseModel):
             body["checkpointError"] = self.checkpoint_error
         if self.pace:
             body["pace"] = [[step, round(s, 3)] for step, s in self.pace]
+        if self.pace_baseline is not None:
+            body["paceBaseline"] = float(f"{self.pace_baseline:.6g}")
         return json.dumps(body)
 
     @classmethod
