@@ -61,10 +61,8 @@ def paced_steps(run, pods: list[str]) -> int:
     return min(steps)
 
 
-def test_a_worker_throttled_to_a_quarter_of_its_cpu_is_a_confirmed_straggler_within_20_steps(job_run) -> None:
-    if (why := cpulimit.available()) is not None:
-        pytest.skip(why)
-    run = job_run
+def start_job(run) -> list[str]:
+    """Apply the job (NODES one-node pipelines, `resplit`) and return its worker pods' names, sorted."""
     # Step counts read from the progress reports bound the detection: reported five times a second.
     spec = run.job_spec(STEPS, nodes=NODES, env={"WORKER_PROGRESS_INTERVAL_S": "0.2"})
     spec["training"]["globalBatchSize"] = 12  # 4 microbatches per pipeline: room to re-split
@@ -74,10 +72,17 @@ def test_a_worker_throttled_to_a_quarter_of_its_cpu_is_a_confirmed_straggler_wit
     spec["model"]["gpt"].update({"hiddenSize": 128, "sequenceLength": 64})
     spec["stragglers"] = {"threshold": THRESHOLD, "window": WINDOW, "mitigation": "resplit"}
     run.apply(spec)
-    pods = run.wait_for(
+    return run.wait_for(
         lambda: len(p := [w["metadata"]["name"] for w in run._worker_pods()]) == NODES and sorted(p),
         "three worker pods",
     )
+
+
+def test_a_worker_throttled_to_a_quarter_of_its_cpu_is_a_confirmed_straggler_within_20_steps(job_run) -> None:
+    if (why := cpulimit.available()) is not None:
+        pytest.skip(why)
+    run = job_run
+    pods = start_job(run)
     # Unthrottled: every node measured, then CALM_STEPS more steps with nothing listed.
     start = run.wait_for(lambda: paced_steps(run, pods) >= 20 and paced_steps(run, pods), "every node's pace")
     while (step := paced_steps(run, pods)) < start + CALM_STEPS:
@@ -159,16 +164,7 @@ def test_a_worker_slow_from_its_first_step_is_found_against_the_nodes_running_th
     if (why := cpulimit.available()) is not None:
         pytest.skip(why)
     run = job_run
-    spec = run.job_spec(STEPS, nodes=NODES, env={"WORKER_PROGRESS_INTERVAL_S": "0.2"})
-    spec["training"]["globalBatchSize"] = 12  # 4 microbatches per pipeline: room to re-split
-    spec["nodes"]["min"] = NODES
-    spec["model"]["gpt"].update({"hiddenSize": 128, "sequenceLength": 64})
-    spec["stragglers"] = {"threshold": THRESHOLD, "window": WINDOW, "mitigation": "resplit"}
-    run.apply(spec)
-    pods = run.wait_for(
-        lambda: len(p := [w["metadata"]["name"] for w in run._worker_pods()]) == NODES and sorted(p),
-        "three worker pods",
-    )
+    pods = start_job(run)
     slow = pods[-1]
     # Held as soon as its worker process runs: before the job's first plan, so before its first step.
     run.wait_for(lambda: run.agent.throttle_cpu(run.ns, slow, FROM_START_CPUS), f"{slow}'s worker process")
