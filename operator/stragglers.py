@@ -10,7 +10,9 @@ every stage has f+1 of them), whose compute per profiled cost compares directly:
 start (a degraded GPU at launch) or one that calibrated at another time (a spare folded in while a
 replacement imported torch) is measured right. A node with no such peer is compared with all the others
 by its figure against its own calibrated pace (the profile alone misjudges stages against each other: on
-a busy host, untouched nodes read 1.5-2.8x). Lining the nodes up step by step (not report by report) gives
+a busy host, untouched nodes read 1.5-2.8x), times its anchor: how far that pace was off its peers' when
+it last had some (kept in the plan, Plan.pace_anchors), so a node slow from its start whose layers moved
+does not read at pace for want of a peer. Lining the nodes up step by step (not report by report) gives
 the step a node fell behind exactly, however late the operator reads the reports.
 
 A node at or over `spec.stragglers.threshold` is listed in `status.stragglers` with the step from which
@@ -71,6 +73,9 @@ class Assessment:
     typical: dict[str, float] = field(default_factory=dict)
     """each straggler's median figure over its last `steady_steps(policy)` steps since it has been slow: what a
     mitigation plans around (one figure of a node under a CPU quota on a loaded host swung 3.4 to 18)"""
+    anchors: dict[str, float] = field(default_factory=dict)
+    """each node compared with peers on its layers: its figure against them over its figure against its own
+    calibrated pace (a median over its steps), i.e. how far that pace is off theirs (Plan.pace_anchors)"""
 
 
 STEADY_STEPS_MAX = 20
@@ -112,25 +117,36 @@ def _relative(
     return [(step, figure / statistics.median(_at(p, step) for p in peers)) for step, figure in series]
 
 
+def _peers(
+    node: str, raw: Mapping[str, Sequence[tuple[int, float]]], work: Mapping[str, Work]
+) -> list[Sequence[tuple[int, float]]]:
+    """The raw series of the other nodes running `node`'s layers (none unless `node` reports one too)."""
+    if not raw.get(node) or node not in work:
+        return []
+    return [s for n, s in raw.items() if n != node and s and work.get(n) == work[node]]
+
+
 def relative_series(
     paces: Mapping[str, Sequence[tuple[int, float]]],
     raw: Mapping[str, Sequence[tuple[int, float]]] | None = None,
     work: Mapping[str, Work] | None = None,
+    anchors: Mapping[str, float] | None = None,
 ) -> dict[str, list[tuple[int, float]]]:
     """Each node's (step, figure over its peers' median figure at that step). A node whose `raw` series
     (compute per profiled cost) is known is compared with the nodes of the same `work` that report one:
     that compares what each computes at the same steps, however and whenever each calibrated (a node slow
     since it started reads 1 against its own pace; a newcomer that calibrated while the host was busier
     makes its peers look slow). Any other node is compared by its `paces` (against its own calibrated pace)
-    with all the other nodes'. A lone node has nothing to compare with and is left out."""
-    raw, work = raw or {}, work or {}
+    times its anchor (`anchors`: how far its calibrated pace was off its peers' when it last had some, 1 by
+    default) with all the other nodes' figures so scaled. A lone node has nothing to compare with and is left out."""
+    raw, work, anchors = raw or {}, work or {}, anchors or {}
+    anchored = {n: [(step, f * anchors.get(n, 1.0)) for step, f in series] for n, series in paces.items()}
     result = {}
-    for node, series in paces.items():
-        mates = [s for n, s in raw.items() if n != node and s and n in work and work[n] == work.get(node)]
-        if raw.get(node) and mates:
-            result[node] = _relative(raw[node], mates)
+    for node, series in anchored.items():
+        if peers := _peers(node, raw, work):
+            result[node] = _relative(raw[node], peers)
             continue
-        others = [s for n, s in paces.items() if n != node and s]
+        others = [s for n, s in anchored.items() if n != node and s]
         if series and others:
             result[node] = _relative(series, others)
     return result
@@ -148,10 +164,12 @@ def assess(
     previous: Sequence[Straggler],
     policy: StragglerPolicy,
     work: Mapping[str, Work] | None = None,
+    anchors: Mapping[str, float] | None = None,
 ) -> Assessment:
     """The stragglers among the plan's `members`, from their `reports` of plan generation `generation`
     (a report of another generation, or without a pace, is left out) and the `previous` status; nodes of
-    the same `work` (same_work) are compared with each other (relative_series)."""
+    the same `work` (same_work) are compared with each other, the others by their own paces times their
+    `anchors` (relative_series)."""
     reported = {
         node: report
         for node in members
@@ -163,8 +181,13 @@ def assess(
         for node, report in reported.items()
         if (baseline := report.pace_baseline) is not None
     }
-    relative = relative_series(paces, raw, work)
+    relative = relative_series(paces, raw, work, anchors)
     slowdowns = {node: series[-1][1] for node, series in relative.items()}
+    found_anchors = {
+        node: round(statistics.median(r / own for (_, r), (_, own) in zip(relative[node], paces[node])), 3)
+        for node in relative
+        if _peers(node, raw, work or {})
+    }
     before = {s.node: s for s in previous}
     stragglers, events = [], []
     typical: dict[str, float] = {}
@@ -220,7 +243,7 @@ def assess(
         # A node that stopped reporting (lost, replaced) is the failure path's business, not a recovery.
         if known.confirmed and node not in listed and node in slowdowns:
             events.append(("Normal", RECOVERED, f"{node} is back under {policy.threshold}x the other nodes' median"))
-    return Assessment(slowdowns, stragglers, events, steady, measured, confirmed_over, typical)
+    return Assessment(slowdowns, stragglers, events, steady, measured, confirmed_over, typical, found_anchors)
 
 
 REPLAN_FACTOR = 2.0
@@ -354,7 +377,13 @@ def with_stragglers(
         return decision
     reports = {w.name: w.progress for w in obs.workers if w.progress is not None and w.status == "running"}
     found = assess(
-        in_force.nodes, in_force.generation, reports, ctx.status.stragglers, ctx.spec.stragglers, same_work(in_force)
+        in_force.nodes,
+        in_force.generation,
+        reports,
+        ctx.status.stragglers,
+        ctx.spec.stragglers,
+        same_work(in_force),
+        in_force.pace_anchors,
     )
     status = {**decision.status, "stragglers": [s.to_kubernetes() for s in found.stragglers]}
     events = tuple(Event(*event) for event in found.events)
@@ -368,7 +397,10 @@ def with_stragglers(
     if plan is None:
         return decision
     count = current.plan.mitigations + 1 if plan.slowdowns or plan.benched or current.plan.mitigations else 0
-    plan = Plan.model_validate(plan.model_dump() | {"mitigation_step": obs.step, "mitigations": count})
+    # A node whose layers move may have no peer left: its own pace, anchored, still says how slow it is.
+    anchors = {n: a for n, a in (current.plan.pace_anchors | found.anchors).items() if a != 1.0 and n in plan.nodes}
+    update = {"mitigation_step": obs.step, "mitigations": count, "pace_anchors": anchors}
+    plan = Plan.model_validate(plan.model_dump() | update)
     reason = _event_reason(plan)
     return replace(
         decision,

@@ -35,8 +35,9 @@ class Reports:
     def _stages(self) -> dict[str, tuple[int, int]]:
         return {s.node: (s.start, s.end) for p in self.world.current.plan.pipelines for s in p.stages}
 
-    def run(self, steps: int, paces: dict[str, float]):
-        """`steps` more steps at these paces (1 for a node not named); the decisions, each applied."""
+    def run(self, steps: int, paces: dict[str, float], baselines: dict[str, float] | None = None):
+        """`steps` more steps at these paces (1 for a node not named), over these calibrated paces (`baselines`:
+        1 for a node not named; None: reports without one, as older workers wrote); the decisions, each applied."""
         decisions = []
         for _ in range(steps):
             stages = self._stages()
@@ -49,6 +50,8 @@ class Reports:
             for node in plan.nodes:
                 self.history[node] = [*self.history[node], [self.step, paces.get(node, 1.0)]][-24:]
                 body = {"generation": plan.generation, "step": self.step, "pace": self.history[node]}
+                if baselines is not None:
+                    body["paceBaseline"] = baselines.get(node, 1.0)
                 self.world.pods[node] = replace(self.world.pods[node], progress=json.dumps(body))
             decisions.append(self.world.step())
             self.world.apply(decisions[-1])
@@ -103,6 +106,35 @@ def test_layers_move_off_a_slow_node_stay_through_its_wobbles_and_come_back_once
 
     # And it stays there.
     reports.run(4 * WINDOW, {})
+    assert world.current.plan.generation == back.generation
+
+
+def test_a_node_slow_from_its_start_keeps_its_layers_moved_while_slow_though_no_node_shares_its_layers(h):
+    """Slow from its first step, a node reads 1x against its own pace and 2x against the node on its layers.
+    Once layers moved, no node runs the same layers: it is measured by its own pace times its anchor (how far
+    its pace was off its peer's), so the layers stay moved while it stays slow, and come back once it is at
+    its peers' pace (twice as fast as it calibrated)."""
+    world = World(h, _spec(h), n_nodes=4)
+    world.settle()
+    first = world.current.plan
+    pipeline = next(p for p in first.pipelines if len(p.stages) > 1)
+    slow = pipeline.stages[0].node
+    reports = Reports(world)
+    slow_start = {slow: 2.0}  # its calibrated pace: twice its peer's compute per profiled cost
+
+    reports.run(2 * WINDOW + 1, {}, slow_start)
+    moved = world.current.plan
+    assert moved.generation == first.generation + 1 and moved.reason.startswith("layers moved"), moved.reason
+    assert moved.slowdowns == {slow: 2.0} and moved.pace_anchors[slow] == 2.0
+    assert all(len({(s.start, s.end) for s in p.stages}) == len(p.stages) for p in moved.pipelines)
+    # As slow as it calibrated (1x against itself), for many windows: the layers stay moved.
+    reports.run(10 * WINDOW, {}, slow_start)
+    assert world.current.plan.generation == moved.generation, world.current.plan.reason
+    # At its peers' pace: half its calibrated figure. The template's layout again, once.
+    reports.run(2 * WINDOW, {slow: 0.5}, slow_start)
+    back = world.current.plan
+    assert back.generation == moved.generation + 1 and not back.slowdowns, back.reason
+    reports.run(4 * WINDOW, {slow: 0.5}, slow_start)
     assert world.current.plan.generation == back.generation
 
 

@@ -264,6 +264,12 @@ class Plan(_Strict):
         "slowdown each was taken out at: in no pipeline, their pods wait as warm spares until a later generation "
         "takes them back",
     )
+    pace_anchors: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="straggler detection (oobleck.operator.stragglers): each node's calibrated pace over that of "
+        "the nodes on its layers, when it last had such peers (a node slow from its start reads 1 against its "
+        "own pace); a node without peers in this plan is measured by its own pace times this (absent: 1)",
+    )
     # -- derived (cached in __dict__ beside the fields: equality, dumps and copies see only fields) --
 
     def _index(self) -> dict[tuple[str, int], int]:
