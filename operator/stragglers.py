@@ -157,6 +157,26 @@ def relative_slowdowns(paces: Mapping[str, float]) -> dict[str, float]:
     return {node: series[-1][1] for node, series in relative_series({n: [(0, p)] for n, p in paces.items()}).items()}
 
 
+Series = dict[str, list[tuple[int, float]]]
+
+
+def _series(members: Sequence[str], generation: int, reports: Mapping[str, ProgressReport]) -> tuple[Series, Series]:
+    """The members' (step, figure against their own paces) and, where reported with the pace they are over,
+    (step, compute per profiled cost), from their reports of `generation`."""
+    reported = {
+        node: report
+        for node in members
+        if (report := reports.get(node)) is not None and report.generation == generation and report.pace
+    }
+    paces = {node: list(report.pace) for node, report in reported.items()}
+    raw = {
+        node: [(step, figure * baseline) for step, figure in report.pace]
+        for node, report in reported.items()
+        if (baseline := report.pace_baseline) is not None
+    }
+    return paces, raw
+
+
 def assess(
     members: Sequence[str],
     generation: int,
@@ -170,17 +190,7 @@ def assess(
     (a report of another generation, or without a pace, is left out) and the `previous` status; nodes of
     the same `work` (same_work) are compared with each other, the others by their own paces times their
     `anchors` (relative_series)."""
-    reported = {
-        node: report
-        for node in members
-        if (report := reports.get(node)) is not None and report.generation == generation and report.pace
-    }
-    paces = {node: report.pace for node, report in reported.items()}
-    raw = {
-        node: [(step, figure * baseline) for step, figure in report.pace]
-        for node, report in reported.items()
-        if (baseline := report.pace_baseline) is not None
-    }
+    paces, raw = _series(members, generation, reports)
     relative = relative_series(paces, raw, work, anchors)
     slowdowns = {node: series[-1][1] for node, series in relative.items()}
     found_anchors = {

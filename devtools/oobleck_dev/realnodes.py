@@ -65,6 +65,10 @@ BUILD_SCRIPT = Path("scripts") / "k8s-node" / "build"
 IMAGE_SCRIPT = Path("scripts") / "image" / "build"
 NODE_SELECTOR = {REAL_NODE_LABEL: "true"}
 FREEZER = Path("/sys/fs/cgroup/freezer")
+DEVICE_PLUGIN_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
+"""Every kubelet binds this fixed path, not one under its --root-dir, right after removing whatever its folder
+holds: started together, one kubelet removed another's socket between that one's clean-up and its bind, and
+the other exited "bind: address already in use". So each kubelet starts once the one before has bound it."""
 
 
 class RealNodesError(RuntimeError):
@@ -278,12 +282,18 @@ class RealNodes:
             kubeconfig.write_text(kubeconfig_yaml(cp.server, cp.ca_cert, credentials, node.name, embed=False))
             config = node.folder / "kubelet.yaml"
             config.write_text(yaml.safe_dump(kubelet_config(node, cp.ca_cert, serving.cert, serving.key)))
-            self.processes.append(
-                ManagedProcess(
-                    f"kubelet-{node.index}",
-                    [binaries.kubelet, *kubelet_args(node, config, kubeconfig)],
-                    self.folder / "logs" / f"kubelet-{node.index}.log",
-                )
+            launched = time.time_ns()
+            kubelet = ManagedProcess(
+                f"kubelet-{node.index}",
+                [binaries.kubelet, *kubelet_args(node, config, kubeconfig)],
+                self.folder / "logs" / f"kubelet-{node.index}.log",
+            )
+            self.processes.append(kubelet)
+            self._wait(
+                lambda launched=launched: _created_since(DEVICE_PLUGIN_SOCKET, launched),
+                f"{kubelet.name} to bind {DEVICE_PLUGIN_SOCKET}",
+                self.timeouts.nodes_ready,
+                self.processes,
             )
         proxy_credentials = cp.ca.issue("kube-proxy", "system:kube-proxy", client=True)
         proxy_kubeconfig = self.folder / "kube-proxy.kubeconfig"
@@ -576,3 +586,11 @@ def serve(n: int, kubeconfig: Path | None) -> int:
         nodes.down()
         control_plane.stop()
     return 0
+
+
+def _created_since(path: Path, time_ns: int) -> bool:
+    """Whether `path` exists and was created (its inode changed) at or after `time_ns` (time.time_ns())."""
+    try:
+        return path.stat().st_ctime_ns >= time_ns
+    except FileNotFoundError:
+        return False
