@@ -138,9 +138,12 @@ def test_progress_annotation_carries_loss_and_throughput_when_known():
     assert body["pace"] == [[29, 1.02], [30, 1.04]] and body["paceBaseline"] == 2.12346
     for odd in (float("nan"), float("inf"), 0.0, -1.0):
         assert "paceBaseline" not in json.loads(progress_annotation(3, 30, pace=((30, 1.0),), pace_baseline=odd))
-    for odd in ('"x"', "true", "[1]", "1e999"):
+    for odd in ('"x"', "true", "[1]", "1e999", "1e300", "1e-320"):
         report = ProgressReport.parse(f'{{"generation": 0, "step": 1, "paceBaseline": {odd}}}')
         assert report is not None and report.step == 1 and report.pace_baseline is None
+    # Figures out of bounds are dropped one by one: a product or a ratio of two never overflows.
+    report = ProgressReport.parse('{"generation": 0, "step": 4, "pace": [[1, 1e-320], [2, 1e300], [3, 1.5], [4, 0]]}')
+    assert report is not None and report.pace == ((3, 1.5),)
 
 
 def test_entry_point_and_unsupported_mlp_width():

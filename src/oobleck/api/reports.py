@@ -66,6 +66,11 @@ CHECKPOINT_ERROR_CHARS = 300
 """a progress report carries this much of a checkpoint write error (the report's cap is MAX_REPORT_BYTES)"""
 
 
+PACE_MIN, PACE_MAX = 1e-6, 1e6
+"""Bounds of a pace figure and of the pace it is over: the operator multiplies and divides them across
+nodes, and a worker's report is never trusted (outside them, even 1e300 would overflow to infinity)."""
+
+
 class ProgressReport(BaseModel):
     """A worker's progress: `{"generation": -1, "step": 0}` means up and waiting for its first plan."""
 
@@ -104,16 +109,16 @@ class ProgressReport(BaseModel):
     @field_validator("pace_baseline", mode="before")
     @classmethod
     def _positive(cls, value: object) -> float | None:
-        # Anything but a finite positive number is no baseline; the rest of the report still counts.
+        # Anything but a number within the bounds is no baseline; the rest of the report still counts.
         if isinstance(value, bool) or not isinstance(value, int | float):
             return None
-        return float(value) if math.isfinite(value) and value > 0 else None
+        return float(value) if PACE_MIN <= value <= PACE_MAX else None
 
     @field_validator("pace")
     @classmethod
     def _measured(cls, value: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
-        # Only finite positive figures at known steps: one odd entry never spoils the rest of the report.
-        return tuple((step, s) for step, s in value if step >= 0 and math.isfinite(s) and s > 0)
+        # Only figures in bounds at known steps: one odd entry never spoils the rest of the report.
+        return tuple((step, s) for step, s in value if step >= 0 and PACE_MIN <= s <= PACE_MAX)
 
     @property
     def slowdown(self) -> float | None:
