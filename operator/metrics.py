@@ -43,7 +43,7 @@ class Metrics:
         self.api_errors = Counter(f"{PREFIX}api_errors_total", "Failed Kubernetes API calls", ["verb"], registry=r)
         self.node_slowdown = Gauge(
             f"{PREFIX}node_slowdown",
-            "A member node's compute against its profile, over the other nodes' median (1 = keeping pace)",
+            "A member node's compute against its profile, over its peers' median: the nodes on its layers, else all the others (1 = keeping pace)",
             ["namespace", "job", "node"],
             registry=r,
         )

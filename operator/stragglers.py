@@ -224,7 +224,7 @@ def assess(
                 (
                     "Warning",
                     STRAGGLER,
-                    f"{node} computes {slowdown:.2f}x slower than the other nodes' median "
+                    f"{node} computes {slowdown:.2f}x slower than its peers' median "
                     f"(threshold {policy.threshold}) since step {since}",
                 )
             )
@@ -252,7 +252,7 @@ def assess(
     for node, known in before.items():
         # A node that stopped reporting (lost, replaced) is the failure path's business, not a recovery.
         if known.confirmed and node not in listed and node in slowdowns:
-            events.append(("Normal", RECOVERED, f"{node} is back under {policy.threshold}x the other nodes' median"))
+            events.append(("Normal", RECOVERED, f"{node} is back under {policy.threshold}x its peers' median"))
     return Assessment(slowdowns, stragglers, events, steady, measured, confirmed_over, typical, found_anchors)
 
 
