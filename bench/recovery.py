@@ -81,6 +81,13 @@ def run_oobleck(workdir: Path, steps: int, kill_step: int, heartbeats_only: bool
     }
 
 
+def interrupted_step(before_the_kill: list[dict]) -> int:
+    """The step the kill interrupted: the one after the last completed before it. Not the step the kill was
+    aimed at: on a loaded host a kill sent as step k began landed after k (and k + 1) completed, and k was never
+    done again (the bench failed looking for it)."""
+    return max((r["step"] for r in before_the_kill), default=-1) + 1
+
+
 def run_oobleck_rollback(workdir: Path, steps: int, kill_step: int, snapshot_every: int) -> dict:
     from oobleck.runtime.backends.local.launcher import Fault, Launcher, LaunchOptions
 
@@ -102,12 +109,13 @@ def run_oobleck_rollback(workdir: Path, steps: int, kill_step: int, snapshot_eve
     records = [
         json.loads(line) for path in workdir.glob("*.losses.jsonl") for line in path.read_text().splitlines() if line
     ]
-    again = min(r["time"] for r in records if r["generation"] == reconfiguration.generation and r["step"] == kill_step)
+    killed = interrupted_step([r for r in records if r["generation"] < reconfiguration.generation])
+    again = min(r["time"] for r in records if r["generation"] == reconfiguration.generation and r["step"] == killed)
     return {
         "total_s": reconfiguration.first_step_at - reconfiguration.kill_at,
         "regained_s": again - reconfiguration.kill_at,
         "restore_step": reconfiguration.restore_step,
-        "replayed_steps": kill_step - reconfiguration.restore_step,
+        "replayed_steps": killed - reconfiguration.restore_step,
         "sources": reconfiguration.restore_sources,
     }
 
@@ -182,11 +190,12 @@ def run_baseline(workdir: Path, steps: int, kill_step: int, ckpt_every: int, ran
         raise SystemExit(f"baseline failed with {proc.returncode} (logs in {workdir})")
     done = [json.loads(line) for line in records.read_text().splitlines()]
     after = [r for r in done if r["restart"] >= 1]
-    regained = min(r["time"] for r in after if r["step"] == kill_step)
+    killed = interrupted_step([r for r in done if r["restart"] == 0])
+    regained = min(r["time"] for r in after if r["step"] == killed)
     return {
         "first_step_after_restart_s": min(r["time"] for r in after) - kill_at,
         "total_s": regained - kill_at,
-        "replayed_steps": kill_step - min(r["step"] for r in after),
+        "replayed_steps": killed - min(r["step"] for r in after),
         "steps": len({r["step"] for r in done}),
     }
 

@@ -285,6 +285,25 @@ class JobRun:
                 )
             time.sleep(0.5)
 
+    def wait_within_steps(
+        self, predicate: Callable[[], Any], what: str, pods: list[str], steps: int, cap_s: float = 900
+    ) -> Any:
+        """wait_for, bounded by the job's steps rather than a fixed deadline: fails once `pods` trained `steps`
+        steps past where they were when the wait began without `predicate` holding (or after `cap_s`). A
+        deadline in seconds failed a detection that takes a number of steps on a host loaded enough that each
+        step took 20-50 s."""
+        since = max(self.step(p) for p in pods)
+
+        def held_or_past() -> Any:
+            if result := predicate():
+                return result
+            reached = max(self.step(p) for p in pods)
+            return reached > since + steps and f"step {reached}, {steps} past step {since}, without {what}"
+
+        result = self.wait_for(held_or_past, what, cap_s)
+        assert not isinstance(result, str), result
+        return result
+
     def events(self, reason: str) -> list[str]:
         """Messages of the namespace's events with `reason` (the operator's NodeLost, Reconfigured, ...)."""
         items = self._reads.events(self.ns, f"reason={reason}")

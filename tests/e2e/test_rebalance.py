@@ -32,6 +32,9 @@ NODES = 4
 STEPS = 600
 """Room for calm, throttle, confirmation and the move on a loaded host; the test ends with the story."""
 WINDOW = 10
+MOVE_STEPS = 80
+"""Throttle to the move: a confirmation (20 steps, tests/e2e/test_stragglers.py) and the plan, with room for
+the host's load: bounded in steps, as a loaded host made each step take 20-50 s."""
 
 
 def bounds(plan) -> list[list[tuple[str, int, int]]]:
@@ -72,8 +75,11 @@ def test_a_straggler_s_layers_move_to_its_pipeline_peer_with_exact_losses(job_ru
     assert run.agent.throttle_cpu(run.ns, slow, rate / SHARE), f"no process of {slow} held"
     throttled_at = max(run.step(p) for p in pods)
 
-    moved = run.wait_for(
-        lambda: (plan := run.plan()).reason.startswith("layers moved") and plan, "layers moved off the slow node", 240
+    moved = run.wait_within_steps(
+        lambda: (plan := run.plan()).reason.startswith("layers moved") and plan,
+        "layers moved off the slow node",
+        pods,
+        MOVE_STEPS,
     )
     print(
         f"{slow} held to {rate / SHARE:.3f} CPUs at step {throttled_at}; generation {moved.generation}: "

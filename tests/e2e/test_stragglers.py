@@ -107,7 +107,7 @@ def test_a_worker_throttled_to_a_quarter_of_its_cpu_is_a_confirmed_straggler_wit
     def confirmed() -> dict[str, Any] | None:
         return next((s for s in stragglers(run) if s["node"] == slow and s.get("confirmed")), None)
 
-    found = run.wait_for(confirmed, f"{slow} confirmed a straggler", timeout=240)
+    found = run.wait_within_steps(confirmed, f"{slow} confirmed a straggler", pods, 2 * DETECTION_STEPS)
     seen_at = max(run.progress(p).get("step", 0) for p in pods)
     print(
         f"throttled {slow} to {rate / SHARE:.3f} CPUs at step {throttled_at}: slow since step {found['sinceStep']}, "
@@ -175,7 +175,7 @@ def test_a_worker_slow_from_its_first_step_is_found_against_the_nodes_running_th
     def confirmed() -> dict[str, Any] | None:
         return next((s for s in stragglers(run) if s["node"] == slow and s.get("confirmed")), None)
 
-    found = run.wait_for(confirmed, f"{slow} confirmed a straggler", timeout=240)
+    found = run.wait_within_steps(confirmed, f"{slow} confirmed a straggler", pods, 4 * DETECTION_STEPS)
     own = run.scrape(slow)["oobleck_worker_slowdown"]  # against the pace it calibrated at: held all along
     print(
         f"{slow} held to {FROM_START_CPUS} CPUs from its start: slow since step {found['sinceStep']}, "
