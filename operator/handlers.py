@@ -563,6 +563,7 @@ def _record(
             f"lost {len(plan.lost_nodes)} added {len(plan.added_nodes)}; planner {decision.planner_seconds:.4f} s; "
             f"patched {len(decision.patches)} pods"
             + (f"; failure-to-patch {latency:.4f} s" if latency is not None else "")
+            + "".join(f"; lost {e.message}" for e in decision.events if e.reason == Reason.NODE_LOST)
         )
     metrics.pods_created.inc(applied.created)
     if decision.slowdowns is not None:

@@ -82,7 +82,10 @@ def _benched(run, pod: str, throttled_at: float):
         benched = run.wait_for(lambda: pod in (plan := run.plan()).benched and plan, f"{pod} benched", timeout=240)
     except AssertionError as error:
         stragglers = (run.job().get("status") or {}).get("stragglers")
-        raise AssertionError(f"{error}; status.stragglers: {stragglers}; {pod}: {run.progress(pod)}") from None
+        lost = run.events("NodeLost")
+        raise AssertionError(
+            f"{error}; status.stragglers: {stragglers}; NodeLost: {lost}; plan: {run.plan().reason}"
+        ) from None
     print(
         f"benched at step {benched.mitigation_step}, {time.monotonic() - throttled_at:.1f} s after the throttle: "
         f"{benched.reason}"
