@@ -104,8 +104,9 @@ class AgentTimeouts:
     """the longest restart delay."""
     stop_grace: float = 5.0
     """at agent stop: SIGTERM to SIGKILL for each pod (capped by the pod's own grace period)."""
-    start: float = 120.0
-    """the whole of `NodeAgent.start()`."""
+    start: float = 240.0
+    """the whole of `NodeAgent.start()` (the pod zygote's import of torch may have half of it: at load ~24 on
+    2 cores that import outlasted a 120 s start, which failed the test's setup)."""
 
 
 class NodeAgentError(RuntimeError):
@@ -817,7 +818,7 @@ class _AgentCore:
             await self.wait_nodes_ready()
             if self.zygote is not None:  # so that every pod of the module is forked, not only the later ones
                 ready = await asyncio.get_running_loop().run_in_executor(
-                    None, self.zygote.wait_ready, self.timeouts.start
+                    None, self.zygote.wait_ready, self.timeouts.start / 2
                 )
                 if not ready:
                     log.warning("pods are exec'd: the pod zygote is not ready (%s)", self.zygote.log)

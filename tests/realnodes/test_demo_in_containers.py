@@ -27,7 +27,7 @@ def test_the_demo_runs_in_containers_survives_a_container_kill_and_leaves_the_ho
     manifest = yaml.safe_load(EXAMPLE.read_text())
     # The example's shape, fewer steps: the suite stays fast. The kill comes early: on a busy host the job's status
     # trailed its workers by 8 s once, and a 60-step job to be killed at step 20 had finished by then.
-    manifest["spec"]["training"]["steps"] = 80
+    manifest["spec"]["training"]["steps"] = 200
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(manifest))
     before = host_snapshot()
