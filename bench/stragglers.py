@@ -3,25 +3,29 @@ against the ideal (issue 22).
 
 Four real worker processes (tiny GPT, gloo, CPU; each the worker CLI forked from an interpreter that
 imported torch once: oobleck_dev.preforked) run a static plan of two 2-node pipelines from the
-real planner, in one run:
+real planner. Every node's process is held by its own CFS quota (the cgroup v1 cpu controller,
+oobleck_dev.cpulimit) to `--node-cpus` CPUs, together under the host's cores: each node computes at
+its own quota's pace whatever the others do, as on four machines (with only the slow node held, the
+others took the CPU it left and sped up, so its slowdown was not a node's slowdown). In one run:
 
-1. unthrottled, the profile's split: the reference throughput;
-then for each `--cpus` level (e.g. about 1/2 and 1/4 of a node's share):
-2. one node (`c`) held by a CFS quota of the cgroup v1 cpu controller (oobleck_dev.cpulimit) to
-   that many CPUs, the same split: what the job does without mitigation;
-3. the same node held the same way, the plan re-split by its measured slowdown
-   (oobleck.planner.resplit: no layer moves);
+1. every node at `--node-cpus`, the profile's split: the reference throughput;
+then for each `--shares` level:
+2. node `c` held to `--node-cpus` x that share, the same split: what the job does without mitigation;
+3. the same, the plan re-split by its measured slowdown (oobleck.planner.resplit: no layer moves);
 4. the same, with the slow node's pipeline's layers moved by its measured slowdown and the batch
    re-split (oobleck.planner.rebalance). The runs are static, so the new bounds need no copies: every
    rank starts from the same seeded step-0 state.
 
 The slow node's speed is measured, not assumed: its median compute per step (the engine's own timing)
-unthrottled over throttled. The ideal is the unthrottled throughput x (sum of node speeds / nodes).
-Steady state: the steps after the first `--warmup`. The losses of the three runs must be equal (the
-re-split keeps them exact). Needs root and a v1 cpu hierarchy at /sys/fs/cgroup/cpu (it says so and
-exits 0 otherwise).
+unthrottled over throttled, over the other nodes' same ratio. It is not the share: a quota slows a
+process more than in proportion (its communication threads wait for the same quota, a period at a
+time); on this 2-core host shares 0.75 and 0.5 measured speeds of about 1/2 and 1/4, the issue's. The
+ideal is the reference throughput x (sum of node speeds / nodes). Steady state: the steps after the
+first `--warmup`. The losses of every run must equal the reference's (the re-split and the move keep
+them exact). Needs root and a v1 cpu hierarchy at /sys/fs/cgroup/cpu (it says so and exits 0
+otherwise).
 
-    .venv/bin/python bench/stragglers.py [--steps 80] [--cpus 0.25,0.125] [--quick]
+    .venv/bin/python bench/stragglers.py [--steps 80] [--node-cpus 0.4] [--shares 0.75,0.5] [--quick]
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ def plan_and_config(microbatches: int):
     return plan, config, profile
 
 
-def run(workdir: Path, config, plan, steps: int, throttle: float | None) -> dict:
-    """Every rank of `plan` as a worker process; `throttle`: CPUs for node SLOW's process."""
+def run(workdir: Path, config, plan, steps: int, cpus: dict[str, float]) -> dict:
+    """Every rank of `plan` as a worker process, node n's held to `cpus[n]` CPUs."""
     from torch.distributed import TCPStore
 
     from oobleck_dev import cpulimit, preforked
@@ -67,7 +71,8 @@ def run(workdir: Path, config, plan, steps: int, throttle: float | None) -> dict
     (workdir / "config.json").write_text(config.model_copy(update={"steps": steps}).model_dump_json())
     (workdir / "plan.json").write_text(plan.to_json())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    processes, quota = {}, None
+    processes: dict = {}
+    quotas: list = []
     for a in plan.ranks:
         command = ["-m", "oobleck.runtime", "worker", "--config", str(workdir / "config.json")]
         command += ["--plan", str(workdir / "plan.json"), "--store", f"127.0.0.1:{store.port}"]
@@ -77,11 +82,11 @@ def run(workdir: Path, config, plan, steps: int, throttle: float | None) -> dict
         # (the throttled rank's import alone took seconds at its quota).
         processes[a.node] = preforked.start(command, workdir / f"{a.node}.log", env, new_session=True)
     try:
-        if throttle is not None:
-            quota = cpulimit.CpuQuota.create(f"bench-{uuid.uuid4().hex[:8]}")
+        for node, process in processes.items():
+            quota = cpulimit.CpuQuota.create(f"bench-{node}-{uuid.uuid4().hex[:8]}")
             assert quota is not None, cpulimit.available()
-            slow_pid = processes[SLOW].pid
-            assert slow_pid is not None and quota.throttle([slow_pid], throttle), f"node {SLOW} not throttled"
+            quotas.append(quota)
+            assert process.pid is not None and quota.throttle([process.pid], cpus[node]), f"node {node} not held"
         for node, process in processes.items():
             if (code := process.wait(timeout=900)) != 0:
                 raise SystemExit(f"worker {node} exited {code}: {(workdir / f'{node}.log').read_text()[-2000:]}")
@@ -89,8 +94,8 @@ def run(workdir: Path, config, plan, steps: int, throttle: float | None) -> dict
         for process in processes.values():
             if process.poll() is None:
                 process.kill()
-        if quota is not None:
-            time.sleep(0.2)
+        time.sleep(0.2)
+        for quota in quotas:
             quota.release()
     losses = [json.loads(line) for line in (workdir / "losses.jsonl").read_text().splitlines()]
     compute = {}
@@ -115,16 +120,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument(
-        "--cpus",
-        default="0.25,0.125",
-        help="comma-separated CPUs the slow node's process may use, one level per round "
-        "(4 workers on 2 cores get ~0.5 each: 0.25 is about half speed, 0.125 about a quarter)",
+        "--node-cpus",
+        type=float,
+        default=0.4,
+        help="CPUs each node's process may use: 4 nodes at 0.4 leave room on 2 cores, so no node waits for another's CPU",
+    )
+    parser.add_argument(
+        "--shares",
+        default="0.75,0.5",
+        help="comma-separated shares of --node-cpus the slow node gets, one level per round",
     )
     parser.add_argument("--quick", action="store_true", help="a short run at one level (the suite's smoke test)")
     parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.warmup, args.cpus = 14, 4, args.cpus.split(",")[0]
+        args.steps, args.warmup, args.shares = 14, 4, args.shares.split(",")[0]
     from oobleck.planner.rebalance import rebalance
     from oobleck.planner.resplit import resplit
     from oobleck_dev import cpulimit
@@ -137,15 +147,17 @@ def main() -> None:
     print(
         f"plan: pipelines {[p.nodes for p in plan.pipelines]}, {args.microbatches} microbatches of {config.microbatch_size}"
     )
-    figures: dict = {"levels": []}
+    figures: dict = {"node_cpus": args.node_cpus, "levels": []}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        even = run(root / "even", config, plan, args.steps, None)
+        held = dict.fromkeys(NODES, args.node_cpus)
+        even = run(root / "even", config, plan, args.steps, held)
         base = throughput(even, args.warmup, samples)
         before = [r["loss"] for r in sorted(even["losses"], key=lambda r: r["step"])]
-        print(f"unthrottled        {base:8.1f} samples/s")
-        for cpus in [float(c) for c in args.cpus.split(",")]:
-            slow = run(root / f"slow-{cpus}", config, plan, args.steps, cpus)
+        print(f"unthrottled        {base:8.1f} samples/s  (every node at {args.node_cpus} CPUs)")
+        for share in [float(c) for c in args.shares.split(",")]:
+            cpus = {**held, SLOW: args.node_cpus * share}
+            slow = run(root / f"slow-{share}", config, plan, args.steps, cpus)
             slowdown = statistics.median(slow["compute"][SLOW][args.warmup :]) / statistics.median(
                 even["compute"][SLOW][args.warmup :]
             )
@@ -159,8 +171,8 @@ def main() -> None:
             split = resplit(plan, {SLOW: relative}) or plan
             moved = rebalance(plan, profile, {SLOW: relative}) or plan
             moved = moved.model_copy(update={"copies": []})  # static runs: every rank starts from step 0's state
-            resplit_run = run(root / f"resplit-{cpus}", config, split, args.steps, cpus)
-            moved_run = run(root / f"moved-{cpus}", config, moved, args.steps, cpus)
+            resplit_run = run(root / f"resplit-{share}", config, split, args.steps, cpus)
+            moved_run = run(root / f"moved-{share}", config, moved, args.steps, cpus)
             speeds = [1.0 / relative if n == SLOW else 1.0 for n in NODES]
             ideal = base * sum(speeds) / len(NODES)
             without = throughput(slow, args.warmup, samples)
@@ -176,7 +188,8 @@ def main() -> None:
             )
             stages = [(s.start, s.end) for s in moved.pipelines[1].stages]
             print(
-                f"node {SLOW} held to {cpus} CPUs: slowdown {relative:.2f} against the other nodes (speed {1 / relative:.2f})"
+                f"node {SLOW} held to {cpus[SLOW]:.3f} CPUs: slowdown {relative:.2f} against the other nodes"
+                f" (speed {1 / relative:.2f})"
             )
             print(f"  ideal              {ideal:8.1f} samples/s  (unthrottled x {sum(speeds):.2f} / {len(NODES)})")
             print(f"  without mitigation {without:8.1f} samples/s  {without / ideal:6.1%} of ideal")
@@ -191,7 +204,8 @@ def main() -> None:
             print(f"  losses equal to the unthrottled run's: {same} ({args.steps} steps, rtol 1e-5)")
             figures["levels"].append(
                 {
-                    "cpus": cpus,
+                    "share": share,
+                    "cpus": cpus[SLOW],
                     "slowdown": relative,
                     "of_ideal": {
                         "none": without / ideal,

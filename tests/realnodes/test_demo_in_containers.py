@@ -25,8 +25,9 @@ def test_the_demo_runs_in_containers_survives_a_container_kill_and_leaves_the_ho
     if problem:
         pytest.skip(problem)
     manifest = yaml.safe_load(EXAMPLE.read_text())
-    # The example's shape, fewer steps: the suite stays fast. The kill comes early: on a busy host the job's status
-    # trailed its workers by 8 s once, and a 60-step job to be killed at step 20 had finished by then.
+    # The example's shape, fewer steps: the suite stays fast. The kill comes early and the job is not too short: on
+    # a busy host the job's status trailed its workers by 8 s once (a 60-step job to be killed at step 20 had
+    # finished by then), and at load ~20 the kill came 10 s after the status showed step 41 of 80, too late.
     manifest["spec"]["training"]["steps"] = 200
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(manifest))
