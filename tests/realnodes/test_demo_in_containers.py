@@ -28,7 +28,7 @@ def test_the_demo_runs_in_containers_survives_a_container_kill_and_leaves_the_ho
     # The example's shape, fewer steps: the suite stays fast. The kill comes early and the job is not too short: on
     # a busy host the job's status trailed its workers by 8 s once (a 60-step job to be killed at step 20 had
     # finished by then), and at load ~20 the kill came 10 s after the status showed step 41 of 80, too late.
-    manifest["spec"]["training"]["steps"] = 200
+    manifest["spec"]["training"]["steps"] = STEPS = 200
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(manifest))
     before = host_snapshot()
@@ -40,7 +40,7 @@ def test_the_demo_runs_in_containers_survives_a_container_kill_and_leaves_the_ho
     assert result.returncode == 0, out[-5000:] + result.stderr[-3000:]
     assert "spec.image: the project image" in out and "oobleckjob.oobleck.dev/llama-tiny created" in out
     assert re.search(r"killed llama-tiny-worker-\d+'s container through containerd \(SIGKILL\)", out), out[-3000:]
-    assert re.search(r"job Succeeded: 80/80 steps, plan generation [1-9]", out), out[-3000:]
+    assert re.search(rf"job Succeeded: {STEPS}/{STEPS} steps, plan generation [1-9]", out), out[-3000:]
     assert re.search(r"training resumed \(step \d+ completed\) [\d.]+ s after the kill", out), out[-3000:]
     assert "done: nothing left running" in out
     assert host_snapshot() == before
