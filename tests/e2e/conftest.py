@@ -286,12 +286,12 @@ class JobRun:
             time.sleep(0.5)
 
     def wait_within_steps(
-        self, predicate: Callable[[], Any], what: str, pods: list[str], steps: int, cap_s: float = 900
+        self, predicate: Callable[[], Any], what: str, pods: list[str], steps: int, cap_s: float = 360
     ) -> Any:
-        """wait_for, bounded by the job's steps rather than a fixed deadline: fails once `pods` trained `steps`
-        steps past where they were when the wait began without `predicate` holding (or after `cap_s`). A
-        deadline in seconds failed a detection that takes a number of steps on a host loaded enough that each
-        step took 20-50 s."""
+        """wait_for, bounded by the job's steps as well as by `cap_s`: fails once `pods` trained `steps` steps
+        past where they were when the wait began without `predicate` holding, or after `cap_s` (240 s failed a
+        detection on a host loaded enough that steps took 20-50 s; a 900 s cap made each failing straggler test
+        cost 15 min of the suite at load ~20)."""
         since = max(self.step(p) for p in pods)
 
         def held_or_past() -> Any:
