@@ -133,6 +133,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short run at one level (the suite's smoke test)")
     parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
     args = parser.parse_args()
+    if not 0 < args.node_cpus <= 1:
+        parser.error(f"--node-cpus: must be in (0, 1] (four nodes share the host's cores), got {args.node_cpus}")
+    try:
+        shares = [float(c) for c in args.shares.split(",")]
+    except ValueError:
+        parser.error(f"--shares: comma-separated numbers, got {args.shares!r}")
+    if not all(0 < c <= 1 for c in shares):
+        parser.error(f"--shares: each must be in (0, 1], got {args.shares!r}")
+    if args.steps <= args.warmup + 1:
+        parser.error(f"--steps: must exceed --warmup + 1 ({args.warmup + 1}), got {args.steps}")
     if args.quick:
         args.steps, args.warmup, args.shares = 14, 4, args.shares.split(",")[0]
     from oobleck.planner.rebalance import rebalance
