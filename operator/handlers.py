@@ -565,6 +565,8 @@ def _record(
             + (f"; failure-to-patch {latency:.4f} s" if latency is not None else "")
             + "".join(f"; lost {e.message}" for e in decision.events if e.reason == Reason.NODE_LOST)
         )
+    for pod, why in decision.delete:  # before generation 0 no plan line names them
+        log.info(f"{namespace}/{name}: deleting pod {pod}: {why}")
     metrics.pods_created.inc(applied.created)
     if decision.slowdowns is not None:
         metrics.set_slowdowns(namespace, name, decision.slowdowns)

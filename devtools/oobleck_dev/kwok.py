@@ -72,6 +72,10 @@ def start_kwok(tools: K8sTools, kubeconfig: Path, log_dir: Path) -> ManagedProce
     return ManagedProcess("kwok", kwok_args(tools, kubeconfig), log_dir / "kwok.log")
 
 
+NOT_READY_TAINT = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
+NOT_READY_CONDITION = {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "registering"}
+
+
 def fake_node(
     name: str,
     *,
@@ -81,8 +85,12 @@ def fake_node(
     pods: int = 110,
     labels: dict[str, str] | None = None,
     taints: Sequence[dict[str, str]] = (),
+    not_ready: bool = False,
 ) -> dict:
-    """The Node object of one fake GPU node (capacity = allocatable)."""
+    """The Node object of one fake GPU node (capacity = allocatable). `not_ready`: registered as a kubelet
+    registers, Ready False and tainted not-ready (NoSchedule) until kwok's node-initialize stage reports it
+    Ready and the node lifecycle controller lifts the taint. Without a Ready condition that controller lifts
+    the taint at once (no condition asks for it), and a pod bound before kwok's first status reads lost."""
     if gpus < 0:
         raise ValueError(f"gpus: must be >= 0, got {gpus}")
     if pods < 1:
@@ -104,8 +112,12 @@ def fake_node(
             # kwok's convention: no TTL-based caching of this node by kubelets.
             "annotations": {"node.alpha.kubernetes.io/ttl": "0"},
         },
-        "spec": {"taints": list(taints)},
-        "status": {"capacity": resources, "allocatable": dict(resources)},
+        "spec": {"taints": [*taints, *([NOT_READY_TAINT] if not_ready else [])]},
+        "status": {
+            "capacity": resources,
+            "allocatable": dict(resources),
+            **({"conditions": [NOT_READY_CONDITION]} if not_ready else {}),
+        },
     }
 
 
@@ -121,6 +133,7 @@ def add_fake_nodes(
     pods: int = 110,
     labels: dict[str, str] | None = None,
     taints: Sequence[dict[str, str]] = (),
+    not_ready: bool = False,
     concurrency: int = CREATE_CONCURRENCY,
 ) -> list[str]:
     """Create `n` fake GPU nodes named `kwok-<owner>-<group>-<i>`; return their names.
@@ -138,7 +151,14 @@ def add_fake_nodes(
     node_labels = {**(labels or {}), OWNER_LABEL: owner, FAKE_GROUP_LABEL: group}
     bodies = [
         fake_node(
-            f"kwok-{owner}-{group}-{i}", gpus=gpus, cpu=cpu, memory=memory, pods=pods, labels=node_labels, taints=taints
+            f"kwok-{owner}-{group}-{i}",
+            gpus=gpus,
+            cpu=cpu,
+            memory=memory,
+            pods=pods,
+            labels=node_labels,
+            taints=taints,
+            not_ready=not_ready,
         )
         for i in range(n)
     ]

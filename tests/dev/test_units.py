@@ -86,6 +86,14 @@ def test_fake_node_has_gpu_capacity_and_the_kwok_label() -> None:
         kwok.fake_node("n0", gpus=-1)
 
 
+def test_a_fake_node_registered_not_ready_is_tainted_until_kwok_reports_it_ready() -> None:
+    node = kwok.fake_node("n0", gpus=1, taints=[{"key": "team", "effect": "NoSchedule"}], not_ready=True)
+    assert node["spec"]["taints"] == [{"key": "team", "effect": "NoSchedule"}, kwok.NOT_READY_TAINT]
+    (ready,) = node["status"]["conditions"]
+    assert (ready["type"], ready["status"]) == ("Ready", "False")  # what kwok's node-initialize stage selects
+    assert "conditions" not in kwok.fake_node("n1", gpus=1)["status"]
+
+
 def test_add_fake_nodes_validates_before_calling_the_api() -> None:
     with pytest.raises(ValueError, match="owner"):
         kwok.add_fake_nodes("/nonexistent", 1, owner="Not_A_Label")

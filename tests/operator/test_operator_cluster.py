@@ -174,12 +174,10 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
     )
     assert waiting["reason"] == "WaitingForNodes"
     assert len(workers(cluster, ns)) == 3  # two running, one pending: nothing piled up
-    # Registered as a kubelet registers a node, with the not-ready taint that the node lifecycle controller lifts
-    # once it is Ready: a pending pod bound to it before kwok reports Ready would be lost and replaced (seen
-    # twice on a loaded host: 5 pods created, worker-2 replaced by worker-3 before generation 0).
-    env["nodes"] += cluster.add_kwok_nodes(
-        1, labels={POOL_LABEL: env["pool"]}, taints=[{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]
-    )
+    # Registered as a kubelet registers a node (Ready False, tainted not-ready): a pending pod bound to it before
+    # kwok reports it Ready would be lost and replaced (seen three times on a loaded host: 5 pods created,
+    # worker-2 replaced by worker-3 before generation 0; the taint alone was lifted at once, lacking the condition).
+    env["nodes"] += cluster.add_kwok_nodes(1, labels={POOL_LABEL: env["pool"]}, not_ready=True)
     plan = wait_for(lambda: settled(cluster, ns, 0), "generation 0 once the third node exists")
     assert len(plan.nodes) == 3
     # The status is patched after the plan and the pods' ranks (one run here read it Pending in between).
@@ -215,6 +213,7 @@ def test_lifecycle_waits_for_nodes_runs_and_cleans_up(cluster, env):
     assert 'oobleck_operator_jobs{phase="Running"} 1.0' in metrics
     created = [line for line in metrics.splitlines() if line.startswith("oobleck_operator_pods_created_total ")]
     assert created == ["oobleck_operator_pods_created_total 4.0"], (  # 3 + coordinator
+        [line for line in env["operator"].log().splitlines() if ": deleting pod " in line],  # first: CI cuts the rest
         created,
         {name: (p["spec"].get("nodeName"), p["status"].get("phase")) for name, p in workers(cluster, ns).items()},
         reconfigured_events(cluster, ns),

@@ -20,15 +20,14 @@ from oobleck_dev.poll import wait_until
 from tests.realnodes.jobs import OPEN_ENDED_STEPS, START_TIMEOUT_S, RealJob, job_spec, wait_for
 from tests.realnodes.marks import realnode_marks
 
-pytestmark = realnode_marks(1800)
+# Timed: after the local suite beside it has ended (tests/realnodes/conftest.py).
+pytestmark = [*realnode_marks(1800), pytest.mark.quiet_host]
 
 MEMBERS = 2
 SPARE_RESTORE_TARGET_S = 5.0
-"""Issue #22's target from a kill to the full node count restored with a spare (0.33 s alone, 2026-11-28)."""
-SPARE_RESTORE_BESIDE_SUITE_S = 10.0
-"""What the test asserts: beside the local suite, the operator, the test's 20 ms poll and the pods run at nice 19,
-and at load 12-19 the restore took 5.13 s (2026-11-29). Still well under a replacement pod's start (18 s alone,
-the spare-less run), and the plan is checked to be the one that folds the spare in."""
+"""Issue #22's target from a kill to the full node count restored with a spare (0.33 s alone, 2026-11-28).
+Beside the local suite, at nice 19 and load 12-20, it took 5.13 s and 15.10 s (2026-11-29): the check waits
+for the suite's end (quiet_host)."""
 
 
 def _progress(job: RealJob, pod: str) -> dict:
@@ -73,9 +72,7 @@ def test_a_killed_member_is_replaced_by_the_warm_spare_at_once(real_job, spares)
     if spares:
         # One reconfiguration: the generation that drops the victim folds the spare in.
         assert full.generation == 1 and full.lost_nodes == [victim] and newcomer == spare
-        if restore_s > SPARE_RESTORE_TARGET_S:
-            print(f"over the {SPARE_RESTORE_TARGET_S} s target: {restore_s:.2f} s (a loaded host?)")
-        assert restore_s <= SPARE_RESTORE_BESIDE_SUITE_S, f"{restore_s:.2f} s from the kill to the full node count"
+        assert restore_s <= SPARE_RESTORE_TARGET_S, f"{restore_s:.2f} s from the kill to the full node count"
         # The plan's ConfigMap is written before the status: until the status shows that generation its
         # sparePods still names the spare just folded in.
         replacement = wait_for(

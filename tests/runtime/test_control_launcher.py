@@ -9,6 +9,7 @@ within PARAM_ATOL (both in tests/runtime/conftest.py, served by the `kit` fixtur
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -144,6 +145,7 @@ def test_a_node_added_mid_run_joins_and_trains(kit, tmp_path):
     kit.check_against_reference(tmp_path, summary, 4)
 
 
+@pytest.mark.timeout(1200)  # two launches, each within its liveness bounds below
 def test_ctrl_c_and_a_killed_launcher_leave_no_process_behind(kit, tmp_path):
     for how in (signal.SIGINT, signal.SIGKILL):
         workdir = tmp_path / how.name
@@ -170,7 +172,8 @@ def test_ctrl_c_and_a_killed_launcher_leave_no_process_behind(kit, tmp_path):
             # shell starts those with SIGINT ignored, and Python then never turns it into KeyboardInterrupt).
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
-        deadline = time.monotonic() + 120
+        # Liveness bounds, not timings: in CI beside the real-node run (load ~20) one of them once ran out.
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:  # until every worker has trained a step
             logs = list(workdir.glob("*.log"))
             if len(logs) == 3 and all('"event": "step"' in p.read_text() for p in logs):
@@ -178,21 +181,21 @@ def test_ctrl_c_and_a_killed_launcher_leave_no_process_behind(kit, tmp_path):
             time.sleep(0.2)
         else:
             proc.kill()
-            pytest.fail("workers never started training")
+            pytest.fail(f"workers never started training in 300 s (load {os.getloadavg()[0]:.1f})")
         assert len(kit.leftovers(workdir, exclude=proc.pid)) == 3
         tree = kit.descendants(proc.pid)  # the workers, their forkserver and multiprocessing's resource tracker
         assert len(tree) >= 3 + 1, tree
         proc.send_signal(how)
         try:
-            proc.wait(90)  # the workers' orderly exit, on a loaded 2-core host
+            proc.wait(180)  # the workers' orderly exit, on a loaded 2-core host
         except subprocess.TimeoutExpired:
             proc.kill()
             pytest.fail(
-                f"the launcher outlived {how.name} by 90 s:\n{(tmp_path / f'{how.name}.out').read_text()[-3000:]}"
+                f"the launcher outlived {how.name} by 180 s (load {os.getloadavg()[0]:.1f}):\n{(tmp_path / f'{how.name}.out').read_text()[-3000:]}"
             )
         if how == signal.SIGINT:
             assert proc.returncode == 1
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while (kit.leftovers(workdir) or kit.descendants_left(tree)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert kit.leftovers(workdir) == [], how.name
