@@ -59,7 +59,8 @@ def test_a_straggler_s_layers_move_to_its_pipeline_peer_with_exact_losses(job_ru
         lambda: len(p := [w["metadata"]["name"] for w in run._worker_pods()]) == NODES and sorted(p),
         "four worker pods",
     )
-    first = run.wait_for(run.plan, "generation 0")
+    # Four pods each measuring the profile first: at load ~20 (beside the real-node run) over 150 s once.
+    first = run.wait_for(run.plan, "generation 0", 300)
     assert all(len(p.stages) == 2 for p in first.pipelines), bounds(first)
     run.wait_for(lambda: paced_steps(run, pods) >= 20, "every node's pace")
 
