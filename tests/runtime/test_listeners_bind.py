@@ -19,8 +19,10 @@ POD_IP = "127.0.0.2"
 
 def _refused(host: str, port: int) -> bool:
     try:
-        with socket.create_connection((host, port), timeout=2.0):
-            return False
+        with socket.create_connection((host, port), timeout=2.0) as connection:
+            # TCP's self-connect: with nobody listening, a client given `port` as its own source port
+            # connects to itself.
+            return connection.getsockname() == connection.getpeername()
     except ConnectionRefusedError:
         return True
 
