@@ -144,7 +144,7 @@ def main() -> None:
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps: must exceed --warmup + 1 ({args.warmup + 1}), got {args.steps}")
     if args.quick:
-        args.steps, args.warmup, args.shares = 14, 4, args.shares.split(",")[0]
+        args.steps, args.warmup, shares = 14, 4, shares[:1]
     from oobleck.planner.rebalance import rebalance
     from oobleck.planner.resplit import resplit
     from oobleck_dev import cpulimit
@@ -165,7 +165,7 @@ def main() -> None:
         base = throughput(even, args.warmup, samples)
         before = [r["loss"] for r in sorted(even["losses"], key=lambda r: r["step"])]
         print(f"unthrottled        {base:8.1f} samples/s  (every node at {args.node_cpus} CPUs)")
-        for share in [float(c) for c in args.shares.split(",")]:
+        for share in shares:
             cpus = {**held, SLOW: args.node_cpus * share}
             slow = run(root / f"slow-{share}", config, plan, args.steps, cpus)
             slowdown = statistics.median(slow["compute"][SLOW][args.warmup :]) / statistics.median(
