@@ -122,23 +122,57 @@ class _ForkedWorker:
         self.process.kill()
 
 
+class _Worker:
+    """`command` as a fresh interpreter, its stderr in `log`, with the `communicate`, `returncode` and `kill` of the
+    `subprocess.Popen` it stands for.
+
+    The output goes to a file, not a pipe: the workers are awaited one by one, and a later worker whose log
+    filled its pipe (64 KiB: a few hundred steps' lines) would block while the earlier one waited for it."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log: Path) -> None:
+        with log.open("w") as output:
+            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=output, env=env)
+        self.log = log
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+        self.process.wait(timeout)
+        return None, self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
 def start_workers(commands: list[list[str]], env: dict[str, str], folder: Path, fork: bool = False) -> list:
-    """Each command as a process: a fresh interpreter, or with `fork` the same entry point forked from one that
-    imported torch already (the --quick runs: those imports, seconds of CPU per process, were most of their time;
-    the full runs keep what `oobleck launch` does)."""
-    if fork:
-        return [_ForkedWorker(c, env, folder / f"worker{i}.log") for i, c in enumerate(commands)]
-    return [
-        subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True) for c in commands
-    ]
+    """Each command as a process, its output in `folder`/worker{i}.log: a fresh interpreter, or with `fork` the same
+    entry point forked from one that imported torch already (the --quick runs: those imports, seconds of CPU per
+    process, were most of their time; the full runs keep what `oobleck launch` does)."""
+    worker = _ForkedWorker if fork else _Worker
+    return [worker(c, env, folder / f"worker{i}.log") for i, c in enumerate(commands)]
+
+
+def _kill_all(processes: list) -> None:
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.communicate()
 
 
 def _communicate(processes: list, timeout: float = 600) -> None:
+    """Wait for every worker (each within `timeout`); on a failure or a timeout kill and reap them all and raise
+    with its log."""
     for process in processes:
-        _, err = process.communicate(timeout=timeout)
+        try:
+            _, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_all(processes)
+            _, err = process.communicate()
+            raise RuntimeError(f"worker still running after {timeout:.0f} s:\n{err[-3000:]}") from None
         if process.returncode != 0:
-            for other in processes:
-                other.kill()
+            _kill_all(processes)
             raise RuntimeError(f"worker failed ({process.returncode}):\n{err[-3000:]}")
 
 

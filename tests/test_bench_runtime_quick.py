@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,31 @@ def test_gpu_single_counts_a_transformers_presets_flops_as_the_built_in_gpts():
     hidden = 1024
     difference = (gpu_single.flops_per_token(hf) - gpu_single.flops_per_token(built_in)) / 6
     assert difference == (2048 - 1024) * hidden - 2 * (50304 - 50257) * hidden
+
+
+def test_bench_workers_with_long_logs_do_not_wait_for_each_other(tmp_path):
+    """A later worker that logs more than a pipe holds (64 KiB) must not block while an earlier one, awaited
+    first, waits for it: the workers of a run of a few hundred steps did, until the 600 s timeout."""
+    sys.path.insert(0, str(BENCH))
+    import overhead
+
+    flag = tmp_path / "second-done"
+    first = f"import pathlib, time\nwhile not pathlib.Path({str(flag)!r}).exists(): time.sleep(0.05)"
+    second = f"import pathlib, sys\nsys.stderr.write('x' * 300_000)\npathlib.Path({str(flag)!r}).touch()"
+    commands = [[sys.executable, "-c", first], [sys.executable, "-c", second]]
+    workers = overhead.start_workers(commands, dict(os.environ), tmp_path)
+    overhead._communicate(workers, timeout=60)
+    assert (tmp_path / "worker1.log").stat().st_size == 300_000
+
+
+def test_bench_workers_are_killed_when_one_overruns(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import overhead
+
+    commands = [
+        [sys.executable, "-c", "import sys, time; sys.stderr.write('still here'); sys.stderr.flush(); time.sleep(600)"]
+    ] * 2
+    workers = overhead.start_workers(commands, dict(os.environ), tmp_path)
+    with pytest.raises(RuntimeError, match="still running after 2 s:\nstill here"):
+        overhead._communicate(workers, timeout=2)
+    assert all(worker.returncode is not None for worker in workers)
