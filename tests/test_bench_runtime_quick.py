@@ -125,3 +125,27 @@ def test_bench_workers_are_killed_when_one_overruns(tmp_path):
     with pytest.raises(RuntimeError, match="still running after 2 s:\nstill here"):
         overhead._communicate(workers, timeout=2)
     assert all(worker.returncode is not None for worker in workers)
+
+
+def test_vs_torch_runs_a_failed_baseline_once_more(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import vs_torch
+
+    folders = []
+
+    def fails_once(folder):
+        folders.append(folder)
+        if len(folders) == 1:
+            raise RuntimeError("worker failed (-6):\nterminate called without an active exception")
+        return [0.1], [0.05]
+
+    (tmp_path / "pipe-torch-0").mkdir()
+    assert vs_torch._run_baseline_twice(fails_once, tmp_path / "pipe-torch-0") == ([0.1], [0.05])
+    assert folders == [tmp_path / "pipe-torch-0", tmp_path / "pipe-torch-0-again"]
+
+    def always_fails(folder):
+        raise RuntimeError("worker failed (1):\nboom")
+
+    (tmp_path / "ddp-torch-1").mkdir()
+    with pytest.raises(RuntimeError, match="boom"):
+        vs_torch._run_baseline_twice(always_fails, tmp_path / "ddp-torch-1")
