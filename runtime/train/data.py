@@ -43,6 +43,33 @@ class Dataset(Protocol):
         ...
 
 
+class StepBatches:
+    """The microbatches offset..offset+count-1 of one step (a pipeline's first or last stage), made ahead of use.
+
+    Made one after another, a synthetic microbatch costs the host a third of what it costs between a forward and a
+    backward (tiny Llama, 2026-11-29: ~0.1 ms against ~0.27 ms; the caches are cold there). So a stage makes its
+    step's batches together: one that waits for peers during the step, at its first wait (`make_all`: its core is
+    idle then); one that never waits, at its first forward (`take(all_now=True)`)."""
+
+    def __init__(self, data: Dataset, step: int, offset: int, count: int) -> None:
+        self.data, self.step, self.offset, self.count = data, step, offset, count
+        self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.next = 0  # microbatches below it are made (and maybe taken)
+
+    def make_all(self) -> None:
+        self._make(self.count)
+
+    def take(self, m: int, all_now: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Microbatch m (the pipeline's numbering), made now unless made before (with all the rest if `all_now`)."""
+        self._make(self.count if all_now else m + 1)
+        return self.made.pop(m)
+
+    def _make(self, until: int) -> None:
+        for m in range(self.next, until):
+            self.made[m] = self.data.microbatch(self.step, self.offset + m)
+        self.next = max(self.next, until)
+
+
 MAX_SYNTHETIC_VOCAB = 2**31
 """The closed form multiplies two tokens' worth of values in int64: vocab^2 must stay below 2^63."""
 

@@ -42,7 +42,7 @@ from oobleck.api.plan import Plan
 from oobleck.runtime.models.layered import LayeredModel, layer_seed, output_spec
 from oobleck.runtime.train.compute import autocast, run_layer, to_device
 from oobleck.runtime.train.config import Timeouts, WorkerConfig
-from oobleck.runtime.train.data import Dataset
+from oobleck.runtime.train.data import Dataset, StepBatches
 from oobleck.runtime.train.groups import (
     GenerationGroups,
     Interrupted,
@@ -427,6 +427,7 @@ class Engine:
 
         The 1F1B schedule is one loop on purpose: it reads in the order it runs, and it is the per-step hot
         path (no extra frames per microbatch). The sums and the update follow in `_finish_step`."""
+        # long: the 1F1B schedule reads in the order it runs, as one loop (the docstring says why)
         started = time.perf_counter()
         lay = self.layout
         pipeline = lay.pipeline
@@ -443,9 +444,9 @@ class Engine:
         ahead = 0 if self.device.type == "cuda" else RECEIVE_AHEAD
         posted: deque = deque()
         taken = 0
-        # This step's microbatches (first and last stages), made ahead (`_make_batches`): batches[m], m < made.
-        batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        made = 0 if lay.first or lay.last else pipeline.microbatches
+        batches = StepBatches(
+            self.data, step, pipeline.microbatch_offset, pipeline.microbatches if lay.first or lay.last else 0
+        )
         try:
             for kind, m in order:
                 self._check()
@@ -453,16 +454,12 @@ class Engine:
                 if (kind == "F" and not lay.first) or (kind == "B" and not lay.last):
                     while taken + len(posted) < min(len(needed), taken + 1 + ahead):
                         posted.append(self._post(*needed[taken + len(posted)]))
-                    # About to wait for a peer: the rest of the step's batches are made now, on an idle core.
-                    made = self._make_batches(step, batches, made, pipeline.microbatches)
+                    batches.make_all()  # about to wait for a peer: the rest of the step's batches, on an idle core
                     received = self._take(posted.popleft())
                     taken += 1
                 if kind == "F":
-                    # A stage that never waits for a peer makes them all at its first forward; one that will,
-                    # only what it needs before that wait.
-                    made = self._make_batches(step, batches, made, m + 1 if needed else pipeline.microbatches)
                     # Both copies queued before the forward: the host then never waits for the GPU mid-step.
-                    batch = batches.pop(m, None)
+                    batch = batches.take(m, all_now=not needed) if lay.first or lay.last else None
                     targets = to_device(batch[1][lo:hi], self.device) if batch is not None and lay.last else None
                     if lay.first:
                         assert batch is not None
@@ -509,21 +506,6 @@ class Engine:
                     ticket.cancel()
             raise
         return self._finish_step(step, pending, loss_sum, compute, started)
-
-    def _make_batches(
-        self, step: int, batches: dict[int, tuple[torch.Tensor, torch.Tensor]], made: int, until: int
-    ) -> int:
-        """Make this step's microbatches made..until-1 into `batches` (the pipeline's local numbering); returns how
-        many are made now.
-
-        Made one after another, a synthetic microbatch costs the host a third of what it costs between a forward
-        and a backward (tiny Llama, 2026-11-29: ~0.1 ms against ~0.27 ms, the caches are cold there). So a stage
-        makes the step's batches together: one that waits for peers during the step, at its first wait (its core
-        is idle then); one that never waits, at its first forward, as a plain loop over a list of batches does."""
-        offset = self.layout.pipeline.microbatch_offset
-        for m in range(made, until):
-            batches[m] = self.data.microbatch(step, offset + m)
-        return max(made, until)
 
     def _finish_step(
         self, step: int, pending: list, loss_sum: torch.Tensor, compute: _ComputeClock, started: float

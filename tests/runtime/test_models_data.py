@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oobleck.runtime.models.layered import GPT, PRESETS, LayeredModel, load_model, output_spec
-from oobleck.runtime.train.data import MAX_SYNTHETIC_VOCAB, SyntheticTokens, TokenFile, mix
+from oobleck.runtime.train.data import MAX_SYNTHETIC_VOCAB, StepBatches, SyntheticTokens, TokenFile, mix
 
 
 def test_layer_weights_are_a_function_of_seed_and_index_only():
@@ -203,3 +203,24 @@ def test_presets_are_valid():
 def test_synthetic_tokens_refuse_a_vocabulary_they_cannot_compute_exactly(vocab):
     with pytest.raises(ValueError, match=rf"data.vocab: must be within \[2, {MAX_SYNTHETIC_VOCAB}\], got {vocab}"):
         SyntheticTokens(vocab, 16, 4)
+
+
+def test_step_batches_are_the_datasets_made_when_asked_and_given_once():
+    data = SyntheticTokens(vocab=1000, seq_len=8, microbatch_size=2, seed=3)
+    waits = StepBatches(data, step=5, offset=4, count=4)  # a stage that waits for peers during the step
+    first = waits.take(0, all_now=False)
+    assert waits.next == 1  # only what the first forward needs before the wait
+    waits.make_all()  # at the first wait: the rest at once
+    assert waits.next == 4 and sorted(waits.made) == [1, 2, 3]
+    for m, (inputs, targets) in enumerate([first] + [waits.take(m, all_now=False) for m in (1, 2, 3)]):
+        expected = data.microbatch(5, 4 + m)
+        assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
+    assert waits.made == {}  # each given once: nothing kept after its forward
+    never_waits = StepBatches(data, step=5, offset=0, count=3)
+    never_waits.take(0, all_now=True)
+    assert never_waits.next == 3 and sorted(never_waits.made) == [1, 2]
+    with pytest.raises(KeyError):
+        never_waits.take(0, all_now=True)  # taken already
+    middle = StepBatches(data, step=5, offset=0, count=0)
+    middle.make_all()
+    assert middle.made == {}
