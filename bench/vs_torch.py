@@ -249,8 +249,9 @@ def run_runtime(config, plan, folder: Path, fork: bool = False) -> tuple[list[fl
 
 def _run_baseline_twice(run, folder: Path) -> tuple[list[float], list[float]]:
     """A torch baseline's run, once more in a fresh folder if a worker failed. A rank of torch's DDP baseline died of
-    SIGABRT ("terminate called without an active exception") once in two `--repeats 12` runs (2026-11-29), which
-    ended the whole run; no runtime run has. A second failure is raised, and the runtime's runs are never retried."""
+    SIGABRT ("terminate called without an active exception") in 2 of about 70 runs within full benchmark runs
+    (2026-11-29; none in 25 runs alone), and the first ended its whole run; no runtime run has. A second failure is
+    raised, and the runtime's runs are never retried."""
     try:
         return run(folder)
     except RuntimeError as error:
