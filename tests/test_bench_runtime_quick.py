@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -13,6 +14,15 @@ import pytest
 
 pytestmark = pytest.mark.slow  # real worker processes
 BENCH = Path(__file__).parents[1] / "bench"
+
+
+def bench_module(name: str):
+    """bench/<name>.py imported as a module (bench/ on sys.path only while it imports)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
 
 
 def _run(script: str, tmp_path: Path) -> dict:
@@ -84,11 +94,7 @@ def test_gpu_single_counts_a_transformers_presets_flops_as_the_built_in_gpts():
     """`--model gpt3-350m` runs Hugging Face's GPT-2 at gpt2-medium's shape, its MFU from the same 6 N + 12 L H S
     per token. N differs only where the configs do: the preset's 2048 positions against 1024, and the vocabulary
     of the embedding and of the head (each layer holds its copy), 50257 rows against 50304."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import gpu_single
-    finally:
-        sys.path.remove(str(BENCH))
+    gpu_single = bench_module("gpu_single")
     from oobleck.runtime.train.config import WorkerConfig, build_model
 
     built_in = build_model(WorkerConfig(job="f", model=gpu_single.model_config("gpt2-medium")))
@@ -102,8 +108,7 @@ def test_gpu_single_counts_a_transformers_presets_flops_as_the_built_in_gpts():
 def test_bench_workers_with_long_logs_do_not_wait_for_each_other(tmp_path):
     """A later worker that logs more than a pipe holds (64 KiB) must not block while an earlier one, awaited
     first, waits for it: the workers of a run of a few hundred steps did, until the 600 s timeout."""
-    sys.path.insert(0, str(BENCH))
-    import overhead
+    overhead = bench_module("overhead")
 
     flag = tmp_path / "second-done"
     first = f"import pathlib, time\nwhile not pathlib.Path({str(flag)!r}).exists(): time.sleep(0.05)"
@@ -115,8 +120,7 @@ def test_bench_workers_with_long_logs_do_not_wait_for_each_other(tmp_path):
 
 
 def test_bench_workers_are_killed_when_one_overruns(tmp_path):
-    sys.path.insert(0, str(BENCH))
-    import overhead
+    overhead = bench_module("overhead")
 
     commands = [
         [sys.executable, "-c", "import sys, time; sys.stderr.write('still here'); sys.stderr.flush(); time.sleep(600)"]
@@ -128,8 +132,7 @@ def test_bench_workers_are_killed_when_one_overruns(tmp_path):
 
 
 def test_vs_torch_runs_a_failed_baseline_once_more(tmp_path):
-    sys.path.insert(0, str(BENCH))
-    import vs_torch
+    vs_torch = bench_module("vs_torch")
 
     folders = []
 
