@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +91,15 @@ class RealJob:
 
     def running_worker_steps(self) -> dict[str, int]:
         """worker pod -> the step its progress annotation reports (Running workers that reported one)."""
+        return self.worker_steps(self.workers())
+
+    @staticmethod
+    def worker_steps(pods: Iterable[dict[str, Any]]) -> dict[str, int]:
+        """Of these worker pods, the Running ones that reported a step: pod -> that step."""
         from oobleck.api.contract import PROGRESS_ANNOTATION
 
         steps = {}
-        for pod in self.workers():
+        for pod in pods:
             report = (pod["metadata"].get("annotations") or {}).get(PROGRESS_ANNOTATION)
             if pod.get("status", {}).get("phase") == "Running" and report:
                 steps[pod["metadata"]["name"]] = int(json.loads(report)["step"])
