@@ -38,10 +38,15 @@ class PlanSource(Protocol):
 
 
 class PlanWatcher:
-    """Runs `source.wait_newer` in a thread and sets `newer` when a generation above the adopted one appears.
+    """Looks at `source.current()` every `poll_s` in a thread and sets `newer` when a generation above the
+    adopted one appears.
 
     With `signal` (the worker's failure Event) a newer plan also interrupts the step in flight: all
-    ranks then leave the generation after the same (commonly decided) step.
+    ranks then leave the generation after the same (commonly decided) step. One look per poll, not a
+    `wait_newer`: a plan file's source polls every 10 ms inside it (for the worker's own waits between
+    generations), and while training that was 5-6 wake-ups of this thread per 100 ms, each taking the
+    GIL from the training thread; the local launcher also posts the abort key with every new generation,
+    so this is a backstop there, and a ConfigMap source's own watch keeps `current()` fresh.
     """
 
     def __init__(self, source: PlanSource, poll_s: float = 0.05, signal: threading.Event | None = None) -> None:
@@ -70,17 +75,14 @@ class PlanWatcher:
         self._thread.join(timeout=5)
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            adopted = self._adopted
+        while not self._stop.wait(self._poll_s):
             try:
-                plan = self.source.wait_newer(adopted, self._poll_s, self._stop)
+                plan = self.source.current()
             except PlanSourceError as error:
                 self.error = error
-                self._stop.wait(self._poll_s)
                 continue
             with self._lock:
                 if plan is not None and plan.generation > self._adopted:
                     self.newer.set()
                     if self._signal is not None:
                         self._signal.set()
-                self._stop.wait(self._poll_s)
