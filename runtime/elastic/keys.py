@@ -65,7 +65,8 @@ def held_key(worker: str) -> str:
 
 
 def snapshot_done_key(generation: int, step: int) -> str:
-    """Counter: ranks of `generation` whose snapshot of `step` is captured and held by their buddy."""
+    """Counter: ranks of `generation` whose snapshot of `step` is captured and held by their buddy (the layers
+    the buddy holds itself, by its own capture)."""
     return f"snap/gen{generation}/step{step}/done"
 
 

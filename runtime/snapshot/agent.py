@@ -13,7 +13,10 @@ page-locked host memory start from the state before step t on a side stream, ove
 backward, and only the update's stream waits for their end (on the GPU, not on the host); elsewhere the
 update waits until the copies are made. A second thread then pushes
 the captured bytes over TCP to its *buddy*, a worker on another node that holds none of its layers
-(`buddy_of`: the next such node in plan order, ring-wise), and acknowledges the step in the store
+(`buddy_of`: the next such node in plan order, ring-wise; without one, a worker that holds some of the
+same layers, which are then not pushed: it captures its own copy of them at the same step, and
+replicas are equal after every step, so the push would only overwrite it with the same bytes; in
+pure data parallelism no worker pushes anything), and acknowledges the step in the store
 (`snap/gen{g}/step{t}/done`); the rank completing the count marks the step complete
 (`snap/complete/{t}`). A snapshot of a layer thus lives on its owner and on a different node, so it
 survives its owner's death; a layer is lost to this tier only if all its holders and all their
@@ -111,6 +114,18 @@ def buddy_of(plan: Plan, node: str, gpu: int) -> tuple[str, int] | None:
     return first.node, first.gpu
 
 
+def layers_to_push(plan: Plan, rank: int) -> list[int]:
+    """The layers of `rank` whose snapshots go to its buddy: those the buddy does not hold itself (none on a
+    one-node plan). A buddy holding a layer captures it at the same step, and replicas are equal after every
+    step, so pushing it would only overwrite the buddy's copy with the same bytes."""
+    me = plan.ranks[rank]
+    buddy = buddy_of(plan, me.node, me.gpu)
+    if buddy is None:
+        return []
+    theirs = next(a for a in plan.ranks if (a.node, a.gpu) == buddy)
+    return [layer for layer in range(me.start, me.end) if not theirs.start <= layer < theirs.end]
+
+
 @dataclass
 class _Job:
     generation: int
@@ -121,6 +136,8 @@ class _Job:
     push: bool
     buddy: str | None
     """the buddy's worker id, or None (no push)"""
+    outgoing: frozenset[int] = frozenset()
+    """the layers pushed to the buddy (`layers_to_push`)"""
     write: list[int] = field(default_factory=list)
     """layers this rank writes to the checkpoint directory at this step"""
     start: torch.cuda.Event | None = None
@@ -233,6 +250,7 @@ class Snapshotter:
                 optimizer,
                 push=bool(self.interval and step % self.interval == 0),
                 buddy=None if buddy is None else f"{buddy[0]}:{buddy[1]}",
+                outgoing=frozenset(layers_to_push(plan, rank)),
                 write=write,
                 start=_recorded(device),
             )
@@ -343,12 +361,13 @@ class Snapshotter:
         """Push to the buddy, write the checkpoint files, count the step done, prune."""
         started = time.perf_counter()
         pushed = True
-        if job.push and job.buddy is not None:
+        outgoing = {layer: data for layer, data in captured.items() if layer in job.outgoing}
+        if job.push and job.buddy is not None and outgoing:
             try:
                 address = self._buddy_address(job.buddy)
                 began = time.perf_counter()  # the transfer alone (the address may take a while at start)
-                push(address, job.step, captured, self.push_timeout_s, self.signer.key)
-                self.stats["pushed_bytes"] += sum(t.numel() for t in captured.values())
+                push(address, job.step, outgoing, self.push_timeout_s, self.signer.key)
+                self.stats["pushed_bytes"] += sum(t.numel() for t in outgoing.values())
             except (OSError, ConnectionError, TimeoutError, RuntimeError) as error:
                 self._buddy_addresses.pop(job.buddy, None)  # a replaced buddy publishes a new one
                 pushed, began = False, time.perf_counter()
@@ -385,6 +404,7 @@ class Snapshotter:
                     "layers": sorted(captured),
                     "buddy": job.buddy if job.push else None,
                     "pushed": pushed if job.push and job.buddy else None,
+                    "pushed_layers": sorted(outgoing) if job.push and job.buddy else None,
                     "written": job.write,
                     "held": self.store.holdings(),
                     "seconds": round(time.perf_counter() - started, 4),

@@ -17,7 +17,7 @@ import torch
 from oobleck.api.profile import ClusterShape, ModelProfile
 from oobleck.planner.instantiate import plan_job
 from oobleck.planner.nextgen import NoRestorePoint, Restorable, next_generation, restore_copies, restore_point
-from oobleck.runtime.snapshot.agent import buddy_of
+from oobleck.runtime.snapshot.agent import buddy_of, layers_to_push
 from oobleck.runtime.snapshot.checkpoint_dir import (
     checkpoint_holdings,
     newest_complete_step,
@@ -77,8 +77,26 @@ def test_losing_every_replica_of_a_layer_leaves_its_snapshots_on_survivors(profi
         plan = plan_for(profile, nodes)
         for layer in range(plan.num_layers):
             holders = {plan.ranks[r].node for r in plan.holders(layer)}
-            buddies = {buddy_of(plan, plan.ranks[r].node, plan.ranks[r].gpu)[0] for r in plan.holders(layer)}
-            assert buddies - holders, f"{nodes} nodes, layer {layer}: every buddy is a holder too"
+            buddies = {
+                buddy_of(plan, plan.ranks[r].node, plan.ranks[r].gpu)[0]
+                for r in plan.holders(layer)
+                if layer in layers_to_push(plan, r)
+            }
+            assert buddies - holders, f"{nodes} nodes, layer {layer}: pushed to no node but its holders"
+
+
+def test_a_buddy_is_not_pushed_the_layers_it_holds_itself(plan_builder):
+    """A buddy holding a layer captures it at the same step (replicas are equal after every step), so it is not
+    pushed that layer: in data parallelism nobody pushes; where every other node overlaps a worker's range,
+    its buddy is pushed the layers it lacks."""
+    make_plan, Spec = plan_builder
+    data_parallel = make_plan([Spec([(0, 6, 0, 1)], 2) for _ in range(3)], 6)
+    assert [layers_to_push(data_parallel, a.rank) for a in data_parallel.ranks] == [[], [], []]
+    mixed = make_plan([Spec([(0, 6, 0, 1)], 2), Spec([(0, 3, 0, 1), (3, 6, 1, 1)], 2)], 6)
+    assert [(a.node, a.start, a.end) for a in mixed.ranks] == [("n0", 0, 6), ("n1", 0, 3), ("n2", 3, 6)]
+    assert buddy_of(mixed, "n0", 0) == ("n1", 0), "both other nodes overlap [0, 6): the next node's"
+    assert [layers_to_push(mixed, a.rank) for a in mixed.ranks] == [[3, 4, 5], [0, 1, 2], [3, 4, 5]]
+    assert layers_to_push(make_plan([Spec([(0, 6, 0, 1)], 2)], 6), 0) == [], "one node: no buddy"
 
 
 # -- the restore choice --------------------------------------------------------------------------
@@ -353,6 +371,57 @@ def test_workers_roll_back_from_own_and_peer_snapshots_and_replay_exactly(profil
     assert all(int(s.step) == 6 for w in workers.values() for s in w.optimizer.state.values())
     for worker in workers.values():
         worker.snapshots.server.close()
+
+
+def test_data_parallel_workers_complete_their_snapshots_without_pushing(plan_builder):
+    """Two real Workers (threads, gloo) as two single-stage pipelines, snapshots every 2 steps: each holds every
+    layer of its snapshots by its own capture, nothing is pushed to the buddy (which holds the same layers), both
+    acknowledgements count (the coordinator marks the steps complete), and the snapshots equal each other."""
+    import json
+
+    from torch.distributed import TCPStore
+
+    from oobleck.runtime.elastic.keys import held_key, snapshot_complete
+    from oobleck.runtime.elastic.worker import Worker
+    from oobleck.runtime.snapshot.agent import Snapshotter
+
+    make_plan, Spec = plan_builder
+    plan = make_plan([Spec([(0, 6, 0, 1)], 2), Spec([(0, 6, 0, 1)], 2)], 6, job="dp")
+    config = WorkerConfig(job="dp", microbatch_size=2, steps=4, device="cpu")
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = lambda: TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)  # noqa: E731
+    workers = {}
+    for node in ("n0", "n1"):
+        worker = Worker(config, client(), node, 0, snapshots=Snapshotter(f"{node}:0", 2, client))
+        master.set(held_key(f"{node}:0"), json.dumps({"snapshot_address": worker.snapshots.address}))
+        workers[node] = worker
+    errors = []
+
+    def train(worker):
+        try:
+            worker.adopt(plan)
+            for _ in range(4):
+                worker.train_step()
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(w,)) for w in workers.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    try:
+        for worker in workers.values():
+            assert worker.snapshots.wait_idle(30)
+            assert worker.snapshots.stats["snapshots"] == 2 and worker.snapshots.stats["pushed_bytes"] == 0
+        assert snapshot_complete(master, 0) and snapshot_complete(master, 2)
+        stores = [w.snapshots.store for w in workers.values()]
+        assert all(store.holdings()["2"] == list(range(6)) for store in stores)
+        assert all(torch.equal(stores[0].get(2, layer), stores[1].get(2, layer)) for layer in range(6))
+    finally:
+        for worker in workers.values():
+            worker.snapshots.server.close()
 
 
 def test_a_failed_checkpoint_write_is_kept_for_the_operator_and_cleared_by_the_next_good_one(profile, tmp_path):
