@@ -8,10 +8,13 @@ generation g appears (or when I must stop waiting)". Writers replace the whole d
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Protocol
 
 from oobleck.api.plan import Plan
+
+log = logging.getLogger("oobleck.runtime.elastic.plans")
 
 
 class PlanSourceError(RuntimeError):
@@ -58,7 +61,9 @@ class PlanWatcher:
         self._poll_s = poll_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="oobleck-plan-watch", daemon=True)
-        self.error: BaseException | None = None
+        self.error: PlanSourceError | None = None
+        """why the last look found no valid plan (None once a look succeeds): the worker's own wait for its next
+        plan raises it; here it is logged once per distinct message, not every poll"""
 
     def start(self) -> PlanWatcher:
         self._thread.start()
@@ -79,8 +84,11 @@ class PlanWatcher:
             try:
                 plan = self.source.current()
             except PlanSourceError as error:
+                if self.error is None or str(error) != str(self.error):
+                    log.warning("plan watch: %s", error)
                 self.error = error
                 continue
+            self.error = None
             with self._lock:
                 if plan is not None and plan.generation > self._adopted:
                     self.newer.set()

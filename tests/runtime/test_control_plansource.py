@@ -17,6 +17,7 @@ from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
 from oobleck.runtime.backends.local.plan_file import FilePlanSource, write_plan
 from oobleck.runtime.backends.pod.plan_configmap import ConfigMapPlanSource
 from oobleck.runtime.elastic.plans import PlanSourceError, PlanWatcher
+from oobleck_dev.poll import wait_until
 
 # A functional bound, not a benchmark: the watcher polls every few ms, but a loaded 2-core machine
 # can hold a thread off the CPU for a tenth of a second (measured: 160 ms once under load 9).
@@ -133,6 +134,24 @@ def test_watcher_flags_newer_generations_only(tmp_path):
         watcher.adopt(1)
         time.sleep(0.1)
         assert not watcher.newer.is_set()
+    finally:
+        watcher.stop()
+
+
+def test_the_watcher_keeps_why_a_look_failed_until_a_look_succeeds(tmp_path, caplog):
+    """An invalid plan document is logged once (not every poll) and kept in `error`; a valid one clears it."""
+    path = tmp_path / "plan.json"
+    path.write_text('{"job": "x"}')
+    watcher = PlanWatcher(FilePlanSource(path), poll_s=0.01).start()
+    try:
+        watcher.adopt(0)
+        wait_until(lambda: watcher.error is not None, "the invalid document seen", 2, 0.01)
+        time.sleep(0.1)  # several more polls of the same document
+        assert "not a valid plan" in str(watcher.error)
+        assert len([r for r in caplog.records if "not a valid plan" in r.getMessage()]) == 1
+        write_plan(path, plan(1))
+        assert watcher.newer.wait(1)
+        assert watcher.error is None
     finally:
         watcher.stop()
 
