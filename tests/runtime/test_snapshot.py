@@ -282,19 +282,33 @@ def test_checkpoint_files_are_whole_and_old_steps_are_pruned(tmp_path):
 # -- a worker's rollback, in process ---------------------------------------------------------------
 
 
+def snapshotting_workers(config: WorkerConfig, nodes: tuple[str, ...]):
+    """A coordinator store and one real Worker per node (GPU 0) with a snapshot agent every 2 steps, each
+    agent's address published as its `held` report says it (its buddy pushes there)."""
+    import json
+
+    from torch.distributed import TCPStore
+
+    from oobleck.runtime.elastic.keys import held_key
+    from oobleck.runtime.elastic.worker import Worker
+    from oobleck.runtime.snapshot.agent import Snapshotter
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = lambda: TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)  # noqa: E731
+    workers = {}
+    for node in nodes:
+        worker = Worker(config, client(), node, 0, snapshots=Snapshotter(f"{node}:0", 2, client))
+        master.set(held_key(f"{node}:0"), json.dumps({"snapshot_address": worker.snapshots.address}))
+        workers[node] = worker
+    return master, workers
+
+
 def test_workers_roll_back_from_own_and_peer_snapshots_and_replay_exactly(profile):
     """Two real Workers (threads, gloo): snapshots every 2 steps pushed to each other, 4 steps, then a
     rollback generation to step 2 whose copies send layers from the *peer's* host snapshots over the
     generation's links (node0 gets layers 1-2 from node1's memory, node1 layer 3 from node0's), and
     steps 2-5 are trained again: every loss equals the reference's, the replayed ones bit for bit."""
-    import json
-
-    from torch.distributed import TCPStore
-
     from oobleck.api.plan import LayerCopy
-    from oobleck.runtime.elastic.keys import held_key
-    from oobleck.runtime.elastic.worker import Worker
-    from oobleck.runtime.snapshot.agent import Snapshotter
     from oobleck.runtime.train.reference import train_reference
 
     config = WorkerConfig(job="rollback", microbatch_size=2, steps=6, device="cpu", gradient_sum_dtype="float64")
@@ -313,13 +327,7 @@ def test_workers_roll_back_from_own_and_peer_snapshots_and_replay_exactly(profil
         nodes=["node0", "node1"],
     )
     assert [(a.node, a.start, a.end) for a in first.ranks] == [("node0", 0, 3), ("node1", 3, 6)]
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    client = lambda: TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)  # noqa: E731
-    workers = {}
-    for node in ("node0", "node1"):
-        worker = Worker(config, client(), node, 0, snapshots=Snapshotter(f"{node}:0", 2, client))
-        master.set(held_key(f"{node}:0"), json.dumps({"snapshot_address": worker.snapshots.address}))
-        workers[node] = worker
+    master, workers = snapshotting_workers(config, ("node0", "node1"))
 
     def run(plan, until) -> dict[str, list]:
         losses, errors = {}, []
@@ -377,24 +385,13 @@ def test_data_parallel_workers_complete_their_snapshots_without_pushing(plan_bui
     """Two real Workers (threads, gloo) as two single-stage pipelines, snapshots every 2 steps: each holds every
     layer of its snapshots by its own capture, nothing is pushed to the buddy (which holds the same layers), both
     acknowledgements count (the coordinator marks the steps complete), and the snapshots equal each other."""
-    import json
 
-    from torch.distributed import TCPStore
-
-    from oobleck.runtime.elastic.keys import held_key, snapshot_complete
-    from oobleck.runtime.elastic.worker import Worker
-    from oobleck.runtime.snapshot.agent import Snapshotter
+    from oobleck.runtime.elastic.keys import snapshot_complete
 
     make_plan, Spec = plan_builder
     plan = make_plan([Spec([(0, 6, 0, 1)], 2), Spec([(0, 6, 0, 1)], 2)], 6, job="dp")
     config = WorkerConfig(job="dp", microbatch_size=2, steps=4, device="cpu")
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    client = lambda: TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)  # noqa: E731
-    workers = {}
-    for node in ("n0", "n1"):
-        worker = Worker(config, client(), node, 0, snapshots=Snapshotter(f"{node}:0", 2, client))
-        master.set(held_key(f"{node}:0"), json.dumps({"snapshot_address": worker.snapshots.address}))
-        workers[node] = worker
+    master, workers = snapshotting_workers(config, ("n0", "n1"))
     errors = []
 
     def train(worker):
