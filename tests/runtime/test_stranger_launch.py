@@ -23,6 +23,7 @@ from oobleck.runtime.snapshot.transport import push
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-processes")]
 
 STEPS = 30
+PIPELINED_MEMORY = 1_400_000  # bytes per GPU: tiny-gpt needs 2 nodes per pipeline
 
 
 def _store_port(launcher: int, deadline: float) -> int:
@@ -63,6 +64,11 @@ def test_a_strangers_store_writes_and_pushes_are_ignored_and_counted(tmp_path):
             str(workdir),
             "--nodes",
             "2",
+            # One 2-node pipeline: each node pushes its snapshots to the other (data-parallel replicas push none).
+            "--f",
+            "0",
+            "--gpu-memory",
+            str(PIPELINED_MEMORY),
             "--steps",
             str(STEPS),
             "--snapshot-interval",
