@@ -133,7 +133,9 @@ def test_a_kill_during_a_reconfiguration(kit, tmp_path):
 
 
 def test_a_node_added_mid_run_joins_and_trains(kit, tmp_path):
-    code, summary, output = kit.launch(tmp_path, *kit.flags(nodes=2, f=1, steps=8, microbatches=4, add_node_at_step=3))
+    # The node is added once step 3 is reached and its worker beats; 40 steps leave it time to start on a loaded
+    # host (with 8, a clean-clone suite once finished the job first: data-parallel steps of tens of ms).
+    code, summary, output = kit.launch(tmp_path, *kit.flags(nodes=2, f=1, steps=40, microbatches=4, add_node_at_step=3))
     assert code == 0, output
     [reconfiguration] = summary["reconfigurations"]
     assert reconfiguration["reason"] == "add" and reconfiguration["added"] == ["node2"]
