@@ -58,6 +58,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
+def _the_job_key_variable_is_left_as_found() -> Iterator[None]:
+    """A test that leaves $OOBLECK_JOB_KEY_FILE set gives every later test in its process a keyed job_signer(),
+    and unsealed marks they write no longer verify (a CI run failed that way, depending on xdist's order)."""
+    before = os.environ.get("OOBLECK_JOB_KEY_FILE")
+    yield
+    after = os.environ.get("OOBLECK_JOB_KEY_FILE")
+    assert after == before, f"the test changed OOBLECK_JOB_KEY_FILE from {before!r} to {after!r}"
+
+
+@pytest.fixture(autouse=True)
 def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """In the unit tier, starting a process is an error: such a test belongs to the integration tier
     (mark its module `pytestmark = pytest.mark.integration`)."""

@@ -103,7 +103,14 @@ def test_the_coordinator_lost_and_recreated_mid_run(kit, tmp_path, uniform_profi
         *kit.pipelined(profile=uniform_profile, restart_coordinator_at_step=4),
     )
     assert code == 0, output
-    [reconfiguration] = summary["reconfigurations"]
+    # A sudden load (CI: two busy processes started beside the job) can hold a worker off the CPU past its
+    # probe before the 1-minute load average shows it; its peer's verdict is then a suspicion the launcher
+    # does not confirm (the worker beats again), and the step is redone in a "retry" generation that loses
+    # nobody. Only the restart itself is this test's business.
+    reconfigurations = summary["reconfigurations"]
+    retries = [r for r in reconfigurations if r["reason"] == "retry"]
+    assert all(r["lost"] == [] for r in retries), retries
+    [reconfiguration] = [r for r in reconfigurations if r["reason"] != "retry"]
     assert reconfiguration["reason"] == "coordinator-restart" and reconfiguration["lost"] == []
     kit.check_against_reference(tmp_path, summary, 8)
     assert kit.leftovers(tmp_path) == []

@@ -25,7 +25,6 @@ ENV = {
 def test_the_key_is_read_at_its_path(tmp_path, monkeypatch):
     (tmp_path / "key").write_bytes(b"s" * 40 + b"\n")
     env = PodEnv.from_env({**ENV, "OOBLECK_JOB_KEY_FILE": str(tmp_path / "key")})
-    monkeypatch.delenv(KEY_FILE_ENV, raising=False)
     use_job_key(env)
     assert os.environ[KEY_FILE_ENV] == str(tmp_path / "key")
     assert job_signer().key == b"s" * 40
@@ -46,4 +45,7 @@ def test_an_unreadable_key_is_a_configuration_error(tmp_path, monkeypatch, capsy
 
 @pytest.fixture(autouse=True)
 def _keep_the_environment(monkeypatch):
-    monkeypatch.delenv(KEY_FILE_ENV, raising=False)
+    # use_job_key sets the variable itself; setenv first so that monkeypatch records it and takes it away
+    # again (a delenv of an absent variable records nothing).
+    monkeypatch.setenv(KEY_FILE_ENV, "unset")
+    monkeypatch.delenv(KEY_FILE_ENV)
