@@ -77,7 +77,8 @@ class HealthTimeouts:
     not always enough). A quiet host keeps the 0.45 s bound; a refused connection is a verdict at once
     either way."""
     overloaded_per_core: float = 2.0
-    """1-minute load average per core above which the host counts as overloaded (see confirm_timeout_s)."""
+    """Runnable tasks per core (the 1-minute load average, or those runnable at the probe's instant) above
+    which the host counts as overloaded (see confirm_timeout_s)."""
     abort_wait_s: float = 0.2
     """Slice of the blocking wait on the abort key (bounds how long a generation switch takes to follow)."""
     gpu_probe_period_s: float = 5.0

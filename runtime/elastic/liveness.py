@@ -49,11 +49,27 @@ NO_ANSWER = "accepted but did not answer"
 """probe_liveness's words for a peer whose kernel accepted the connection but whose responder said nothing."""
 
 
+def runnable_now(loadavg: str) -> int:
+    """Tasks runnable at the instant /proc/loadavg (`loadavg`, "0.52 0.58 0.59 7/345 12345") was read: its
+    fourth field's numerator, less the reading thread itself."""
+    return max(0, int(loadavg.split()[3].split("/")[0]) - 1)
+
+
 def host_overloaded(per_core: float) -> bool:
-    """Whether this host's 1-minute load average exceeds `per_core` runnable tasks per core."""
+    """Whether this host has more than `per_core` runnable tasks per core, by its 1-minute load average or
+    at this instant: a load that began seconds ago reaches the average only over a minute, but already
+    holds a peer off the CPU (seen: two busy processes started beside a 4-worker job on 2 cores made a
+    probe go unanswered while the average still read under 2 per core)."""
+    limit = per_core * (os.cpu_count() or 1)
     try:
-        return os.getloadavg()[0] > per_core * (os.cpu_count() or 1)
+        if os.getloadavg()[0] > limit:
+            return True
     except OSError:  # no load average on this platform
+        pass
+    try:
+        with open("/proc/loadavg") as handle:
+            return runnable_now(handle.read()) > limit
+    except (OSError, ValueError, IndexError):  # not Linux
         return False
 
 

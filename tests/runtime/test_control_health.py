@@ -33,7 +33,7 @@ from oobleck.runtime.elastic.health import (
     is_peer_failure,
     wait_alive,
 )
-from oobleck.runtime.elastic.liveness import LivenessResponder, host_overloaded, probe_liveness
+from oobleck.runtime.elastic.liveness import LivenessResponder, host_overloaded, probe_liveness, runnable_now
 from oobleck.runtime.elastic.store import FixedEndpoint, StoreTimeouts, connect
 
 FAST = StoreTimeouts(connect_s=5.0, op_s=2.0, reconnect_s=20.0, retry_s=0.02)
@@ -404,11 +404,34 @@ def test_on_an_overloaded_host_a_peer_held_off_the_cpu_for_a_moment_is_spared_an
     assert HealthTimeouts().confirm_timeout_s <= first - stopped_at < HUNG_LIMIT_S + LOADED_SLACK_S
 
 
-def test_host_overloaded_compares_the_load_average_per_core():
-    load = os.getloadavg()[0]
+def test_runnable_now_reads_the_fourth_field_of_proc_loadavg_less_the_reader():
+    assert runnable_now("0.52 0.58 0.59 7/345 12345\n") == 6
+    assert runnable_now("0.00 0.01 0.05 1/80 99") == 0
+
+
+def test_host_overloaded_compares_the_load_average_per_core(monkeypatch):
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * cores, 0.0, 0.0))
+    assert host_overloaded(2.0) is True
     assert host_overloaded(1e9) is False
-    assert host_overloaded(1e-9) is (load > 0)
-    assert host_overloaded(load / (os.cpu_count() or 1) + 1.0) is False
+
+
+@pytest.mark.integration
+def test_a_load_that_just_began_makes_the_host_overloaded_before_the_average_shows_it(monkeypatch):
+    """Busy processes started now: the 1-minute average (held at 0 here, as it still reads seconds into a
+    load) does not show them, the run queue does."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    cores = os.cpu_count() or 1
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * cores)]
+    try:
+        deadline = time.monotonic() + 10
+        while not host_overloaded(2.0):
+            assert time.monotonic() < deadline, f"never overloaded; /proc/loadavg: {open('/proc/loadavg').read()}"
+            time.sleep(0.05)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
 
 
 def test_probe_liveness_answers_for_a_live_responder_and_names_a_dead_port():
