@@ -1,19 +1,22 @@
-"""Failure detection inside a worker: heartbeats, a watcher, collective errors and a GPU probe.
+"""Failure detection inside a worker: heartbeats, their watcher, collective errors and a GPU probe.
 
-Every worker runs three small daemon threads, each with its own store connection (a store client
-serialises its operations, so a blocking wait must not sit in front of a heartbeat):
+Every worker runs two small daemon threads, each with its own store connection (a store client
+serialises its operations, so a blocking wait must not sit in front of a beat):
 
-- `oobleck-heartbeat` increments `hb/{worker}` every `heartbeat_period_s`;
-- `oobleck-watch` reads the peers' counters (on this worker's own monotonic clock, so clocks need not
-  agree). A peer silent for `suspect_after_s` is probed: its `LivenessResponder` is asked a question
-  that C++ threads answer without Python's GIL, so a worker starved of CPU or of the GIL by its own
-  training thread still answers, while one that is dead (connection refused), stopped or hung as a
-  whole (SIGSTOP, a frozen host: no answer) or cut off by the network (no connection) does not. No
-  answer within `probe_timeout_s` is the verdict; an answer spares the peer until `dead_after_s` of
-  silence (a process whose Python is stuck but whose responder lives). It also runs the GPU probe
-  every `gpu_probe_period_s`;
+- `oobleck-detect` beats (sets `hb/{worker}` to its next count) every `heartbeat_period_s` and reads the
+  peers' counters every `watch_period_s`, in one thread (one wake-up per period, not one per task: on a
+  host where the ranks share cores, every wake-up is CPU taken from training). The counters are kept
+  on this worker's own monotonic clock, so clocks need not agree. A peer silent for `suspect_after_s`
+  is probed, on a `ProbeRound` thread of its own so that the beats go on: its `LivenessResponder` is
+  asked a question that C++ threads answer without Python's GIL, so a worker starved of CPU or of the
+  GIL by its own training thread still answers, while one that is dead (connection refused), stopped
+  or hung as a whole (SIGSTOP, a frozen host: no answer) or cut off by the network (no connection)
+  does not. No answer within `probe_timeout_s` is the verdict; an answer spares the peer until
+  `dead_after_s` of silence (a process whose Python is stuck but whose responder lives);
 - `oobleck-abort` blocks on the `gen{g}/abort` key, so that one worker's detection reaches every
-  survivor in milliseconds.
+  survivor in milliseconds;
+- and, with `gpu_probe_period_s`, `oobleck-gpu-probe` probes the GPUs (a slow `nvidia-smi` must not delay
+  a beat).
 
 On a failure the detector sets `failure` (the Event the engine's waits check), posts the abort key
 of the generation, and hands a `FailureReport` to a `FailureReporter` (locally: the coordinator's
@@ -46,7 +49,7 @@ from oobleck.runtime.elastic.store import (
     connect_endpoint,
     is_store_loss,
 )
-from oobleck.runtime.elastic.suspects import PeerClocks, SuspectProber
+from oobleck.runtime.elastic.suspects import PeerClocks, ProbeRound
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +59,12 @@ class HealthTimeouts:
     """Detection timing; every value overridable (e.g. longer on a loaded machine)."""
 
     heartbeat_period_s: float = 0.05
-    """How often a worker bumps its heartbeat counter."""
+    """How often a worker beats (sets its heartbeat counter to the next count)."""
     dead_after_s: float = 1.0
     """A peer whose counter has not moved for this long is dead even though its liveness responder answers
     (its Python is stuck), or when it has no responder (detection < dead_after + watch period)."""
     watch_period_s: float = 0.05
-    """How often the watcher reads the peers' counters (one round trip)."""
+    """How often the detector reads the peers' counters (one round trip)."""
     suspect_after_s: float = 0.0
     """Silence after which a peer is probed (a suspicion costs one probe, never a verdict by itself);
     0: max(0.15, 1.5 heartbeat periods)."""
@@ -89,7 +92,7 @@ class HealthTimeouts:
     rejoin_grace_s: float = 3.0
     """Extra silence allowed after the coordinator came back: peers' clients reconnect with backoff."""
     abort_backstop_s: float = 1.0
-    """How often the watcher also looks for the abort key (the abort listener's blocking wait is the
+    """How often the detector thread also looks for the abort key (the abort listener's blocking wait is the
     fast path; this covers a listener that gave up)."""
 
     def __post_init__(self) -> None:
@@ -178,7 +181,7 @@ def is_peer_failure(error: BaseException) -> bool:
 
 
 class FailureDetector:
-    """A worker's failure detection: heartbeat, watcher and abort-listener threads.
+    """A worker's failure detection: the detector (beats and watch), abort-listener and GPU-probe threads.
 
     Usage: `start()`, then for every plan generation: `watch(generation, peers)` before adopting it
     and `ready()` once adopted; the engine checks `failure`; the worker calls `signal(error)` when a
@@ -204,7 +207,6 @@ class FailureDetector:
         self.worker = worker
         self._endpoint = endpoint
         self.timeouts = timeouts
-        self._prober = SuspectProber(timeouts)
         self._store_timeouts = store_timeouts
         self.reporter = reporter if reporter is not None else StoreFailureReporter(endpoint, store_timeouts)
         self.failure = failure if failure is not None else threading.Event()
@@ -213,7 +215,7 @@ class FailureDetector:
         self._lock = threading.Lock()
         self._generation = -1
         self._peers: tuple[str, ...] = ()
-        self._watch_version = 0  # bumped by watch(): the watcher resets its clocks
+        self._watch_version = 0  # bumped by watch(): the detector thread resets its clocks
         self._generation_epoch: str | None = None  # the epoch the watched generation began in
         self._reported: set[tuple[int, str]] = set()
         self.last_report: FailureReport | None = None
@@ -228,11 +230,10 @@ class FailureDetector:
         store, self.epoch, address = connect_endpoint(self._endpoint, self._store_timeouts)
         self._trigger = KeptConnection(self._connect, store)
         self.responder = LivenessResponder(self._advertise or advertised_host(address[0]))
-        for name, target in (
-            ("oobleck-heartbeat", self._heartbeat_loop),
-            ("oobleck-watch", self._watch_loop),
-            ("oobleck-abort", self._abort_loop),
-        ):
+        loops = [("oobleck-detect", self._detect_loop), ("oobleck-abort", self._abort_loop)]
+        if self.timeouts.gpu_probe_period_s > 0:
+            loops.append(("oobleck-gpu-probe", self._gpu_loop))
+        for name, target in loops:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -332,82 +333,107 @@ class FailureDetector:
                 self.trigger(FailureKind.COORDINATOR_RESTART, (), f"store epoch {previous} -> {epoch}")
         return store
 
-    def _heartbeat_loop(self) -> None:
+    def _detect_loop(self) -> None:
+        """Beat, read the peers' beats and judge them (see the module docstring)."""
         key = keys.heartbeat_key(self.worker)
-        store: dist.Store | None = None
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                if store is None:
-                    store = self._connect()
-                    # Before the first beat: a peer that sees us beat can also probe us. Again after
-                    # a coordinator restart (an empty store).
-                    keys.set_liveness(store, self.worker, self.responder.address)
-                store.add(key, 1)
-            except RuntimeError as error:
-                if not is_store_loss(error):
-                    raise
-                store = None  # reconnect on the next beat
-            except StoreUnavailable as error:
-                log.error("heartbeat: %s", error)
-                return
-            self._stop.wait(max(0.0, self.timeouts.heartbeat_period_s - (time.monotonic() - started)))
-
-    def _watch_loop(self) -> None:
         clocks = PeerClocks()
         store: dist.Store | None = None
         seen_version = -1
-        next_probe = next_abort_check = time.monotonic()
+        probes: ProbeRound | None = None
+        judged: set[str] = set()  # the peers reported dead since the last watch()
+        beats = 0
+        # One wake-up per tick, on a fixed schedule; a beat or read due within half a tick is done at this one
+        # (scheduled each on its own, they drift apart under load and the thread wakes twice a period).
+        tick = min(self.timeouts.heartbeat_period_s, self.timeouts.watch_period_s)
+        next_tick = next_beat = next_read = next_abort_check = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
             with self._lock:
                 generation, peers, version = self._generation, self._peers, self._watch_version
             if version != seen_version:
-                seen_version = version
+                seen_version, probes = version, None  # a round about the previous peers is not judged
+                judged = set()
                 clocks.new_peers(peers, now)
             try:
                 if store is None:
                     store = self._connect()
-                    # Nobody could beat during the outage, and peers reconnect with c10d's backoff.
+                    # Before the first beat: a peer that sees us beat can also probe us. Again after a
+                    # coordinator restart (an empty store), where nobody could beat during the outage and
+                    # peers reconnect with c10d's backoff.
+                    keys.set_liveness(store, self.worker, self.responder.address)
                     clocks.new_store(peers, time.monotonic() + self.timeouts.rejoin_grace_s)
-                # Every round trip here runs while the training thread computes (a GIL hand-off and a
-                # store request each), so the steady state costs one (multi_get) per period.
-                if generation >= 0 and now >= next_abort_check:
-                    next_abort_check = now + self.timeouts.abort_backstop_s
-                    if keys.aborted(store, generation) and not self.failure.is_set():
-                        self._follow_abort(store, generation)
-                present = self._read_beats(store, clocks, generation, peers)
-                unanswered = self._prober.probe_suspects(store, clocks, generation, peers, present)
+                if now >= next_beat - tick / 2:
+                    # A set has no reply to wait for (an add's would be a second wake-up a beat); the read
+                    # below notices a lost connection.
+                    beats += 1
+                    store.set(key, str(beats))
+                    next_beat = now + self.timeouts.heartbeat_period_s
+                if now >= next_read - tick / 2:
+                    next_read = now + self.timeouts.watch_period_s
+                    if generation >= 0 and now >= next_abort_check:
+                        next_abort_check = now + self.timeouts.abort_backstop_s
+                        if keys.aborted(store, generation) and not self.failure.is_set():
+                            self._follow_abort(store, generation)
+                    self._read_beats(store, clocks, generation, peers)
+                    if probes is None and generation >= 0:
+                        probes = self._probe_suspects(store, clocks, peers)
             except RuntimeError as error:
                 if not is_store_loss(error):
                     raise
                 store = None
                 continue
             except StoreUnavailable as error:
-                log.error("watch: %s", error)
+                log.error("failure detector: %s", error)
                 return
+            unanswered: dict[str, str] = {}
+            if probes is not None and probes.done():
+                unanswered = probes.unanswered()
+                ended = time.monotonic()
+                clocks.probed.update((p, ended) for p in probes.suspects if not clocks.beat_since(p, probes.started))
+                probes = None
             now = time.monotonic()
-            dead = clocks.dead(peers, unanswered, now, self.timeouts)
+            dead = clocks.dead(peers, unanswered, now, self.timeouts, probes.suspects if probes is not None else ())
             if dead and generation >= 0 and store is not None:
                 dead = self._not_done(store, dead, generation)
-            if dead and generation >= 0:
-                silent = ", ".join(f"{p} {clocks.silence(p, now):.2f}s{self._why(unanswered, p)}" for p in dead)
-                self.trigger(FailureKind.HEARTBEAT, dead, f"no heartbeat: {silent}", generation)
-            if self.timeouts.gpu_probe_period_s > 0 and now >= next_probe:
-                next_probe = now + self.timeouts.gpu_probe_period_s
-                self._check_gpus(generation)
-            self._stop.wait(self.timeouts.watch_period_s)
+            fresh = tuple(p for p in dead if p not in judged) if generation >= 0 else ()
+            if fresh:
+                judged.update(fresh)
+                silent = ", ".join(f"{p} {clocks.silence(p, now):.2f}s{self._why(unanswered, p)}" for p in fresh)
+                # On a thread of its own: a pod's report is a Kubernetes API call, and the beats must go on.
+                threading.Thread(
+                    target=self.trigger,
+                    args=(FailureKind.HEARTBEAT, fresh, f"no heartbeat: {silent}", generation),
+                    name="oobleck-verdict",
+                    daemon=True,
+                ).start()
+            now = time.monotonic()
+            next_tick = next_tick + tick if next_tick + tick > now else now + tick  # a late thread skips missed ticks
+            self._stop.wait(next_tick - now)
 
-    def _read_beats(self, store: dist.Store, clocks: PeerClocks, generation: int, peers: tuple[str, ...]) -> list[str]:
-        """Arm the peers that adopted `generation`, read every present peer's counter into `clocks`; the
-        present peers (those whose key exists in this store incarnation)."""
+    def _probe_suspects(self, store: dist.Store, clocks: PeerClocks, peers: tuple[str, ...]) -> ProbeRound | None:
+        """Start a round of probes of the armed peers silent for suspect_after_s (not again within it), if any.
+        A suspect that never published a responder is left to dead_after_s."""
+        now = time.monotonic()
+        suspects = clocks.suspects(peers, now, self.timeouts.suspect_after_s)
+        if not suspects:
+            return None
+        addresses = keys.get_liveness(store, suspects)
+        clocks.probed.update((p, now) for p in suspects if p not in addresses)
+        return ProbeRound(self.timeouts, addresses, clocks.beat_since) if addresses else None
+
+    def _read_beats(self, store: dist.Store, clocks: PeerClocks, generation: int, peers: tuple[str, ...]) -> None:
+        """Arm the peers that adopted `generation`, read every present peer's counter (its key exists in this
+        store incarnation) into `clocks`."""
         for peer in peers:
             if peer not in clocks.armed and generation >= 0 and store.check([keys.ready_key(generation, peer)]):
                 clocks.arm(peer, time.monotonic())  # it has adopted the generation: from now on, silence is death
         present = [p for p in peers if p in clocks.last_value or store.check([keys.heartbeat_key(p)])]
         values = store.multi_get([keys.heartbeat_key(p) for p in present]) if present else []
         clocks.record(present, values, time.monotonic())
-        return present
+
+    def _gpu_loop(self) -> None:
+        while not self._stop.wait(self.timeouts.gpu_probe_period_s):
+            self._check_gpus(self._generation)
 
     def _check_gpus(self, generation: int) -> None:
         bad = [g for g in self._gpu_probe() if not g.healthy]

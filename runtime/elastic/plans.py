@@ -48,11 +48,14 @@ class PlanWatcher:
     ranks then leave the generation after the same (commonly decided) step. One look per poll, not a
     `wait_newer`: a plan file's source polls every 10 ms inside it (for the worker's own waits between
     generations), and while training that was 5-6 wake-ups of this thread per 100 ms, each taking the
-    GIL from the training thread; the local launcher also posts the abort key with every new generation,
-    so this is a backstop there, and a ConfigMap source's own watch keeps `current()` fresh.
+    GIL from the training thread. A look every 0.25 s: a plan that follows a failure reaches the
+    training ranks through the generation's abort key (posted by the worker that detected it, and by the
+    local launcher with every new generation, so this is a backstop there), and a ConfigMap source's own
+    watch keeps `current()` fresh; what is left to this look is a planned change (a node joins, a
+    straggler is benched), which takes seconds anyway, while each look is a wake-up taken from training.
     """
 
-    def __init__(self, source: PlanSource, poll_s: float = 0.05, signal: threading.Event | None = None) -> None:
+    def __init__(self, source: PlanSource, poll_s: float = 0.25, signal: threading.Event | None = None) -> None:
         self.source = source
         self.newer = threading.Event()
         self._signal = signal  # also set this (e.g. the failure Event that interrupts the engine)

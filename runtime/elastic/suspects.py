@@ -1,5 +1,5 @@
-"""Who among a worker's peers is dead: the watcher's clocks of their heartbeats, and the liveness probes of
-the silent ones (health.py's watcher thread drives both; see its docstring for the protocol).
+"""Who among a worker's peers is dead: the detector's clocks of their heartbeats, and the liveness probes of
+the silent ones (health.py's detector thread drives both; see its docstring for the protocol).
 
 The verdict rules live here, apart from the threads: a peer is held to `dead_after_s` once it adopted the
 generation (armed); a silent armed peer is probed after `suspect_after_s`, and a probe without an answer is
@@ -8,21 +8,22 @@ the verdict at once (confirmed first on an overloaded host).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from oobleck.runtime.elastic import keys
 from oobleck.runtime.elastic.liveness import NO_ANSWER, host_overloaded, probe_liveness
 
 if TYPE_CHECKING:
     from oobleck.runtime.elastic.health import HealthTimeouts
 
+log = logging.getLogger(__name__)
+
 
 class PeerClocks:
-    """The watcher's view of its peers' heartbeat counters, on this worker's own monotonic clock."""
+    """The detector's view of its peers' heartbeat counters, on this worker's own monotonic clock."""
 
     def __init__(self) -> None:
         self.last_value: dict[str, int] = {}  # peers whose key exists in this store incarnation
@@ -68,6 +69,10 @@ class PeerClocks:
     def silence(self, peer: str, now: float) -> float:
         return now - self.last_change.get(peer, now)
 
+    def beat_since(self, peer: str, moment: float) -> bool:
+        """Whether `peer` beat (or its clock was reset) after monotonic time `moment` (read by a ProbeRound's thread)."""
+        return self.last_change.get(peer, float("-inf")) > moment
+
     def suspects(self, peers: tuple[str, ...], now: float, after_s: float) -> list[str]:
         """Armed peers silent for `after_s` and not probed within it."""
         return [
@@ -77,74 +82,88 @@ class PeerClocks:
         ]
 
     def dead(
-        self, peers: tuple[str, ...], unanswered: dict[str, str], now: float, timeouts: HealthTimeouts
+        self,
+        peers: tuple[str, ...],
+        unanswered: dict[str, str],
+        now: float,
+        timeouts: HealthTimeouts,
+        probing: tuple[str, ...] = (),
     ) -> tuple[str, ...]:
         """The verdict. A peer is held to dead_after_s once it has adopted the generation (armed): before
         that it may be importing torch or waiting in a rendezvous, where a loaded machine can starve its
         heartbeat thread of the GIL for seconds (measured: 1.5 s at load 13 on 2 cores). A death in that
         window surfaces as a rendezvous / collective error or through the controller (process or pod
         status); a peer that never beats at all is dead after startup_grace_s. A probe that got no
-        answer is the verdict at once."""
+        answer is the verdict at once; a peer whose probe round is still out (`probing`) waits for it
+        (its confirmation may outlast dead_after_s on an overloaded host)."""
         return tuple(
             p
             for p in peers
             if p in unanswered
-            or (p in self.armed and self.silence(p, now) > timeouts.dead_after_s)
-            or (p not in self.seen and self.silence(p, now) > timeouts.startup_grace_s)
+            or (p not in probing and p in self.armed and self.silence(p, now) > timeouts.dead_after_s)
+            or (p not in probing and p not in self.seen and self.silence(p, now) > timeouts.startup_grace_s)
         )
 
 
-class SuspectProber:
-    """Probes the silent peers' liveness responders, with the timeouts of `HealthTimeouts`."""
+def probe_all(addresses: dict[str, str], timeout_s: float) -> dict[str, str]:
+    """Probe every peer at its responder `addresses[peer]` at once, for `timeout_s`; those that do not answer -> why."""
+    results: dict[str, str | None] = {}
 
-    def __init__(self, timeouts: HealthTimeouts) -> None:
+    def one(peer: str, address: str) -> None:
+        results[peer] = probe_liveness(address, timeout_s)
+
+    threads = [threading.Thread(target=one, args=item, daemon=True) for item in addresses.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(2 * timeout_s)
+    return {p: why for p, why in results.items() if why is not None}
+
+
+class ProbeRound:
+    """One round of liveness probes of silent peers, on a thread of its own: the detector's thread goes on
+    beating and reading the peers' beats meanwhile (a confirmation on an overloaded host can outlast
+    dead_after_s), and a suspect that beats before the round ends is spared.
+
+    `beat_since(peer, t)`: whether the detector has seen `peer` beat after monotonic time `t`.
+    """
+
+    def __init__(
+        self, timeouts: HealthTimeouts, addresses: dict[str, str], beat_since: Callable[[str, float], bool]
+    ) -> None:
         self.timeouts = timeouts
+        self.addresses = addresses
+        self.suspects = tuple(addresses)
+        self.started = time.monotonic()
+        self._beat_since = beat_since
+        self._unanswered: dict[str, str] = {}
+        self._done = threading.Event()
+        threading.Thread(target=self._run, name="oobleck-probe-round", daemon=True).start()
 
-    def probe_suspects(
-        self, store: dist.Store, clocks: PeerClocks, generation: int, peers: tuple[str, ...], present: list[str]
-    ) -> dict[str, str]:
-        """Probe the armed peers silent for suspect_after_s (not again within it); those that did not answer
-        and did not beat meanwhile -> why."""
-        now = time.monotonic()
-        suspects = clocks.suspects(peers, now, self.timeouts.suspect_after_s)
-        if not suspects or generation < 0:
-            return {}
-        unanswered = self.probe(store, suspects)
-        if unanswered and host_overloaded(self.timeouts.overloaded_per_core):
-            unanswered = self.confirm(store, unanswered, clocks.last_value)
-        # The probes took this thread's time: every peer's beats are read again, so that one that beat
-        # meanwhile (a probed one too: slow, not dead) is not judged on counters older than the probes
-        # (a 2 s confirmation outlasts dead_after_s).
-        again = store.multi_get([keys.heartbeat_key(p) for p in present]) if present else []
-        now = time.monotonic()
-        beat = clocks.record(present, again, now)
-        clocks.probed.update((p, now) for p in suspects if p not in beat)
-        return {p: why for p, why in unanswered.items() if p not in beat}
+    def done(self) -> bool:
+        return self._done.is_set()
 
-    def probe(self, store: dist.Store, suspects: list[str], timeout_s: float | None = None) -> dict[str, str]:
-        """Probe the silent `suspects` at once (for `timeout_s`, default probe_timeout_s); those that do not
-        answer -> why. A suspect that never published a responder is left to dead_after_s."""
-        timeout = timeout_s or self.timeouts.probe_timeout_s
-        addresses = keys.get_liveness(store, suspects)
-        results: dict[str, str | None] = {}
+    def unanswered(self) -> dict[str, str]:
+        """Once done: the suspects that neither answered nor beat since the round began -> why."""
+        return {p: why for p, why in self._unanswered.items() if not self._beat_since(p, self.started)}
 
-        def one(peer: str, address: str) -> None:
-            results[peer] = probe_liveness(address, timeout)
+    def _run(self) -> None:
+        try:
+            unanswered = probe_all(self.addresses, self.timeouts.probe_timeout_s)
+            if unanswered and host_overloaded(self.timeouts.overloaded_per_core):
+                unanswered = self._confirm(unanswered)
+            self._unanswered = unanswered
+        except Exception:  # an unexpected error judges nobody: the suspects are probed again
+            log.exception("liveness probe round")
+        finally:
+            self._done.set()
 
-        threads = [threading.Thread(target=one, args=item, daemon=True) for item in addresses.items()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(2 * timeout)
-        return {p: why for p, why in results.items() if why is not None}
-
-    def confirm(self, store: dist.Store, unanswered: dict[str, str], last_value: dict[str, int]) -> dict[str, str]:
+    def _confirm(self, unanswered: dict[str, str]) -> dict[str, str]:
         """Ask the peers that accepted but did not answer again until they answer or beat, for at most
         confirm_timeout_s (HealthTimeouts); those still silent then are the verdict."""
         hung = [p for p, why in unanswered.items() if NO_ANSWER in why]
         deadline = time.monotonic() + self.timeouts.confirm_timeout_s
         while hung and (left := deadline - time.monotonic()) > 0:
-            again = self.probe(store, hung, min(left, 2 * self.timeouts.probe_timeout_s))
-            beats = store.multi_get([keys.heartbeat_key(p) for p in hung])
-            hung = [p for p, raw in zip(hung, beats) if p in again and last_value.get(p) == int(raw)]
+            again = probe_all({p: self.addresses[p] for p in hung}, min(left, 2 * self.timeouts.probe_timeout_s))
+            hung = [p for p in hung if p in again and not self._beat_since(p, self.started)]
         return {p: why for p, why in unanswered.items() if NO_ANSWER not in why or p in hung}

@@ -19,15 +19,12 @@ from oobleck.api.contract import PROGRESS_ANNOTATION
 from oobleck_dev.poll import wait_until
 from tests.realnodes.jobs import OPEN_ENDED_STEPS, START_TIMEOUT_S, RealJob, job_spec, wait_for
 from tests.realnodes.marks import realnode_marks
+from tests.targets import SPARE_RESTORE_TARGET_S
 
 # Timed: after the local suite beside it has ended (tests/realnodes/conftest.py).
 pytestmark = [*realnode_marks(1800), pytest.mark.quiet_host]
 
 MEMBERS = 2
-SPARE_RESTORE_TARGET_S = 5.0
-"""Issue #22's target from a kill to the full node count restored with a spare (0.33 s alone, 2026-11-28).
-Beside the local suite, at nice 19 and load 12-20, it took 5.13 s and 15.10 s (2026-11-29): the check waits
-for the suite's end (quiet_host)."""
 
 
 def _progress(job: RealJob, pod: str) -> dict:

@@ -22,6 +22,7 @@ from torch.distributed import TCPStore
 from oobleck.api.plan import LayerCopy, Pipeline, Plan, Stage, Template, TemplateStage
 from oobleck.runtime.train.config import WorkerConfig
 from oobleck_dev import preforked
+from tests.runtime.sizes import PIPELINED_MEMORY
 
 
 def _running(pid: int) -> bool:
@@ -182,7 +183,6 @@ def workers():
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
-PIPELINED_MEMORY = 1_400_000  # bytes: tiny-gpt needs 2-3 nodes per pipeline (see the planner's memory model)
 LAUNCH_ENV = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"}
 
 

@@ -16,8 +16,8 @@ from oobleck.api.profile import ClusterShape
 from oobleck.planner.instantiate import plan_job
 from oobleck.planner.reconfigure import reconfigure
 from oobleck.runtime.elastic.sources import Holding, Unrecoverable, resolve
+from tests.runtime.sizes import PIPELINED_MEMORY
 
-PIPELINED_MEMORY = 1_400_000  # bytes: tiny-gpt needs 2-3 nodes per pipeline
 STATE = [30728, 152496, 152496, 152496, 152496, 25356]
 
 

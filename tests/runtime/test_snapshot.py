@@ -30,8 +30,7 @@ from oobleck.runtime.snapshot.transport import SnapshotServer, push
 from oobleck.runtime.train.config import WorkerConfig, build_model
 from oobleck.runtime.train.layer_state import capture, flatten, unflatten
 from oobleck.runtime.train.optim import LayerAdamW
-
-PIPELINED_MEMORY = 1_400_000
+from tests.runtime.sizes import PIPELINED_MEMORY
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,11 @@ from torch.distributed import TCPStore
 
 from oobleck.runtime.elastic import keys
 from oobleck.runtime.snapshot.transport import push
+from tests.runtime.sizes import PIPELINED_MEMORY
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-processes")]
 
 STEPS = 30
-PIPELINED_MEMORY = 1_400_000  # bytes per GPU: tiny-gpt needs 2 nodes per pipeline
 
 
 def _store_port(launcher: int, deadline: float) -> int:

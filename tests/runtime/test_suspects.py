@@ -1,9 +1,14 @@
-"""The watcher's verdict rules on its own clock (suspects.PeerClocks), without threads or a store."""
+"""The detector's verdict rules on its own clock (suspects.PeerClocks), and a probe round (suspects.ProbeRound)
+against real sockets: one that the kernel accepts but nobody answers (a stopped process) and a live responder."""
 
 from __future__ import annotations
 
+import socket
+import time
+
 from oobleck.runtime.elastic.health import HealthTimeouts
-from oobleck.runtime.elastic.suspects import PeerClocks
+from oobleck.runtime.elastic.liveness import NO_ANSWER, LivenessResponder
+from oobleck.runtime.elastic.suspects import PeerClocks, ProbeRound
 
 TIMEOUTS = HealthTimeouts(dead_after_s=1.5)
 PEERS = ("a", "b")
@@ -37,3 +42,50 @@ def test_a_reconnects_grace_outlives_a_generation_switch_and_the_arming_inside_i
     clocks.record(["b"], [b"1"], 12.0)  # b's heartbeat thread is back; a's is still backing off
     assert clocks.dead(PEERS, {}, 13.0 + 1.4, TIMEOUTS) == ("b",)  # one that beat is judged from its beat
     assert clocks.dead(PEERS, {}, 13.0 + 1.6, TIMEOUTS) == ("a", "b")
+
+
+def test_a_peer_whose_probe_round_is_out_waits_for_it_past_dead_after():
+    """On an overloaded host a round confirms for up to confirm_timeout_s, longer than dead_after_s: its peer is
+    judged by the round, not by its silence meanwhile."""
+    clocks = PeerClocks()
+    clocks.new_peers(PEERS, 0.0)
+    _beating(clocks, 0.0)
+    clocks.arm("a", 0.0)
+    clocks.arm("b", 0.0)
+    assert clocks.dead(PEERS, {}, 1.6, TIMEOUTS, probing=("a",)) == ("b",)
+    assert clocks.dead(PEERS, {"a": "no answer"}, 1.6, TIMEOUTS) == ("a", "b")
+
+
+def _wait_done(round_: ProbeRound, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not round_.done():
+        assert time.monotonic() < end, "the probe round did not end"
+        time.sleep(0.01)
+
+
+def test_a_probe_round_names_a_peer_that_accepts_but_never_answers_and_spares_one_that_answers():
+    responder = LivenessResponder("127.0.0.1")
+    with socket.socket() as stopped:  # listening, never accepting: a stopped process's port
+        stopped.bind(("127.0.0.1", 0))
+        stopped.listen(8)
+        addresses = {"hung": f"127.0.0.1:{stopped.getsockname()[1]}", "live": responder.address}
+        round_ = ProbeRound(HealthTimeouts(overloaded_per_core=1e9), addresses, lambda peer, moment: False)
+        _wait_done(round_)
+    unanswered = round_.unanswered()
+    assert list(unanswered) == ["hung"] and NO_ANSWER in unanswered["hung"], unanswered
+
+
+def test_a_suspect_that_beats_before_its_round_ends_is_spared():
+    """The detector thread goes on reading beats while a round probes: a beat seen meanwhile spares the peer."""
+    with socket.socket() as stopped:
+        stopped.bind(("127.0.0.1", 0))
+        stopped.listen(8)
+        beat_at: dict[str, float] = {}
+        round_ = ProbeRound(
+            HealthTimeouts(overloaded_per_core=1e9),
+            {"slow": f"127.0.0.1:{stopped.getsockname()[1]}"},
+            lambda peer, moment: beat_at.get(peer, float("-inf")) > moment,
+        )
+        beat_at["slow"] = time.monotonic()  # it beat while its probe was out
+        _wait_done(round_)
+    assert round_.unanswered() == {}
