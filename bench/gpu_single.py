@@ -37,7 +37,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # bench/overhead.py: the elastic runtime's launch, shared
-from vs_torch import plan_of
 
 GPT2_MEDIUM = {"name": "gpt", "sizes": {"blocks": 24, "hidden": 1024, "heads": 16, "seq_len": 1024, "vocab": 50304}}
 """GPT-2 medium (the paper's GPT-3 350M shape): 24 blocks, hidden 1024, 16 heads, 1024 tokens: ~355M parameters."""
@@ -215,7 +214,7 @@ def main() -> int:
     )
     step_ms = sum(layer.forward_ms + layer.backward_ms for layer in profile.layers) * args.microbatches
     print(f"profile ({profile.device}, bf16): {len(profile.layers)} layers, forward+backward {step_ms:.1f} ms per step")
-    plan = plan_of(model.num_layers, [[(0, model.num_layers)]], [args.microbatches], "gpu-single")
+    plan = overhead.plan_of(model.num_layers, [[(0, model.num_layers)]], [args.microbatches], "gpu-single")
     # `runtime` is the full elastic path (bench/overhead.py's `on`); the others take one piece out of it,
     # so that a gap can be attributed (`off`: the static worker, no coordinator or commit).
     pieces = [v for v in args.pieces.split(",") if v] if args.pieces else []

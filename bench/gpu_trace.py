@@ -29,7 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_single
 import overhead
-from vs_torch import plan_of
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 CPU_CATEGORIES = ("cpu_op",)
@@ -171,7 +170,7 @@ def main() -> int:
         gradient_sum_dtype="float32",
     )
     model = build_model(config)
-    plan = plan_of(model.num_layers, [[(0, model.num_layers)]], [args.microbatches], "gpu-trace")
+    plan = overhead.plan_of(model.num_layers, [[(0, model.num_layers)]], [args.microbatches], "gpu-trace")
     result: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "model": args.model}
     with tempfile.TemporaryDirectory() as tmp:
         window = [str(args.wait), str(args.active)]

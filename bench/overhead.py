@@ -1,13 +1,17 @@
 """Steady-state step time of the elastic path (the fault-tolerance machinery on) against the same
 pipelines without it, each piece's share, and pipeline efficiency against the 1F1B bound.
 
-Variants, all on the same plan (one pipeline of two single-GPU stages) with the same two worker
-processes, one torch thread each:
+Variants, all on the same plan with the same worker processes, one torch thread each. The plan
+(`--shape`): `pipeline` (default), one pipeline of two single-GPU stages; `ddp`, `--ranks` (4)
+single-stage pipelines, i.e. data parallelism (the shape `bench/vs_torch.py --which ddp` compares with
+torch's DDP; this model is its bench GPT):
 
 - `on`: what `oobleck launch` runs: `python -m oobleck.runtime.backends.local.worker` workers against a
-  coordinator (runtime/elastic/coordinator.py) and a plan file, with the failure detector's threads
-  (heartbeat, watcher, abort listener), interruptible waits, the store-decided step commit, the
-  per-step progress key and snapshots every `snapshot.interval_steps` (default 10) steps.
+  coordinator (runtime/elastic/coordinator.py) and a plan file, with the launcher's detection settings
+  (heartbeat period and dead-after of runtime/backends/local/config.py's LaunchOptions), the failure
+  detector's threads (beats and watch, abort listener), the plan watcher, interruptible waits, the
+  store-decided step commit, the per-step progress key and snapshots every `snapshot.interval_steps`
+  (default 10) steps.
 - `off`: the static worker (`python -m oobleck.runtime worker`) with plain `work.wait()`s: no
   coordinator, no detector, no commit, no progress, no snapshots.
 - `on+poll` (with `--pieces`): `on` plus the store polling of `oobleck launch`'s supervisor loop
@@ -25,11 +29,12 @@ the 10th percentile (the least disturbed steps: robust on a shared, loaded machi
 `OVERHEAD_PROFILE=PATH` writes a cProfile of each `_worker`'s training loop to PATH.<node>
 (variant `no-nothing` is that assembly with every piece on).
 
-The 1F1B bound for a pipeline of stages s with per-microbatch forward+backward t_s running M
+The 1F1B bound (`--shape pipeline`) for a pipeline of stages s with per-microbatch forward+backward t_s running M
 microbatches is sum_s t_s + (M - 1) * max_s t_s (communication free); t_s comes from the profiler
 run on this machine with the same thread count. Efficiency = bound / measured step time.
 
-usage: .venv/bin/python bench/overhead.py [--steps 40] [--repeats 5] [--pieces] [--out result.json] [--quick]
+usage: .venv/bin/python bench/overhead.py [--steps 40] [--repeats 5] [--pieces] [--shape pipeline|ddp] [--out result.json]
+       [--quick]
 Runs real worker processes (gloo, CPU); on a shared machine, compare runs made back to back.
 """
 
@@ -50,40 +55,61 @@ MODEL = {"name": "gpt", "sizes": {"blocks": 4, "hidden": 128, "heads": 4, "seq_l
 PIECES = ("detector", "commit", "snapshots")
 
 
-def two_stage_plan(num_layers: int, microbatches: int, split: int):
-    """One pipeline of two single-GPU nodes: layers [0, split) and [split, num_layers)."""
+def _launch_detection() -> list[str]:
+    """The heartbeat period and dead-after that `oobleck launch` gives its workers (runtime/backends/local/children.py)."""
+    from oobleck.runtime.backends.local.config import LaunchOptions
+
+    return [
+        "--heartbeat-period",
+        str(LaunchOptions.heartbeat_period_s),
+        "--dead-after",
+        str(LaunchOptions.dead_after_s),
+    ]
+
+
+def plan_of(num_layers: int, pipelines: list[list[tuple[int, int]]], microbatches: list[int], job: str):
+    """A plan of pipelines of single-rank stages on one-GPU nodes: pipelines[i] = its stages' layer ranges."""
     from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
 
-    stages = [(0, split), (split, num_layers)]
-    return Plan(
-        job="overhead",
-        generation=0,
-        num_layers=num_layers,
-        gpus_per_node=1,
-        f=0,
-        global_microbatches=microbatches,
-        templates=[
+    templates, built, node, offset = {}, [], 0, 0
+    for index, (stages, count) in enumerate(zip(pipelines, microbatches)):
+        n = len(stages)
+        templates.setdefault(
+            n,
             Template(
-                nodes=2,
+                nodes=n,
                 stages=[
                     TemplateStage(start=a, end=b, node=i, gpus=1, gpu_offset=0, forward_ms=0, backward_ms=0)
                     for i, (a, b) in enumerate(stages)
                 ],
                 iteration_ms=0,
-                m_ref=microbatches,
-            )
-        ],
-        pipelines=[
+                m_ref=count,
+            ),
+        )
+        nodes = [f"n{node + i}" for i in range(n)]
+        built.append(
             Pipeline(
-                index=0,
-                template_nodes=2,
-                nodes=["n0", "n1"],
-                microbatches=microbatches,
-                microbatch_offset=0,
-                stages=[Stage(start=a, end=b, node=f"n{i}", gpus=[0], ranks=[i]) for i, (a, b) in enumerate(stages)],
+                index=index,
+                template_nodes=n,
+                nodes=nodes,
+                microbatches=count,
+                microbatch_offset=offset,
+                stages=[
+                    Stage(start=a, end=b, node=nodes[i], gpus=[0], ranks=[node + i]) for i, (a, b) in enumerate(stages)
+                ],
                 iteration_ms=0,
             )
-        ],
+        )
+        node, offset = node + n, offset + count
+    return Plan(
+        job=job,
+        generation=0,
+        num_layers=num_layers,
+        gpus_per_node=1,
+        f=0,
+        global_microbatches=offset,
+        templates=list(templates.values()),
+        pipelines=built,
         iteration_ms=0,
     )
 
@@ -237,6 +263,7 @@ def run_variant(
             )
         commands = [
             entry
+            + _launch_detection()
             + [
                 "--config",
                 str(folder / "config.json"),
@@ -310,7 +337,7 @@ def _worker(argv: list[str]) -> int:
     from oobleck.api.addresses import parse_host_port, worker_id
     from oobleck.runtime.backends.base import build_worker, finish
     from oobleck.runtime.backends.local.plan_file import FilePlanSource
-    from oobleck.runtime.elastic.health import FailureDetector
+    from oobleck.runtime.elastic.health import FailureDetector, HealthTimeouts
     from oobleck.runtime.elastic.loop import run_elastic
     from oobleck.runtime.elastic.store import FixedEndpoint, StoreTimeouts
     from oobleck.runtime.train.config import load_config
@@ -323,6 +350,8 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--node", required=True)
     parser.add_argument("--gpu", type=int, default=0)
     parser.add_argument("--losses", default=None)
+    parser.add_argument("--heartbeat-period", type=float, default=HealthTimeouts.heartbeat_period_s)
+    parser.add_argument("--dead-after", type=float, default=HealthTimeouts.dead_after_s)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     config = load_config(args.config)
@@ -332,7 +361,13 @@ def _worker(argv: list[str]) -> int:
     detector = (
         _NoDetector()
         if args.without == "detector"
-        else FailureDetector(config.job, me, endpoint, store_timeouts=timeouts).start()
+        else FailureDetector(
+            config.job,
+            me,
+            endpoint,
+            store_timeouts=timeouts,
+            timeouts=HealthTimeouts(heartbeat_period_s=args.heartbeat_period, dead_after_s=args.dead_after),
+        ).start()
     )
     built = build_worker(config, args.node, args.gpu, endpoint, detector, timeouts, losses_path=args.losses)  # type: ignore[arg-type]
     worker = built.worker
@@ -371,6 +406,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5, help="rounds of every variant, interleaved")
     parser.add_argument("--pieces", action="store_true", help="also run `on` with each piece taken out")
     parser.add_argument("--variants", default=None, help="comma-separated variants to run (default: on,off)")
+    parser.add_argument(
+        "--shape",
+        choices=["pipeline", "ddp"],
+        default="pipeline",
+        help="pipeline: one 2-stage pipeline; ddp: --ranks single-stage pipelines (data parallelism)",
+    )
+    parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks of --shape ddp")
     parser.add_argument("--out", default=None)
     parser.add_argument(
         "--quick", action="store_true", help="a short run (8 steps, 1 repeat, workers forked) that the tests use"
@@ -378,6 +420,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.repeats = 8, 2, 1
+        args.ranks = 2
+    if args.shape == "ddp" and args.microbatches % args.ranks:
+        parser.error(f"--microbatches ({args.microbatches}) must be a multiple of --ranks ({args.ranks})")
 
     config = WorkerConfig(
         job="overhead", model=MODEL, microbatch_size=args.microbatch_size, steps=args.steps, device="cpu"
@@ -391,9 +436,13 @@ def main() -> int:
     costs = [min(p.layers[i].forward_ms + p.layers[i].backward_ms for p in profiles) for i in range(model.num_layers)]
     # Split where the two stages' costs are closest.
     split = min(range(1, model.num_layers), key=lambda k: abs(sum(costs[:k]) - sum(costs[k:])))
-    plan = two_stage_plan(model.num_layers, args.microbatches, split)
     stage_ms = [sum(costs[:split]), sum(costs[split:])]
     bound_ms = sum(stage_ms) + (args.microbatches - 1) * max(stage_ms)
+    n = model.num_layers
+    if args.shape == "pipeline":
+        plan = plan_of(n, [[(0, split), (split, n)]], [args.microbatches], "overhead")
+    else:
+        plan = plan_of(n, [[(0, n)]] * args.ranks, [args.microbatches // args.ranks] * args.ranks, "overhead")
 
     variants = (
         args.variants.split(",")
@@ -421,13 +470,19 @@ def main() -> int:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "snapshot_interval_steps": config.snapshot.interval_steps,
-        "stages": [[0, split], [split, model.num_layers]],
-        "stage_ms": stage_ms,
-        "bound_1f1b_ms": bound_ms,
+        "shape": args.shape,
         "step_ms": step_ms,
         "runs_ms": runs,
-        "efficiency": {v: bound_ms / ms for v, ms in step_ms["median"].items()},
     }
+    if args.shape == "pipeline":
+        result |= {
+            "stages": [[0, split], [split, model.num_layers]],
+            "stage_ms": stage_ms,
+            "bound_1f1b_ms": bound_ms,
+            "efficiency": {v: bound_ms / ms for v, ms in step_ms["median"].items()},
+        }
+    else:
+        result["ranks"] = args.ranks
     if "on" in variants and "off" in variants:
         # median: the brief's figure; p10: the least disturbed steps (robust to a loaded machine);
         # mean: throughput, the only one that sees the snapshot steps (1 in interval_steps).

@@ -65,53 +65,6 @@ def model_config(name: str) -> dict:
     return {"name": name}
 
 
-def plan_of(num_layers: int, pipelines: list[list[tuple[int, int]]], microbatches: list[int], job: str):
-    """A plan of pipelines of single-rank stages on one-GPU nodes: pipelines[i] = its stages' layer ranges."""
-    from oobleck.api.plan import Pipeline, Plan, Stage, Template, TemplateStage
-
-    templates, built, node, offset = {}, [], 0, 0
-    for index, (stages, count) in enumerate(zip(pipelines, microbatches)):
-        n = len(stages)
-        templates.setdefault(
-            n,
-            Template(
-                nodes=n,
-                stages=[
-                    TemplateStage(start=a, end=b, node=i, gpus=1, gpu_offset=0, forward_ms=0, backward_ms=0)
-                    for i, (a, b) in enumerate(stages)
-                ],
-                iteration_ms=0,
-                m_ref=count,
-            ),
-        )
-        nodes = [f"n{node + i}" for i in range(n)]
-        built.append(
-            Pipeline(
-                index=index,
-                template_nodes=n,
-                nodes=nodes,
-                microbatches=count,
-                microbatch_offset=offset,
-                stages=[
-                    Stage(start=a, end=b, node=nodes[i], gpus=[0], ranks=[node + i]) for i, (a, b) in enumerate(stages)
-                ],
-                iteration_ms=0,
-            )
-        )
-        node, offset = node + n, offset + count
-    return Plan(
-        job=job,
-        generation=0,
-        num_layers=num_layers,
-        gpus_per_node=1,
-        f=0,
-        global_microbatches=offset,
-        templates=list(templates.values()),
-        pipelines=built,
-        iteration_ms=0,
-    )
-
-
 # -- the torch baselines (run as `bench/vs_torch.py _ddp|_pipe ...` processes) ------------------------------
 
 
@@ -327,7 +280,7 @@ def main() -> int:
     comparisons = {}
     if "ddp" in which:
         share = args.microbatches // args.ranks
-        plan = plan_of(num_layers, [[(0, num_layers)]] * args.ranks, [share] * args.ranks, "vs-torch")
+        plan = overhead.plan_of(num_layers, [[(0, num_layers)]] * args.ranks, [share] * args.ranks, "vs-torch")
         comparisons["ddp"] = (
             lambda folder, plan=plan: run_runtime(config, plan, folder, args.quick),
             lambda folder: run_torch("_ddp", config, args.ranks, [str(args.microbatches)], folder, args.quick),
@@ -340,7 +293,7 @@ def main() -> int:
             parser.error(f"--which {kind}: the model has {num_layers} layers, fewer than {stages} stages")
         bounds = stage_bounds(num_layers, stages)
         ranges = list(zip(bounds, [*bounds[1:], num_layers]))
-        plan = plan_of(num_layers, [ranges], [args.microbatches], "vs-torch")
+        plan = overhead.plan_of(num_layers, [ranges], [args.microbatches], "vs-torch")
         extra = [str(args.microbatches), ",".join(map(str, bounds))]
         comparisons[kind] = (
             lambda folder, plan=plan: run_runtime(config, plan, folder, args.quick),

@@ -18,10 +18,10 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 
 
-def run_quick(script: str, timeout: float) -> str:
-    """Run `bench/<script> --quick`; its output, after checking it exited 0."""
+def run_quick(script: str, timeout: float, *extra: str) -> str:
+    """Run `bench/<script> --quick [extra...]`; its output, after checking it exited 0."""
     done = subprocess.run(
-        [sys.executable, str(BENCH / script), "--quick"], capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(BENCH / script), "--quick", *extra], capture_output=True, text=True, timeout=timeout
     )
     assert done.returncode == 0, (
         f"{script} --quick exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -66,14 +66,17 @@ def test_recovery_quick() -> None:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("control-processes")
-def test_overhead_quick() -> None:
+@pytest.mark.parametrize("shape", ["pipeline", "ddp"])
+def test_overhead_quick(shape: str) -> None:
     import json
 
-    out = run_quick("overhead.py", 420)
+    out = run_quick("overhead.py", 420, "--shape", shape)
     result = json.loads(out[out.index("{") :])
+    assert result["shape"] == shape
     assert set(result["step_ms"]["median"]) == {"on", "off"}
     assert all(ms > 0 for ms in result["step_ms"]["median"].values())
     assert set(result["overhead_on_vs_off"]) == {"median", "p10", "mean"}
+    assert ("efficiency" in result) == (shape == "pipeline") and ("ranks" in result) == (shape == "ddp")
 
 
 @pytest.mark.slow
