@@ -212,6 +212,7 @@ class FailureDetector:
         self.failure = failure if failure is not None else threading.Event()
         self._gpu_probe = gpu_probe
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the detector thread's sleep: set by stop() and by an ended probe round
         self._lock = threading.Lock()
         self._generation = -1
         self._peers: tuple[str, ...] = ()
@@ -241,6 +242,7 @@ class FailureDetector:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         for thread in self._threads:
             thread.join(timeout=2 * self.timeouts.abort_wait_s + self._store_timeouts.connect_s)
         self._threads.clear()
@@ -408,7 +410,8 @@ class FailureDetector:
                 ).start()
             now = time.monotonic()
             next_tick = next_tick + tick if next_tick + tick > now else now + tick  # a late thread skips missed ticks
-            self._stop.wait(next_tick - now)
+            self._wake.wait(next_tick - now)
+            self._wake.clear()
 
     def _probe_suspects(self, store: dist.Store, clocks: PeerClocks, peers: tuple[str, ...]) -> ProbeRound | None:
         """Start a round of probes of the armed peers silent for suspect_after_s (not again within it), if any.
@@ -419,7 +422,7 @@ class FailureDetector:
             return None
         addresses = keys.get_liveness(store, suspects)
         clocks.probed.update((p, now) for p in suspects if p not in addresses)
-        return ProbeRound(self.timeouts, addresses, clocks.beat_since) if addresses else None
+        return ProbeRound(self.timeouts, addresses, clocks.beat_since, self._wake.set) if addresses else None
 
     def _read_beats(self, store: dist.Store, clocks: PeerClocks, generation: int, peers: tuple[str, ...]) -> None:
         """Arm the peers that adopted `generation`, read every present peer's counter (its key exists in this

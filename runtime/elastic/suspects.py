@@ -125,17 +125,23 @@ class ProbeRound:
     beating and reading the peers' beats meanwhile (a confirmation on an overloaded host can outlast
     dead_after_s), and a suspect that beats before the round ends is spared.
 
-    `beat_since(peer, t)`: whether the detector has seen `peer` beat after monotonic time `t`.
+    `beat_since(peer, t)`: whether the detector has seen `peer` beat after monotonic time `t`; `on_done`: called
+    when the round ends (the detector judges it then, not at its next tick).
     """
 
     def __init__(
-        self, timeouts: HealthTimeouts, addresses: dict[str, str], beat_since: Callable[[str, float], bool]
+        self,
+        timeouts: HealthTimeouts,
+        addresses: dict[str, str],
+        beat_since: Callable[[str, float], bool],
+        on_done: Callable[[], None] = lambda: None,
     ) -> None:
         self.timeouts = timeouts
         self.addresses = addresses
         self.suspects = tuple(addresses)
         self.started = time.monotonic()
         self._beat_since = beat_since
+        self._on_done = on_done
         self._unanswered: dict[str, str] = {}
         self._done = threading.Event()
         threading.Thread(target=self._run, name="oobleck-probe-round", daemon=True).start()
@@ -157,6 +163,7 @@ class ProbeRound:
             log.exception("liveness probe round")
         finally:
             self._done.set()
+            self._on_done()
 
     def _confirm(self, unanswered: dict[str, str]) -> dict[str, str]:
         """Ask the peers that accepted but did not answer again until they answer or beat, for at most
