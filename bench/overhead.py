@@ -392,11 +392,24 @@ def _worker(argv: list[str]) -> int:
     os._exit(result.exit_code)
 
 
+def _two_stages(model, microbatch_size: int, microbatches: int) -> tuple[int, list[float], float]:
+    """The 2-stage split whose stages' profiled costs are closest, the stages' ms, and its 1F1B bound (ms)."""
+    import torch
+
+    from oobleck.runtime.train.profiler import profile_model
+
+    # Per layer, the fastest of three profiles: a busy machine only ever makes a layer look slower.
+    profiles = [profile_model(model, microbatch_size, torch.device("cpu"), warmup=2, iterations=5) for _ in range(3)]
+    costs = [min(p.layers[i].forward_ms + p.layers[i].backward_ms for p in profiles) for i in range(model.num_layers)]
+    split = min(range(1, model.num_layers), key=lambda k: abs(sum(costs[:k]) - sum(costs[k:])))
+    stage_ms = [sum(costs[:split]), sum(costs[split:])]
+    return split, stage_ms, sum(stage_ms) + (microbatches - 1) * max(stage_ms)
+
+
 def main() -> int:
     import torch
 
     from oobleck.runtime.train.config import WorkerConfig, build_model
-    from oobleck.runtime.train.profiler import profile_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -429,17 +442,9 @@ def main() -> int:
     )
     model = build_model(config)
     torch.set_num_threads(config.threads)
-    # Per layer, the fastest of three profiles: a busy machine only ever makes a layer look slower.
-    profiles = [
-        profile_model(model, args.microbatch_size, torch.device("cpu"), warmup=2, iterations=5) for _ in range(3)
-    ]
-    costs = [min(p.layers[i].forward_ms + p.layers[i].backward_ms for p in profiles) for i in range(model.num_layers)]
-    # Split where the two stages' costs are closest.
-    split = min(range(1, model.num_layers), key=lambda k: abs(sum(costs[:k]) - sum(costs[k:])))
-    stage_ms = [sum(costs[:split]), sum(costs[split:])]
-    bound_ms = sum(stage_ms) + (args.microbatches - 1) * max(stage_ms)
     n = model.num_layers
     if args.shape == "pipeline":
+        split, stage_ms, bound_ms = _two_stages(model, args.microbatch_size, args.microbatches)
         plan = plan_of(n, [[(0, split), (split, n)]], [args.microbatches], "overhead")
     else:
         plan = plan_of(n, [[(0, n)]] * args.ranks, [args.microbatches // args.ranks] * args.ranks, "overhead")
@@ -476,7 +481,7 @@ def main() -> int:
     }
     if args.shape == "pipeline":
         result |= {
-            "stages": [[0, split], [split, model.num_layers]],
+            "stages": [[0, split], [split, n]],
             "stage_ms": stage_ms,
             "bound_1f1b_ms": bound_ms,
             "efficiency": {v: bound_ms / ms for v, ms in step_ms["median"].items()},

@@ -80,6 +80,19 @@ def test_overhead_quick(shape: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("control-processes")
+def test_detector_idle_quick(tmp_path) -> None:
+    import json
+
+    out = run_quick("detector_idle.py", 300, "--out", str(tmp_path / "idle.json"))
+    assert re.search(rf"idle detector {NUMBER} ms/s per worker vs a bare thread .*: {NUMBER}x", out), out
+    figures = json.loads((tmp_path / "idle.json").read_text())
+    # Both sides measured real processes' CPU: a process that wakes at all uses some.
+    assert all(ms > 0 for ms in figures["per_worker_ms_per_s"].values()), figures
+    assert figures["coordinator_ms_per_s"]["detector"] > 0, figures
+
+
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_operator_scale_quick() -> None:
     import json

@@ -4,8 +4,11 @@ Every worker runs two small daemon threads, each with its own store connection (
 serialises its operations, so a blocking wait must not sit in front of a beat):
 
 - `oobleck-detect` beats (sets `hb/{worker}` to its next count) every `heartbeat_period_s` and reads the
-  peers' counters every `watch_period_s`, in one thread (one wake-up per period, not one per task: on a
-  host where the ranks share cores, every wake-up is CPU taken from training). The counters are kept
+  peers' counters every `watch_period_s` (by default the same period), in one thread (one wake-up per
+  period, not one per task: on a host where the ranks share cores, every wake-up is CPU taken from
+  training). A peer whose counter had not moved at a read is read again the moment its suspicion falls
+  due, so silence is judged as finely as reads twice as frequent would, at a wake-up only when a beat
+  was missed. The counters are kept
   on this worker's own monotonic clock, so clocks need not agree. A peer silent for `suspect_after_s`
   is probed, on a `ProbeRound` thread of its own so that the beats go on: its `LivenessResponder` is
   asked a question that C++ threads answer without Python's GIL, so a worker starved of CPU or of the
@@ -13,8 +16,11 @@ serialises its operations, so a blocking wait must not sit in front of a beat):
   or hung as a whole (SIGSTOP, a frozen host: no answer) or cut off by the network (no connection)
   does not. No answer within `probe_timeout_s` is the verdict; an answer spares the peer until
   `dead_after_s` of silence (a process whose Python is stuck but whose responder lives);
-- `oobleck-abort` blocks on the `gen{g}/abort` key, so that one worker's detection reaches every
-  survivor in milliseconds;
+- `oobleck-abort` blocks on its wake key `gen{g}/wake/{worker}`, which every abort of the generation sets for
+  each member (keys.post_abort), so that one worker's detection reaches every survivor in milliseconds.
+  After a generation switch without an abort the detector thread wakes it onto the new generation (and
+  looks for that generation's abort itself until it has moved); stop() wakes it too, so that the process
+  never exits while the thread is inside a store call (CPython then ends it mid-call: SIGABRT);
 - and, with `gpu_probe_period_s`, `oobleck-gpu-probe` probes the GPUs (a slow `nvidia-smi` must not delay
   a beat).
 
@@ -63,8 +69,10 @@ class HealthTimeouts:
     dead_after_s: float = 1.0
     """A peer whose counter has not moved for this long is dead even though its liveness responder answers
     (its Python is stuck), or when it has no responder (detection < dead_after + watch period)."""
-    watch_period_s: float = 0.05
-    """How often the detector reads the peers' counters (one round trip)."""
+    watch_period_s: float = 0.0
+    """How often the detector reads the peers' counters (one round trip); 0: the heartbeat period. A peer not seen
+    beating at a read is read again when its suspicion falls due, so a read period as long as the heartbeat's
+    finds a silent peer as soon as twice as many reads would."""
     suspect_after_s: float = 0.0
     """Silence after which a peer is probed (a suspicion costs one probe, never a verdict by itself);
     0: max(0.15, 1.5 heartbeat periods)."""
@@ -82,8 +90,10 @@ class HealthTimeouts:
     overloaded_per_core: float = 2.0
     """Runnable tasks per core (the 1-minute load average, or those runnable at the probe's instant) above
     which the host counts as overloaded (see confirm_timeout_s)."""
-    abort_wait_s: float = 0.2
-    """Slice of the blocking wait on the abort key (bounds how long a generation switch takes to follow)."""
+    abort_wait_s: float = 2.0
+    """Slice of the abort listener's blocking wait (on its wake key, set by every abort of the generation and when
+    the listener must move on: a generation switch without an abort, stop()). The slice bounds only the listener's
+    wake-ups, and how long stop() may wait for a listener it could not wake (its store unreachable)."""
     gpu_probe_period_s: float = 5.0
     """How often the GPU probe runs (0 disables it)."""
     startup_grace_s: float = 60.0
@@ -96,6 +106,8 @@ class HealthTimeouts:
     fast path; this covers a listener that gave up)."""
 
     def __post_init__(self) -> None:
+        if self.watch_period_s == 0:
+            object.__setattr__(self, "watch_period_s", self.heartbeat_period_s)
         if self.suspect_after_s == 0:
             object.__setattr__(self, "suspect_after_s", max(0.15, 1.5 * self.heartbeat_period_s))
         for name in (
@@ -213,6 +225,9 @@ class FailureDetector:
         self._gpu_probe = gpu_probe
         self._stop = threading.Event()
         self._wake = threading.Event()  # the detector thread's sleep: set by stop() and by an ended probe round
+        self._rearm = threading.Event()  # the idle abort listener's sleep: set by stop() and watch()
+        self._listening = -1  # the generation the abort listener waits in (-1: none)
+        self._woken = -1  # the generation the detector thread last woke the listener out of
         self._lock = threading.Lock()
         self._generation = -1
         self._peers: tuple[str, ...] = ()
@@ -243,8 +258,11 @@ class FailureDetector:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self._rearm.set()
         for thread in self._threads:
-            thread.join(timeout=2 * self.timeouts.abort_wait_s + self._store_timeouts.connect_s)
+            # The detector thread wakes the abort listener as it ends; a listener it could not wake (the store
+            # unreachable) leaves its wait within abort_wait_s.
+            thread.join(timeout=self.timeouts.abort_wait_s + self._store_timeouts.connect_s)
         self._threads.clear()
 
     def watch(self, generation: int, peers: list[str] | tuple[str, ...], epoch: str | None = None) -> None:
@@ -260,6 +278,8 @@ class FailureDetector:
             self._peers = tuple(p for p in peers if p != self.worker)
             self._watch_version += 1
             self.failure.clear()
+        self._rearm.set()
+        self._wake.set()  # the detector reads the new peers at once (it arms them as they adopt the generation)
 
     def ready(self) -> None:
         """This worker has adopted its generation: peers start holding it to `dead_after_s`."""
@@ -321,8 +341,11 @@ class FailureDetector:
     def _post_abort(self, generation: int, report: FailureReport) -> None:
         """Post the abort on a connection kept for it: connecting takes ~0.2 s on a busy host, and
         this is the critical path of every survivor's wake-up."""
+        with self._lock:
+            members = (*self._peers, self.worker) if generation == self._generation else (self.worker,)
+        reason = report.model_dump(mode="json")
         with self._trigger_lock:
-            self._trigger.run(lambda store: keys.post_abort(store, generation, report.model_dump(mode="json")))
+            self._trigger.run(lambda store: keys.post_abort(store, generation, reason, members))
 
     def _connect(self) -> dist.Store:
         store, epoch, _ = connect_endpoint(self._endpoint, self._store_timeouts)
@@ -345,9 +368,12 @@ class FailureDetector:
         judged: set[str] = set()  # the peers reported dead since the last watch()
         beats = 0
         # One wake-up per tick, on a fixed schedule; a beat or read due within half a tick is done at this one
-        # (scheduled each on its own, they drift apart under load and the thread wakes twice a period).
+        # (scheduled each on its own, they drift apart under load and the thread wakes twice a period). A read
+        # is also due when a peer's suspicion falls due (`suspicion_due`): between ticks only if a peer was not
+        # seen beating at the last read.
         tick = min(self.timeouts.heartbeat_period_s, self.timeouts.watch_period_s)
         next_tick = next_beat = next_read = next_abort_check = time.monotonic()
+        suspicion_due = float("inf")
         while not self._stop.is_set():
             now = time.monotonic()
             with self._lock:
@@ -356,6 +382,7 @@ class FailureDetector:
                 seen_version, probes = version, None  # a round about the previous peers is not judged
                 judged = set()
                 clocks.new_peers(peers, now)
+                next_read = now
             try:
                 if store is None:
                     store = self._connect()
@@ -370,12 +397,9 @@ class FailureDetector:
                     beats += 1
                     store.set(key, str(beats))
                     next_beat = now + self.timeouts.heartbeat_period_s
-                if now >= next_read - tick / 2:
+                if now >= min(next_read - tick / 2, suspicion_due):
                     next_read = now + self.timeouts.watch_period_s
-                    if generation >= 0 and now >= next_abort_check:
-                        next_abort_check = now + self.timeouts.abort_backstop_s
-                        if keys.aborted(store, generation) and not self.failure.is_set():
-                            self._follow_abort(store, generation)
+                    next_abort_check = self._mind_listener(store, generation, now, next_abort_check)
                     self._read_beats(store, clocks, generation, peers)
                     if probes is None and generation >= 0:
                         probes = self._probe_suspects(store, clocks, peers)
@@ -393,25 +417,62 @@ class FailureDetector:
                 ended = time.monotonic()
                 clocks.probed.update((p, ended) for p in probes.suspects if not clocks.beat_since(p, probes.started))
                 probes = None
-            now = time.monotonic()
-            dead = clocks.dead(peers, unanswered, now, self.timeouts, probes.suspects if probes is not None else ())
-            if dead and generation >= 0 and store is not None:
-                dead = self._not_done(store, dead, generation)
-            fresh = tuple(p for p in dead if p not in judged) if generation >= 0 else ()
-            if fresh:
-                judged.update(fresh)
-                silent = ", ".join(f"{p} {clocks.silence(p, now):.2f}s{self._why(unanswered, p)}" for p in fresh)
-                # On a thread of its own: a pod's report is a Kubernetes API call, and the beats must go on.
-                threading.Thread(
-                    target=self.trigger,
-                    args=(FailureKind.HEARTBEAT, fresh, f"no heartbeat: {silent}", generation),
-                    name="oobleck-verdict",
-                    daemon=True,
-                ).start()
+            probing = probes.suspects if probes is not None else ()
+            self._judge(store, clocks, generation, peers, unanswered, probing, judged)
             now = time.monotonic()
             next_tick = next_tick + tick if next_tick + tick > now else now + tick  # a late thread skips missed ticks
-            self._wake.wait(next_tick - now)
+            suspicion_due = (
+                clocks.suspicion_due(peers, self.timeouts.suspect_after_s) if probes is None else float("inf")
+            )
+            # (a floor: a suspicion due at this instant is one only once its silence exceeds suspect_after_s)
+            self._wake.wait(max(min(next_tick, suspicion_due) - now, tick / 20))
             self._wake.clear()
+        if store is not None and self._listening >= 0:  # stopping: the listener must leave its store call
+            try:
+                keys.wake(store, self._listening, [self.worker])
+            except RuntimeError as error:
+                log.info("failure detector: could not wake the abort listener: %s", error)
+
+    def _mind_listener(self, store: dist.Store, generation: int, now: float, next_abort_check: float) -> float:
+        """Wake the abort listener out of a wait in an older generation (a switch without an abort), and look for
+        this generation's abort until it waits in it (else every abort_backstop_s: a listener that gave up);
+        returns when to look next."""
+        listening = self._listening
+        if listening not in (-1, generation) and listening != self._woken:
+            keys.wake(store, listening, [self.worker])
+            self._woken = listening
+        if generation >= 0 and not self.failure.is_set() and (listening != generation or now >= next_abort_check):
+            next_abort_check = now + self.timeouts.abort_backstop_s
+            if keys.aborted(store, generation):
+                self._follow_abort(store, generation)
+        return next_abort_check
+
+    def _judge(
+        self,
+        store: dist.Store | None,
+        clocks: PeerClocks,
+        generation: int,
+        peers: tuple[str, ...],
+        unanswered: dict[str, str],
+        probing: tuple[str, ...],
+        judged: set[str],
+    ) -> None:
+        """Report the peers found dead now and not reported since the last watch() (`judged`, updated)."""
+        now = time.monotonic()
+        dead = clocks.dead(peers, unanswered, now, self.timeouts, probing)
+        if dead and generation >= 0 and store is not None:
+            dead = self._not_done(store, dead, generation)
+        fresh = tuple(p for p in dead if p not in judged) if generation >= 0 else ()
+        if fresh:
+            judged.update(fresh)
+            silent = ", ".join(f"{p} {clocks.silence(p, now):.2f}s{self._why(unanswered, p)}" for p in fresh)
+            # On a thread of its own: a pod's report is a Kubernetes API call, and the beats must go on.
+            threading.Thread(
+                target=self.trigger,
+                args=(FailureKind.HEARTBEAT, fresh, f"no heartbeat: {silent}", generation),
+                name="oobleck-verdict",
+                daemon=True,
+            ).start()
 
     def _probe_suspects(self, store: dist.Store, clocks: PeerClocks, peers: tuple[str, ...]) -> ProbeRound | None:
         """Start a round of probes of the armed peers silent for suspect_after_s (not again within it), if any.
@@ -462,14 +523,17 @@ class FailureDetector:
     def _abort_loop(self) -> None:
         store: dist.Store | None = None
         while not self._stop.is_set():
+            self._listening = -1
+            self._rearm.clear()
             generation = self._generation
             if generation < 0 or self.failure.is_set():
-                self._stop.wait(self.timeouts.abort_wait_s)
+                self._rearm.wait(self.timeouts.abort_wait_s)  # until the next watch()
                 continue
             try:
                 if store is None:
                     store = self._connect()
-                if keys.wait_abort(store, generation, self.timeouts.abort_wait_s):
+                self._listening = generation
+                if keys.wait_abort(store, generation, self.worker, self.timeouts.abort_wait_s):
                     self._follow_abort(store, generation)
             except RuntimeError as error:
                 if not is_store_loss(error):
@@ -479,6 +543,7 @@ class FailureDetector:
             except StoreUnavailable as error:
                 log.error("abort listener: %s", error)
                 return
+        self._listening = -1
 
     def _follow_abort(self, store: dist.Store, generation: int) -> None:
         """Another worker aborted `generation`: stop waiting on collectives now."""

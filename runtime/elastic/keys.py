@@ -5,9 +5,10 @@ Key layout (nothing else spells a key):
     epoch                   the store's incarnation: a fresh token every time a server starts (store.EPOCH_KEY)
     generation              the plan generation in force (written by the plan controller)
     gen{g}/abort            present once generation g is aborted; value: the first failure report
+    gen{g}/wake/{worker}    set to wake the worker's abort listener (by every abort of g, for each member)
     gen{g}/ready/{worker}   present once the worker has adopted generation g
     failures                a queue of failure reports (JSON), consumed by the plan controller
-    hb/{worker}             a worker's heartbeat counter (`add`), independent of generations
+    hb/{worker}             a worker's heartbeat counter (`set` to its next count), independent of generations
     progress/{worker}       the worker's last step event: {"generation", "step", "phase"}
     held/{worker}           the layers a worker holds and their step (the controller's copy sources),
                             its snapshots {step: layers} and its snapshot server's address (snapshot.py)
@@ -23,14 +24,14 @@ Key layout (nothing else spells a key):
 Values a worker acts on (aborts, failure reports, holdings in `held/` and `gen{g}/holding/`, liveness
 addresses, commit decisions, `snap/complete/` marks) are sealed under the job key (signing.py) by the operations below; a value that does not verify
 is treated as absent (and counted). `signer` defaults to this process's (`signing.job_signer`). Counters
-(`add`: heartbeats, arrivals, snapshot acknowledgements) and progress reports cannot be sealed this way.
+(heartbeats; `add`: arrivals, snapshot acknowledgements) and progress reports cannot be sealed this way.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import time
+from collections.abc import Iterable
 
 import torch.distributed as dist
 
@@ -42,8 +43,14 @@ FAILURES_QUEUE = "failures"
 
 
 def abort_key(generation: int) -> str:
-    """Present once `generation` is aborted: survivors `wait` on it (wakes in ~1.5 ms)."""
+    """Present once `generation` is aborted (its value: the first failure report, signed)."""
     return f"gen{generation}/abort"
+
+
+def wake_key(generation: int, worker: str) -> str:
+    """Set for each member of `generation` by every abort of it, and by a worker whose abort listener must move
+    on: the listener blocks on its own key (a TCPStore `wait` ends only when the key it waits for is set)."""
+    return f"gen{generation}/wake/{worker}"
 
 
 def heartbeat_key(worker: str) -> str:
@@ -118,20 +125,30 @@ def current_generation(store: dist.Store) -> int | None:
     return int(store.get(GENERATION_KEY))
 
 
-def post_abort(store: dist.Store, generation: int, reason: dict, signer: Signer | None = None) -> bool:
-    """Abort `generation` (idempotent); returns True if this call was the first to abort it."""
+def post_abort(
+    store: dist.Store, generation: int, reason: dict, members: Iterable[str], signer: Signer | None = None
+) -> bool:
+    """Abort `generation` (idempotent) and wake its `members`' abort listeners; returns True if this call was the
+    first to abort it."""
     signer = signer or job_signer()
     key = abort_key(generation)
     payload = signer.seal(key, json.dumps(reason, sort_keys=True))
     # compare_set with an empty expected value sets only if absent: the first reason wins.
     stored = store.compare_set(key, "", payload).decode()
-    if stored == payload:
-        return True
-    if signer.verified(key, stored, "abort") is None:
+    first = stored == payload
+    if not first and signer.verified(key, stored, "abort") is None:
         # A stranger's value holds the key: ours replaces it (it must not block the job's real abort).
         store.set(key, payload)
-        return True
-    return False
+        first = True
+    wake(store, generation, members)  # after the abort is in force: a woken listener reads it
+    return first
+
+
+def wake(store: dist.Store, generation: int, workers: Iterable[str]) -> None:
+    """Wake the abort listeners of `workers` waiting in `generation` (a wake is no abort: they look for one)."""
+    names = [wake_key(generation, w) for w in workers]
+    if names:
+        store.multi_set(names, ["1"] * len(names))
 
 
 def abort_reason(store: dist.Store, generation: int, signer: Signer | None = None) -> bytes | None:
@@ -146,24 +163,21 @@ def aborted(store: dist.Store, generation: int, signer: Signer | None = None) ->
     return abort_reason(store, generation, signer) is not None
 
 
-def wait_abort(store: dist.Store, generation: int, timeout_s: float, signer: Signer | None = None) -> bool:
-    """Block until `generation` is aborted or `timeout_s` passes; returns whether it was aborted.
-
-    A stranger's abort makes the key present without aborting anything: then the key is polled (its
-    wait would return at once) until a verified abort replaces it or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
+def wait_abort(store: dist.Store, generation: int, worker: str, timeout_s: float, signer: Signer | None = None) -> bool:
+    """`worker`'s abort listener: block until `generation` is aborted, `worker` is woken (`wake`) or `timeout_s`
+    passes; returns whether `generation` is aborted (a verified abort: a stranger's value aborts nothing, and
+    it does not end the wait either, since only the wake key does)."""
+    key = wake_key(generation, worker)
+    store.delete_key(key)  # a wake already taken; an abort posted before this is seen just below
+    if aborted(store, generation, signer):
+        return True
     try:
-        store.wait([abort_key(generation)], datetime.timedelta(seconds=timeout_s))
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
     except RuntimeError as error:
         if is_store_loss(error):
             raise
         return False
-    while True:
-        if aborted(store, generation, signer):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+    return aborted(store, generation, signer)
 
 
 def push_failure(store: dist.Store, report: dict, signer: Signer | None = None) -> None:

@@ -81,6 +81,11 @@ class PeerClocks:
             if p in self.armed and self.silence(p, now) > after_s and now - self.probed.get(p, -1e9) > after_s
         ]
 
+    def suspicion_due(self, peers: tuple[str, ...], after_s: float) -> float:
+        """When the earliest armed peer becomes a suspect if it does not beat meanwhile (monotonic; inf: none)."""
+        last = [max(self.last_change[p], self.probed.get(p, float("-inf"))) for p in peers if p in self.armed]
+        return min(last) + after_s if last else float("inf")
+
     def dead(
         self,
         peers: tuple[str, ...],

@@ -26,19 +26,23 @@ def test_abort_is_first_writer_wins_and_wakes_waiters_fast():
     with Coordinator() as coordinator:
         waiter, _ = connect("127.0.0.1", coordinator.port, FAST)
         woke: list[float] = []
-        thread = threading.Thread(target=lambda: (co.wait_abort(waiter, 7, 5.0), woke.append(time.perf_counter())))
+        thread = threading.Thread(
+            target=lambda: (co.wait_abort(waiter, 7, "node0:0", 5.0), woke.append(time.perf_counter()))
+        )
         thread.start()
         time.sleep(0.2)  # the waiter is blocked in store.wait
         poster = coordinator.store()
         posted = time.perf_counter()
-        assert co.post_abort(poster, 7, {"by": "a"}) is True
-        assert co.post_abort(poster, 7, {"by": "b"}) is False
+        assert co.post_abort(poster, 7, {"by": "a"}, ["node0:0", "node1:0"]) is True
+        assert co.post_abort(poster, 7, {"by": "b"}, ["node0:0", "node1:0"]) is False
         thread.join(5)
         assert woke, "the waiter never woke"
         assert woke[0] - posted < 0.1, f"abort broadcast took {woke[0] - posted:.4f} s"
         assert json.loads(poster.get(co.abort_key(7))) == {"by": "a"}
         assert co.aborted(poster, 7) and not co.aborted(poster, 8)
-        assert co.wait_abort(poster, 8, 0.05) is False
+        assert co.wait_abort(poster, 8, "node0:0", 0.05) is False
+        co.wake(poster, 8, ["node0:0"])  # a wake is no abort
+        assert co.wait_abort(poster, 8, "node0:0", 5.0) is False
 
 
 def test_failure_queue_and_progress_round_trip():

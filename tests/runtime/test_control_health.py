@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 
@@ -276,6 +277,102 @@ def test_signal_and_trigger_report_once_per_generation():
         assert detector.trigger("heartbeat", ("node1:0",), "late", generation=2) is None
 
 
+def _closed_port() -> int:
+    """A port nobody listens on (a dead peer's responder: the probe's connection is refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _detector(coordinator: Coordinator, timeouts: HealthTimeouts) -> Iterator[FailureDetector]:
+    detector = FailureDetector(
+        "job",
+        "node0:0",
+        FixedEndpoint("127.0.0.1", coordinator.port),
+        reporter=CallbackFailureReporter(lambda report: None),
+        timeouts=timeouts,
+        store_timeouts=FAST,
+        gpu_probe=lambda: [],
+    ).start()
+    try:
+        yield detector
+    finally:
+        detector.stop()
+
+
+def test_a_silent_peer_is_probed_when_its_suspicion_falls_due_not_at_the_next_read():
+    """Reads 2 s apart, suspicion after 0.3 s: a peer that adopted the generation and then fell silent (its
+    responder gone) is the verdict ~0.3 s after it was armed, not at the next read (~1.9 s)."""
+    with Coordinator() as coordinator:
+        store = coordinator.store()
+        co.set_liveness(store, "node1:0", f"127.0.0.1:{_closed_port()}")
+        store.set(co.heartbeat_key("node1:0"), "1")
+        store.set(co.ready_key(0, "node1:0"), "1")
+        timeouts = HealthTimeouts(heartbeat_period_s=0.25, dead_after_s=30.0, suspect_after_s=0.3, watch_period_s=2.0)
+        with _detector(coordinator, timeouts) as detector:
+            time.sleep(0.3)  # the detector's first beat and read are behind it
+            watched = time.monotonic()
+            detector.watch(0, ["node0:0", "node1:0"])  # read at once: node1 has adopted it (armed)
+            assert detector.failure.wait(5)
+            took = time.monotonic() - watched
+    assert detector.last_report is not None and detector.last_report.dead == ("node1:0",)
+    assert "refused" in detector.last_report.detail
+    assert took < 1.2, f"verdict {took:.2f} s after the peer was armed: not at its suspicion (0.3 s)"
+
+
+def test_an_abort_after_a_switch_without_one_is_followed_while_the_listener_waits_on_the_old_key():
+    """A planned switch (no abort) finds the abort listener in its wait in the previous generation, 30 s long here
+    (the 1 s backstop off): the detector thread wakes it onto the new one, whose abort it then follows, and
+    stop() wakes it at once."""
+    timeouts = HealthTimeouts(abort_wait_s=30.0, abort_backstop_s=60.0)
+    with Coordinator() as coordinator, _detector(coordinator, timeouts) as detector:
+        store = coordinator.store()
+        detector.watch(0, ["node0:0"])
+        time.sleep(0.3)  # the listener waits on gen0/abort
+        detector.watch(1, ["node0:0"])
+        posted = time.monotonic()
+        co.post_abort(
+            store, 1, {"job": "job", "generation": 1, "reporter": "node1:0", "kind": "heartbeat"}, ["node0:0"]
+        )
+        assert detector.failure.wait(5)
+        took = time.monotonic() - posted
+        stopping = time.monotonic()
+    stopped = time.monotonic() - stopping
+    assert took < 0.5, f"the abort of generation 1 followed after {took:.2f} s"
+    assert stopped < 2.0, f"stop() waited {stopped:.2f} s for the listener's 30 s wait"
+
+
+def test_a_process_exits_cleanly_right_after_stop_while_its_abort_listener_waits():
+    """CPython ends a daemon thread that comes back from a store call during interpreter shutdown by unwinding
+    it, which aborts the process (SIGABRT, exit 134, seen with a listener left in its wait): stop() wakes the
+    listener out of its 30 s wait and joins it: no thread of the detector is left, and the process exits 0 at
+    once."""
+    with Coordinator() as coordinator:
+        script = textwrap.dedent(
+            f"""
+            import threading
+            import time
+            from oobleck.runtime.elastic.health import CallbackFailureReporter, FailureDetector, HealthTimeouts
+            from oobleck.runtime.elastic.store import FixedEndpoint
+
+            detector = FailureDetector(
+                "job", "node0:0", FixedEndpoint("127.0.0.1", {coordinator.port}),
+                reporter=CallbackFailureReporter(print), timeouts=HealthTimeouts(abort_wait_s=30.0), gpu_probe=list,
+            ).start()
+            detector.watch(0, ["node0:0"])
+            time.sleep(0.5)  # the listener is in its wait
+            began = time.monotonic()
+            detector.stop()
+            print("stopped in", time.monotonic() - began)
+            assert not [t for t in threading.enumerate() if t.name.startswith("oobleck-")], threading.enumerate()
+            """
+        )
+        proc = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split("stopped in")[1]) < 2.0, proc.stdout
+
+
 def test_an_unhealthy_gpu_reports_its_own_worker():
     reports: list[FailureReport] = []
     with Coordinator() as coordinator:
@@ -310,7 +407,7 @@ def test_gpu_probe_on_this_machine():
     [
         ("heartbeat_period_s", 0),
         ("dead_after_s", -1),
-        ("watch_period_s", 0),
+        ("watch_period_s", -1),
         ("dead_after_s", 0.08),
         ("probe_timeout_s", 0),
         ("suspect_after_s", 0.04),

@@ -63,16 +63,16 @@ def test_a_strangers_abort_is_ignored_counted_and_replaced_by_the_jobs(stores):
     stranger.set(keys.abort_key(3), json.dumps({"kind": "heartbeat", "dead": ["node0:0"]}))
     assert not keys.aborted(job, 3, signer)
     assert keys.abort_reason(job, 3, signer) is None
-    assert not keys.wait_abort(job, 3, 0.1, signer), "a present but forged abort key does not end the wait"
+    assert not keys.wait_abort(job, 3, "node0:0", 0.1, signer), "a present but forged abort key aborts nothing"
     assert signer.rejected["abort"] == 1, "one forged value read three times is one refused message"
     sample = metrics.registry.get_sample_value(
         "oobleck_worker_rejected_messages_total", {"job": "job", "node": "node0", "gpu": "0", "kind": "abort"}
     )
     assert sample == signer.rejected["abort"]
     # The job's own abort replaces the forged value, then the first real reason wins.
-    assert keys.post_abort(job, 3, {"kind": "process-exit", "dead": ["node1:0"]}, signer)
-    assert not keys.post_abort(job, 3, {"kind": "other"}, signer)
-    assert keys.wait_abort(job, 3, 1.0, signer)
+    assert keys.post_abort(job, 3, {"kind": "process-exit", "dead": ["node1:0"]}, ["node0:0"], signer)
+    assert not keys.post_abort(job, 3, {"kind": "other"}, ["node0:0"], signer)
+    assert keys.wait_abort(job, 3, "node0:0", 1.0, signer)
     assert json.loads(keys.abort_reason(job, 3, signer) or b"") == {"kind": "process-exit", "dead": ["node1:0"]}
     # A stranger overwriting it afterwards is refused again.
     stranger.set(keys.abort_key(3), "anything")

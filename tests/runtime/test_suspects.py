@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
+
 from oobleck.runtime.elastic.health import HealthTimeouts
 from oobleck.runtime.elastic.liveness import NO_ANSWER, LivenessResponder
 from oobleck.runtime.elastic.suspects import PeerClocks, ProbeRound
@@ -89,3 +91,15 @@ def test_a_suspect_that_beats_before_its_round_ends_is_spared():
         beat_at["slow"] = time.monotonic()  # it beat while its probe was out
         _wait_done(round_)
     assert round_.unanswered() == {}
+
+
+def test_a_suspicion_falls_due_after_the_silence_of_the_armed_peer_seen_last_and_not_again_within_its_probe():
+    clocks = PeerClocks()
+    clocks.new_peers(PEERS, 0.0)
+    assert clocks.suspicion_due(PEERS, 0.15) == float("inf")  # nobody armed: silence is no suspicion yet
+    clocks.arm("a", 1.0)
+    clocks.arm("b", 1.0)
+    clocks.record(["b"], [b"2"], 1.3)
+    assert clocks.suspicion_due(PEERS, 0.15) == pytest.approx(1.15)
+    clocks.probed["a"] = 1.2
+    assert clocks.suspicion_due(PEERS, 0.15) == pytest.approx(1.35)

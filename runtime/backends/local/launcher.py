@@ -110,7 +110,8 @@ class Launcher:
                 self.store,
                 self.plan.generation,
                 {"kind": FailureKind.NEW_GENERATION, "generation": plan.generation},
-                self.signer,
+                members=[worker_id(a.node, a.gpu) for a in self.plan.ranks],
+                signer=self.signer,
             )
         self.plan = plan
         log.info(
@@ -291,7 +292,11 @@ class Launcher:
         reports: list[FailureReport] = []
         if exited:
             keys.post_abort(
-                self.store, generation, {"kind": FailureKind.PROCESS_EXIT, "dead": sorted(exited)}, self.signer
+                self.store,
+                generation,
+                {"kind": FailureKind.PROCESS_EXIT, "dead": sorted(exited)},
+                members=in_plan,
+                signer=self.signer,
             )
         first_signal = time.monotonic()
         deadline = first_signal + o.dead_after_s + 1.0
