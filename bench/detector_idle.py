@@ -54,6 +54,7 @@ def _detector_child(port: int, worker: str, peers: list[str]) -> None:
     detector.start()
     detector.watch(0, peers)
     detector.ready()
+    print("ready", flush=True)
     threading.Event().wait()  # until killed
 
 
@@ -67,6 +68,7 @@ def _baseline_child(tick_s: float) -> None:
             pass
 
     threading.Thread(target=wake, daemon=True).start()
+    print("ready", flush=True)
     threading.Event().wait()
 
 
@@ -80,31 +82,27 @@ def _measure(procs: list[subprocess.Popen], seconds: float) -> tuple[list[float]
 
 
 def _side(kind: str, workers: int, seconds: float, settle_s: float) -> tuple[list[float], float]:
-    import datetime
-
-    from oobleck.runtime.elastic import keys
     from oobleck.runtime.elastic.coordinator import Coordinator
 
     names = [f"node{i}:0" for i in range(workers)]
     tick = _launch_timeouts().heartbeat_period_s
     with Coordinator() as coordinator:
-        store = coordinator.store()
         env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR")  # as `oobleck launch` runs its workers
         argv = [sys.executable, __file__, "--child", kind, "--port", str(coordinator.port), "--peers", ",".join(names)]
         procs = [
-            subprocess.Popen([*argv, "--worker", name, "--tick", str(tick)], stdout=subprocess.DEVNULL, env=env)
+            subprocess.Popen([*argv, "--worker", name, "--tick", str(tick)], stdout=subprocess.PIPE, text=True, env=env)
             for name in names
         ]
         try:
-            if kind == "detector":
-                store.wait([keys.ready_key(0, n) for n in names], datetime.timedelta(seconds=120))
-            else:
-                time.sleep(2.0)  # the imports
+            for proc in procs:  # imported and started (a detector: it has adopted generation 0)
+                if proc.stdout is None or proc.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"a {kind} process exited before it was ready: {proc.wait()}")
             time.sleep(settle_s)
             return _measure(procs, seconds)
         finally:
-            for proc in procs:
+            for proc in procs:  # all at once: a detector that outlives a peer would report it
                 proc.kill()
+            for proc in procs:
                 proc.wait()
 
 
