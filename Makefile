@@ -84,6 +84,7 @@ bench: venv
 bench-runtime: venv
 	$(PY) bench/recovery.py
 	$(PY) bench/overhead.py
+	$(PY) bench/detector_idle.py
 	$(PY) bench/vs_torch.py
 
 bench-operator: venv k8s-tools
