@@ -1,6 +1,6 @@
 """Failure detection inside a worker: heartbeats, their watcher, collective errors and a GPU probe.
 
-Every worker runs two small daemon threads, each with its own store connection (a store client
+Every worker runs a few small daemon threads, each with its own store connection (a store client
 serialises its operations, so a blocking wait must not sit in front of a beat):
 
 - `oobleck-detect` beats (sets `hb/{worker}` to its next count) every `heartbeat_period_s` and reads the
