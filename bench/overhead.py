@@ -10,8 +10,8 @@ torch's DDP; this model is its bench GPT):
   coordinator (runtime/elastic/coordinator.py) and a plan file, with the launcher's detection settings
   (heartbeat period and dead-after of runtime/backends/local/config.py's LaunchOptions), the failure
   detector's threads (beats and watch, abort listener), the plan watcher, interruptible waits, the
-  store-decided step commit, the per-step progress key and snapshots every `snapshot.interval_steps`
-  (default 10) steps.
+  store-decided step commit (pipelines only: data-parallel steps skip it, runtime/elastic/commit.py), the
+  per-step progress key and snapshots every `snapshot.interval_steps` (default 10) steps.
 - `off`: the static worker (`python -m oobleck.runtime worker`) with plain `work.wait()`s: no
   coordinator, no detector, no commit, no progress, no snapshots.
 - `on+poll` (with `--pieces`): `on` plus the store polling of `oobleck launch`'s supervisor loop

@@ -5,7 +5,7 @@ process, run as `--repeats` interleaved pairs:
 
 - `ddp`: `--ranks` single-stage pipelines of the elastic runtime (what `oobleck launch` runs:
   `python -m oobleck.runtime.backends.local.worker` workers against a coordinator, failure detector, interruptible
-  waits, step commit, progress, snapshots every 10 steps; float32 gradient sums by default) against
+  waits, progress, snapshots every 10 steps (data-parallel steps need no commit); float32 gradient sums by default) against
   `torch.nn.parallel.DistributedDataParallel` over gloo: each rank runs its share of the global
   microbatches under `no_sync()` but the last, then the stock `torch.optim.AdamW` (fused, as
   the runtime's).

@@ -11,7 +11,9 @@ This is the control loop around the execution engine (`oobleck.runtime.elastic.w
             -> redo the interrupted step (the step counter only advances on a committed step)
 
 A newer plan interrupts like a failure, even one that only adds a node: ranks must leave a
-generation after the same step, and the commit decision is what makes that step common.
+generation after the same step, and the commit decision is what makes that step common. Data-parallel
+ranks (each holding the whole model) skip the decision: one left a step behind its replicas takes its
+layers from them as the next generation settles its sources (runtime/elastic/sources.py).
 
 The step commit is `commit.StepCommit`.
 
@@ -174,7 +176,7 @@ def _settle_sources(plan: Plan, worker, control: ControlStore, me: str, detector
     Every member posts what it holds and waits for the others, so each computes the same plan: the
     proposal when sound, else the copies (or a rollback) recomputed from the records. Interrupted
     or timed out like any rendezvous of the generation (a RuntimeError ends the generation)."""
-    from oobleck.runtime.elastic.sources import Holding, exchange, resolve
+    from oobleck.runtime.elastic.sources import Holding, catch_up_step, exchange, resolve
     from oobleck.runtime.snapshot.checkpoint_dir import checkpoint_holdings
     from oobleck.runtime.train.groups import Interrupted
 
@@ -195,6 +197,9 @@ def _settle_sources(plan: Plan, worker, control: ControlStore, me: str, detector
     except TimeoutError as error:
         raise RuntimeError(str(error)) from error
     settled = resolve(plan, holdings, worker.layer_state_bytes())  # Unrecoverable ends the worker
+    behind = catch_up_step(settled, holdings, me)
+    if behind is not None:
+        worker.catch_up(behind)
     if settled is not plan:
         log.warning(
             json.dumps(

@@ -12,15 +12,18 @@ whole layers, tensor-parallel shards (layer, t, k), whether it has trained, its 
 directory's steps) and waits for the others; then each computes, from the same records, the same answer
 (`resolve`, a pure function):
 
-- the proposal stands when every copy's source holds its layer (in the sharding the copy names) at the
-  step the members share, and every rank gets every layer of its stage in its own sharding (its own, a
-  copy, or - in a fresh job - built from the seed);
+- the members go on from the newest step any of them holds layers at. Members behind it (a data-parallel
+  rank that did not apply a step its replicas applied: such steps need no commit, runtime/elastic/commit.py)
+  count as holding nothing: they drop their layers and take them by copy at that step (`catch_up_step`);
+- the proposal stands when every copy's source holds its layer (in the sharding the copy names) at that
+  step, and every rank gets every layer of its stage in its own sharding (its own, a copy, or - in a
+  fresh job - built from the seed);
 - otherwise the copies are recomputed from the records: with the planner's copy plan for the layout
   (`layout_copies`), or, when the plan has tensor-parallel stages or some member holds shards, with
   copies that know shards (runtime/elastic/shard_sources.py: same-t shards, one degree's full set, a whole replica);
-- if some layer has no live holder, or the live holders disagree on the step, the generation rolls
-  back: the newest step that the members' snapshots and the checkpoint directory cover in full
-  (`snapshot.restore_point`), with `snapshot.restore_copies` as the copies;
+- if some layer has no live holder at that step, the generation rolls back: the newest step that the
+  members' snapshots and the checkpoint directory cover in full (`snapshot.restore_point`), with
+  `snapshot.restore_copies` as the copies;
 - if nothing can restore every layer, `Unrecoverable` names the layers: the job needs a restart.
 """
 
@@ -104,21 +107,22 @@ def resolve(plan: Plan, holdings: Mapping[str, Holding], state_bytes: list[int])
     trained = {w: h for w, h in holdings.items() if h.started}
     if not trained:
         return plan  # a fresh job: every layer is built from the seed
-    steps = {h.step for h in trained.values() if h.layers or h.shards}
-    live = {w: set(h.layers) for w, h in trained.items()}
-    held = {w: h.held() for w, h in trained.items()}
-    if len(steps) == 1:
-        if sound(plan, held):
-            return plan
-        try:
-            if uses_shards(plan, held):  # tensor-parallel stages or shards held: copies that know shards
-                copies = shard_copies(plan, held, state_bytes)
-            else:
-                keyed = {parse_worker_id(w): frozenset(ls) for w, ls in live.items()}
-                copies = layout_copies(plan, keyed, state_bytes)
-            return plan.model_copy(update={"copies": copies, "reason": f"{plan.reason}+resolved"})
-        except (LostLayersError, LostShards):
-            pass  # some layer has no live source: roll back
+    newest = newest_step(holdings)
+    # Members behind the newest step hold nothing usable: they catch up by copy (`catch_up_step`).
+    current = {w for w, h in trained.items() if h.step == newest}
+    live = {w: set(h.layers) if w in current else set() for w, h in trained.items()}
+    held = {w: h.held() if w in current else {} for w, h in trained.items()}
+    if sound(plan, held):
+        return plan
+    try:
+        if uses_shards(plan, held):  # tensor-parallel stages or shards held: copies that know shards
+            copies = shard_copies(plan, held, state_bytes)
+        else:
+            keyed = {parse_worker_id(w): frozenset(ls) for w, ls in live.items()}
+            copies = layout_copies(plan, keyed, state_bytes)
+        return plan.model_copy(update={"copies": copies, "reason": f"{plan.reason}+resolved"})
+    except (LostLayersError, LostShards):
+        pass  # some layer has no live source at the newest step: roll back
     # Roll back: the newest step covered by the members' snapshots and the directory.
     memory = {w: h.snapshots for w, h in holdings.items()}
     first = min(plan.ranks, key=lambda a: a.rank)
@@ -135,6 +139,20 @@ def resolve(plan: Plan, holdings: Mapping[str, Holding], state_bytes: list[int])
         )
     copies = restore_copies(plan, snapshots_at(memory, step), set(checkpoint.get(step, ())), state_bytes)
     return plan.model_copy(update={"copies": copies, "restore_step": step, "reason": f"{plan.reason}+rollback"})
+
+
+def newest_step(holdings: Mapping[str, Holding]) -> int | None:
+    """The newest step at which a member that has trained holds layers (None: nobody has)."""
+    return max((h.step for h in holdings.values() if h.started and (h.layers or h.shards)), default=None)
+
+
+def catch_up_step(plan: Plan, holdings: Mapping[str, Holding], me: str) -> int | None:
+    """The step member `me` must take all its layers at, by copy, when it is behind the newest holders of a
+    plan that goes on from their state (not a rollback); None when it is not behind."""
+    mine, newest = holdings.get(me), newest_step(holdings)
+    if plan.restore_step is not None or mine is None or not mine.started or newest is None or mine.step >= newest:
+        return None
+    return newest
 
 
 def exchange(

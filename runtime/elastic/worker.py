@@ -350,6 +350,17 @@ class Worker:
                 f"copies: rank {rank} is at step {self.step} but holds layers {sorted(behind)} at other steps"
             )
 
+    def catch_up(self, step: int) -> None:
+        """Behind the generation's newest step (its replicas applied a step it did not): drop every layer and
+        go on from `step`. The plan's copies bring the layers at that step (runtime/elastic/sources.py), and
+        `adopt` checks that they are; a layer the copies miss fails the adoption, it is never rebuilt."""
+        if self.snapshots is not None:
+            self.snapshots.fence()  # a capture in flight reads the layers dropped here
+        self._log("catching-up", to_step=step, dropped=sorted(self.layers))
+        self.layers.clear()
+        self.optimizer.state.clear()
+        self.step = step
+
     def abandon(self) -> None:
         """Drop the current generation without waiting for anything in flight."""
         if self.groups is not None:

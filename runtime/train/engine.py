@@ -24,7 +24,7 @@ Failure semantics: every wait watches the `failed` event (set by the control sid
 `Interrupted`; a dead peer raises `CommError`. Both happen before the optimizer update begins, so
 an interrupted step leaves parameters and optimizer state untouched and can be redone. Whether all
 ranks apply a step or none is the control side's call: the optimizer's `step` is where it can still
-refuse (runtime/elastic/loop.py wraps it with a commit decision); once the update starts it runs to the end.
+refuse (runtime/elastic/commit.py wraps it with a commit decision); once the update starts it runs to the end.
 """
 
 from __future__ import annotations

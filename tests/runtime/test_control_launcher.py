@@ -58,6 +58,31 @@ def test_kill_rank_reconfigures_and_finishes_every_step_exactly(kit, tmp_path, d
     assert kit.leftovers(tmp_path) == []
 
 
+def _data_parallel(workdir) -> bool:
+    """Whether the job's final plan holds the whole model on every rank (memory for it: single-node pipelines)."""
+    plan = json.loads((workdir / "plan.json").read_text())
+    return all((s["start"], s["end"]) == (0, plan["num_layers"]) for p in plan["pipelines"] for s in p["stages"])
+
+
+@pytest.mark.parametrize("fault", ["kill", "coordinator"])
+def test_data_parallel_replicas_recover_exactly_without_a_step_commit(kit, tmp_path, fault):
+    """Data-parallel steps skip the commit (runtime/elastic/commit.py `needs_commit`): a kill landing in the
+    sums or the update, or a coordinator lost mid-step, may leave survivors a step apart; those behind take
+    their layers from the newest (runtime/elastic/sources.py), and every loss still matches the reference."""
+    faults = {
+        "kill": {"kill_rank": 1, "at_step": 4, "kill_delay": "0.02"},
+        "coordinator": {"restart_coordinator_at_step": 4},
+    }
+    code, summary, output = kit.launch(tmp_path, *kit.flags(nodes=3, f=1, steps=8, microbatches=6, **faults[fault]))
+    assert code == 0, output
+    assert _data_parallel(tmp_path)
+    lost = [n for r in summary["reconfigurations"] for n in r["lost"]]
+    assert lost == (["node1"] if fault == "kill" else []), summary["reconfigurations"]
+    assert all(r["restore_step"] is None for r in summary["reconfigurations"]), "no rollback"
+    kit.check_against_reference(tmp_path, summary, 6)
+    assert kit.leftovers(tmp_path) == []
+
+
 def test_heartbeats_alone_detect_the_kill(kit, tmp_path):
     """Without the launcher's process-exit signal, the survivors' heartbeat watchers find the dead worker."""
     code, summary, output = kit.launch(

@@ -113,7 +113,26 @@ class JobFailed(RuntimeError):
 
 
 class StepsDisagree(JobFailed):
-    """Survivors hold layers at different steps: only a rollback to a common snapshot can continue."""
+    """Survivors hold layers at different steps and those at the newest do not hold every layer: only a
+    rollback to a common snapshot can continue."""
+
+
+def at_newest_step(holdings: dict[str, set[int]], steps: dict[str, int], num_layers: int) -> dict[str, set[int]]:
+    """`holdings` (worker -> layers) as the next generation may copy from them, given the step each reporting
+    worker holds (`steps`). When they disagree, only the workers at the newest step hold anything: the others
+    are behind (a data-parallel rank that did not apply a step its replicas applied) and catch up by copy
+    (runtime/elastic/sources.py). Raises StepsDisagree when the newest do not hold every layer."""
+    held_at = {steps[w] for w, layers in holdings.items() if w in steps and layers}
+    if len(held_at) <= 1:
+        return holdings
+    newest = max(held_at)
+    current = {w: layers if steps.get(w) == newest else set() for w, layers in holdings.items()}
+    if not set(range(num_layers)) <= set().union(*current.values()):
+        raise StepsDisagree(
+            f"survivors disagree on the step they hold ({sorted(held_at)}) and those at step {newest} "
+            "do not hold every layer"
+        )
+    return current
 
 
 class PlanController:
@@ -160,7 +179,7 @@ class PlanController:
                 else:
                     holdings = self._holdings(previous, survivors, wait_s=3.0)
             except StepsDisagree as error:
-                # The survivors' live states differ: only a rollback to a common snapshot can continue.
+                # The survivors at the newest step do not hold every layer: only a rollback can continue.
                 disagree, holdings = error, {}
             restorable = self._restorable(previous, survivors)
             plan = plan_next(holdings=_worker_holdings(holdings), restorable=restorable, rollback=disagree is not None)
@@ -244,10 +263,7 @@ class PlanController:
             w: reported_layers(left[w]) if w in left else layout.get(w, set()) if w in reports else fallback[w]
             for w in survivors
         }
-        steps = {reports[w]["step"] for w in reports if holdings[w]}
-        if len(steps) > 1:
-            raise StepsDisagree(f"survivors disagree on the step they hold: {sorted(steps)}")
-        return holdings
+        return at_newest_step(holdings, {w: r["step"] for w, r in reports.items()}, previous.num_layers)
 
     def _newest_holdings(self, previous, workers: list[str]) -> dict[str, set[int]]:
         """What `workers` hold by their newest report (`held/{worker}`, any generation or phase).
