@@ -54,7 +54,8 @@ class StepCommit:
     controller that cannot read the store (the operator) never does, so after `self_decide_s` the
     pending ranks post it themselves from the reports present (compare-and-set: they agree). A rank
     that applied the step but had not reported yet then holds a newer step than the others: the
-    next generation's members see the disagreement and roll back (runtime/elastic/sources.py), never mix.
+    next generation's members see the disagreement and go on from the newest step when its holders cover
+    every layer, else roll back (runtime/elastic/sources.py); they never mix steps.
     """
 
     def __init__(
