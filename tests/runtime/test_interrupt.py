@@ -6,45 +6,24 @@ the failure event and inspect state directly; the dead-peer test kills a real wo
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed import TCPStore
 
 from oobleck.runtime.elastic.worker import Worker
-from oobleck.runtime.train.config import OptimConfig, WorkerConfig
 from oobleck.runtime.train.groups import CommError, Interrupted
 from oobleck.runtime.train.reference import train_reference
+from tests.runtime.drive_worker import run_generation
+from tests.runtime.sizes import exact_config
 
-
-def _load_driver():
-    """tests/runtime/drive_worker.py as a module (a sibling is not importable under --import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location("drive_worker", Path(__file__).with_name("drive_worker.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-run_generation = _load_driver().run_generation
-
-CONFIG = WorkerConfig(
-    job="interrupt",
-    gradient_sum_dtype="float64",  # compared with the single-process reference to 1e-5
-    microbatch_size=2,
-    steps=8,
-    seed=11,
-    optim=OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=8),
-    timeouts={"poll": 0.01},
-)
+CONFIG = exact_config("interrupt", steps=8, seed=11)
 
 
 def test_interrupted_step_leaves_state_untouched_and_is_redone(plan_builder):

@@ -9,10 +9,8 @@ controller's), then two real workers (threads, gloo) of which one misses an upda
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,9 +23,10 @@ from oobleck.runtime.elastic.commit import StepCommit, needs_commit
 from oobleck.runtime.elastic.loop import _settle_sources
 from oobleck.runtime.elastic.sources import Holding, catch_up_step, resolve
 from oobleck.runtime.elastic.worker import Worker
-from oobleck.runtime.train.config import OptimConfig, WorkerConfig
 from oobleck.runtime.train.groups import Interrupted
 from oobleck.runtime.train.reference import train_reference
+from tests.runtime.drive_worker import run_generation
+from tests.runtime.sizes import exact_config
 
 STATE = [30728, 152496, 152496, 152496, 152496, 25356]
 WHOLE = (0, 1, 2, 3, 4, 5)
@@ -90,15 +89,7 @@ def test_the_launchers_controller_copies_from_the_newest_or_rolls_back():
 # -- two real replicas, one of which misses an update ----------------------------------------------------
 
 
-CONFIG = WorkerConfig(
-    job="dp",
-    gradient_sum_dtype="float64",  # compared with the single-process reference to 1e-5
-    microbatch_size=2,
-    steps=7,
-    seed=5,
-    optim=OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=7),
-    timeouts={"poll": 0.01},
-)
+CONFIG = exact_config("dp", steps=7, seed=5)
 MISSED = 3
 
 
@@ -115,14 +106,6 @@ class _MissesOneUpdate:
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
-
-
-def _drive_worker_module():
-    spec = importlib.util.spec_from_file_location("drive_worker", Path(__file__).with_name("drive_worker.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_replica_that_missed_an_update_catches_up_and_every_loss_matches_the_reference(plan_builder):
@@ -182,7 +165,6 @@ def test_a_replica_that_missed_an_update_catches_up_and_every_loss_matches_the_r
     )
     assert settled[0] == settled[1] and settled[0].restore_step is None
     assert behind.step == MISSED + 1 and not behind.layers  # dropped: its layers come by copy
-    run_generation = _drive_worker_module().run_generation
     results = all_of(lambda w: run_generation(w, settled[0], CONFIG.steps, on_step=lambda o: record([o])))
     assert results == [("done", None), ("done", None)]
     reference = train_reference(CONFIG, first.global_microbatches)
