@@ -17,7 +17,9 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from oobleck.runtime.backends.local.plan_control import StepsDisagree, at_newest_step
+from oobleck.api.profile import ClusterShape
+from oobleck.planner.instantiate import plan_job
+from oobleck.runtime.backends.local.plan_control import StepsDisagree, at_newest_step, replan
 from oobleck.runtime.elastic import keys
 from oobleck.runtime.elastic.commit import StepCommit, needs_commit
 from oobleck.runtime.elastic.loop import _settle_sources
@@ -84,6 +86,30 @@ def test_the_launchers_controller_copies_from_the_newest_or_rolls_back():
     assert at_newest_step(holdings, {"a:0": 4, "b:0": 3}, 6) == {"a:0": set(WHOLE), "b:0": set(), "c:0": set()}
     with pytest.raises(StepsDisagree, match=r"\(\[3, 4\]\) and those at step 4 do not hold every layer"):
         at_newest_step({"a:0": {0, 1, 2}, "b:0": {3, 4, 5}}, {"a:0": 4, "b:0": 3}, 6)
+
+
+def test_the_launchers_controller_plans_the_copies_to_a_replica_behind(uniform_profile_model):
+    """`oobleck launch` re-plans from the reports (plan_control.replan) with what `at_newest_step` leaves: the
+    replica behind holds nothing, so the planner copies it every layer from one at the newest step."""
+    cluster = ClusterShape(
+        nodes=3, gpus_per_node=1, gpu_memory_bytes=80 << 30, intra_node_bandwidth=100e9, inter_node_bandwidth=10e9
+    )
+    previous = plan_job(uniform_profile_model, cluster, 1, 6, "dp", nodes=["a", "b", "c"])
+    assert not needs_commit(previous)
+    held = at_newest_step({"a:0": set(WHOLE), "b:0": set(WHOLE), "c:0": set(WHOLE)}, {"a:0": 5, "b:0": 4, "c:0": 5}, 6)
+    retry = replan(previous, previous.nodes, held, uniform_profile_model, reason="retry")
+    behind = previous.rank_of("b", 0)
+    assert {c.layer for c in retry.copies if c.dst_rank == behind} == set(WHOLE)
+    assert all(c.src_node in ("a", "c") for c in retry.copies)
+    lost = replan(
+        previous,
+        ["a", "b"],
+        {w: v for w, v in held.items() if w != "c:0"},
+        uniform_profile_model,
+        lost=["c"],
+        reason="lost",
+    )
+    assert {c.layer for c in lost.copies if (c.dst_node, c.src_node) == ("b", "a")} == set(WHOLE)
 
 
 # -- two real replicas, one of which misses an update ----------------------------------------------------
