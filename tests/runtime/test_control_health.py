@@ -343,6 +343,7 @@ def test_an_abort_after_a_switch_without_one_is_followed_while_the_listener_wait
     assert stopped < 2.0, f"stop() waited {stopped:.2f} s for the listener's 30 s wait"
 
 
+@pytest.mark.integration
 def test_a_process_exits_cleanly_right_after_stop_while_its_abort_listener_waits():
     """CPython ends a daemon thread that comes back from a store call during interpreter shutdown by unwinding
     it, which aborts the process (SIGABRT, exit 134, seen with a listener left in its wait): stop() wakes the
